@@ -1,0 +1,66 @@
+"""Incremental detokenization and stop strings.
+
+Decoding one token at a time is wrong for byte-level BPE (a character can span tokens) and for
+SentencePiece (a leading space depends on the previous token), so each step decodes a short
+window: the text of `tokens[prefix_offset:]` minus the text of `tokens[prefix_offset:
+read_offset]` is the new text, held back while it ends in an incomplete character ("\ufffd").
+The window starts with the last few prompt tokens for context, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop_str_in_output = include_stop_str_in_output
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.tokens = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int, *, skip_text: bool = False) -> bool:
+        """Appends a token; returns True when a stop string ended the text.
+
+        `skip_text` leaves the token's text out (a stop token the user named)."""
+        if skip_text:
+            return False
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False  # nothing printable yet
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        old_len = len(self.text)
+        self.text += delta
+        return self._check_stop(old_len)
+
+    def _check_stop(self, old_len: int) -> bool:
+        for stop in self.stop:
+            # A new match must end inside the delta, so it starts after this point.
+            begin = max(old_len - len(stop) + 1, 0)
+            idx = self.text.find(stop, begin)
+            if idx != -1:
+                end = idx + len(stop) if self.include_stop_str_in_output else idx
+                self.text = self.text[:end]
+                self.stop_reason = stop
+                return True
+        return False

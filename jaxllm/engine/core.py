@@ -1,0 +1,35 @@
+"""EngineCore: the loop `schedule -> execute -> update`, one step per call.
+
+In-process today (the `LLM` class drives it directly); the server's core process will wrap
+the same class behind a socket.
+"""
+
+from __future__ import annotations
+
+from jaxllm.engine.request import Request
+from jaxllm.engine.scheduler import RequestUpdate, Scheduler
+from jaxllm.runner import ModelRunner
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestUpdate]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        sampled = self.runner.execute(scheduled)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(scheduled, sampled)

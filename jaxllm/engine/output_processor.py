@@ -1,0 +1,101 @@
+"""Turns the core's token updates into `CompletionOutput`s: detokenizes incrementally,
+applies stop strings (asking the core to abort a request that hit one), and gathers logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.scheduler import RequestUpdate
+from jaxllm.outputs import CompletionOutput, Logprob
+from jaxllm.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class _State:
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, _State] = {}
+
+    def add_request(
+        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        state = _State(index, params, detok)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.states[request_id] = state
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[str], list[str]]:
+        """Applies updates; returns (finished request ids, ids the core must abort because a
+        stop string ended them)."""
+        finished, to_abort = [], []
+        for u in updates:
+            state = self.states.get(u.request_id)
+            if state is None:
+                continue
+            for i, token in enumerate(u.new_token_ids):
+                state.token_ids.append(token)
+                if u.new_logprobs is not None and state.logprobs is not None:
+                    state.logprobs.append(self._logprobs(token, u.new_logprobs[i]))
+                    state.cumulative_logprob += u.new_logprobs[i][0]
+                if state.detokenizer is None:
+                    continue
+                # A stop token's text is left out unless asked for; EOS is a special token.
+                skip = u.stop_reason == token and not state.params.include_stop_str_in_output
+                if state.detokenizer.add_token(token, skip_text=skip):
+                    state.finish_reason = "stop"
+                    state.stop_reason = state.detokenizer.stop_reason
+                    to_abort.append(u.request_id)
+                    break
+            if state.finish_reason is None and u.finish_reason is not None:
+                state.finish_reason, state.stop_reason = u.finish_reason, u.stop_reason
+            if state.finish_reason is not None:
+                finished.append(u.request_id)
+        return finished, to_abort
+
+    def _logprobs(self, token: int, entry) -> dict[int, Logprob]:
+        logprob, rank, top_ids, top_lps = entry
+        out = {}
+        for r, (tid, lp) in enumerate(zip(top_ids, top_lps, strict=True), start=1):
+            out[tid] = Logprob(lp, r, self._decode_one(tid))
+        if token not in out:
+            out[token] = Logprob(logprob, rank, self._decode_one(token))
+        return out
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def output(self, request_id: str) -> CompletionOutput:
+        s = self.states[request_id]
+        return CompletionOutput(
+            index=s.index,
+            text=s.detokenizer.text if s.detokenizer is not None else "",
+            token_ids=list(s.token_ids),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=s.logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )

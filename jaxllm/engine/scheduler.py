@@ -1,0 +1,222 @@
+"""The scheduler: which requests run this step, and how many tokens each.
+
+There is no prefill phase and no decode phase. Each request carries `num_computed_tokens` (its
+tokens already in the KV cache) and `num_tokens` (prompt plus output so far); each step the
+scheduler grants tokens so that the first catches up with the second, under a budget of
+`max_num_batched_tokens` per step and `max_num_seqs` requests. A decode is a grant of one
+token; a prompt longer than the budget is prefilled in chunks over several steps while other
+requests keep decoding in the same batch (chunked prefill). Running requests are served
+first, then waiting ones in arrival order.
+
+When the KV pool has no block for a running request, the newest running request is preempted:
+its blocks are freed, and it goes back to the front of the waiting queue to be recomputed from
+its prompt and the tokens it already produced, so its output does not change.
+
+The scheduler's only output is a `SchedulerOutput`; after the model ran, `update_from_output`
+appends the sampled tokens and finishes requests that hit EOS, a stop token or their length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxllm.config import SchedulerConfig
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """One request's share of a step: everything the runner needs to know about it."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute now (a prompt chunk, or the last sampled token)
+    num_computed_tokens: int  # position of token_ids[0] in the sequence
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # this chunk reaches the end of the sequence: sample the next token
+    temperature: float
+    top_k: int  # 0 = off
+    top_p: float
+    min_p: float
+    seed: int
+    num_output_tokens: int  # tokens sampled so far; folds into the per-request PRNG key
+    num_logprobs: int | None  # top logprobs wanted; None when logprobs are off
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's batch, in batch order."""
+
+    requests: list[ScheduledRequest]  # requests scheduled this step, each with its tokens
+    total_num_scheduled_tokens: int  # sum of len(r.token_ids); <= max_num_batched_tokens
+    preempted_request_ids: list[str]  # requests preempted while building this step
+    finished_request_ids: list[str]  # requests that finished since the previous step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclasses.dataclass
+class RequestUpdate:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list | None  # per new token: (sampled logprob, rank, top ids, top logprobs)
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        granted: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        # Running requests first, oldest first; make room by preempting the newest.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                granted.append((request, n))
+                budget -= n
+
+        # Then waiting requests in arrival order, while budget, seats and blocks last.
+        # Nothing new is admitted in a step that had to preempt: memory is short.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request, n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            granted.append((request, n))
+            budget -= n
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            requests=[self._scheduled(request, n) for request, n in granted],
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted,
+            finished_request_ids=finished,
+        )
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        params = request.sampling_params
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + n],
+            num_computed_tokens=start,
+            block_ids=list(self.kv.get_block_table(request.request_id)),
+            sample=start + n == request.num_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=request.seed,
+            num_output_tokens=request.num_output_tokens,
+            num_logprobs=params.logprobs,
+        )
+
+    def update_from_output(
+        self, scheduled: SchedulerOutput, sampled: dict[str, tuple[int, tuple | None]]
+    ) -> list[RequestUpdate]:
+        """Advances each scheduled request; `sampled` maps request ids to (token, logprobs)
+        for the requests whose chunk reached the end of their sequence."""
+        updates = []
+        for s in scheduled.requests:
+            request = self.requests.get(s.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(s.token_ids)
+            if s.request_id not in sampled:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            token, logprobs = sampled[s.request_id]
+            request.append_output_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+            updates.append(
+                RequestUpdate(
+                    request_id=s.request_id,
+                    new_token_ids=[token],
+                    new_logprobs=None if logprobs is None else [logprobs],
+                    finish_reason=status.finish_reason if status else None,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        if request.num_output_tokens >= request.sampling_params.min_tokens:
+            if token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in request.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,78 @@
+"""How many KV pages fit, and how long a sequence may be.
+
+On an accelerator the pool gets what `memory_utilization` of the device leaves after the
+weights (read from the device's memory stats); on CPU, where JAX reports no limit, a fixed
+budget (`cpu_kv_cache_gib`). `max_model_len` defaults to the model's context, clipped to what
+the pool can hold for one sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_page(config: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
+    return per_token * page_size * jnp.dtype(dtype).itemsize
+
+
+def kv_budget_bytes(cache: CacheConfig) -> int:
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return int(cache.cpu_kv_cache_gib * 2**30)
+    # The weights are already on the device, so bytes_in_use counts them.
+    free = stats["bytes_limit"] * cache.memory_utilization - stats.get("bytes_in_use", 0)
+    if free <= 0:
+        raise ValueError(
+            f"no device memory is left for the KV cache at memory_utilization="
+            f"{cache.memory_utilization}; raise it or use a smaller model"
+        )
+    return int(free)
+
+
+def plan_kv_cache(
+    config: ModelConfig, cache: CacheConfig, dtype: jnp.dtype, max_model_len: int | None
+) -> tuple[int, int]:
+    """Returns (num_pages, max_model_len), checked against each other and the model."""
+    if max_model_len is not None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is longer than the model's context "
+                f"({config.max_position_embeddings})"
+            )
+    page_bytes = bytes_per_page(config, cache.page_size, dtype)
+    if cache.num_pages is not None:
+        num_pages = cache.num_pages
+    else:
+        num_pages = kv_budget_bytes(cache) // page_bytes
+    capacity = num_pages * cache.page_size
+    if max_model_len is None:
+        max_model_len = min(config.max_position_embeddings, capacity)
+        if max_model_len < 2:
+            raise ValueError(
+                f"the KV cache holds {num_pages} page(s) of {cache.page_size} tokens, too few "
+                f"for any sequence; give it more memory or num_pages"
+            )
+    elif max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) needs {-(-max_model_len // cache.page_size)} "
+            f"pages but the KV cache has {num_pages}; lower max_model_len or raise num_pages"
+        )
+    logger.info(
+        "KV cache: %d pages x %d tokens (%.1f MiB), max_model_len %d",
+        num_pages,
+        cache.page_size,
+        num_pages * page_bytes / 2**20,
+        max_model_len,
+    )
+    return num_pages, max_model_len

@@ -1,0 +1,285 @@
+"""`LLM`: offline batch generation, the same surface as vLLM's `LLM`.
+
+    llm = LLM("smollm2-135m")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+All prompts of one `generate` call are validated first (a bad one raises `ValueError` naming
+the parameter and nothing is queued), then added to the engine together, so they share
+batches: continuous batching runs them side by side rather than one after another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+import pallas_kernels
+from jaxllm.config import CacheConfig, SchedulerConfig, resolve_dtype
+from jaxllm.engine.core import EngineCore
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.request import Request
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.kv_sizing import plan_kv_cache
+from jaxllm.loaders import load_model
+from jaxllm.outputs import RequestOutput
+from jaxllm.runner import ModelRunner
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        memory_utilization: float = 0.9,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ):
+        jdtype = resolve_dtype(dtype)
+        backend = pallas_kernels.resolve_backend(attention_backend)
+        cache_config = CacheConfig(
+            page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization
+        )
+        loaded = load_model(model, dtype=jdtype, attention_backend=backend)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.generation_config = loaded.generation_config
+        num_pages, max_model_len = plan_kv_cache(loaded.config, cache_config, jdtype, max_model_len)
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=jdtype,
+        )
+        self.kv_cache_manager = KVCacheManager(num_pages, page_size)
+        self.engine = EngineCore(
+            Scheduler(self.scheduler_config, self.kv_cache_manager), self.runner
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self._rng = np.random.default_rng(seed)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        ids.update(
+            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        )
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- validation -------------------------------------------------------------------
+
+    def _tokenize(
+        self, prompt: Prompt, *, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            text = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            if not isinstance(ids, list | tuple) or not all(
+                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            ids = [int(t) for t in ids]
+        else:
+            raise ValueError(
+                "prompt must be a string or a dict with 'prompt_token_ids', got "
+                f"{type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
+                f"(the prompt plus at least one new token must fit)"
+            )
+        return text, ids
+
+    def _normalize(self, prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one "
+                    f"SamplingParams or one per prompt"
+                )
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        return prompts, params
+
+    # ---- generation -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts, params = self._normalize(prompts, sampling_params)
+        tokenized = [self._tokenize(p) for p in prompts]
+        return self._run(tokenized, params, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them (OpenAI-style messages)."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer or chat template")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        texts = []
+        for conv in conversations:
+            if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise ValueError("messages: each message must be a dict with a 'role'")
+            texts.append(
+                self.tokenizer.apply_chat_template(
+                    conv,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **(chat_template_kwargs or {}),
+                )
+            )
+        prompts, params = self._normalize(texts, sampling_params)
+        # The template already holds any BOS token, so none is added when tokenizing.
+        tokenized = [self._tokenize(p, add_special_tokens=False) for p in prompts]
+        return self._run(tokenized, params, use_tqdm=use_tqdm)
+
+    def _run(
+        self, tokenized, params: list[SamplingParams], *, use_tqdm: bool
+    ) -> list[RequestOutput]:
+        processor = OutputProcessor(self.tokenizer)
+        groups: list[tuple[str, str | None, list[int], list[str]]] = []
+        children: dict[str, int] = {}  # sub-request id -> index into groups
+        requests = []
+        for (text, ids), sp in zip(tokenized, params, strict=True):
+            rid = str(next(self._ids))
+            max_tokens = self.max_model_len - len(ids)
+            if sp.max_tokens is not None:
+                max_tokens = min(sp.max_tokens, max_tokens)
+            sub_ids = []
+            for i in range(sp.n):
+                sub = rid if sp.n == 1 else f"{rid}-{i}"
+                seed = self._seed(sp.seed, i)
+                requests.append(
+                    Request(
+                        sub,
+                        ids,
+                        sp,
+                        eos_token_ids=self.eos_token_ids,
+                        max_tokens=max_tokens,
+                        seed=seed,
+                    )
+                )
+                processor.add_request(sub, i, ids, sp)
+                children[sub] = len(groups)
+                sub_ids.append(sub)
+            groups.append((rid, text, ids, sub_ids))
+
+        pending = {r.request_id for r in requests}
+        remaining = [len(g[3]) for g in groups]
+        bar = tqdm(total=len(groups), desc="Generating", disable=not use_tqdm, unit="prompt")
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+            while pending:
+                finished, to_abort = processor.process(self.engine.step())
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for rid in finished:
+                    pending.discard(rid)
+                    remaining[children[rid]] -= 1
+                    if remaining[children[rid]] == 0:
+                        bar.update(1)
+                if pending and not self.engine.has_unfinished_requests():
+                    raise RuntimeError(
+                        f"engine went idle with {len(pending)} request(s) unfinished"
+                    )
+        finally:
+            bar.close()
+            # On any error, leave the engine clean for the next call.
+            if pending:
+                self.engine.abort_requests(sorted(pending))
+        return [
+            RequestOutput(
+                request_id=rid,
+                prompt=text,
+                prompt_token_ids=ids,
+                outputs=[processor.output(s) for s in sub_ids],
+                finished=True,
+            )
+            for rid, text, ids, sub_ids in groups
+        ]
+
+    def _seed(self, seed: int | None, index: int) -> int:
+        if seed is None:
+            return int(self._rng.integers(0, 2**63))
+        # Distinct, reproducible seeds for the n completions of one seeded request.
+        return (
+            seed
+            if index == 0
+            else int(np.random.default_rng([seed % 2**64, index]).integers(0, 2**63))
+        )

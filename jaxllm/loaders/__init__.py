@@ -1,0 +1,79 @@
+"""One entry point, `load_model`, for every source: a Hugging Face checkpoint directory, a
+GGUF file, or a demo short name (resolved to its GGUF file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import ModelConfig
+from jaxllm.loaders import gguf as gguf_loader
+from jaxllm.loaders import hf as hf_loader
+from jaxllm.loaders.weights import build_state
+from jaxllm.model_cache import cache_dir, resolve_model
+from jaxllm.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: nnx.Module  # the Flax NNX model with its weights
+    tokenizer: Any  # a transformers tokenizer (with its chat template), or None
+    generation_config: dict  # generation_config.json, {} when absent
+    path: Path
+
+
+def load_config(path: Path) -> ModelConfig:
+    if path.is_dir():
+        return hf_loader.load_hf_config(path)
+    if path.suffix == ".gguf":
+        return gguf_loader.load_gguf_config(path)
+    raise ValueError(
+        f"model path {path} is neither a Hugging Face checkpoint directory nor a .gguf file"
+    )
+
+
+def load_model(
+    model: str | os.PathLike,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    attention_backend: str = "reference",
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    path = resolve_model(model)
+    start = time.perf_counter()
+    config = load_config(path)
+    cls = get_model_class(config)
+    abstract = nnx.eval_shape(
+        lambda: cls(config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0))
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    if path.is_dir():
+        tensors = hf_loader.iter_safetensors(path)
+        generation_config = hf_loader.load_generation_config(path)
+    else:
+        tensors = gguf_loader.iter_gguf(path)
+        generation_config = {}
+    state = build_state(abstract_state, tensors, config, dtype)
+    tokenizer = None
+    if load_tokenizer:
+        if path.is_dir():
+            tokenizer = hf_loader.load_hf_tokenizer(path)
+        else:
+            tokenizer = gguf_loader.load_gguf_tokenizer(path, cache_dir())
+    logger.info(
+        "loaded %s (%s) in %.1f s", path.name, config.architecture, time.perf_counter() - start
+    )
+    return LoadedModel(config, nnx.merge(graphdef, state), tokenizer, generation_config, path)
+
+
+__all__ = ["LoadedModel", "load_config", "load_model"]

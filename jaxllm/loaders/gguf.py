@@ -1,0 +1,172 @@
+"""Loading a GGUF file (llama.cpp's format) with the `gguf` package.
+
+The metadata becomes a Hugging Face style config dict; each tensor is dequantized to float32,
+renamed to its Hugging Face name, and (for the llama architecture) the rows of the Q and K
+projections are put back in Hugging Face order: llama.cpp's converter permutes them for its
+interleaved RoPE layout. The tokenizer and chat template come from the metadata through
+transformers, which takes ~10 s for a 49k vocabulary, so the converted tokenizer is cached
+beside our other caches, keyed by the file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> (HF architecture, whether llama.cpp permuted Q/K rows)
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueErrors and struct errors
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_hf_config(reader) -> dict:
+    """The GGUF metadata as a Hugging Face `config.json` dict."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names or _field(reader, f"{arch}.rope.scaling.type"):
+        raise ValueError(
+            "GGUF rope scaling (rope_freqs / rope.scaling.*) is not supported yet; load the "
+            "Hugging Face checkpoint of this model instead"
+        )
+    heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": [_ARCHITECTURES[arch][0]],
+        "vocab_size": _field(reader, f"{arch}.vocab_size") or len(tokens),
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "sliding_window": _field(reader, f"{arch}.attention.sliding_window"),
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+    }
+
+
+def load_gguf_config(path: Path) -> ModelConfig:
+    return ModelConfig.from_hf_config(gguf_hf_config(_reader(path)))
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's `permute`: rows of each head go from interleaved pairs back to halves."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def iter_gguf(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 tensor in HF layout) pairs, dequantized one at a time."""
+    import gguf
+
+    reader = _reader(path)
+    config = gguf_hf_config(reader)
+    arch = _field(reader, "general.architecture")
+    permuted = _ARCHITECTURES[arch][1]
+    for t in reader.tensors:
+        if t.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name]
+        else:
+            parts = t.name.split(".", 2)
+            if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+                raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
+            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(
+                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which the gguf "
+                f"package cannot dequantize"
+            ) from e
+        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        if permuted and name.endswith("q_proj.weight"):
+            w = _unpermute(w, config["num_attention_heads"])
+        elif permuted and name.endswith("k_proj.weight"):
+            w = _unpermute(w, config["num_key_value_heads"])
+        yield name, w
+
+
+def load_gguf_tokenizer(path: Path, cache_dir: Path):
+    """The tokenizer (with chat template) built from the GGUF metadata, cached after the first
+    conversion."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    cached = cache_dir / "tokenizers" / key[:16]
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    logger.info("building the tokenizer from %s (cached afterwards)", path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # Write to a private directory, then rename: a concurrent loader sees all or nothing.
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.replace(cached)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer

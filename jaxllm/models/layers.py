@@ -1,0 +1,138 @@
+"""Building blocks of a Llama-family decoder, in Flax NNX.
+
+Dimension letters (used in einsums, shape comments and logical axis names): T tokens,
+D model width, F MLP width, V vocab, N query heads, K kv heads, H head dim, R requests,
+P pages per sequence.
+
+Every parameter is declared once with its shape and its logical axes (`axes=` metadata);
+the sharding rules table maps those names onto mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels
+from jaxllm.config import ModelConfig, RopeScaling
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, scale=0.02):
+    """A parameter with its logical axes; random values only matter for unloaded models."""
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(scale * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Normalise in f32 and cast back before the scale, as Hugging Face does.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies f32[H // 2], with Llama-3 style scaling when configured."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the "rotate half" layout of Hugging Face Llama. x: [T, heads, H]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, H]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens live in the paged KV cache (all arrays padded to buckets)."""
+
+    slot_mapping: jax.Array  # i32[T]      cache slot of each token; >= num_slots for padding
+    seq_lens: jax.Array  # i32[R]      tokens in the cache per request after this step
+    block_tables: jax.Array  # i32[R, P]   page ids per request
+    cu_q_lens: jax.Array  # i32[R + 1]  start of each request's tokens in the flat batch
+    num_seqs: jax.Array  # i32[1]      requests that are real; the rest is padding
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
+        self.k_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        self.v_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        self.o_proj = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype)
+        if config.attention_bias:
+            self.q_bias = param(rngs, (n, h), ("q_heads", "head_dim"), dtype)
+            self.k_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype)
+            self.v_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        # Static (part of the graph definition, not a parameter): a tuple, not an array.
+        self.inv_freq = tuple(rope_inv_freq(h, config.rope_theta, config.rope_scaling).tolist())
+        self.sm_scale = h**-0.5
+        self.sliding_window = config.sliding_window
+        self.attention_backend = attention_backend
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
+        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
+        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
+        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
+        if self.q_bias is not None:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        kv_cache = pallas_kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = pallas_kernels.ragged_paged_attention(
+            q,
+            kv_cache,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.cu_q_lens,
+            meta.num_seqs,
+            sm_scale=self.sm_scale,
+            sliding_window=self.sliding_window,
+            backend=self.attention_backend,
+        )
+        return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...]), kv_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), dtype)
+        self.up_proj = param(rngs, (d, f), ("embed", "mlp"), dtype)
+        self.down_proj = param(rngs, (f, d), ("mlp", "embed"), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jax.nn.silu(jnp.einsum("TD,DF->TF", x, self.gate_proj[...]))
+        up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
+        return jnp.einsum("TF,FD->TD", gate * up, self.down_proj[...])

@@ -1,0 +1,233 @@
+"""The model runner: SchedulerOutput -> padded device arrays -> one jitted step -> tokens.
+
+The model is split once (`nnx.split`); the hot path is a pure function
+`step(state, kv_caches, batch, sampling) -> (sampler output, kv_caches)` under `jax.jit`, with
+the caches donated so every layer's cache is updated in place.
+
+Every batch is padded to a bucket: the token count to the next token bucket, the request count
+to the next request bucket, and the block table to a fixed `pages_per_seq` width. The compiled
+programs are therefore bounded by `len(token_buckets) * len(request_buckets)` times the sampler
+variants (all-greedy or not, logprobs or not). Padding tokens write to an out-of-range slot
+(dropped) and padding requests have no tokens and length 0, so they never touch real data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.models import AttentionMetadata
+from jaxllm.sampler import SamplingInputs, sample
+from jaxllm.sampling_params import MAX_LOGPROBS
+from pallas_kernels import get_kv_cache_shape
+
+logger = logging.getLogger(__name__)
+
+
+def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[list[int], list[int]]:
+    """Token buckets (powers of two from 16) and request buckets (powers of two from 8), each
+    list ending at its maximum."""
+
+    def powers(start: int, stop: int) -> list[int]:
+        out, b = [], start
+        while b < stop:
+            out.append(b)
+            b *= 2
+        return [*out, stop]
+
+    return powers(16, max_num_batched_tokens), powers(8, max_num_seqs)
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BatchInputs:
+    input_ids: jax.Array  # i32[T]  flattened tokens of all scheduled requests
+    positions: jax.Array  # i32[T]
+    logits_indices: jax.Array  # i32[R]  row of each request's last token
+    attn: AttentionMetadata
+
+
+class _CompileCounter:
+    """Counts XLA compilations process-wide through jax.monitoring (registered once)."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event: str, *args, **kwargs) -> None:
+                if event == "/jax/core/compile/backend_compile_duration":
+                    with cls._lock:
+                        cls._count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nnx.Module,
+        config: ModelConfig,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        dtype: jnp.dtype,
+    ):
+        _CompileCounter.install()
+        self.config = config
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.pages_per_seq = -(-max_model_len // page_size)
+        self.token_buckets, self.request_buckets = make_buckets(
+            max_num_batched_tokens, max_num_seqs
+        )
+        self.graphdef, self.state = nnx.split(model)
+        shape = get_kv_cache_shape(num_pages, page_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
+        self._step = jax.jit(
+            functools.partial(_step, self.graphdef),
+            donate_argnums=(1,),
+            static_argnames=("all_greedy", "num_logprobs"),
+        )
+
+    @property
+    def num_compilations(self) -> int:
+        """XLA compilations in this process so far (all runners and helpers included)."""
+        return _CompileCounter.count()
+
+    def kv_cache_bytes(self) -> int:
+        return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[BatchInputs, SamplingInputs, dict]:
+        reqs = out.requests
+        num_reqs = len(reqs)
+        num_tokens = out.total_num_scheduled_tokens
+        t_pad = _bucket(num_tokens, self.token_buckets)
+        r_pad = _bucket(num_reqs, self.request_buckets)
+        num_slots = self.num_pages * self.page_size
+
+        input_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.full(t_pad, num_slots, np.int32)  # padding: dropped on write
+        seq_lens = np.zeros(r_pad, np.int32)
+        block_tables = np.zeros((r_pad, self.pages_per_seq), np.int32)
+        cu_q_lens = np.full(r_pad + 1, num_tokens, np.int32)
+        logits_indices = np.zeros(r_pad, np.int32)
+        temperature = np.zeros(r_pad, np.float32)
+        top_k = np.zeros(r_pad, np.int32)
+        top_p = np.ones(r_pad, np.float32)
+        min_p = np.zeros(r_pad, np.float32)
+        seeds = np.zeros((r_pad, 2), np.uint32)
+        counters = np.zeros(r_pad, np.int32)
+
+        start = 0
+        for i, r in enumerate(reqs):
+            n = len(r.token_ids)
+            pos = np.arange(r.num_computed_tokens, r.num_computed_tokens + n, dtype=np.int32)
+            blocks = np.asarray(r.block_ids, np.int32)
+            input_ids[start : start + n] = r.token_ids
+            positions[start : start + n] = pos
+            slot_mapping[start : start + n] = blocks[pos // self.page_size] * self.page_size + (
+                pos % self.page_size
+            )
+            cu_q_lens[i] = start
+            seq_lens[i] = r.num_computed_tokens + n
+            block_tables[i, : len(blocks)] = blocks
+            logits_indices[i] = start + n - 1
+            temperature[i] = r.temperature
+            top_k[i] = r.top_k
+            top_p[i] = r.top_p
+            min_p[i] = r.min_p
+            seed = r.seed % 2**64
+            seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
+            counters[i] = r.num_output_tokens
+            start += n
+
+        batch = BatchInputs(
+            input_ids=input_ids,
+            positions=positions,
+            logits_indices=logits_indices,
+            attn=AttentionMetadata(
+                slot_mapping=slot_mapping,
+                seq_lens=seq_lens,
+                block_tables=block_tables,
+                cu_q_lens=cu_q_lens,
+                num_seqs=np.array([num_reqs], np.int32),
+            ),
+        )
+        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters)
+        sampling_reqs = [r for r in reqs if r.sample]
+        variant = {
+            "all_greedy": all(r.temperature == 0 for r in sampling_reqs),
+            "num_logprobs": MAX_LOGPROBS
+            if any(r.num_logprobs is not None for r in sampling_reqs)
+            else 0,
+        }
+        return batch, sampling, variant
+
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, tuple | None]]:
+        """Runs one step; returns {request_id: (token, logprobs or None)} for every request
+        whose scheduled chunk reached the end of its sequence."""
+        batch, sampling, variant = self.prepare(out)
+        result, self.kv_caches = self._step(self.state, self.kv_caches, batch, sampling, **variant)
+        result = jax.device_get(result)
+        sampled = {}
+        for i, r in enumerate(out.requests):
+            if not r.sample:
+                continue
+            logprobs = None
+            if r.num_logprobs is not None:
+                k = r.num_logprobs
+                logprobs = (
+                    float(result.logprob[i]),
+                    int(result.rank[i]),
+                    result.top_ids[i, :k].tolist(),
+                    result.top_logprobs[i, :k].tolist(),
+                )
+            sampled[r.request_id] = (int(result.sampled[i]), logprobs)
+        return sampled
+
+
+def _step(
+    graphdef,
+    state,
+    kv_caches,
+    batch: BatchInputs,
+    sampling: SamplingInputs,
+    *,
+    all_greedy: bool,
+    num_logprobs: int,
+):
+    model = nnx.merge(graphdef, state)
+    hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attn)
+    logits = model.compute_logits(hidden[batch.logits_indices])
+    return sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs), kv_caches

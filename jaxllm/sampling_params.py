@@ -1,0 +1,97 @@
+"""SamplingParams: how one request is decoded, with vLLM's names, defaults and checks.
+
+Every field is validated on construction; a bad value raises a `ValueError` that names the
+parameter, before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_LOGPROBS = 20  # most top logprobs a request may ask for (vLLM's default max_logprobs)
+MAX_N = 128
+
+
+def _check_float(name: str, value, lo: float, hi: float, *, lo_open=False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    """Number of completions to return for the prompt."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None generates up to the model's context."""
+    temperature: float = 1.0
+    """0 is greedy; higher is more random."""
+    top_p: float = 1.0
+    """Sample only from the smallest set of tokens whose probability adds up to top_p."""
+    top_k: int = 0
+    """Sample only from the top_k most likely tokens; 0 (or -1) considers all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same output whatever else is in the batch."""
+    stop: str | list[str] | None = None
+    """Strings that end the output; they are not included unless include_stop_str_in_output."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end the output (beside EOS)."""
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    """Keep generating after EOS (for benchmarks and parity tests)."""
+    min_tokens: int = 0
+    """Generate at least this many tokens before EOS or stop_token_ids may end the output."""
+    logprobs: int | None = None
+    """Return the log-probability of each generated token and of this many top alternatives."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the output text."""
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, 0.0, 1e4)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, -1)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
