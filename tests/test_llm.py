@@ -1,0 +1,229 @@
+"""The offline engine on a tiny random model: batching, scheduling, sampling, validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _prompts(n: int, seed: int = 0, vocab: int = 300) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 100, size=n)
+    return [{"prompt_token_ids": rng.integers(3, vocab, size=int(k)).tolist()} for k in lengths]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_idle(llm: LLM) -> None:
+    kv = llm.kv_cache_manager
+    kv.check_invariants()
+    assert not llm.engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_pages
+    assert all(c == 0 for c in kv.ref_counts)
+
+
+def test_batched_equals_alone(tiny_llm):
+    prompts = _prompts(16)
+    batched = tiny_llm.generate(prompts, GREEDY, use_tqdm=False)
+    alone = [tiny_llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert _tokens(batched) == _tokens(alone)
+    assert all(len(t) == 12 for t in _tokens(batched))
+    assert all(o.outputs[0].finish_reason == "length" for o in batched)
+    _assert_idle(tiny_llm)
+
+
+def test_prompts_share_steps(tiny_llm):
+    """Several prompts in one call run in the same batches, not one after another."""
+    steps = tiny_llm.engine.num_steps
+    tiny_llm.generate(_prompts(8, seed=1), GREEDY, use_tqdm=False)
+    # 8 prompts of < 100 tokens fit the 128-token budget in a few chunks; 12 decode steps
+    # each. One after another would take at least 8 * 12 steps.
+    assert tiny_llm.engine.num_steps - steps < 2 * 12
+
+
+def test_chunked_prefill_and_preemption_do_not_change_outputs(tiny_model_dir, tiny_llm):
+    prompts = _prompts(12, seed=2)
+    reference = _tokens(tiny_llm.generate(prompts, GREEDY, use_tqdm=False))
+    # A 16-token budget splits every long prompt into chunks; 10 pages of 16 tokens cannot
+    # hold 8 running requests as they grow, so the newest are preempted and recomputed.
+    small = LLM(
+        tiny_model_dir, max_model_len=128, num_pages=10, max_num_seqs=8, max_num_batched_tokens=16
+    )
+    kv = small.kv_cache_manager
+    step = small.engine.step
+
+    def checked_step():
+        updates = step()
+        kv.check_invariants()
+        return updates
+
+    small.engine.step = checked_step
+    assert _tokens(small.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert small.engine.scheduler.num_preemptions > 0
+    _assert_idle(small)
+
+
+def test_bad_inputs_raise_and_engine_keeps_serving(tiny_llm):
+    cases = [
+        ("", GREEDY, "prompt"),
+        ({"prompt_token_ids": []}, GREEDY, "prompt"),
+        ({"prompt_token_ids": [1] * 256}, GREEDY, "max_model_len"),
+        ({"prompt_token_ids": [10**6]}, GREEDY, "prompt_token_ids"),
+        ({"prompt_token_ids": ["a"]}, GREEDY, "prompt_token_ids"),
+        (3, GREEDY, "prompt"),
+    ]
+    for prompt, params, name in cases:
+        with pytest.raises(ValueError, match=name):
+            tiny_llm.generate([{"prompt_token_ids": [5, 6]}, prompt], params, use_tqdm=False)
+    for kwargs, name in [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+    _assert_idle(tiny_llm)
+    out = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_string_prompts_and_chat(tiny_llm):
+    out = tiny_llm.generate(["The quick brown fox", "Paris is"], GREEDY, use_tqdm=False)
+    tok = tiny_llm.get_tokenizer()
+    assert out[0].prompt == "The quick brown fox"
+    assert out[0].prompt_token_ids == tok.encode("The quick brown fox")
+    c = out[0].outputs[0]
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    msgs = [{"role": "user", "content": "Hello"}]
+    chat = tiny_llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+    expected = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert chat.prompt == expected
+    assert chat.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+
+
+def test_stop_token_and_eos(tiny_llm):
+    prompt = {"prompt_token_ids": [7, 8, 9, 10]}
+    free = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = free[4]
+    first = free.index(stop_at)
+    out = tiny_llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == free[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens holds the stop token back.
+    out = tiny_llm.generate(
+        prompt,
+        SamplingParams(
+            temperature=0, max_tokens=12, stop_token_ids=[free[0]], min_tokens=3, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.token_ids) >= 3
+
+
+def test_stop_strings(tiny_llm):
+    prompt = "Once upon a time"
+    free = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    first = free.text.index(stop)
+    out = tiny_llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.text == free.text[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    out = tiny_llm.generate(
+        prompt,
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.text == free.text[: first + len(stop)]
+    _assert_idle(tiny_llm)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llm):
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, max_tokens=10, seed=1234, ignore_eos=True
+    )
+    target = {"prompt_token_ids": [11, 12, 13]}
+    alone = tiny_llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = _prompts(5, seed=3)
+    mixed = tiny_llm.generate(
+        [*others, target],
+        [SamplingParams(temperature=0.8, max_tokens=8)] * 5 + [params],
+        use_tqdm=False,
+    )
+    assert mixed[-1].outputs[0].token_ids == alone
+    other_seed = tiny_llm.generate(
+        target, SamplingParams(**{**params.__dict__, "seed": 99}), use_tqdm=False
+    )
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_completions(tiny_llm):
+    out = tiny_llm.generate(
+        {"prompt_token_ids": [4, 5, 6]},
+        SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert len(out) == 1 and [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1
+    _assert_idle(tiny_llm)
+
+
+def test_logprobs(tiny_llm):
+    out = tiny_llm.generate(
+        {"prompt_token_ids": [4, 5, 6]},
+        SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.logprobs) == 5
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2, 3]
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+        assert all(lp.logprob <= 0 for lp in ranked)
+        total += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(total)
+
+
+def test_max_tokens_clipped_to_context(tiny_llm):
+    out = tiny_llm.generate(
+        {"prompt_token_ids": [5] * 250},
+        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_no_compilation_for_repeated_shapes(tiny_llm):
+    tiny_llm.generate(_prompts(4, seed=5), GREEDY, use_tqdm=False)
+    before = tiny_llm.runner.num_compilations
+    tiny_llm.generate(_prompts(4, seed=5), GREEDY, use_tqdm=False)
+    assert tiny_llm.runner.num_compilations == before
