@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import CHATML, write_tiny_checkpoint
-from helpers import prefill_logits
 from jaxllm.loaders import load_model
 from jaxllm.loaders.gguf import iter_gguf
+
+from conftest import CHATML, write_tiny_checkpoint
+from helpers import prefill_logits
 
 Q = gguf.GGMLQuantizationType
 

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import prefill_logits
 from jaxllm.loaders import load_model
+
+from helpers import prefill_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

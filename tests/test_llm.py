@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -207,7 +209,7 @@ def test_logprobs(tiny_llm):
         assert entry[token].rank == 1  # greedy picks the most likely token
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)
         assert [lp.rank for lp in ranked] == [1, 2, 3]
-        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+        assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(ranked))
         assert all(lp.logprob <= 0 for lp in ranked)
         total += entry[token].logprob
     assert out.cumulative_logprob == pytest.approx(total)
