@@ -53,14 +53,28 @@ class IncrementalDetokenizer:
         self.text += delta
         return self._check_stop(old_len)
 
+    def flush(self) -> None:
+        """At the end of the output, adds text held back for an incomplete character (it
+        will never complete: the bytes really are invalid UTF-8)."""
+        if self.stop_reason is not None:
+            return
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.tokens)
+
     def _check_stop(self, old_len: int) -> bool:
+        """Truncates the text at the earliest stop string that the last delta completed."""
+        best: tuple[int, str] | None = None
         for stop in self.stop:
             # A new match must end inside the delta, so it starts after this point.
-            begin = max(old_len - len(stop) + 1, 0)
-            idx = self.text.find(stop, begin)
-            if idx != -1:
-                end = idx + len(stop) if self.include_stop_str_in_output else idx
-                self.text = self.text[:end]
-                self.stop_reason = stop
-                return True
-        return False
+            idx = self.text.find(stop, max(old_len - len(stop) + 1, 0))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        self.text = self.text[: idx + len(stop) if self.include_stop_str_in_output else idx]
+        self.stop_reason = stop
+        return True

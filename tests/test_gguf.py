@@ -234,3 +234,76 @@ def test_hf_loader_errors(tmp_path, hf_dir):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(d)
+
+
+def test_runtime_needs_no_torch(hf_dir, tmp_path):
+    """Loading a GGUF (tokenizer conversion included) and generating work with torch absent."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.gguf"
+    write_gguf(hf_dir, path, Q.Q8_0)
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any import of torch now raises ImportError
+from jaxllm import LLM, SamplingParams
+llm = LLM({str(path)!r}, max_model_len=64, num_pages=8)
+out = llm.generate("The quick brown", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 4
+assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
+print("ok")
+"""
+    env = {**__import__("os").environ, "JAXLLM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    assert (tmp_path / "cache" / "tokenizers").is_dir()  # the converted tokenizer was cached
+
+
+TEXTS = [
+    "The quick brown fox",
+    "Héllo wörld 🙂",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "  spaces\tand\nlines  ",
+]
+
+
+def _assert_same_tokenizer(ours, ref):
+    for text in TEXTS:
+        assert ours.encode(text) == ref.encode(text), text
+        ids = ref.encode(text)
+        assert ours.decode(ids) == ref.decode(ids)
+    assert (ours.bos_token, ours.eos_token) == (ref.bos_token, ref.eos_token)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    ) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_torch_free_tokenizer_equals_transformers(hf_dir, tmp_path):
+    pytest.importorskip("torch")  # transformers' own GGUF tokenizer path imports torch
+    from transformers import AutoTokenizer
+
+    from jaxllm.loaders.gguf import _tokenizer_from_metadata
+
+    path = tmp_path / "m.gguf"
+    write_gguf(hf_dir, path, Q.F32)
+    _assert_same_tokenizer(
+        _tokenizer_from_metadata(path), AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    )
+
+
+@pytest.mark.demo_model
+def test_torch_free_tokenizer_equals_transformers_on_demo_model():
+    pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from jaxllm.loaders.gguf import _tokenizer_from_metadata
+    from jaxllm.model_cache import fetch_demo_model
+
+    path = fetch_demo_model("smollm2-135m")
+    _assert_same_tokenizer(
+        _tokenizer_from_metadata(path),
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name),
+    )

@@ -72,6 +72,8 @@ class OutputProcessor:
                     break
             if state.finish_reason is None and u.finish_reason is not None:
                 state.finish_reason, state.stop_reason = u.finish_reason, u.stop_reason
+                if state.detokenizer is not None:
+                    state.detokenizer.flush()
             if state.finish_reason is not None:
                 finished.append(u.request_id)
         return finished, to_abort

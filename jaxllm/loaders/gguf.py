@@ -4,8 +4,8 @@ The metadata becomes a Hugging Face style config dict; each tensor is dequantize
 renamed to its Hugging Face name, and (for the llama architecture) the rows of the Q and K
 projections are put back in Hugging Face order: llama.cpp's converter permutes them for its
 interleaved RoPE layout. The tokenizer and chat template come from the metadata through
-transformers, which takes ~10 s for a 49k vocabulary, so the converted tokenizer is cached
-beside our other caches, keyed by the file's path, size and modification time.
+transformers' converters; the converted tokenizer is cached beside our other caches, keyed by
+the file's path, size and modification time.
 """
 
 from __future__ import annotations
@@ -149,9 +149,54 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, w
 
 
+def _tokenizer_from_metadata(path: Path):
+    """Builds the tokenizer from the GGUF metadata without torch.
+
+    transformers' own `AutoTokenizer.from_pretrained(gguf_file=...)` imports torch (its GGUF
+    reader does), which is not a runtime dependency of ours. Its tokenizer converters do not,
+    so we read the metadata with the `gguf` package and hand it to them. Where this
+    transformers version lacks those functions we fall back to the public path, which then
+    needs torch; the tests check that both paths encode text the same way."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as m
+
+        mapping, convert = m.GGUF_TOKENIZER_MAPPING, m.convert_gguf_tokenizer
+        special = m._SPECIAL_TOKENS
+    except (ImportError, AttributeError):
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reader = _reader(path)
+    metadata = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.") or key == "general.architecture"
+    }
+    groups = {
+        group: {
+            name: metadata[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in metadata
+        }
+        for group, renames in mapping.items()
+    }
+    tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
+    if "tokens" not in tokenizer_dict:
+        raise ValueError(f"GGUF file {path} carries no tokenizer (tokenizer.ggml.tokens)")
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        tokenizer_config.setdefault("add_bos_token", True)  # llama.cpp's default for SPM
+    for name, key in special.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = (
+            tokenizer_dict["tokens"][token_id] if token_id is not None else None
+        )
+    backend, extra = convert(metadata["general.architecture"], tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+
 def load_gguf_tokenizer(path: Path, cache_dir: Path):
     """The tokenizer (with chat template) built from the GGUF metadata, cached after the first
-    conversion."""
+    conversion (which takes ~10 s for a 49k vocabulary)."""
     from transformers import AutoTokenizer
 
     stat = path.stat()
@@ -160,7 +205,7 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path):
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     logger.info("building the tokenizer from %s (cached afterwards)", path.name)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = _tokenizer_from_metadata(path)
     # Write to a private directory, then rename: a concurrent loader sees all or nothing.
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent))
