@@ -85,8 +85,7 @@ def main() -> None:
     )
     print(f"warm-up (compiles included): {warmup:.1f} s, {compiles} compilations")
     print(
-        f"prefill: {args.num_prompts * args.input_len / prefill_s:,.0f} tok/s "
-        f"({prefill_s:.2f} s)"
+        f"prefill: {args.num_prompts * args.input_len / prefill_s:,.0f} tok/s ({prefill_s:.2f} s)"
     )
     print(f"decode:  {decode_tokens / decode_s:,.1f} tok/s ({decode_s:.2f} s)")
     print(

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import pallas_kernels
+from jaxllm.compilation_cache import setup_compilation_cache
 from jaxllm.config import CacheConfig, SchedulerConfig, resolve_dtype
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.kv_cache_manager import KVCacheManager
@@ -28,6 +29,7 @@ from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.kv_sizing import plan_kv_cache
 from jaxllm.loaders import load_model
+from jaxllm.model_cache import cache_dir
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
@@ -51,7 +53,17 @@ class LLM:
         max_num_batched_tokens: int = 512,
         seed: int = 0,
         attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
+        skip_warmup: bool = False,
+        compilation_cache_dir: str | os.PathLike | None = "default",
     ):
+        """`compilation_cache_dir`: JAX's persistent compilation cache; "default" is
+        `<cache>/xla` under `$JAXLLM_CACHE_DIR` or `~/.cache/jaxllm`, None leaves JAX's
+        setting alone. `skip_warmup` skips compiling every bucket at startup (programs then
+        compile on first use)."""
+        if compilation_cache_dir == "default":
+            compilation_cache_dir = cache_dir() / "xla"
+        setup_compilation_cache(compilation_cache_dir)
         jdtype = resolve_dtype(dtype)
         backend = pallas_kernels.resolve_backend(attention_backend)
         cache_config = CacheConfig(
@@ -77,13 +89,33 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             dtype=jdtype,
         )
-        self.kv_cache_manager = KVCacheManager(num_pages, page_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_pages, page_size, enable_prefix_caching=enable_prefix_caching
+        )
         self.engine = EngineCore(
             Scheduler(self.scheduler_config, self.kv_cache_manager), self.runner
         )
         self.eos_token_ids = self._eos_token_ids()
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
+        logger.info(
+            "buckets: tokens %s x requests %s -> %d shapes x %d sampler variants = %d programs",
+            self.runner.token_buckets,
+            self.runner.request_buckets,
+            len(self.runner.shapes),
+            self.runner.num_programs // len(self.runner.shapes),
+            self.runner.num_programs,
+        )
+        self.warmup_seconds = None
+        if not skip_warmup:
+            self.warmup_seconds = self.runner.warmup()
+            logger.info(
+                "warmup: %d programs in %.1f s", self.runner.num_programs, self.warmup_seconds
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (nothing done) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     @property
     def max_model_len(self) -> int:

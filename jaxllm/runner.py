@@ -17,11 +17,13 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine.scheduler import SchedulerOutput
@@ -47,6 +49,27 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[list[i
     return powers(16, max_num_batched_tokens), powers(8, max_num_seqs)
 
 
+def compiled_shapes(
+    token_buckets: list[int], request_buckets: list[int], max_num_seqs: int
+) -> list[tuple[int, int]]:
+    """Every (token bucket, request bucket) pair a batch can pad to: a batch of n tokens has at
+    most min(n, max_num_seqs) requests, so request buckets past that are never paired."""
+    pairs = []
+    for t in token_buckets:
+        max_reqs = min(t, max_num_seqs)
+        prev = 0
+        for r in request_buckets:
+            if prev < max_reqs:  # some request count in (prev, r] fits this token bucket
+                pairs.append((t, r))
+            prev = r
+    return pairs
+
+
+# Sampler variants compiled for every shape: (all_greedy, num_logprobs). The fast one serves
+# batches where every request is greedy without logprobs; the general one everything else.
+SAMPLER_VARIANTS = ((True, 0), (False, MAX_LOGPROBS))
+
+
 def _bucket(n: int, buckets: list[int]) -> int:
     for b in buckets:
         if b >= n:
@@ -64,25 +87,36 @@ class BatchInputs:
 
 
 class _CompileCounter:
-    """Counts XLA compilations process-wide through jax.monitoring (registered once)."""
+    """Counts the XLA programs this process had to produce, through jax.monitoring: backend
+    compilations plus executables loaded from the persistent compilation cache (a program
+    that was needed either way). Registered once per process."""
 
     _lock = threading.Lock()
     _count = 0
     _installed = False
 
     @classmethod
+    def _bump(cls) -> None:
+        with cls._lock:
+            cls._count += 1
+
+    @classmethod
     def install(cls) -> None:
         with cls._lock:
             if cls._installed:
                 return
-
-            def listener(event: str, *args, **kwargs) -> None:
-                if event == "/jax/core/compile/backend_compile_duration":
-                    with cls._lock:
-                        cls._count += 1
-
-            jax.monitoring.register_event_duration_secs_listener(listener)
             cls._installed = True
+
+        def on_duration(event: str, *args, **kwargs) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                cls._bump()
+
+        def on_event(event: str, *args, **kwargs) -> None:
+            if event == "/jax/compilation_cache/cache_hits":
+                cls._bump()
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
 
     @classmethod
     def count(cls) -> int:
@@ -110,6 +144,7 @@ class ModelRunner:
         self.token_buckets, self.request_buckets = make_buckets(
             max_num_batched_tokens, max_num_seqs
         )
+        self.shapes = compiled_shapes(self.token_buckets, self.request_buckets, max_num_seqs)
         self.graphdef, self.state = nnx.split(model)
         shape = get_kv_cache_shape(num_pages, page_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
@@ -123,6 +158,57 @@ class ModelRunner:
     def num_compilations(self) -> int:
         """XLA compilations in this process so far (all runners and helpers included)."""
         return _CompileCounter.count()
+
+    @property
+    def num_programs(self) -> int:
+        """The bound on compiled step programs: shapes times sampler variants."""
+        return len(self.shapes) * len(SAMPLER_VARIANTS)
+
+    def warmup(self, *, progress: bool = True) -> float:
+        """Compiles (or loads from the persistent cache) every program a batch can need, so
+        nothing compiles while serving. Returns the seconds it took."""
+        start = time.perf_counter()
+        jobs = [(t, r, v) for t, r in self.shapes for v in SAMPLER_VARIANTS]
+        for t, r, (all_greedy, num_logprobs) in tqdm(
+            jobs, desc="Compiling buckets", disable=not progress, unit="program"
+        ):
+            batch, sampling = self._padding_batch(t, r)
+            result, self.kv_caches = self._step(
+                self.state,
+                self.kv_caches,
+                batch,
+                sampling,
+                all_greedy=all_greedy,
+                num_logprobs=num_logprobs,
+            )
+        jax.block_until_ready(self.kv_caches)
+        return time.perf_counter() - start
+
+    def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
+        """A batch of the given padded shape holding no request: it writes nothing."""
+        num_slots = self.num_pages * self.page_size
+        zeros_t, zeros_r = np.zeros(t_pad, np.int32), np.zeros(r_pad, np.int32)
+        batch = BatchInputs(
+            input_ids=zeros_t,
+            positions=zeros_t,
+            logits_indices=zeros_r,
+            attn=AttentionMetadata(
+                slot_mapping=np.full(t_pad, num_slots, np.int32),
+                seq_lens=zeros_r,
+                block_tables=np.zeros((r_pad, self.pages_per_seq), np.int32),
+                cu_q_lens=np.zeros(r_pad + 1, np.int32),
+                num_seqs=np.zeros(1, np.int32),
+            ),
+        )
+        sampling = SamplingInputs(
+            temperature=np.zeros(r_pad, np.float32),
+            top_k=zeros_r,
+            top_p=np.ones(r_pad, np.float32),
+            min_p=np.zeros(r_pad, np.float32),
+            seeds=np.zeros((r_pad, 2), np.uint32),
+            counters=zeros_r,
+        )
+        return batch, sampling
 
     def kv_cache_bytes(self) -> int:
         return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
@@ -186,13 +272,9 @@ class ModelRunner:
         )
         sampling = SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters)
         sampling_reqs = [r for r in reqs if r.sample]
-        variant = {
-            "all_greedy": all(r.temperature == 0 for r in sampling_reqs),
-            "num_logprobs": MAX_LOGPROBS
-            if any(r.num_logprobs is not None for r in sampling_reqs)
-            else 0,
-        }
-        return batch, sampling, variant
+        fast = all(r.temperature == 0 and r.num_logprobs is None for r in sampling_reqs)
+        all_greedy, num_logprobs = SAMPLER_VARIANTS[0 if fast else 1]
+        return batch, sampling, {"all_greedy": all_greedy, "num_logprobs": num_logprobs}
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, tuple | None]]:
         """Runs one step; returns {request_id: (token, logprobs or None)} for every request

@@ -68,7 +68,7 @@ def write_tiny_checkpoint(
     num_kv_heads: int = 2,
     head_dim: int = 16,
     tie_word_embeddings: bool = False,
-    max_position_embeddings: int = 1024,
+    max_position_embeddings: int = 2048,
     seed: int = 0,
     extra_config: dict | None = None,
 ) -> Path:

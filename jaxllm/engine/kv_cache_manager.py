@@ -1,67 +1,185 @@
-"""The pool of KV cache pages and each request's block table.
+"""The pool of KV cache pages, each request's block table, and automatic prefix caching.
 
-Pages ("blocks") are fixed-size: `page_size` tokens of every layer. A request owns a list of
-block ids (its block table) that grows as its tokens are scheduled and is returned whole when
-it finishes, is aborted, or is preempted. Reference counts are kept per block so that shared
-(prefix-cached) blocks can be added without changing this interface.
+Pages ("blocks") hold `page_size` tokens of every layer. A request owns a block table that
+grows as its tokens are scheduled and is released when it finishes, is aborted or is
+preempted. Blocks carry reference counts because a block can be shared.
+
+Prefix caching: once a block is full, its key is a SHA-256 chained from the parent block's key
+and the block's token ids, so equal keys mean equal prefixes. A new request looks its blocks'
+keys up in order and reuses the longest run of hits: those tokens start out computed. A
+released block keeps its key and waits in an LRU free queue: a later hit revives it, and it is
+evicted (its key dropped) only when a new block is needed and it is the least recently freed.
+A request's blocks are released last-first, so the tail of a sequence, the part least likely
+to be shared, is evicted before its head.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
 
 from jaxllm.engine.request import Request
 
 
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """The key of a full block: SHA-256 over the parent's key and the block's token ids."""
+    h = hashlib.sha256(parent or b"\x00" * 32)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
-        self.free_blocks: deque[int] = deque(range(num_pages))
+        self.block_keys: list[bytes | None] = [None] * num_pages
+        # Free blocks, least recently freed first; cached ones keep their key until evicted.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
+        self.cached: dict[bytes, int] = {}  # key -> block holding that prefix
         self.block_tables: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # per request: leading blocks with keys
+        self._hashes: dict[str, list[bytes]] = {}  # per request: keys of its full blocks
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_queue)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grows the request's block table to hold `num_computed_tokens + num_new_tokens`
-        tokens. Returns False, allocating nothing, when the pool has too few free blocks."""
-        table = self.block_tables.setdefault(request.request_id, [])
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table)
-        if needed > len(self.free_blocks):
+    # ---- prefix cache ----------------------------------------------------------------
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """Keys of the request's full blocks, extended as its tokens grow."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        tokens, size = request.all_token_ids, self.page_size
+        while (len(hashes) + 1) * size <= len(tokens):
+            i = len(hashes)
+            hashes.append(
+                hash_block(hashes[-1] if hashes else None, tokens[i * size : (i + 1) * size])
+            )
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of the request: (block ids, number of tokens).
+
+        At least one token is always left to compute: the step must produce logits."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.page_size
+        blocks = []
+        for key in self._block_hashes(request)[:max_blocks]:
+            block = self.cached.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.page_size
+
+    def record_lookup(self, num_queried: int, num_hits: int) -> None:
+        """Counts one admitted request's lookup (tokens queried and found)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_queried
+            self.prefix_cache_hits += num_hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Gives keys to the request's blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self.block_tables.get(rid, [])
+        start = self._num_cached_blocks.get(rid, 0)
+        end = min(request.num_computed_tokens // self.page_size, len(table))
+        if end <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, end):
+            block, key = table[i], hashes[i]
+            if key not in self.cached and self.block_keys[block] is None:
+                self.cached[key] = block
+                self.block_keys[block] = key
+            # Else an equal block is cached already (computed concurrently): this one stays
+            # a plain block and returns to the pool uncached.
+        self._num_cached_blocks[rid] = end
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix. Only possible while no block is in use (as in vLLM)."""
+        if self.num_free_blocks != self.num_pages:
             return False
+        self.cached.clear()
+        self.block_keys = [None] * self.num_pages
+        return True
+
+    # ---- allocation ------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Grows the request's block table to hold `num_computed_tokens + num_new_tokens`
+        tokens, starting with `computed_blocks` (prefix-cache hits) for a new request.
+        Returns False, changing nothing, when the pool has too few free blocks."""
+        computed_blocks = computed_blocks or []
+        table = self.block_tables.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_tokens
+        needed = self.blocks_needed(total) - len(table) - len(computed_blocks)
+        # Reviving a free cached block takes it out of the free queue.
+        revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
+        if max(needed, 0) + revived > self.num_free_blocks:
+            return False
+        table = self.block_tables.setdefault(request.request_id, table)
+        for block in computed_blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        if computed_blocks:
+            self._num_cached_blocks[request.request_id] = len(table)
         for _ in range(max(needed, 0)):
-            block = self.free_blocks.popleft()
-            assert self.ref_counts[block] == 0, f"block {block} is free but referenced"
+            block, _ = self.free_queue.popitem(last=False)
+            key = self.block_keys[block]
+            if key is not None:  # evict the least recently freed cached block
+                del self.cached[key]
+                self.block_keys[block] = None
             self.ref_counts[block] = 1
             table.append(block)
         return True
 
     def free(self, request: Request) -> None:
-        """Returns the request's blocks to the pool (a no-op for a request that holds none)."""
-        for block in reversed(self.block_tables.pop(request.request_id, [])):
+        """Releases the request's blocks (last first); cached ones stay findable until evicted."""
+        rid = request.request_id
+        for block in reversed(self.block_tables.pop(rid, [])):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_queue[block] = None
+        self._num_cached_blocks.pop(rid, None)
+
+    def forget(self, request: Request) -> None:
+        """Drops the per-request hash memo once the request is gone for good."""
+        self._hashes.pop(request.request_id, None)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
     def check_invariants(self) -> None:
-        """free + used = total; no block both free and owned; ref counts match the owners."""
+        """free + used = total; ref counts equal the number of tables holding a block; a block
+        is free exactly when unreferenced; the cache map and the block keys agree."""
         owners = [0] * self.num_pages
         for table in self.block_tables.values():
+            assert len(set(table)) == len(table), "a block appears twice in one block table"
             for block in table:
                 owners[block] += 1
-        free = set(self.free_blocks)
-        assert len(free) == len(self.free_blocks), "a block is in the free queue twice"
+        used = sum(1 for c in self.ref_counts if c > 0)
+        assert used + self.num_free_blocks == self.num_pages, "free + used != total"
         for block in range(self.num_pages):
             assert owners[block] == self.ref_counts[block], f"block {block}: ref count mismatch"
-            assert (block in free) == (owners[block] == 0), f"block {block}: free/used mismatch"
+            assert (block in self.free_queue) == (owners[block] == 0), f"block {block}: free/used"
+        for key, block in self.cached.items():
+            assert self.block_keys[block] == key, f"block {block}: cache map disagrees"
+        assert sum(k is not None for k in self.block_keys) == len(self.cached), "stray block key"

@@ -8,6 +8,9 @@ token; a prompt longer than the budget is prefilled in chunks over several steps
 requests keep decoding in the same batch (chunked prefill). Running requests are served
 first, then waiting ones in arrival order.
 
+A new request first looks up its longest cached prefix (see `KVCacheManager`): a hit simply
+starts it with `num_computed_tokens > 0`.
+
 When the KV pool has no block for a running request, the newest running request is preempted:
 its blocks are freed, and it goes back to the front of the waiting queue to be recomputed from
 its prompt and the tokens it already produced, so its output does not change.
@@ -101,6 +104,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        self.kv.forget(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -143,9 +147,14 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, n):
+            # A new or preempted request starts from its longest cached prefix.
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_cached, budget)
+            request.num_computed_tokens = num_cached
+            if not self.kv.allocate_slots(request, n, computed_blocks):
+                request.num_computed_tokens = 0
                 break
+            self.kv.record_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -189,6 +198,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_full_blocks(request)
             if s.request_id not in sampled:
                 continue  # a prefill chunk that did not reach the end of the prompt
             token, logprobs = sampled[s.request_id]

@@ -1,0 +1,114 @@
+"""A random mixed workload through the engine after warmup: 240 requests with prompt lengths
+from 1 to near max_model_len, mixed max_tokens, shared long prefixes, mid-way aborts, a pool too
+small for everything at once (so preemption happens). Asserts after every step that the block
+pool is consistent, that nothing compiles after warmup, and that every finished request's
+output equals the output of running it alone on a separate engine without prefix caching."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.request import Request
+
+MAX_MODEL_LEN = 256
+
+
+def _workload(rng: np.random.Generator, vocab: int, n: int = 240):
+    prefixes = [rng.integers(3, vocab, size=int(k)).tolist() for k in (96, 150, 200)]
+    work = []
+    for i in range(n):
+        if rng.random() < 0.35:
+            prefix = prefixes[int(rng.integers(len(prefixes)))]
+            suffix = rng.integers(3, vocab, size=int(rng.integers(1, 40))).tolist()
+            prompt = (prefix + suffix)[: MAX_MODEL_LEN - 2]
+        else:
+            prompt = rng.integers(3, vocab, size=int(rng.integers(1, MAX_MODEL_LEN - 1))).tolist()
+        max_tokens = int(min(rng.integers(1, 24), MAX_MODEL_LEN - len(prompt)))
+        kind = rng.random()
+        if kind < 0.75:
+            params = SamplingParams(
+                temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5
+            )
+        elif kind < 0.9:  # greedy with logprobs: the general sampler variant
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)
+        else:  # seeded sampling: also reproducible alone
+            params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=max_tokens)
+        work.append((f"req-{i}", prompt, params))
+    return work
+
+
+def test_random_workload_no_recompilation_and_outputs_match_alone(tiny_model_dir):
+    llm = LLM(
+        tiny_model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        num_pages=64,  # 1024 token slots for up to 16 running requests of up to 256 tokens
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+    )
+    runner, core, kv = llm.runner, llm.engine, llm.kv_cache_manager
+    compiles_after_warmup = runner.num_compilations
+    rng = np.random.default_rng(0)
+    work = _workload(rng, llm.model_config.vocab_size)
+    outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in work}
+    finished: set[str] = set()
+    aborted: set[str] = set()
+    pending = list(work)
+    running_ids: list[str] = []
+
+    for _ in range(20_000):  # a bound, so a scheduling deadlock fails instead of hanging
+        if not (pending or core.has_unfinished_requests()):
+            break
+        num_arrivals = int(rng.integers(0, 6))  # requests arrive over time
+        arrivals, pending = pending[:num_arrivals], pending[num_arrivals:]
+        for rid, prompt, params in arrivals:
+            request = Request(
+                rid,
+                prompt,
+                params,
+                eos_token_ids=llm.eos_token_ids,
+                max_tokens=params.max_tokens,
+                seed=params.seed or 0,
+            )
+            core.add_request(request)
+            running_ids.append(rid)
+        if running_ids and rng.random() < 0.08:  # abort a random live request mid-way
+            live = [r for r in running_ids if r not in finished and r not in aborted]
+            if live:
+                victim = live[int(rng.integers(len(live)))]
+                core.abort_requests([victim])
+                aborted.add(victim)
+        for update in core.step():
+            outputs[update.request_id].extend(update.new_token_ids)
+            if update.finish_reason is not None:
+                finished.add(update.request_id)
+        kv.check_invariants()
+
+    assert not pending and not core.has_unfinished_requests(), "the workload did not drain"
+    assert runner.num_compilations == compiles_after_warmup, "a program compiled after warmup"
+    assert kv.num_free_blocks == kv.num_pages and all(c == 0 for c in kv.ref_counts)
+    assert core.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert kv.prefix_cache_hits > 0, "the shared prefixes were meant to hit the cache"
+    assert len(finished) + len(aborted) == len(work) and len(aborted) >= 5
+
+    alone = LLM(
+        tiny_model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        num_pages=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+        skip_warmup=True,
+    )
+    mismatches = []
+    for rid, prompt, params in work:
+        if rid in aborted:
+            continue
+        ref = (
+            alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+        if ref != outputs[rid]:
+            mismatches.append(f"{rid} (prompt {len(prompt)} tokens): {outputs[rid]} != alone {ref}")
+    assert not mismatches, "\n".join(mismatches[:10])

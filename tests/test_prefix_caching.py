@@ -1,0 +1,137 @@
+"""Automatic prefix caching: chained block keys, LRU eviction of freed cached blocks, and a
+second request over a shared 1000-token prefix computing only its new tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.kv_cache_manager import KVCacheManager, hash_block
+from jaxllm.engine.request import Request
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=8, seed=0)
+
+
+def _admit(kv: KVCacheManager, req: Request) -> int:
+    """Admits and fully computes a request's prompt, like the scheduler would."""
+    blocks, cached = kv.get_computed_blocks(req)
+    req.num_computed_tokens = cached
+    assert kv.allocate_slots(req, req.num_tokens - cached, blocks)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req)
+    kv.check_invariants()
+    return cached
+
+
+def test_keys_chain_through_the_parent():
+    a = hash_block(None, [1, 2, 3, 4])
+    assert a == hash_block(None, [1, 2, 3, 4]) and len(a) == 32
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 3, 5])
+
+
+def test_hits_sharing_and_lru_eviction():
+    kv = KVCacheManager(num_pages=6, page_size=4)
+    first = _request("a", list(range(10)))  # 2 full blocks + 2 tokens
+    assert _admit(kv, first) == 0
+    second = _request("b", [*range(8), 77, 78, 79])  # same first 2 blocks
+    assert _admit(kv, second) == 8
+    shared = kv.get_block_table("a")[:2]
+    assert kv.get_block_table("b")[:2] == shared
+    assert all(kv.ref_counts[b] == 2 for b in shared)
+    # A prompt that is exactly cached still computes its last token.
+    third = _request("c", list(range(8)))
+    assert _admit(kv, third) == 4
+    for r in (first, second, third):
+        kv.free(r)
+    kv.check_invariants()
+    assert kv.num_free_blocks == 6 and len(kv.cached) == 2  # freed, but still cached
+    # A new request revives the cached blocks from the free queue.
+    fourth = _request("d", [*range(8), 5])
+    assert _admit(kv, fourth) == 8
+    kv.free(fourth)
+    # Filling the pool with unrelated blocks evicts the cached ones.
+    big = _request("e", list(range(100, 124)))  # 6 blocks: the whole pool
+    assert _admit(kv, big) == 0
+    assert not kv.cached or all(b in kv.get_block_table("e") for b in kv.cached.values())
+    kv.free(big)
+    assert _admit(kv, _request("f", [*range(8), 5])) == 0  # the old prefix was evicted
+
+
+def test_reset_prefix_cache():
+    kv = KVCacheManager(num_pages=4, page_size=4)
+    req = _request("a", list(range(9)))
+    _admit(kv, req)
+    assert kv.reset_prefix_cache() is False  # blocks in use
+    kv.free(req)
+    assert kv.reset_prefix_cache() is True
+    assert not kv.cached
+    kv.check_invariants()
+    assert _admit(kv, _request("b", list(range(9)))) == 0
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_pages=3, page_size=4)
+    _admit(kv, _request("a", list(range(8))))
+    req = _request("b", list(range(100, 120)))
+    before = (list(kv.free_queue), dict(kv.block_tables))
+    assert not kv.allocate_slots(req, 20)
+    assert (list(kv.free_queue), dict(kv.block_tables)) == before
+    kv.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def long_llm(tiny_model_dir):
+    return LLM(
+        tiny_model_dir,
+        max_model_len=1100,
+        num_pages=200,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+    )
+
+
+def test_shared_1000_token_prefix_computes_only_new_tokens(long_llm, tiny_model_dir):
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, 300, size=1000).tolist()
+    first = prefix + rng.integers(3, 300, size=20).tolist()
+    second = prefix + rng.integers(3, 300, size=30).tolist()
+    long_llm.generate({"prompt_token_ids": first}, GREEDY, use_tqdm=False)
+
+    runner = long_llm.runner
+    computed = []
+    execute = runner.execute
+
+    def counting_execute(out):
+        computed.extend(len(r.token_ids) for r in out.requests)
+        return execute(out)
+
+    kv = long_llm.kv_cache_manager
+    hits_before = kv.prefix_cache_hits
+    runner.execute = counting_execute
+    try:
+        out = long_llm.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
+    finally:
+        runner.execute = execute
+    cached = (1000 // 16) * 16  # the full blocks of the shared prefix
+    assert kv.prefix_cache_hits - hits_before == cached
+    # Its prompt minus the cached blocks, then one token per decode step after the first.
+    assert sum(computed) == len(second) - cached + GREEDY.max_tokens - 1
+
+    fresh = LLM(
+        tiny_model_dir,
+        max_model_len=1100,
+        num_pages=200,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+        skip_warmup=True,
+    )
+    ref = fresh.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert fresh.kv_cache_manager.prefix_cache_hits == 0
