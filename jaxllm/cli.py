@@ -21,6 +21,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of shared prompt prefixes (default: on)",
+    )
+    p.add_argument(
+        "--skip-warmup", action="store_true", help="do not compile every bucket at startup"
+    )
+    p.add_argument(
+        "--compilation-cache-dir",
+        default="default",
+        help="JAX persistent compilation cache (default: ~/.cache/jaxllm/xla)",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -44,6 +58,9 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        skip_warmup=args.skip_warmup,
+        compilation_cache_dir=args.compilation_cache_dir,
     )
     if args.chat:
         convs = [[{"role": "user", "content": p}] for p in args.prompt]

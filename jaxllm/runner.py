@@ -173,15 +173,16 @@ class ModelRunner:
             jobs, desc="Compiling buckets", disable=not progress, unit="program"
         ):
             batch, sampling = self._padding_batch(t, r)
-            result, self.kv_caches = self._step(
+            # Ahead-of-time: compile (or load from the persistent cache) without running.
+            # The jitted function reuses these executables when a real batch arrives.
+            self._step.lower(
                 self.state,
                 self.kv_caches,
                 batch,
                 sampling,
                 all_greedy=all_greedy,
                 num_logprobs=num_logprobs,
-            )
-        jax.block_until_ready(self.kv_caches)
+            ).compile()
         return time.perf_counter() - start
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
