@@ -1,8 +1,8 @@
 """The model runner: SchedulerOutput -> padded device arrays -> one jitted step -> tokens.
 
 The model is split once (`nnx.split`); the hot path is a pure function
-`step(state, kv_caches, batch, sampling) -> (sampler output, kv_caches)` under `jax.jit`, with
-the caches donated so every layer's cache is updated in place.
+`step(state, kv_cache, batch, sampling) -> (sampler output, kv_cache)` under `jax.jit`, with
+the cache donated so it is updated in place.
 
 Every batch is padded to a bucket: the token count to the next token bucket, the request count
 to the next request bucket, and the block table to a fixed `pages_per_seq` width. The compiled
@@ -146,8 +146,10 @@ class ModelRunner:
         )
         self.shapes = compiled_shapes(self.token_buckets, self.request_buckets, max_num_seqs)
         self.graphdef, self.state = nnx.split(model)
-        shape = get_kv_cache_shape(num_pages, page_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
+        shape = get_kv_cache_shape(
+            config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim
+        )
+        self.kv_cache = jnp.zeros(shape, dtype)
         self._step = jax.jit(
             functools.partial(_step, self.graphdef),
             donate_argnums=(1,),
@@ -177,7 +179,7 @@ class ModelRunner:
             # The jitted function reuses these executables when a real batch arrives.
             self._step.lower(
                 self.state,
-                self.kv_caches,
+                self.kv_cache,
                 batch,
                 sampling,
                 all_greedy=all_greedy,
@@ -212,7 +214,7 @@ class ModelRunner:
         return batch, sampling
 
     def kv_cache_bytes(self) -> int:
-        return sum(c.size * c.dtype.itemsize for c in self.kv_caches)
+        return self.kv_cache.size * self.kv_cache.dtype.itemsize
 
     def prepare(self, out: SchedulerOutput) -> tuple[BatchInputs, SamplingInputs, dict]:
         reqs = out.requests
@@ -281,7 +283,7 @@ class ModelRunner:
         """Runs one step; returns {request_id: (token, logprobs or None)} for every request
         whose scheduled chunk reached the end of its sequence."""
         batch, sampling, variant = self.prepare(out)
-        result, self.kv_caches = self._step(self.state, self.kv_caches, batch, sampling, **variant)
+        result, self.kv_cache = self._step(self.state, self.kv_cache, batch, sampling, **variant)
         result = jax.device_get(result)
         sampled = {}
         for i, r in enumerate(out.requests):
@@ -303,7 +305,7 @@ class ModelRunner:
 def _step(
     graphdef,
     state,
-    kv_caches,
+    kv_cache,
     batch: BatchInputs,
     sampling: SamplingInputs,
     *,
@@ -311,6 +313,6 @@ def _step(
     num_logprobs: int,
 ):
     model = nnx.merge(graphdef, state)
-    hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attn)
+    hidden, kv_cache = model(batch.input_ids, batch.positions, kv_cache, batch.attn)
     logits = model.compute_logits(hidden[batch.logits_indices])
-    return sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs), kv_caches
+    return sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs), kv_cache

@@ -26,7 +26,8 @@ def resolve_backend(backend: str) -> str:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [num_pages, page_size, 2K, H]
+    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    layer: jax.Array | int,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
     cu_q_lens: jax.Array,  # i32[R + 1]
@@ -37,15 +38,15 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: str = "reference",
 ) -> jax.Array:  # [T, N, H]
-    """Causal attention of a ragged batch of queries over the paged KV cache."""
+    """Causal attention of a ragged batch of queries over one layer of the paged KV cache."""
     num_tokens, num_heads, head_dim = q.shape
-    if kv_cache.ndim != 4 or kv_cache.shape[3] != head_dim or kv_cache.shape[2] % 2:
+    if kv_cache.ndim != 5 or kv_cache.shape[4] != head_dim or kv_cache.shape[3] % 2:
         raise ValueError(
-            f"kv_cache must be [pages, page_size, 2K, {head_dim}], got {kv_cache.shape}"
+            f"kv_cache must be [layers, pages, page_size, 2K, {head_dim}], got {kv_cache.shape}"
         )
-    if num_heads % (kv_cache.shape[2] // 2):
+    if num_heads % (kv_cache.shape[3] // 2):
         raise ValueError(
-            f"q heads ({num_heads}) must be a multiple of kv heads ({kv_cache.shape[2] // 2})"
+            f"q heads ({num_heads}) must be a multiple of kv heads ({kv_cache.shape[3] // 2})"
         )
     max_reqs = block_tables.shape[0]
     if seq_lens.shape != (max_reqs,) or cu_q_lens.shape != (max_reqs + 1,):
@@ -59,6 +60,7 @@ def ragged_paged_attention(
     return ragged_paged_attention_reference(
         q,
         kv_cache,
+        layer,
         seq_lens,
         block_tables,
         cu_q_lens,

@@ -32,7 +32,8 @@ def _chunk_pages(num_tokens: int, page_size: int, kh2: int, head_dim: int, max_p
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [num_pages, page_size, 2K, H]
+    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    layer: jax.Array | int,  # i32[]  which layer of the cache to read
     seq_lens: jax.Array,  # i32[R]      tokens in the cache per request, this step's included
     block_tables: jax.Array,  # i32[R, P]   page ids per request
     cu_q_lens: jax.Array,  # i32[R + 1]  query start offsets
@@ -43,7 +44,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, kh2, _ = kv_cache.shape
+    _, _, page_size, kh2, _ = kv_cache.shape
     num_kv_heads = kh2 // 2
     group = num_heads // num_kv_heads
     max_reqs, pages_per_seq = block_tables.shape
@@ -72,7 +73,7 @@ def ragged_paged_attention_reference(
     def body(c, carry):
         m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
-        kv = kv_cache[pages].reshape(num_tokens, chunk, num_kv_heads, 2, head_dim)
+        kv = kv_cache[layer, pages].reshape(num_tokens, chunk, num_kv_heads, 2, head_dim)
         s_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         mask = (s_pos[None, :] <= pos[:, None]) & (s_pos[None, :] < kv_len[:, None])  # [T, C]
         if sliding_window is not None:

@@ -37,8 +37,10 @@ def make_case(rng, seqs, *, num_heads, num_kv_heads, head_dim, page_size, max_re
     shuffled pages, and the padded metadata arrays."""
     pages_per_seq = max(-(-kv // page_size) for _, kv in seqs) + 1
     num_pages = sum(-(-kv // page_size) for _, kv in seqs) + 3
+    # Two layers; the request data lives in layer 1 and everything else is NaN, so reading the
+    # wrong layer, a page outside the block table, or a slot past the length poisons the output.
     cache = np.full(
-        get_kv_cache_shape(num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32
+        get_kv_cache_shape(2, num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32
     )
     perm = rng.permutation(num_pages)
     block_tables = np.zeros((max_reqs, pages_per_seq), np.int32)
@@ -55,8 +57,8 @@ def make_case(rng, seqs, *, num_heads, num_kv_heads, head_dim, page_size, max_re
         v = rng.standard_normal((kv_len, num_kv_heads, head_dim)).astype(np.float32)
         for t in range(kv_len):
             page, off = pages[t // page_size], t % page_size
-            cache[page, off, 0::2] = k[t]
-            cache[page, off, 1::2] = v[t]
+            cache[1, page, off, 0::2] = k[t]
+            cache[1, page, off, 1::2] = v[t]
         qs.append(rng.standard_normal((q_len, num_heads, head_dim)).astype(np.float32))
         ks.append(k)
         vs.append(v)
@@ -110,6 +112,7 @@ def test_matches_dense(mix, num_heads, num_kv_heads, head_dim, page_size, dtype)
     out = ragged_paged_attention(
         jnp.asarray(q, dtype),
         jnp.asarray(cache, dtype),
+        1,
         jnp.asarray(seq_lens),
         jnp.asarray(bt),
         jnp.asarray(cu),
@@ -145,6 +148,7 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
         ragged_paged_attention(
             jnp.asarray(q),
             jnp.asarray(cache),
+            jnp.int32(1),
             jnp.asarray(seq_lens),
             jnp.asarray(bt),
             jnp.asarray(cu),
@@ -162,14 +166,15 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
 
 
 def test_write_kv_writes_only_its_slots():
-    shape = get_kv_cache_shape(4, 8, 2, 16)
+    shape = get_kv_cache_shape(3, 4, 8, 2, 16)
     cache = jnp.zeros(shape)
     k = jnp.ones((5, 2, 16))
     v = 2 * jnp.ones((5, 2, 16))
     num_slots = 4 * 8
     slots = jnp.array([0, 9, 31, num_slots, num_slots], jnp.int32)  # two padding tokens
-    out = np.asarray(write_kv(cache, k, v, slots))
-    flat = out.reshape(num_slots, 4, 16)
+    out = np.asarray(write_kv(cache, 1, k, v, slots))
+    assert np.all(out[0] == 0) and np.all(out[2] == 0), "other layers must be untouched"
+    flat = out[1].reshape(num_slots, 4, 16)
     for s in (0, 9, 31):
         assert np.all(flat[s, 0::2] == 1) and np.all(flat[s, 1::2] == 2)
     others = np.delete(flat, [0, 9, 31], axis=0)
@@ -178,24 +183,19 @@ def test_write_kv_writes_only_its_slots():
 
 def test_bad_shapes_are_named():
     q = jnp.zeros((16, 4, 64))
-    cache = jnp.zeros(get_kv_cache_shape(4, 16, 3, 64))
+    args = (jnp.zeros(8, jnp.int32), jnp.zeros((8, 4), jnp.int32))
     with pytest.raises(ValueError, match="kv heads"):
         ragged_paged_attention(
-            q,
-            cache,
-            jnp.zeros(8, jnp.int32),
-            jnp.zeros((8, 4), jnp.int32),
-            jnp.zeros(9, jnp.int32),
-            jnp.zeros(1, jnp.int32),
-            sm_scale=1.0,
-        )
+            q, jnp.zeros(get_kv_cache_shape(1, 4, 16, 3, 64)), 0, *args,
+            jnp.zeros(9, jnp.int32), jnp.zeros(1, jnp.int32), sm_scale=1.0,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="cu_q_lens"):
         ragged_paged_attention(
-            q,
-            jnp.zeros(get_kv_cache_shape(4, 16, 2, 64)),
-            jnp.zeros(8, jnp.int32),
-            jnp.zeros((8, 4), jnp.int32),
-            jnp.zeros(8, jnp.int32),
-            jnp.zeros(1, jnp.int32),
-            sm_scale=1.0,
-        )
+            q, jnp.zeros(get_kv_cache_shape(1, 4, 16, 2, 64)), 0, *args,
+            jnp.zeros(8, jnp.int32), jnp.zeros(1, jnp.int32), sm_scale=1.0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        ragged_paged_attention(
+            q, jnp.zeros((4, 16, 4, 64)), 0, *args,
+            jnp.zeros(9, jnp.int32), jnp.zeros(1, jnp.int32), sm_scale=1.0,
+        )  # fmt: skip

@@ -5,8 +5,10 @@ the GGUF loader renames and un-permutes llama.cpp's tensors into the same names 
 first. So this file is the one place that knows how a torch `Linear` ([out, in]) becomes one of
 our einsum-shaped parameters ("DNH", "NHD", "DF", ...).
 
-Tensors are converted and placed on the device one at a time, so the host never holds more
-than one converted tensor beside whatever the source keeps memory-mapped.
+The decoder layers are one stacked module (a leading L axis on every layer parameter), so a
+layer tensor is written into its slice of a host buffer in the target dtype, and each stacked
+parameter goes to the device once all its L slices have arrived. Global tensors go to the
+device as soon as they are read.
 """
 
 from __future__ import annotations
@@ -46,22 +48,25 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
 
 def hf_to_path(
     name: str, config: ModelConfig
-) -> tuple[tuple[str | int, ...], Callable[[np.ndarray], np.ndarray]] | None:
-    """Our parameter path and layout transform for an HF tensor name; None to skip it."""
+) -> tuple[tuple[str, ...], int | None, Callable[[np.ndarray], np.ndarray]] | None:
+    """(our parameter path, layer index or None, layout transform) for an HF tensor name;
+    None to skip the tensor."""
+    same = lambda w: w  # noqa: E731
     if name == "model.embed_tokens.weight":
-        return ("embed_tokens",), lambda w: w
+        return ("embed_tokens",), None, same
     if name == "model.norm.weight":
-        return ("norm", "weight"), lambda w: w
+        return ("norm", "weight"), None, same
     if name == "lm_head.weight":
         # Some tied checkpoints still ship a copy of the embedding as lm_head: skip it.
-        return None if config.tie_word_embeddings else (("lm_head",), lambda w: w.T)
+        return None if config.tie_word_embeddings else (("lm_head",), None, lambda w: w.T)
     if name.endswith("rotary_emb.inv_freq"):
         return None  # a buffer in old checkpoints, recomputed from rope_theta
     m = _LAYER.match(name)
     if m:
         rule = _rules(config).get(m.group(2))
-        if rule is not None:
-            return ("layers", int(m.group(1)), *rule[0]), rule[1]
+        layer = int(m.group(1))
+        if rule is not None and layer < config.num_layers:
+            return ("layers", *rule[0]), layer, rule[1]
     raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
 
 
@@ -78,26 +83,42 @@ def build_state(
     """Fills an abstract model state from (HF name, tensor) pairs; every parameter must come."""
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
     filled: dict[tuple, nnx.Variable] = {}
+    stacks: dict[tuple, tuple[np.ndarray, list[bool]]] = {}  # path -> (host buffer, seen)
+    np_dtype = np.dtype(jnp.dtype(dtype))
     for name, tensor in tensors:
         target = hf_to_path(name, config)
         if target is None:
             continue
-        path, transform = target
+        path, layer, transform = target
         if path not in expected:
             raise ValueError(f"tensor {name!r} has no place in the model (path {path})")
-        if path in filled:
-            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
         var = expected[path]
         value = transform(_to_numpy(tensor))
-        if value.shape != var.shape:
+        shape = var.shape if layer is None else var.shape[1:]
+        if value.shape != shape:
             raise ValueError(
                 f"tensor {name!r}: shape {value.shape} after conversion does not match the "
-                f"model's {var.shape} (from the config)"
+                f"model's {shape} (from the config)"
             )
-        filled[path] = var.replace(jnp.asarray(value, dtype=dtype))
+        if layer is None:
+            if path in filled:
+                raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+            filled[path] = var.replace(jnp.asarray(value, dtype=dtype))
+            continue
+        buffer, seen = stacks.setdefault(
+            path, (np.empty(var.shape, np_dtype), [False] * var.shape[0])
+        )
+        if seen[layer]:
+            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+        buffer[layer] = value.astype(np_dtype, copy=False)
+        seen[layer] = True
+        if all(seen):
+            filled[path] = var.replace(jnp.asarray(buffer))
+            del stacks[path]
     missing = [".".join(map(str, p)) for p in expected if p not in filled]
     if missing:
         raise ValueError(
-            f"checkpoint is missing {len(missing)} parameter(s), e.g. {', '.join(missing[:5])}"
+            f"checkpoint is missing {len(missing)} parameter(s) (or some of their layers), "
+            f"e.g. {', '.join(missing[:5])}"
         )
     return nnx.from_flat_state([(p, filled[p]) for p in expected])

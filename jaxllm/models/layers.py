@@ -101,7 +101,12 @@ class Attention(nnx.Module):
         self.attention_backend = attention_backend
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata
+        self,
+        x: jax.Array,  # [T, D]
+        positions: jax.Array,  # i32[T]
+        kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+        layer: jax.Array,  # i32[]  this layer's index into the cache
+        meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
         k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
@@ -110,10 +115,11 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        kv_cache = pallas_kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
+        kv_cache = pallas_kernels.write_kv(kv_cache, layer, k, v, meta.slot_mapping)
         out = pallas_kernels.ragged_paged_attention(
             q,
             kv_cache,
+            layer,
             meta.seq_lens,
             meta.block_tables,
             meta.cu_q_lens,

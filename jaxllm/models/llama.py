@@ -2,9 +2,14 @@
 config switches cover the differences (GQA ratio, qkv bias, tied head, rope scaling,
 sliding window).
 
-The forward pass takes the flattened tokens of every scheduled request and one paged KV cache
-per layer, writes the new keys and values into the cache, and returns the final hidden states
-plus the updated caches. Logits are computed separately, only for the rows the sampler needs.
+The forward pass takes the flattened tokens of every scheduled request and the paged KV cache,
+writes the new keys and values into the cache, and returns the final hidden states plus the
+updated cache. Logits are computed separately, only for the rows the sampler needs.
+
+The decoder layers are one stacked module (every parameter has a leading L axis, created with
+`nnx.vmap`) run under `lax.scan`: each step program traces and compiles one layer instead of
+L copies, which is what keeps startup (every bucket is compiled) short. The KV cache rides in
+the scan's carry and each layer writes and reads `cache[layer]` in place.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache, meta: AttentionMetadata):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def __call__(self, x, positions, kv_cache, layer, meta: AttentionMetadata):
+        attn_out, kv_cache = self.self_attn(
+            self.input_layernorm(x), positions, kv_cache, layer, meta
+        )
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv_cache
@@ -47,12 +54,13 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = param(
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype
         )
-        self.layers = nnx.List(
-            [
-                DecoderLayer(config, dtype=dtype, attention_backend=attention_backend, rngs=rngs)
-                for _ in range(config.num_layers)
-            ]
-        )
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(config, dtype=dtype, attention_backend=attention_backend, rngs=rngs)
+
+        self.layers = make_layers(rngs)  # one module, parameters stacked on a leading L axis
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -65,18 +73,21 @@ class LlamaForCausalLM(nnx.Module):
         self,
         input_ids: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]
-        kv_caches: list[jax.Array],  # per layer [num_pages, page_size, 2K, H]
+        kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
         meta: AttentionMetadata,
-    ) -> tuple[jax.Array, list[jax.Array]]:  # [T, D], updated caches
+    ) -> tuple[jax.Array, jax.Array]:  # [T, D], updated cache
         x = self.embed_tokens[...][input_ids]
-        new_caches = []
-        # Layers are unrolled (not scanned) so that each layer's cache stays its own donated
-        # buffer, updated in place, and each attention call sees exactly one layer's cache.
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"layer_{i}"):
-                x, cache = layer(x, positions, kv_caches[i], meta)
-            new_caches.append(cache)
-        return self.norm(x), new_caches
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, layer_state):
+            x, kv_cache, i = carry
+            layer = nnx.merge(graphdef, layer_state)
+            x, kv_cache = layer(x, positions, kv_cache, i, meta)
+            return (x, kv_cache, i + 1), None
+
+        with jax.named_scope("layers"):
+            (x, kv_cache, _), _ = jax.lax.scan(body, (x, kv_cache, jnp.int32(0)), stacked)
+        return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         if self.lm_head is None:
