@@ -1,6 +1,8 @@
-"""Loading a GGUF file (llama.cpp's format) with the `gguf` package.
+"""Loading a GGUF file (llama.cpp's format).
 
-The metadata becomes a Hugging Face style config dict; each tensor is dequantized to float32,
+The container is read by `gguf_file.GGUFFile` (fast: string arrays are skipped unless the
+tokenizer must be built) and tensors are dequantized by the `gguf` package. The metadata
+becomes a Hugging Face style config dict; each tensor is dequantized to float32,
 renamed to its Hugging Face name, and (for the llama architecture) the rows of the Q and K
 projections are put back in Hugging Face order: llama.cpp's converter permutes them for its
 interleaved RoPE layout. The tokenizer and chat template come from the metadata through
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.config import ModelConfig
+from jaxllm.loaders.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +54,12 @@ _LAYER_NAMES = {
 }
 
 
-def _reader(path: Path):
-    import gguf
-
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises bare ValueErrors and struct errors
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+def _reader(path: Path) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.field(key, default)
 
 
 def gguf_hf_config(reader) -> dict:
@@ -135,13 +130,19 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, np.ndarray]]:
                 raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
             name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            qtype = gguf.GGMLQuantizationType(t.ggml_type)
+        except ValueError:
+            raise ValueError(
+                f"tensor {t.name!r} in {path} has unknown GGML type {t.ggml_type}"
+            ) from None
+        try:
+            w = gguf.quants.dequantize(reader.raw(t), qtype)
         except NotImplementedError as e:
             raise ValueError(
-                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which the gguf "
-                f"package cannot dequantize"
+                f"tensor {t.name!r} in {path} has type {qtype.name}, which the gguf package "
+                f"cannot dequantize"
             ) from e
-        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        w = np.asarray(w, dtype=np.float32).reshape(t.shape)
         if permuted and name.endswith("q_proj.weight"):
             w = _unpermute(w, config["num_attention_heads"])
         elif permuted and name.endswith("k_proj.weight"):
@@ -166,10 +167,9 @@ def _tokenizer_from_metadata(path: Path):
         special = m._SPECIAL_TOKENS
     except (ImportError, AttributeError):
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    reader = _reader(path)
     metadata = {
-        key: field.contents()
-        for key, field in reader.fields.items()
+        key: value
+        for key, value in GGUFFile(path, string_arrays=True).metadata.items()
         if key.startswith("tokenizer.") or key == "general.architecture"
     }
     groups = {
