@@ -5,11 +5,16 @@ scheduled tokens are flattened (`[T, N, H]`); request r owns rows `cu_q_lens[r]:
 which are the last `q_len` of its `seq_lens[r]` tokens (their K/V are already in the cache).
 Rows past `cu_q_lens[num_seqs]` are padding: they read nothing and return zeros.
 
-Data flow: each query row looks up its request, then walks that request's pages in chunks of
-`C` kv tokens with an online softmax. The loop runs only as far as the longest sequence in the
-batch (a `fori_loop` with a traced bound), so a short batch costs little even when the block
-table is wide. Masked keys and values are zeroed before use, so garbage or NaN in unused pages
-can never leak into the result.
+Each query row attends to two parts of its sequence, merged by one online softmax:
+- the step's own tokens (the "self" part): their K/V are read back from their slots and all
+  rows are scored against all of them in one dense `[T, T]` matmul, masked to the same
+  request and causal order. A whole prefill is just this part, with no gathering;
+- the request's context cached before this step: walked in chunks of `C` kv tokens, each row
+  gathering its own request's pages. The loop runs only as far as the longest context in the
+  batch (a `fori_loop` with a traced bound), so a short batch costs little even when the
+  block table is wide.
+Masked keys and values are zeroed before use, so garbage or NaN in unused pages can never leak
+into the result.
 """
 
 from __future__ import annotations
@@ -17,15 +22,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# The chunk length C: at most _CHUNK_TOKENS kv tokens (so a short sequence costs little
-# even when its block table is wide) and at most _CHUNK_BYTES of K/V gathered for all T rows.
+# The chunk length C: at most _CHUNK_TOKENS kv tokens (so a short context costs little even
+# when its block table is wide) and at most _CHUNK_BYTES of K/V gathered for all T rows.
 _CHUNK_TOKENS = 32
 _CHUNK_BYTES = 32 * 1024 * 1024
 
 
-def _chunk_pages(num_tokens: int, page_size: int, kh2: int, head_dim: int, max_pages: int) -> int:
-    """Pages per kv chunk: as many as fit `_CHUNK_BYTES` for all T rows, at least one."""
-    per_page = num_tokens * page_size * kh2 * head_dim * 4
+def _chunk_pages(num_rows: int, page_size: int, kh2: int, head_dim: int, max_pages: int) -> int:
+    """Pages per kv chunk: as many as fit `_CHUNK_BYTES` for all rows, at least one."""
+    per_page = num_rows * page_size * kh2 * head_dim * 4
     pages = min(_CHUNK_BYTES // per_page, _CHUNK_TOKENS // page_size, max_pages)
     return int(max(pages, 1))
 
@@ -33,7 +38,7 @@ def _chunk_pages(num_tokens: int, page_size: int, kh2: int, head_dim: int, max_p
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
     kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
-    layer: jax.Array | int,  # i32[]  which layer of the cache to read
+    layer: jax.Array | int,  # i32[]      which layer of the cache to read
     seq_lens: jax.Array,  # i32[R]      tokens in the cache per request, this step's included
     block_tables: jax.Array,  # i32[R, P]   page ids per request
     cu_q_lens: jax.Array,  # i32[R + 1]  query start offsets
@@ -49,55 +54,66 @@ def ragged_paged_attention_reference(
     group = num_heads // num_kv_heads
     max_reqs, pages_per_seq = block_tables.shape
 
-    # Token -> request, and the token's position among its request's kv tokens.
+    # Token -> request, and the token's position in its sequence.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     req = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
     req = jnp.minimum(req, max_reqs - 1)
-    valid = t < cu_q_lens[num_seqs[0]]
+    valid = t < cu_q_lens[num_seqs[0]]  # [T]
     q_start = cu_q_lens[req]
     q_len = cu_q_lens[req + 1] - q_start
-    kv_len = jnp.where(valid, seq_lens[req], 0)  # [T]
-    pos = kv_len - q_len + (t - q_start)  # [T]
+    pos = jnp.where(valid, seq_lens[req] - q_len + (t - q_start), 0)  # [T]
+    context_len = jnp.where(valid, seq_lens[req] - q_len, 0)  # [T] tokens cached before
 
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+
+    def softcap(s):
+        return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+    def in_window(kv_pos, q_pos):
+        return True if sliding_window is None else kv_pos > q_pos - sliding_window
+
+    # The self part: the step's tokens, read back from the slots they were written to.
+    page = block_tables[req, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
+    new_kv = kv_cache[layer, page, pos % page_size]  # [T, 2K, H]
+    new_kv = jnp.where(valid[:, None, None], new_kv.astype(jnp.float32), 0.0)
+    new_kv = new_kv.reshape(num_tokens, num_kv_heads, 2, head_dim)
+    k_new, v_new = new_kv[:, :, 0], new_kv[:, :, 1]  # [T, K, H]
+    self_mask = (req[:, None] == req[None, :]) & (t[None, :] <= t[:, None])
+    self_mask &= valid[:, None] & valid[None, :] & in_window(pos[None, :], pos[:, None])
+    # Head-major ("ktg...") so each kv head is one plain [T*G, H] x [H, T] matmul.
+    qk = qg.transpose(1, 0, 2, 3)  # [K, T, G, H]
+    s = softcap(jnp.einsum("ktgh,kuh->ktgu", qk, k_new.transpose(1, 0, 2)))
+    s = jnp.where(self_mask[None, :, None, :], s, -jnp.inf)
+    m = s.max(axis=-1)  # finite for every valid row: a token always sees itself
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m[..., None])
+    acc = jnp.einsum("ktgu,kuh->ktgh", p, v_new.transpose(1, 0, 2))
+    carry = (m.transpose(1, 0, 2), p.sum(axis=-1).transpose(1, 0, 2), acc.transpose(1, 0, 2, 3))
+
+    # The context part, chunk by chunk, with an online softmax.
     chunk_pages = _chunk_pages(num_tokens, page_size, kh2, head_dim, pages_per_seq)
     chunk = chunk_pages * page_size
     padded_pages = -(-pages_per_seq // chunk_pages) * chunk_pages
     tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))[req]  # [T, P']
-
-    live = jnp.arange(max_reqs) < num_seqs[0]
-    max_kv_len = jnp.max(jnp.where(live, seq_lens, 0))
-    num_chunks = (max_kv_len + chunk - 1) // chunk
-
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    num_chunks = (jnp.max(context_len) + chunk - 1) // chunk
 
     def body(c, carry):
         m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
         kv = kv_cache[layer, pages].reshape(num_tokens, chunk, num_kv_heads, 2, head_dim)
         s_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
-        mask = (s_pos[None, :] <= pos[:, None]) & (s_pos[None, :] < kv_len[:, None])  # [T, C]
-        if sliding_window is not None:
-            mask &= s_pos[None, :] > pos[:, None] - sliding_window
+        mask = (s_pos[None, :] < context_len[:, None]) & in_window(s_pos[None, :], pos[:, None])
         kv = jnp.where(mask[:, :, None, None, None], kv.astype(jnp.float32), 0.0)
         k, v = kv[..., 0, :], kv[..., 1, :]  # [T, C, K, H]
-        s = jnp.einsum("tkgh,tckh->tkgc", qg, k)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = softcap(jnp.einsum("tkgh,tckh->tkgc", qg, k))
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
+        m_new = jnp.maximum(m, s.max(axis=-1))  # finite: m already is
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(axis=-1)
         acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckh->tkgh", p, v)
         return m_new, l, acc
 
-    shape = (num_tokens, num_kv_heads, group)
-    init = (
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, head_dim), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, carry)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
