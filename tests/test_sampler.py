@@ -65,3 +65,49 @@ def test_greedy_rows_and_logprobs():
     np.testing.assert_allclose(out.top_logprobs, jax.lax.top_k(lp, 5)[0], rtol=1e-6)
     fast = sample(logits, s, all_greedy=True, num_logprobs=0)
     np.testing.assert_array_equal(fast.sampled, out.sampled)
+
+
+def _numpy_filter(x, top_k, top_p, min_p):
+    """The sort-based definition: top-k, then top-p on the renormalised rest, then min-p."""
+    keep = np.ones_like(x, bool)
+    order = np.argsort(-x)
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    z = np.where(keep, x, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1:
+        sp = p[order]
+        n = int(np.searchsorted(np.cumsum(sp), top_p) + 1)  # smallest prefix reaching top_p
+        keep[order[n:]] = False
+    if min_p > 0:
+        keep &= x >= x.max() + np.log(min_p)
+    return keep
+
+
+def test_filter_matches_sort_based_definition():
+    rng = np.random.default_rng(0)
+    r, v = 24, 3000
+    x = (rng.standard_normal((r, v)) * 3).astype(np.float32)
+    top_k = rng.choice([0, 1, 5, 50, 2999], size=r)
+    top_p = rng.choice([1.0, 0.95, 0.5, 0.1], size=r)
+    min_p = rng.choice([0.0, 0.0, 0.05], size=r)
+    s = SamplingInputs(
+        temperature=jnp.ones(r, jnp.float32),
+        top_k=jnp.asarray(top_k, jnp.int32),
+        top_p=jnp.asarray(top_p, jnp.float32),
+        min_p=jnp.asarray(min_p, jnp.float32),
+        seeds=jnp.zeros((r, 2), jnp.uint32),
+        counters=jnp.zeros(r, jnp.int32),
+    )
+    kept = np.isfinite(np.asarray(_filter(jnp.asarray(x), s)))
+    for i in range(r):
+        expect = _numpy_filter(x[i].astype(np.float64), top_k[i], top_p[i], min_p[i])
+        assert (kept[i] == expect).all(), (
+            i,
+            top_k[i],
+            top_p[i],
+            min_p[i],
+            kept[i].sum(),
+            expect.sum(),
+        )
