@@ -25,6 +25,10 @@ def test_generate_prints_the_completion(tiny_model_dir, capsys):
             "64",
             "--num-pages",
             "16",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
         ]
     )
     out = capsys.readouterr().out
