@@ -53,16 +53,20 @@ class IncrementalDetokenizer:
         self.text += delta
         return self._check_stop(old_len)
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """At the end of the output, adds text held back for an incomplete character (it
-        will never complete: the bytes really are invalid UTF-8)."""
+        will never complete: the bytes really are invalid UTF-8). Returns True when that text
+        completes a stop string."""
         if self.stop_reason is not None:
-            return
+            return False
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])
-        if len(full) > len(prefix):
-            self.text += full[len(prefix) :]
-            self.prefix_offset = self.read_offset = len(self.tokens)
+        if len(full) <= len(prefix):
+            return False
+        old_len = len(self.text)
+        self.text += full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> bool:
         """Truncates the text at the earliest stop string that the last delta completed."""

@@ -295,6 +295,9 @@ class LLM:
             # On any error, leave the engine clean for the next call.
             if pending:
                 self.engine.abort_requests(sorted(pending))
+            if self.runner.kv_cache_lost:  # the cache was rebuilt: cached prefixes are void
+                self.kv_cache_manager.reset_prefix_cache()
+                self.runner.kv_cache_lost = False
         return [
             RequestOutput(
                 request_id=rid,

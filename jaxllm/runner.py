@@ -29,7 +29,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.models import AttentionMetadata
 from jaxllm.sampler import SamplingInputs, sample
-from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS
 from pallas_kernels import get_kv_cache_shape
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ def compiled_shapes(
 # Sampler variants compiled for every shape: (all_greedy, num_logprobs). The fast one serves
 # batches where every request is greedy without logprobs; the general one everything else.
 SAMPLER_VARIANTS = ((True, 0), (False, MAX_LOGPROBS))
+# Width of the per-request blocked-id array (EOS ids plus stop ids, while min_tokens holds).
+MAX_BLOCKED_IDS = MAX_STOP_TOKEN_IDS + 16
 
 
 def _bucket(n: int, buckets: list[int]) -> int:
@@ -150,6 +152,7 @@ class ModelRunner:
             config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim
         )
         self.kv_cache = jnp.zeros(shape, dtype)
+        self.kv_cache_lost = False  # set when a failed step took the cache with it
         self._step = jax.jit(
             functools.partial(_step, self.graphdef),
             donate_argnums=(1,),
@@ -210,6 +213,7 @@ class ModelRunner:
             min_p=np.zeros(r_pad, np.float32),
             seeds=np.zeros((r_pad, 2), np.uint32),
             counters=zeros_r,
+            blocked_ids=np.full((r_pad, MAX_BLOCKED_IDS), self.config.vocab_size, np.int32),
         )
         return batch, sampling
 
@@ -237,6 +241,9 @@ class ModelRunner:
         min_p = np.zeros(r_pad, np.float32)
         seeds = np.zeros((r_pad, 2), np.uint32)
         counters = np.zeros(r_pad, np.int32)
+        blocked = np.full(
+            (r_pad, MAX_BLOCKED_IDS), self.config.vocab_size, np.int32
+        )  # pad: dropped
 
         start = 0
         for i, r in enumerate(reqs):
@@ -259,6 +266,8 @@ class ModelRunner:
             seed = r.seed % 2**64
             seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
             counters[i] = r.num_output_tokens
+            ids = r.blocked_token_ids[:MAX_BLOCKED_IDS]
+            blocked[i, : len(ids)] = ids
             start += n
 
         batch = BatchInputs(
@@ -273,9 +282,12 @@ class ModelRunner:
                 num_seqs=np.array([num_reqs], np.int32),
             ),
         )
-        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters)
+        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters, blocked)
         sampling_reqs = [r for r in reqs if r.sample]
-        fast = all(r.temperature == 0 and r.num_logprobs is None for r in sampling_reqs)
+        fast = all(
+            r.temperature < SAMPLING_EPS and r.num_logprobs is None and not r.blocked_token_ids
+            for r in sampling_reqs
+        )
         all_greedy, num_logprobs = SAMPLER_VARIANTS[0 if fast else 1]
         return batch, sampling, {"all_greedy": all_greedy, "num_logprobs": num_logprobs}
 
@@ -283,8 +295,18 @@ class ModelRunner:
         """Runs one step; returns {request_id: (token, logprobs or None)} for every request
         whose scheduled chunk reached the end of its sequence."""
         batch, sampling, variant = self.prepare(out)
-        result, self.kv_cache = self._step(self.state, self.kv_cache, batch, sampling, **variant)
-        result = jax.device_get(result)
+        try:
+            result, self.kv_cache = self._step(
+                self.state, self.kv_cache, batch, sampling, **variant
+            )
+            result = jax.device_get(result)
+        except BaseException:
+            # The cache was donated to the failed step: if it is gone, start from a fresh one
+            # so the engine can serve again (the caller drops every cached prefix).
+            if self.kv_cache.is_deleted():
+                self.kv_cache = jnp.zeros(self.kv_cache.shape, self.kv_cache.dtype)
+                self.kv_cache_lost = True
+            raise
         sampled = {}
         for i, r in enumerate(out.requests):
             if not r.sample:

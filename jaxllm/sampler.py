@@ -17,6 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxllm.sampling_params import SAMPLING_EPS
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,7 @@ class SamplingInputs:
     min_p: jax.Array  # f32[R]  0 = off
     seeds: jax.Array  # u32[R, 2]  the request's 64-bit seed, low and high words
     counters: jax.Array  # i32[R]  tokens the request has sampled so far
+    blocked_ids: jax.Array  # i32[R, B]  ids that may not be sampled (min_tokens); >= V pads
 
 
 @jax.tree_util.register_dataclass
@@ -98,15 +101,20 @@ def sample(
     all_greedy: bool,
     num_logprobs: int,
 ) -> SamplerOutput:
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """`all_greedy` (static) promises every row is greedy with nothing blocked."""
+    raw = logits
     if all_greedy:
-        sampled = greedy
+        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
-        temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, s.blocked_ids].set(-jnp.inf, mode="drop")
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        random = s.temperature >= SAMPLING_EPS
+        temperature = jnp.where(random, s.temperature, 1.0)
         x = _filter(logits / temperature[:, None], s)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(_request_keys(s))
         drawn = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
-        sampled = jnp.where(s.temperature > 0, drawn, greedy)
+        sampled = jnp.where(random, drawn, greedy)
 
     num_reqs = logits.shape[0]
     if num_logprobs == 0:
@@ -118,7 +126,7 @@ def sample(
             jnp.zeros((num_reqs, 0), jnp.int32),
             jnp.zeros((num_reqs, 0), jnp.float32),
         )
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
     chosen = jnp.take_along_axis(logprobs, sampled[:, None], axis=-1)[:, 0]
     rank = (logprobs > chosen[:, None]).sum(axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)

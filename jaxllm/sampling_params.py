@@ -11,6 +11,9 @@ import math
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (vLLM's default max_logprobs)
 MAX_N = 128
+MAX_STOP_TOKEN_IDS = 32  # stop_token_ids per request (they travel to the sampler as an array)
+# Temperatures below this are greedy (as in vLLM): dividing logits by less would overflow.
+SAMPLING_EPS = 1e-5
 
 
 def _check_float(name: str, value, lo: float, hi: float, *, lo_open=False) -> None:
@@ -38,7 +41,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     """Most tokens to generate; None generates up to the model's context."""
     temperature: float = 1.0
-    """0 is greedy; higher is more random."""
+    """0 (or anything below 1e-5) is greedy; higher is more random."""
     top_p: float = 1.0
     """Sample only from the smallest set of tokens whose probability adds up to top_p."""
     top_k: int = 0
@@ -82,6 +85,11 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} allowed, got "
+                f"{len(self.stop_token_ids)}"
+            )
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0)
         _check_int("min_tokens", self.min_tokens, 0)
@@ -94,4 +102,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS

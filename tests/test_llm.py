@@ -128,15 +128,35 @@ def test_stop_token_and_eos(tiny_llm):
     )[0].outputs[0]
     assert out.token_ids == free[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
-    # min_tokens holds the stop token back.
+    # min_tokens: the stop token may not be sampled among the first 3 tokens, and its text
+    # never shows.
     out = tiny_llm.generate(
         prompt,
-        SamplingParams(
-            temperature=0, max_tokens=12, stop_token_ids=[free[0]], min_tokens=3, ignore_eos=True
-        ),
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[0]], min_tokens=3),
         use_tqdm=False,
     )[0].outputs[0]
-    assert len(out.token_ids) >= 3
+    assert len(out.token_ids) >= 4 and free[0] not in out.token_ids[:3]
+    assert out.token_ids[0] != free[0]
+
+
+def test_min_tokens_blocks_eos(tiny_llm):
+    eos = tiny_llm.eos_token_ids[0]
+    # Logit bias is not available yet, so find a prompt whose greedy first token is EOS.
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        prompt = {"prompt_token_ids": rng.integers(3, 300, size=5).tolist()}
+        first = tiny_llm.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False
+        )
+        if first[0].outputs[0].token_ids == [eos]:
+            break
+    else:
+        pytest.skip("no prompt with EOS as its first greedy token in 300 tries")
+    assert first[0].outputs[0].finish_reason == "stop" and first[0].outputs[0].text == ""
+    out = tiny_llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=5, min_tokens=2), use_tqdm=False
+    )[0].outputs[0]
+    assert eos not in out.token_ids[:2] and len(out.token_ids) >= 2
 
 
 def test_stop_strings(tiny_llm):
@@ -229,3 +249,24 @@ def test_no_compilation_for_repeated_shapes(tiny_llm):
     before = tiny_llm.runner.num_compilations
     tiny_llm.generate(_prompts(4, seed=5), GREEDY, use_tqdm=False)
     assert tiny_llm.runner.num_compilations == before
+
+
+def test_engine_recovers_from_a_failed_step(tiny_llm):
+    prompt = {"prompt_token_ids": [9, 8, 7, 6, 5] * 8}
+    ref = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    runner = tiny_llm.runner
+    step = runner._step
+
+    def failing_step(state, kv_cache, *args, **kwargs):
+        kv_cache.delete()  # as a device fault after donation would leave it
+        raise RuntimeError("simulated device fault")
+
+    runner._step = failing_step
+    try:
+        with pytest.raises(RuntimeError, match="simulated device fault"):
+            tiny_llm.generate(prompt, GREEDY, use_tqdm=False)
+    finally:
+        runner._step = step
+    _assert_idle(tiny_llm)
+    assert not runner.kv_cache.is_deleted() and not tiny_llm.kv_cache_manager.cached
+    assert tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref

@@ -17,6 +17,7 @@ def inputs(r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter
         min_p=jnp.full((r,), min_p, jnp.float32),
         seeds=jnp.tile(jnp.array([[seed, 0]], jnp.uint32), (r, 1)),
         counters=jnp.full((r,), counter, jnp.int32),
+        blocked_ids=jnp.full((r, 4), 10**6, jnp.int32),
     )
 
 
@@ -99,6 +100,7 @@ def test_filter_matches_sort_based_definition():
         min_p=jnp.asarray(min_p, jnp.float32),
         seeds=jnp.zeros((r, 2), jnp.uint32),
         counters=jnp.zeros(r, jnp.int32),
+        blocked_ids=jnp.full((r, 4), v, jnp.int32),
     )
     kept = np.isfinite(np.asarray(_filter(jnp.asarray(x), s)))
     for i in range(r):
@@ -111,3 +113,19 @@ def test_filter_matches_sort_based_definition():
             kept[i].sum(),
             expect.sum(),
         )
+
+
+def test_blocked_ids_and_tiny_temperatures():
+    logits = jnp.array([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]], jnp.float32)
+    s = inputs(2, temperature=0.0)
+    s = SamplingInputs(**{**s.__dict__, "blocked_ids": jnp.array([[1, 4, 4, 4], [4, 4, 4, 4]])})
+    out = sample(logits, s, all_greedy=False, num_logprobs=2)
+    assert np.asarray(out.sampled).tolist() == [2, 1]  # row 0 may not pick token 1
+    # Logprobs stay those of the raw distribution.
+    np.testing.assert_allclose(
+        out.top_logprobs[0], jax.nn.log_softmax(logits[0])[jnp.array([1, 2])]
+    )
+    # A temperature too small to divide by is greedy, not NaN.
+    big = jnp.array([[35.0, 0.0, 40.0, 0.0]], jnp.float32)
+    tiny = sample(big, inputs(1, temperature=1e-37), all_greedy=False, num_logprobs=0)
+    assert int(tiny.sampled[0]) == 2

@@ -63,8 +63,10 @@ class OutputProcessor:
                     state.cumulative_logprob += u.new_logprobs[i][0]
                 if state.detokenizer is None:
                     continue
-                # A stop token's text is left out unless asked for; EOS is a special token.
-                skip = u.stop_reason == token and not state.params.include_stop_str_in_output
+                # The token that stopped the output (EOS or a stop id) leaves its text out
+                # unless include_stop_str_in_output.
+                ends = u.finish_reason == "stop" and i == len(u.new_token_ids) - 1
+                skip = ends and not state.params.include_stop_str_in_output
                 if state.detokenizer.add_token(token, skip_text=skip):
                     state.finish_reason = "stop"
                     state.stop_reason = state.detokenizer.stop_reason
@@ -72,8 +74,9 @@ class OutputProcessor:
                     break
             if state.finish_reason is None and u.finish_reason is not None:
                 state.finish_reason, state.stop_reason = u.finish_reason, u.stop_reason
-                if state.detokenizer is not None:
-                    state.detokenizer.flush()
+                if state.detokenizer is not None and state.detokenizer.flush():
+                    state.finish_reason = "stop"
+                    state.stop_reason = state.detokenizer.stop_reason
             if state.finish_reason is not None:
                 finished.append(u.request_id)
         return finished, to_abort

@@ -45,6 +45,7 @@ class ScheduledRequest:
     seed: int
     num_output_tokens: int  # tokens sampled so far; folds into the per-request PRNG key
     num_logprobs: int | None  # top logprobs wanted; None when logprobs are off
+    blocked_token_ids: list[int]  # may not be sampled now (EOS and stop ids before min_tokens)
 
 
 @dataclasses.dataclass
@@ -185,6 +186,11 @@ class Scheduler:
             seed=request.seed,
             num_output_tokens=request.num_output_tokens,
             num_logprobs=params.logprobs,
+            blocked_token_ids=(
+                [*request.eos_token_ids, *params.stop_token_ids]
+                if request.num_output_tokens < params.min_tokens
+                else []
+            ),
         )
 
     def update_from_output(
@@ -218,7 +224,9 @@ class Scheduler:
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        if request.num_output_tokens >= request.sampling_params.min_tokens:
+        # The sampler cannot pick EOS or a stop id among the first min_tokens tokens; this
+        # check repeats the rule so the two can never disagree.
+        if request.num_output_tokens > request.sampling_params.min_tokens:
             if token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in request.stop_token_ids:

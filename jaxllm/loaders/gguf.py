@@ -208,10 +208,14 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path):
     tokenizer = _tokenizer_from_metadata(path)
     # Write to a private directory, then rename: a concurrent loader sees all or nothing.
     cached.parent.mkdir(parents=True, exist_ok=True)
+    if cached.exists():  # an incomplete leftover (no tokenizer.json): replace it
+        shutil.rmtree(cached, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent))
-    tokenizer.save_pretrained(tmp)
     try:
+        tokenizer.save_pretrained(tmp)
         tmp.replace(cached)
     except OSError:  # another process won the race
+        pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer

@@ -92,7 +92,9 @@ class GGUFFile:
             ggml_type, offset = struct.unpack_from("<IQ", buf, self.pos + 4 + 8 * ndim)
             self.pos += 4 + 8 * ndim + 12
             table.append((name, tuple(int(d) for d in reversed(dims)), ggml_type, offset))
-        alignment = int(self.metadata.get("general.alignment", 32))
+        alignment = self.metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+            raise ValueError(f"general.alignment must be a positive multiple of 8, got {alignment}")
         start = -(-self.pos // alignment) * alignment
         self.tensors = [TensorInfo(n, s, t, start + o) for n, s, t, o in table]
 
@@ -141,7 +143,10 @@ class GGUFFile:
             raise ValueError(f"tensor {t.name!r}: row of {row} is not a multiple of {block_size}")
         row_bytes = row // block_size * type_size
         rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
-        return self._data[t.offset : t.offset + rows * row_bytes].reshape(rows, row_bytes)
+        end = t.offset + rows * row_bytes
+        if end > len(self._data):
+            raise ValueError(f"{self.path}: tensor {t.name!r} runs past the end of the file")
+        return self._data[t.offset : end].reshape(rows, row_bytes)
 
 
 class _Skipped:

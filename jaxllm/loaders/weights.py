@@ -100,9 +100,9 @@ def build_state(
                 f"tensor {name!r}: shape {value.shape} after conversion does not match the "
                 f"model's {shape} (from the config)"
             )
+        if path in filled:
+            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
         if layer is None:
-            if path in filled:
-                raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
             filled[path] = var.replace(jnp.asarray(value, dtype=dtype))
             continue
         buffer, seen = stacks.setdefault(
