@@ -27,6 +27,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse the KV cache of shared prompt prefixes (default: on)",
     )
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument(
         "--skip-warmup", action="store_true", help="do not compile every bucket at startup"
     )
@@ -59,6 +60,7 @@ def _generate(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         skip_warmup=args.skip_warmup,
         compilation_cache_dir=args.compilation_cache_dir,
     )

@@ -195,8 +195,14 @@ class SchedulerConfig:
     """Most requests in one step."""
     max_num_batched_tokens: int = 512
     """Most tokens (prefill chunks + decodes) in one step."""
+    policy: str = "fcfs"
+    """"fcfs": waiting requests in arrival order, the newest running one is preempted first.
+    "priority": by (priority, arrival), lower values first; the lowest-priority, newest
+    running request is preempted first."""
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:

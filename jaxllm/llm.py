@@ -54,6 +54,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
         skip_warmup: bool = False,
         compilation_cache_dir: str | os.PathLike | None = "default",
     ):
@@ -78,6 +79,7 @@ class LLM:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            policy=scheduling_policy,
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -201,10 +203,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority`: one int per prompt, lower first; needs scheduling_policy="priority"."""
         prompts, params = self._normalize(prompts, sampling_params)
+        priorities = self._priorities(priority, len(prompts))
         tokenized = [self._tokenize(p) for p in prompts]
-        return self._run(tokenized, params, use_tqdm=use_tqdm)
+        return self._run(tokenized, params, use_tqdm=use_tqdm, priorities=priorities)
+
+    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        if self.scheduler_config.policy != "priority":
+            raise ValueError('priority: requires LLM(..., scheduling_policy="priority")')
+        priority = list(priority)
+        if len(priority) != n or not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in priority
+        ):
+            raise ValueError(f"priority must be {n} integers, one per prompt")
+        return priority
 
     def chat(
         self,
@@ -241,13 +258,19 @@ class LLM:
         return self._run(tokenized, params, use_tqdm=use_tqdm)
 
     def _run(
-        self, tokenized, params: list[SamplingParams], *, use_tqdm: bool
+        self,
+        tokenized,
+        params: list[SamplingParams],
+        *,
+        use_tqdm: bool,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)
         groups: list[tuple[str, str | None, list[int], list[str]]] = []
         children: dict[str, int] = {}  # sub-request id -> index into groups
         requests = []
-        for (text, ids), sp in zip(tokenized, params, strict=True):
+        priorities = priorities or [0] * len(params)
+        for (text, ids), sp, prio in zip(tokenized, params, priorities, strict=True):
             rid = str(next(self._ids))
             max_tokens = self.max_model_len - len(ids)
             if sp.max_tokens is not None:
@@ -264,6 +287,7 @@ class LLM:
                         eos_token_ids=self.eos_token_ids,
                         max_tokens=max_tokens,
                         seed=seed,
+                        priority=prio,
                     )
                 )
                 processor.add_request(sub, i, ids, sp)

@@ -270,3 +270,26 @@ def test_engine_recovers_from_a_failed_step(tiny_llm):
     _assert_idle(tiny_llm)
     assert not runner.kv_cache.is_deleted() and not tiny_llm.kv_cache_manager.cached
     assert tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
+
+
+def test_priority_policy(tiny_model_dir, tiny_llm):
+    with pytest.raises(ValueError, match="priority"):
+        tiny_llm.generate({"prompt_token_ids": [5]}, GREEDY, priority=[1], use_tqdm=False)
+    llm = LLM(tiny_model_dir, max_model_len=64, num_pages=16, max_num_seqs=1,
+              max_num_batched_tokens=32, scheduling_policy="priority", skip_warmup=True)  # fmt: skip
+    order = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        order.extend(r.request_id for r in out.requests if r.request_id not in order)
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(3)]
+    outs = llm.generate(prompts, GREEDY, priority=[2, 0, 1], use_tqdm=False)
+    ids = [o.request_id for o in outs]
+    # One seat: requests run one at a time, in priority order, whatever the arrival order.
+    assert order == [ids[1], ids[2], ids[0]]
+    with pytest.raises(ValueError, match="priority must be 3 integers"):
+        llm.generate(prompts, GREEDY, priority=[0, 1], use_tqdm=False)

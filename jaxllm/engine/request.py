@@ -47,6 +47,7 @@ class Request:
         eos_token_ids: tuple[int, ...],
         max_tokens: int,
         seed: int,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,6 +56,7 @@ class Request:
         self.stop_token_ids = set(sampling_params.stop_token_ids)
         self.max_tokens = max_tokens  # resolved: never runs past max_model_len
         self.seed = seed  # resolved: a request without a seed gets one from the engine
+        self.priority = priority  # lower runs earlier under the "priority" policy
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

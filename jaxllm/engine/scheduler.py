@@ -122,7 +122,8 @@ class Scheduler:
         granted: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
-        # Running requests first, oldest first; make room by preempting the newest.
+        # Running requests first, oldest first; make room by preempting the newest (under the
+        # priority policy: the lowest-priority, newest) of those not yet granted this step.
         for request in list(self.running):
             if budget == 0:
                 break
@@ -130,7 +131,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
-                victim = self.running[-1]
+                victim = self._pick_victim(granted)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -147,7 +148,7 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self._next_waiting()
             # A new or preempted request starts from its longest cached prefix.
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)
@@ -156,7 +157,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.kv.record_lookup(request.num_tokens, num_cached)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             granted.append((request, n))
@@ -169,6 +170,19 @@ class Scheduler:
             preempted_request_ids=preempted,
             finished_request_ids=finished,
         )
+
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]  # arrival order; preempted requests went back to the front
+
+    def _pick_victim(self, granted: list[tuple[Request, int]]) -> Request:
+        done = {id(r) for r, _ in granted}
+        candidates = [r for r in self.running if id(r) not in done]  # never empty: the
+        # request being scheduled is a candidate itself
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
