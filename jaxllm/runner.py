@@ -191,29 +191,32 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
-        """A batch of the given padded shape holding no request: it writes nothing."""
-        num_slots = self.num_pages * self.page_size
-        zeros_t, zeros_r = np.zeros(t_pad, np.int32), np.zeros(r_pad, np.int32)
+        """Fresh arrays of the given padded shape holding no request: such a batch writes
+        nothing. The one place padding values are defined; `prepare` fills requests in."""
+
+        def ints(*shape: int, fill: int = 0) -> np.ndarray:
+            return np.full(shape, fill, np.int32)
+
         batch = BatchInputs(
-            input_ids=zeros_t,
-            positions=zeros_t,
-            logits_indices=zeros_r,
+            input_ids=ints(t_pad),
+            positions=ints(t_pad),
+            logits_indices=ints(r_pad),
             attn=AttentionMetadata(
-                slot_mapping=np.full(t_pad, num_slots, np.int32),
-                seq_lens=zeros_r,
-                block_tables=np.zeros((r_pad, self.pages_per_seq), np.int32),
-                cu_q_lens=np.zeros(r_pad + 1, np.int32),
-                num_seqs=np.zeros(1, np.int32),
+                slot_mapping=ints(t_pad, fill=self.num_pages * self.page_size),  # dropped
+                seq_lens=ints(r_pad),
+                block_tables=ints(r_pad, self.pages_per_seq),
+                cu_q_lens=ints(r_pad + 1),
+                num_seqs=ints(1),
             ),
         )
         sampling = SamplingInputs(
             temperature=np.zeros(r_pad, np.float32),
-            top_k=zeros_r,
+            top_k=ints(r_pad),
             top_p=np.ones(r_pad, np.float32),
             min_p=np.zeros(r_pad, np.float32),
             seeds=np.zeros((r_pad, 2), np.uint32),
-            counters=zeros_r,
-            blocked_ids=np.full((r_pad, MAX_BLOCKED_IDS), self.config.vocab_size, np.int32),
+            counters=ints(r_pad),
+            blocked_ids=ints(r_pad, MAX_BLOCKED_IDS, fill=self.config.vocab_size),  # dropped
         )
         return batch, sampling
 
@@ -226,63 +229,36 @@ class ModelRunner:
         num_tokens = out.total_num_scheduled_tokens
         t_pad = _bucket(num_tokens, self.token_buckets)
         r_pad = _bucket(num_reqs, self.request_buckets)
-        num_slots = self.num_pages * self.page_size
-
-        input_ids = np.zeros(t_pad, np.int32)
-        positions = np.zeros(t_pad, np.int32)
-        slot_mapping = np.full(t_pad, num_slots, np.int32)  # padding: dropped on write
-        seq_lens = np.zeros(r_pad, np.int32)
-        block_tables = np.zeros((r_pad, self.pages_per_seq), np.int32)
-        cu_q_lens = np.full(r_pad + 1, num_tokens, np.int32)
-        logits_indices = np.zeros(r_pad, np.int32)
-        temperature = np.zeros(r_pad, np.float32)
-        top_k = np.zeros(r_pad, np.int32)
-        top_p = np.ones(r_pad, np.float32)
-        min_p = np.zeros(r_pad, np.float32)
-        seeds = np.zeros((r_pad, 2), np.uint32)
-        counters = np.zeros(r_pad, np.int32)
-        blocked = np.full(
-            (r_pad, MAX_BLOCKED_IDS), self.config.vocab_size, np.int32
-        )  # pad: dropped
+        batch, sampling = self._padding_batch(t_pad, r_pad)
+        attn = batch.attn
+        attn.num_seqs[0] = num_reqs
+        attn.cu_q_lens[:] = num_tokens  # padding requests: empty, after the last real token
 
         start = 0
         for i, r in enumerate(reqs):
             n = len(r.token_ids)
             pos = np.arange(r.num_computed_tokens, r.num_computed_tokens + n, dtype=np.int32)
             blocks = np.asarray(r.block_ids, np.int32)
-            input_ids[start : start + n] = r.token_ids
-            positions[start : start + n] = pos
-            slot_mapping[start : start + n] = blocks[pos // self.page_size] * self.page_size + (
-                pos % self.page_size
+            batch.input_ids[start : start + n] = r.token_ids
+            batch.positions[start : start + n] = pos
+            attn.slot_mapping[start : start + n] = (
+                blocks[pos // self.page_size] * self.page_size + pos % self.page_size
             )
-            cu_q_lens[i] = start
-            seq_lens[i] = r.num_computed_tokens + n
-            block_tables[i, : len(blocks)] = blocks
-            logits_indices[i] = start + n - 1
-            temperature[i] = r.temperature
-            top_k[i] = r.top_k
-            top_p[i] = r.top_p
-            min_p[i] = r.min_p
+            attn.cu_q_lens[i] = start
+            attn.seq_lens[i] = r.num_computed_tokens + n
+            attn.block_tables[i, : len(blocks)] = blocks
+            batch.logits_indices[i] = start + n - 1
+            sampling.temperature[i] = r.temperature
+            sampling.top_k[i] = r.top_k
+            sampling.top_p[i] = r.top_p
+            sampling.min_p[i] = r.min_p
             seed = r.seed % 2**64
-            seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-            counters[i] = r.num_output_tokens
+            sampling.seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
+            sampling.counters[i] = r.num_output_tokens
             ids = r.blocked_token_ids[:MAX_BLOCKED_IDS]
-            blocked[i, : len(ids)] = ids
+            sampling.blocked_ids[i, : len(ids)] = ids
             start += n
 
-        batch = BatchInputs(
-            input_ids=input_ids,
-            positions=positions,
-            logits_indices=logits_indices,
-            attn=AttentionMetadata(
-                slot_mapping=slot_mapping,
-                seq_lens=seq_lens,
-                block_tables=block_tables,
-                cu_q_lens=cu_q_lens,
-                num_seqs=np.array([num_reqs], np.int32),
-            ),
-        )
-        sampling = SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters, blocked)
         sampling_reqs = [r for r in reqs if r.sample]
         fast = all(
             r.temperature < SAMPLING_EPS and r.num_logprobs is None and not r.blocked_token_ids
