@@ -54,53 +54,45 @@ _LAYER_NAMES = {
 }
 
 
-def _reader(path: Path) -> GGUFFile:
-    return GGUFFile(path)
-
-
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.field(key, default)
-
-
-def gguf_hf_config(reader) -> dict:
+def gguf_hf_config(reader: GGUFFile) -> dict:
     """The GGUF metadata as a Hugging Face `config.json` dict."""
-    arch = _field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
         )
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names or _field(reader, f"{arch}.rope.scaling.type"):
+    if "rope_freqs.weight" in tensor_names or reader.field(f"{arch}.rope.scaling.type"):
         raise ValueError(
             "GGUF rope scaling (rope_freqs / rope.scaling.*) is not supported yet; load the "
             "Hugging Face checkpoint of this model instead"
         )
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    heads = reader.field(f"{arch}.attention.head_count")
+    hidden = reader.field(f"{arch}.embedding_length")
+    tokens = reader.field("tokenizer.ggml.tokens") or []
+    eos = reader.field("tokenizer.ggml.eos_token_id")
     return {
         "architectures": [_ARCHITECTURES[arch][0]],
-        "vocab_size": _field(reader, f"{arch}.vocab_size") or len(tokens),
+        "vocab_size": reader.field(f"{arch}.vocab_size") or len(tokens),
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "intermediate_size": reader.field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": reader.field(f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
-        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
-        "sliding_window": _field(reader, f"{arch}.attention.sliding_window"),
+        "num_key_value_heads": reader.field(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": reader.field(f"{arch}.attention.key_length", hidden // heads),
+        "max_position_embeddings": reader.field(f"{arch}.context_length", 2048),
+        "rms_norm_eps": reader.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": reader.field(f"{arch}.rope.freq_base", 10000.0),
+        "sliding_window": reader.field(f"{arch}.attention.sliding_window"),
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "bos_token_id": reader.field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
     }
 
 
 def load_gguf_config(path: Path) -> ModelConfig:
-    return ModelConfig.from_hf_config(gguf_hf_config(_reader(path)))
+    return ModelConfig.from_hf_config(gguf_hf_config(GGUFFile(path)))
 
 
 def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -117,9 +109,9 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, float32 tensor in HF layout) pairs, dequantized one at a time."""
     import gguf
 
-    reader = _reader(path)
+    reader = GGUFFile(path)
     config = gguf_hf_config(reader)
-    arch = _field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     permuted = _ARCHITECTURES[arch][1]
     for t in reader.tensors:
         if t.name in _GLOBAL_NAMES:
@@ -155,7 +147,7 @@ def _tokenizer_from_metadata(path: Path):
 
     transformers' own `AutoTokenizer.from_pretrained(gguf_file=...)` imports torch (its GGUF
     reader does), which is not a runtime dependency of ours. Its tokenizer converters do not,
-    so we read the metadata with the `gguf` package and hand it to them. Where this
+    so we read the metadata with `GGUFFile` and hand it to them. Where this
     transformers version lacks those functions we fall back to the public path, which then
     needs torch; the tests check that both paths encode text the same way."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

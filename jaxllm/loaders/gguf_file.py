@@ -18,20 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-# GGUF metadata value types -> struct format for scalars.
-_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
+# GGUF metadata value types with a fixed size -> numpy dtype (scalars and array elements).
 _NUMPY = {
     0: "<u1",
     1: "<i1",
@@ -105,10 +92,10 @@ class GGUFFile:
         return s
 
     def _value(self, vtype: int, string_arrays: bool):
-        if vtype in _SCALARS:
-            fmt = _SCALARS[vtype]
-            (v,) = struct.unpack_from(fmt, self._buf, self.pos)
-            self.pos += struct.calcsize(fmt)
+        if vtype in _NUMPY:
+            dtype = np.dtype(_NUMPY[vtype])
+            v = np.frombuffer(self._buf, dtype=dtype, count=1, offset=self.pos)[0].item()
+            self.pos += dtype.itemsize
             return v
         if vtype == _STRING:
             return self._string()
