@@ -211,9 +211,9 @@ class LLM:
         tokenized = [self._tokenize(p) for p in prompts]
         return self._run(tokenized, params, use_tqdm=use_tqdm, priorities=priorities)
 
-    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
+    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int] | None:
         if priority is None:
-            return [0] * n
+            return None  # everyone at the default priority (see _run)
         if self.scheduler_config.policy != "priority":
             raise ValueError('priority: requires LLM(..., scheduling_policy="priority")')
         priority = list(priority)
