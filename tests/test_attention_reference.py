@@ -11,77 +11,7 @@ import pytest
 
 from pallas_kernels import get_kv_cache_shape, ragged_paged_attention, write_kv
 
-
-def dense_attention(q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None):
-    """q: [q_len, N, H]; k, v: [kv_len, K, H]; the queries are the last q_len positions."""
-    kv_len, num_kv, _ = k.shape
-    group = q.shape[1] // num_kv
-    k = np.repeat(k, group, axis=1)
-    v = np.repeat(v, group, axis=1)
-    s = np.einsum("qnh,knh->nqk", q, k) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * np.tanh(s / soft_cap)
-    pos = np.arange(kv_len - q_len, kv_len)[:, None]
-    kpos = np.arange(kv_len)[None, :]
-    mask = kpos <= pos
-    if sliding_window is not None:
-        mask &= kpos > pos - sliding_window
-    s = np.where(mask[None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("nqk,knh->qnh", p, v)
-
-
-def make_case(rng, seqs, *, num_heads, num_kv_heads, head_dim, page_size, max_reqs, t_pad, dtype):
-    """seqs: list of (q_len, kv_len). Builds a NaN-filled cache holding each request's K/V in
-    shuffled pages, and the padded metadata arrays."""
-    pages_per_seq = max(-(-kv // page_size) for _, kv in seqs) + 1
-    num_pages = sum(-(-kv // page_size) for _, kv in seqs) + 3
-    # Two layers; the request data lives in layer 1 and everything else is NaN, so reading the
-    # wrong layer, a page outside the block table, or a slot past the length poisons the output.
-    cache = np.full(
-        get_kv_cache_shape(2, num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32
-    )
-    perm = rng.permutation(num_pages)
-    block_tables = np.zeros((max_reqs, pages_per_seq), np.int32)
-    seq_lens = np.zeros(max_reqs, np.int32)
-    cu = np.zeros(max_reqs + 1, np.int32)
-    qs, ks, vs = [], [], []
-    used = 0
-    for r, (q_len, kv_len) in enumerate(seqs):
-        n = -(-kv_len // page_size)
-        pages = perm[used : used + n]
-        used += n
-        block_tables[r, :n] = pages
-        k = rng.standard_normal((kv_len, num_kv_heads, head_dim)).astype(np.float32)
-        v = rng.standard_normal((kv_len, num_kv_heads, head_dim)).astype(np.float32)
-        for t in range(kv_len):
-            page, off = pages[t // page_size], t % page_size
-            cache[1, page, off, 0::2] = k[t]
-            cache[1, page, off, 1::2] = v[t]
-        qs.append(rng.standard_normal((q_len, num_heads, head_dim)).astype(np.float32))
-        ks.append(k)
-        vs.append(v)
-        seq_lens[r] = kv_len
-        cu[r + 1] = cu[r] + q_len
-    cu[len(seqs) + 1 :] = cu[len(seqs)]
-    total = int(cu[len(seqs)])
-    q = np.full((t_pad, num_heads, head_dim), 0.5, np.float32)  # padding rows: arbitrary
-    q[:total] = np.concatenate(qs)
-    # Round inputs to the dtype so the f32 numpy reference sees the same values.
-    q = np.asarray(jnp.asarray(q, dtype).astype(jnp.float32))
-    cache = np.asarray(jnp.asarray(cache, dtype).astype(jnp.float32))
-    ks = [np.asarray(jnp.asarray(k, dtype).astype(jnp.float32)) for k in ks]
-    vs = [np.asarray(jnp.asarray(v, dtype).astype(jnp.float32)) for v in vs]
-    return q, cache, seq_lens, block_tables, cu, qs, ks, vs, total
-
-
-MIXES = {
-    "decode": [(1, 1), (1, 17), (1, 255), (1, 513), (1, 3)],
-    "prefill": [(3, 3), (16, 16), (17, 17), (255, 255)],
-    "chunked": [(16, 513), (3, 17), (17, 255)],
-    "mixed": [(1, 513), (17, 17), (16, 255), (1, 1), (3, 16)],
-}
+from helpers import MIXES, dense_attention, make_case
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
