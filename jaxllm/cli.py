@@ -19,7 +19,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument(
+        "--attention-backend",
+        # pallas_kernels.ATTENTION_BACKENDS, spelled out so --help need not import JAX.
+        choices=("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu"),
+        default="auto",
+        help="auto: the platform's Pallas kernel (the reference on CPU); pallas: the platform's "
+        "kernel (interpreted on CPU, for checking); or a backend by name",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--enable-prefix-caching",

@@ -66,7 +66,7 @@ class LLM:
             compilation_cache_dir = cache_dir() / "xla"
         setup_compilation_cache(compilation_cache_dir)
         jdtype = resolve_dtype(dtype)
-        backend = pallas_kernels.resolve_backend(attention_backend)
+        self.attention_backend = backend = pallas_kernels.resolve_backend(attention_backend)
         cache_config = CacheConfig(
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization
         )

@@ -1,8 +1,15 @@
 """Attention and KV-cache kernels with their pure-JAX references.
 
 `ragged_paged_attention` is the one entry point the model calls; `backend` picks the
-implementation. Only the plain-JAX `reference` backend exists so far; the Pallas TPU and GPU
-kernels will plug in behind the same signature and the same cache layout (`kv_cache.py`).
+implementation, all behind one signature and one cache layout (`kv_cache.py`):
+- `reference`: plain JAX (`ragged_attention_reference.py`), the ground truth and the CPU
+  default;
+- `pallas_tpu`: a Mosaic TPU kernel (`ragged_attention_tpu.py`);
+- `pallas_gpu`: a Pallas Triton kernel for NVIDIA GPUs (`ragged_attention_gpu.py`).
+The engine's `attention_backend` is one of `ATTENTION_BACKENDS`: "auto" picks the Pallas kernel
+of the platform (the reference on CPU), "pallas" the platform's kernel (the TPU kernel in
+interpret mode on CPU, for checking it there). Off their platform the Pallas kernels run only in
+interpret mode, which `interpret=None` turns on by itself.
 """
 
 from __future__ import annotations
@@ -10,17 +17,30 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.kv_cache import get_kv_cache_shape, write_kv
+from pallas_kernels.ragged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_attention_tpu import ragged_paged_attention_tpu
+from pallas_kernels.tuning import BlockSizes, get_block_sizes
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
+ATTENTION_BACKENDS = ("auto", "pallas", *BACKENDS)
+_NATIVE_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 
 
-def resolve_backend(backend: str) -> str:
-    """Maps "auto" to the backend for the current platform and checks the name."""
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """Maps an engine `attention_backend` to one of `BACKENDS` for `platform` (default: JAX's
+    default backend): "auto" is the platform's Pallas kernel, or the reference on CPU;
+    "pallas" is the platform's kernel, the TPU one on CPU (interpreted)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    platform = platform or jax.default_backend()
+    kernel = "pallas_gpu" if platform in ("gpu", "cuda", "rocm") else "pallas_tpu"
     if backend == "auto":
-        return "reference"
-    if backend not in BACKENDS:
-        raise ValueError(f"attention_backend must be auto or one of {BACKENDS}, got {backend!r}")
+        return "reference" if platform == "cpu" else kernel
+    if backend == "pallas":
+        return kernel
+    if backend != "reference" and platform not in ("cpu", _NATIVE_PLATFORM[backend]):
+        raise ValueError(f"attention_backend {backend!r} cannot run on platform {platform!r}")
     return backend
 
 
@@ -37,8 +57,17 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     backend: str = "reference",
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
 ) -> jax.Array:  # [T, N, H]
-    """Causal attention of a ragged batch of queries over one layer of the paged KV cache."""
+    """Causal attention of a ragged batch of queries over one layer of the paged KV cache.
+
+    Request r's queries are rows `cu_q_lens[r]:cu_q_lens[r + 1]` of `q`, the last of its
+    `seq_lens[r]` tokens, whose K/V are already in the cache (`write_kv` first). Requests from
+    `num_seqs[0]` on are padding, as are rows past `cu_q_lens[num_seqs[0]]`: they read nothing
+    and return zeros. `block_sizes` overrides the tuning table for the Pallas backends;
+    `interpret=None` interprets them when the platform is not theirs (e.g. on CPU).
+    """
     num_tokens, num_heads, head_dim = q.shape
     if kv_cache.ndim != 5 or kv_cache.shape[4] != head_dim or kv_cache.shape[3] % 2:
         raise ValueError(
@@ -56,26 +85,68 @@ def ragged_paged_attention(
         )
     if num_seqs.shape != (1,):
         raise ValueError(f"num_seqs must be [1], got {num_seqs.shape}")
-    backend = resolve_backend(backend)
-    return ragged_paged_attention_reference(
-        q,
-        kv_cache,
-        layer,
-        seq_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    args = (q, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return ragged_paged_attention_reference(*args, **kwargs)
+
+    page_size = kv_cache.shape[2]
+    if interpret is None:
+        interpret = jax.default_backend() != _NATIVE_PLATFORM[backend]
+    if block_sizes is None:
+        block_sizes = get_block_sizes(
+            backend,
+            head_dim=head_dim,
+            page_size=page_size,
+            num_tokens=num_tokens,
+            max_reqs=max_reqs,
+            device_kind="cpu" if interpret else None,
+        )
+    if backend == "pallas_tpu":
+        if page_size % 8:
+            raise ValueError(f"pallas_tpu needs page_size a multiple of 8, got {page_size}")
+        return ragged_paged_attention_tpu(
+            *args,
+            **kwargs,
+            q_block=block_sizes.q_block,
+            kv_pages=block_sizes.kv_pages,
+            interpret=interpret,
+        )
+    for name, value in (
+        ("page_size", page_size),
+        ("head_dim", head_dim),
+        ("block_sizes.q_block", block_sizes.q_block),
+        ("block_sizes.kv_pages", block_sizes.kv_pages),
+    ):
+        if value & (value - 1):
+            raise ValueError(f"pallas_gpu needs {name} a power of two, got {value}")
+    return ragged_paged_attention_gpu(
+        *args,
+        **kwargs,
+        q_block=block_sizes.q_block,
+        kv_pages=block_sizes.kv_pages,
+        num_warps=block_sizes.num_warps,
+        num_stages=block_sizes.num_stages,
+        interpret=interpret,
     )
 
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "BACKENDS",
+    "BlockSizes",
+    "get_block_sizes",
     "get_kv_cache_shape",
     "ragged_paged_attention",
+    "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
+    "ragged_paged_attention_tpu",
     "resolve_backend",
     "write_kv",
 ]

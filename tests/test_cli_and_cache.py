@@ -65,3 +65,11 @@ def test_demo_names_resolve_offline_only_when_cached(tmp_path, monkeypatch):
 def test_help_lists_commands():
     text = build_parser().format_help()
     assert "generate" in text and "fetch" in text
+
+
+def test_attention_backend_choices_match_the_kernels():
+    import pallas_kernels
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    (action,) = [a for a in generate._actions if a.dest == "attention_backend"]
+    assert set(action.choices) == set(pallas_kernels.ATTENTION_BACKENDS)

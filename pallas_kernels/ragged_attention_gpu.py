@@ -1,0 +1,202 @@
+"""Ragged paged attention as a Pallas kernel for NVIDIA GPUs (Triton lowering).
+
+Why Triton and not Mosaic GPU: Mosaic GPU is where JAX is heading on Hopper (warp-specialized
+pipelines through TMA), but it has no gather: a paged cache needs each KV block assembled from
+pages picked by a block table, which Triton does with one pointer gather (`kv[layer, pages]`).
+The Triton path also runs on Ampere and lowers on any machine, so the kernel can be checked
+on CPU in interpret mode and lowered for CUDA without a GPU. A Mosaic GPU kernel (TMA per
+page) is the natural next step once its gather story settles.
+
+The grid is (query block, kv head). Unlike the TPU kernel, a query block never spans two
+requests: the wrapper cuts each request's queries into blocks of `q_block` tokens and gives
+each block its own program, so a decode batch of B sequences runs B x K programs in parallel,
+each streaming one sequence's pages once. Programs past the last block do nothing.
+
+Query rows are laid out head-major with the group padded to a power of two (Triton wants
+power-of-two block shapes): `[K, T' * Gp, H]`, row t * Gp + g being token t, head k * G + g.
+KV loads are masked by the request's length, so pages past it are never read, and stores are
+masked to the program's own rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _kernel(
+    layer_ref,  # i32[1]
+    seq_lens_ref,  # i32[R]
+    tables_ref,  # i32[R, P']        P' = P padded to a multiple of kv_pages
+    cu_q_lens_ref,  # i32[R + 1]
+    prog_req_ref,  # i32[B]           request of each query block, -1 past the last block
+    prog_tok_ref,  # i32[B]           first token of each query block
+    q_ref,  # [K, T' * Gp, H]
+    kv_ref,  # [L, num_pages, page_size, 2K, H]
+    o_ref,  # [K, T' * Gp, H]
+    *,
+    q_block: int,
+    group_padded: int,
+    kv_pages: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    j, h = pl.program_id(0), pl.program_id(1)
+    page_size, head_dim = kv_ref.shape[2], kv_ref.shape[4]
+    kv_tokens = kv_pages * page_size
+    rows = q_block * group_padded
+    r = prog_req_ref[j]
+
+    @pl.when(r >= 0)
+    def _():
+        layer = layer_ref[0]
+        tok0 = prog_tok_ref[j]
+        q_start, q_end, seq_len = cu_q_lens_ref[r], cu_q_lens_ref[r + 1], seq_lens_ref[r]
+        row_tok = tok0 + jax.lax.div(jnp.arange(rows, dtype=jnp.int32), group_padded)
+        row_ok = row_tok < q_end  # [rows]
+        row_pos = seq_len - (q_end - q_start) + (row_tok - q_start)  # [rows]
+        kv_end = seq_len - (q_end - jnp.minimum(q_end, tok0 + q_block))
+        kv_begin = 0
+        if sliding_window is not None:
+            kv_begin = jnp.maximum(seq_len - (q_end - tok0) - sliding_window + 1, 0)
+
+        q = q_ref[h, pl.ds(tok0 * group_padded, rows), :]  # [rows, H]
+        offsets = jnp.arange(page_size, dtype=jnp.int32)
+        dims = jnp.arange(head_dim, dtype=jnp.int32)
+
+        def body(kb, carry):
+            m, l, acc = carry  # [rows], [rows], [rows, H]
+            pages = tables_ref[r, pl.ds(kb * kv_pages, kv_pages)]  # [kv_pages]
+            kv_pos = kb * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)  # [kv]
+            load_ok = (kv_pos < kv_end).reshape(kv_pages, page_size, 1)
+            # A gather of whole pages, indexed with arrays on every axis (the interpreter
+            # cannot mix array indices with slices).
+            idx = (layer, pages[:, None, None], offsets[None, :, None])
+            k = pltriton.load(kv_ref.at[(*idx, 2 * h, dims[None, None, :])], mask=load_ok, other=0)
+            v = pltriton.load(
+                kv_ref.at[(*idx, 2 * h + 1, dims[None, None, :])], mask=load_ok, other=0
+            )
+            k = k.reshape(kv_tokens, head_dim)
+            v = v.reshape(kv_tokens, head_dim)
+            s = pltriton.dot(q.astype(k.dtype), k, trans_b=True).astype(jnp.float32) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            mask = row_ok[:, None] & (kv_pos[None, :] <= row_pos[:, None])
+            if sliding_window is not None:
+                mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+            s = jnp.where(mask, s, _MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + p.sum(axis=1)
+            acc = alpha[:, None] * acc + pltriton.dot(p.astype(v.dtype), v).astype(jnp.float32)
+            return m_new, l, acc
+
+        init = (
+            jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32),
+        )
+        kb_lo = jax.lax.div(kv_begin, kv_tokens)
+        kb_hi = jax.lax.div(kv_end + kv_tokens - 1, kv_tokens)
+        _, l, acc = jax.lax.fori_loop(kb_lo, kb_hi, body, init)
+        out = (acc / jnp.where(l > 0.0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        pltriton.store(o_ref.at[h, pl.ds(tok0 * group_padded, rows), :], out, mask=row_ok[:, None])
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    layer: jax.Array | int,  # i32[]
+    seq_lens: jax.Array,  # i32[R]
+    block_tables: jax.Array,  # i32[R, P]
+    cu_q_lens: jax.Array,  # i32[R + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    q_block: int,
+    kv_pages: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [T, N, H]
+    """The Triton kernel behind `ragged_paged_attention(..., backend="pallas_gpu")`.
+
+    Shapes are checked by the public entry point; the block sizes come from
+    `tuning.get_block_sizes`. `q_block` and `kv_pages` must be powers of two.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_pages, page_size, kh2, _ = kv_cache.shape
+    num_kv_heads = kh2 // 2
+    group = num_heads // num_kv_heads
+    group_padded = pl.next_power_of_2(group)
+    max_reqs, pages_per_seq = block_tables.shape
+    # Triton's dot wants at least 16 rows.
+    q_block = max(q_block, 16 // min(group_padded, 16))
+
+    # Query blocks: each request's tokens cut into blocks of q_block, one program each.
+    n = num_seqs[0]
+    q_lens = jnp.where(jnp.arange(max_reqs) < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_lens + q_block - 1) // q_block
+    ends = jnp.cumsum(blocks)
+    num_programs = num_tokens // q_block + max_reqs  # a bound: sum(ceil(q / b)) <= T / b + R
+    prog = jnp.arange(num_programs, dtype=jnp.int32)
+    prog_req = jnp.searchsorted(ends, prog, side="right").astype(jnp.int32)
+    in_range = prog < ends[-1]
+    prog_req = jnp.where(in_range, prog_req, -1)
+    safe_req = jnp.clip(prog_req, 0, max_reqs - 1)
+    prog_tok = cu_q_lens[safe_req] + (prog - (ends[safe_req] - blocks[safe_req])) * q_block
+    prog_tok = jnp.where(in_range, prog_tok, 0).astype(jnp.int32)
+
+    # Rows a block may touch past the end, and block-table columns a kv block may read past
+    # the end, are padded so no slice ever leaves its array.
+    padded_tokens = num_tokens + q_block
+    qh = jnp.pad(q, ((0, q_block), (0, 0), (0, 0))).reshape(
+        padded_tokens, num_kv_heads, group, head_dim
+    )
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, group_padded - group), (0, 0)))
+    qh = qh.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_padded, head_dim)
+    padded_pages = -(-pages_per_seq // kv_pages) * kv_pages
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
+    tables = jnp.clip(tables, 0, num_pages - 1).astype(jnp.int32)
+
+    kernel = functools.partial(
+        _kernel,
+        q_block=q_block,
+        group_padded=group_padded,
+        kv_pages=kv_pages,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_programs, num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        seq_lens.astype(jnp.int32),
+        tables,
+        cu_q_lens.astype(jnp.int32),
+        prog_req,
+        prog_tok,
+        qh,
+        kv_cache,
+    )
+    out = out.reshape(num_kv_heads, padded_tokens, group_padded, head_dim)[:, :num_tokens, :group]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
+    # Rows no program owns (padding tokens) were never written.
+    valid = jnp.arange(num_tokens) < cu_q_lens[n]
+    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))

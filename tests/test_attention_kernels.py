@@ -1,0 +1,301 @@
+"""The Pallas ragged attention kernels against the reference backend.
+
+One test class, `KernelCases`, runs every case for a backend. Its subclasses run it on CPU in
+Pallas interpret mode (the bulk of the checking) and on a real TPU or GPU when one is present
+(skipped otherwise, saying why). Unused pages and the tails of partial pages are NaN, so any
+read past a request's length or outside its block table poisons the result.
+
+Beyond interpret mode: a few targeted runs of the TPU kernel under the TPU simulator
+(`pltpu.InterpretParams`: DMA and semaphore ordering, race detection, uninitialized scratch
+filled with NaN), and lowering both kernels for their real platforms (Mosaic TPU, Triton
+CUDA), which checks on this CPU what interpret mode cannot: that each op has a lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import (
+    BlockSizes,
+    get_block_sizes,
+    get_kv_cache_shape,
+    ragged_paged_attention,
+    resolve_backend,
+)
+from pallas_kernels.tuning import device_family
+
+from helpers import MIXES, dense_attention, make_case
+
+# (num_heads, num_kv_heads, head_dim, page_size, dtype): GQA ratios 1, 3 and 8, head_dim 64
+# and 128, page sizes 16 and 128, f32 and bf16, each appearing with every mix below.
+CONFIGS = [
+    (2, 2, 128, 16, jnp.float32),
+    (6, 2, 64, 16, jnp.bfloat16),
+    (8, 1, 128, 128, jnp.bfloat16),
+    (3, 1, 64, 128, jnp.float32),
+]
+
+
+def _case(rng, mix, num_heads, num_kv_heads, head_dim, page_size, dtype, *, max_reqs=8):
+    seqs = MIXES[mix]
+    total = sum(q for q, _ in seqs)
+    t_pad = -(-(total + 5) // 16) * 16  # some padding rows past the last request
+    q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
+        rng,
+        seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_reqs=max_reqs,
+        t_pad=t_pad,
+        dtype=dtype,
+    )
+    args = (
+        jnp.asarray(q, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.int32(1),
+        jnp.asarray(seq_lens),
+        jnp.asarray(bt),
+        jnp.asarray(cu),
+        jnp.asarray([len(seqs)], jnp.int32),
+    )
+    return args, (q, cu, ks, vs, total)
+
+
+def _tolerance(dtype):
+    # bf16: the kernels multiply bf16 probabilities into bf16 values, as TPU and GPU kernels do.
+    return 1e-5 if dtype == jnp.float32 else 3e-2
+
+
+class KernelCases:
+    backend: str
+    interpret: bool | pltpu.InterpretParams
+
+    def run(self, args, **kwargs):
+        return ragged_paged_attention(
+            *args, backend=self.backend, interpret=self.interpret, **kwargs
+        )
+
+    @pytest.mark.parametrize("mix", list(MIXES))
+    @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}")
+    def test_matches_reference(self, mix, config):
+        *shape, dtype = config
+        args, (q, cu, ks, vs, total) = _case(np.random.default_rng(0), mix, *shape, dtype)
+        sm_scale = shape[2] ** -0.5
+        out = self.run(args, sm_scale=sm_scale)
+        ref = ragged_paged_attention(*args, sm_scale=sm_scale, backend="reference")
+        out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+        assert not np.isnan(out).any(), "NaN from an unused page or slot leaked into the output"
+        tol = _tolerance(dtype)
+        np.testing.assert_allclose(out[:total], ref[:total], atol=tol, rtol=tol)
+        assert np.all(out[total:] == 0), "padding rows must read nothing"
+        # And the dense numpy ground truth, so the reference cannot be wrong in the same way.
+        for r, (q_len, _) in enumerate(MIXES[mix]):
+            expect = dense_attention(q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, sm_scale)
+            np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=tol, rtol=tol)
+
+    @pytest.mark.parametrize("sliding_window,soft_cap", [(7, None), (None, 5.0), (40, 30.0)])
+    def test_sliding_window_and_soft_cap(self, sliding_window, soft_cap):
+        args, (_, _, _, _, total) = _case(
+            np.random.default_rng(1), "mixed", 6, 2, 64, 16, jnp.float32
+        )
+        kwargs = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+        out = np.asarray(self.run(args, **kwargs))
+        ref = np.asarray(ragged_paged_attention(*args, **kwargs, backend="reference"))
+        np.testing.assert_allclose(out[:total], ref[:total], atol=1e-5, rtol=1e-5)
+
+    def test_block_sizes_do_not_change_the_result(self):
+        """Blocks smaller and larger than a request, one page at a time or many."""
+        args, (_, _, _, _, total) = _case(
+            np.random.default_rng(2), "chunked", 6, 2, 64, 16, jnp.float32
+        )
+        ref = np.asarray(ragged_paged_attention(*args, sm_scale=0.1, backend="reference"))
+        for sizes in (BlockSizes(q_block=16, kv_pages=1), BlockSizes(q_block=64, kv_pages=8)):
+            out = np.asarray(self.run(args, sm_scale=0.1, block_sizes=sizes))
+            np.testing.assert_allclose(out[:total], ref[:total], atol=1e-5, rtol=1e-5)
+
+    def test_no_valid_requests(self):
+        """An all-padding batch (num_seqs = 0) returns zeros and reads nothing."""
+        args, _ = _case(np.random.default_rng(3), "decode", 2, 2, 128, 16, jnp.float32)
+        args = (*args[:-1], jnp.zeros(1, jnp.int32))
+        out = np.asarray(self.run(args, sm_scale=0.1))
+        assert np.all(out == 0)
+
+
+class TestPallasTpuInterpret(KernelCases):
+    backend, interpret = "pallas_tpu", True
+
+
+class TestPallasGpuInterpret(KernelCases):
+    backend, interpret = "pallas_gpu", True
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "tpu", reason="needs a TPU: the kernel runs natively only there"
+)
+class TestPallasTpuOnDevice(KernelCases):
+    backend, interpret = "pallas_tpu", False
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="needs an NVIDIA GPU: the kernel runs natively only there",
+)
+class TestPallasGpuOnDevice(KernelCases):
+    backend, interpret = "pallas_gpu", False
+
+
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_tpu_kernel_under_the_tpu_simulator(mix):
+    """DMA/semaphore ordering and races, with uninitialized VMEM filled with NaN."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    seqs = MIXES[mix]
+    args, (_, _, _, _, total) = _case(np.random.default_rng(4), mix, 4, 2, 64, 16, jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    # Small blocks: many DMAs, both buffer slots, several requests per query block.
+    out = ragged_paged_attention(
+        *args,
+        sm_scale=0.125,
+        backend="pallas_tpu",
+        interpret=params,
+        block_sizes=BlockSizes(q_block=16, kv_pages=4),
+    )
+    out = np.asarray(out)
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found, "the simulator found a data race"
+    ref = np.asarray(ragged_paged_attention(*args, sm_scale=0.125, backend="reference"))
+    np.testing.assert_allclose(out[:total], ref[:total], atol=1e-5, rtol=1e-5)
+    assert len(seqs) and np.all(out[total:] == 0)
+
+
+@pytest.mark.parametrize(
+    "backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")], ids=["mosaic", "triton"]
+)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,page_size,dtype",
+    [(9, 3, 64, 16, jnp.bfloat16), (32, 8, 128, 128, jnp.bfloat16), (8, 8, 128, 16, jnp.float32)],
+)
+def test_kernel_lowers_for_its_platform(
+    backend, platform, num_heads, num_kv_heads, head_dim, page_size, dtype
+):
+    args, _ = _case(
+        np.random.default_rng(5), "mixed", num_heads, num_kv_heads, head_dim, page_size, dtype
+    )
+    sizes = get_block_sizes(
+        backend,
+        head_dim=head_dim,
+        page_size=page_size,
+        num_tokens=args[0].shape[0],
+        max_reqs=8,
+        device_kind="TPU v5 lite" if backend == "pallas_tpu" else "NVIDIA H100 80GB HBM3",
+    )
+    fn = functools.partial(
+        ragged_paged_attention,
+        sm_scale=0.125,
+        sliding_window=64,
+        soft_cap=30.0,
+        backend=backend,
+        block_sizes=sizes,
+        interpret=False,
+    )
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert ("tpu_custom_call" if backend == "pallas_tpu" else "triton") in text
+
+
+def test_backend_resolution():
+    assert resolve_backend("auto", "cpu") == "reference"
+    assert resolve_backend("auto", "tpu") == "pallas_tpu"
+    assert resolve_backend("auto", "gpu") == "pallas_gpu"
+    assert resolve_backend("pallas", "cpu") == "pallas_tpu"  # interpreted
+    assert resolve_backend("pallas", "gpu") == "pallas_gpu"
+    assert resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
+    with pytest.raises(ValueError, match="cannot run on platform"):
+        resolve_backend("pallas_gpu", "tpu")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        resolve_backend("flash", "cpu")
+
+
+def test_tuning_table_lookup():
+    assert device_family("TPU v5 lite") == "v5e"
+    assert device_family("TPU v6 lite") == "v6e"
+    assert device_family("TPU v5") == "v5p"
+    assert device_family("NVIDIA H200") == "h200"
+    assert device_family("some new chip") == "*"
+    tpu = get_block_sizes(
+        "pallas_tpu",
+        head_dim=128,
+        page_size=16,
+        num_tokens=512,
+        max_reqs=64,
+        device_kind="TPU v6 lite",
+    )
+    assert tpu.kv_pages * 16 == 512
+    # A GPU decode batch (one token per request) gets the smallest query block.
+    decode = get_block_sizes(
+        "pallas_gpu", head_dim=128, page_size=16, num_tokens=64, max_reqs=64, device_kind="H100"
+    )
+    prefill = get_block_sizes(
+        "pallas_gpu", head_dim=128, page_size=16, num_tokens=512, max_reqs=8, device_kind="H100"
+    )
+    assert decode.q_block == 1 and prefill.q_block == 16
+
+
+def test_bad_kernel_shapes_are_named():
+    args, _ = _case(np.random.default_rng(6), "decode", 2, 2, 128, 16, jnp.float32)
+    with pytest.raises(ValueError, match="block_sizes.kv_pages a power of two"):
+        ragged_paged_attention(
+            *args, sm_scale=0.1, backend="pallas_gpu", block_sizes=BlockSizes(16, 3)
+        )
+    cache = jnp.zeros(get_kv_cache_shape(2, 40, 12, 2, 128))
+    with pytest.raises(ValueError, match="page_size a multiple of 8"):
+        ragged_paged_attention(args[0], cache, *args[2:], sm_scale=0.1, backend="pallas_tpu")
+    with pytest.raises(ValueError, match="sliding_window"):
+        ragged_paged_attention(*args, sm_scale=0.1, sliding_window=0, backend="pallas_tpu")
+
+
+@pytest.mark.parametrize("backend", ["pallas", "pallas_gpu"])
+def test_whole_model_greedy_tokens_match_the_reference(
+    tiny_model_dir, tiny_llm, backend, monkeypatch
+):
+    """The engine with a Pallas kernel (interpreted; "pallas" is the TPU kernel on CPU) gives
+    the same greedy tokens as the reference backend, over a batch that mixes prefills, chunked
+    prefills (prompts longer than the 128-token step budget) and decodes."""
+    import pallas_kernels
+    from jaxllm import LLM, SamplingParams
+
+    kernel = "pallas_tpu" if backend == "pallas" else backend
+    traced = []  # the kernel wrapper is called when the step is traced
+    wrapper = getattr(pallas_kernels, f"ragged_paged_attention_{kernel[7:]}")
+    monkeypatch.setattr(
+        pallas_kernels,
+        wrapper.__name__,
+        lambda *a, **k: traced.append(k["interpret"]) or wrapper(*a, **k),
+    )
+    rng = np.random.default_rng(7)
+    prompts = [
+        {"prompt_token_ids": rng.integers(3, 300, size=int(n)).tolist()}
+        for n in (1, 5, 17, 40, 150, 200)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(
+        tiny_model_dir,
+        max_model_len=256,
+        num_pages=128,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        attention_backend=backend,
+        skip_warmup=True,
+    )
+    assert llm.attention_backend == kernel
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert traced and all(traced), "the interpreted kernel must have served the steps"
+    assert got == expected
