@@ -12,6 +12,8 @@ import math
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (vLLM's default max_logprobs)
 MAX_N = 128
 MAX_STOP_TOKEN_IDS = 32  # stop_token_ids per request (they travel to the sampler as an array)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (they travel to the sampler as an array)
+LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are in [-100, 100] (as in OpenAI's API)
 # Temperatures below this are greedy (as in vLLM): dividing logits by less would overflow.
 SAMPLING_EPS = 1e-5
 
@@ -63,6 +65,15 @@ class SamplingParams:
     """Return the log-probability of each generated token and of this many top alternatives."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that already occurs in the output."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per occurrence of that token in the output."""
+    repetition_penalty: float = 1.0
+    """Tokens seen in the prompt or the output: positive logits are divided by it, others
+    multiplied; 1 is off, above 1 discourages repetition."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to that token's logit before sampling."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -99,7 +110,34 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}"
+                )
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias: at most {MAX_LOGIT_BIAS} entries allowed, got "
+                    f"{len(self.logit_bias)}"
+                )
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias token id", t, 0)
+                _check_float("logit_bias value", b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether any of presence, frequency or repetition penalty is on."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
+        """Temperature-greedy: argmax, but of the logits after penalties and logit_bias."""
         return self.temperature < SAMPLING_EPS
