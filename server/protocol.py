@@ -171,17 +171,19 @@ class APIError(Exception):
         return cls.not_found(f"The model `{name}` does not exist.", param="model")
 
     @classmethod
-    def too_large(cls, message: str = "The request body is too large.") -> APIError:
-        return cls(413, message, "RequestTooLargeError")
+    def too_large(cls, max_bytes: int | None = None) -> APIError:
+        limit = "" if max_bytes is None else f" (the limit is {max_bytes} bytes)"
+        return cls(413, f"The request body is too large{limit}.", "RequestTooLargeError")
 
     @classmethod
     def unavailable(cls, message: str = "The engine is not available.") -> APIError:
         return cls(503, message, "ServiceUnavailableError")
 
     @classmethod
-    def internal(cls) -> APIError:
-        """A 500 whose message says nothing of the cause (log that on the server)."""
-        return cls(500, "Internal server error.", "InternalServerError")
+    def internal(cls, message: str = "Internal server error.") -> APIError:
+        """A 500. The message must stay generic: log the cause on the server, never send it
+        (no exception text, paths or tracebacks)."""
+        return cls(500, message, "InternalServerError")
 
 
 class _ParamError(ValueError):

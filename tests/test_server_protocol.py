@@ -272,6 +272,9 @@ def test_error_constructors():
         assert body["error"]["code"] == status
     assert APIError.model_not_found("gpt-9").message == "The model `gpt-9` does not exist."
     assert APIError.internal().message == "Internal server error."
+    assert APIError.too_large(1024).message == (
+        "The request body is too large (the limit is 1024 bytes)."
+    )
     assert len(APIError.model_not_found("x" * 10_000).message) < 200
     assert APIError(429, "slow down", "RateLimitError", code="rate_limit").body()["error"][
         "code"
