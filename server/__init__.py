@@ -1,2 +1,4 @@
-"""The OpenAI-compatible HTTP layer (`jaxllm serve`). It lands with the server issue; until
-then `make serve` runs an offline generation demo with the same model."""
+"""The OpenAI-compatible HTTP layer of `jaxllm serve`: `api` (the FastAPI app), `protocol`
+(request/response schema and validation), `metrics` (Prometheus), `main` (uvicorn). The engine
+core runs in a child process (`jaxllm.engine.core_proc`), reached through
+`jaxllm.engine.async_llm.AsyncLLM`."""

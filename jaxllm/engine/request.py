@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
+
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -87,3 +89,14 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}"
             f"/{self.num_tokens})"
         )
+
+
+def derive_seed(seed: int | None, index: int, rng: np.random.Generator) -> int:
+    """The sampling seed of completion `index` of a request: a fresh one from `rng` when the
+    request has none; else `seed` itself for the first completion and distinct, reproducible
+    seeds for the other n - 1."""
+    if seed is None:
+        return int(rng.integers(0, 2**63))
+    if index == 0:
+        return seed
+    return int(np.random.default_rng([seed % 2**64, index]).integers(0, 2**63))

@@ -42,6 +42,18 @@ def load_config(path: Path) -> ModelConfig:
     )
 
 
+def load_tokenizer(model: str | os.PathLike) -> tuple[Any, dict]:
+    """The tokenizer (with its chat template) and generation config of a model, without its
+    weights: what a front end process needs."""
+    path = resolve_model(model)
+    if path.is_dir():
+        return hf_loader.load_hf_tokenizer(path), hf_loader.load_generation_config(path)
+    if path.suffix == ".gguf":
+        return gguf_loader.load_gguf_tokenizer(path, cache_dir()), {}
+    load_config(path)  # raises the error that names what the path should be
+    raise AssertionError
+
+
 def load_model(
     model: str | os.PathLike,
     *,
@@ -76,4 +88,4 @@ def load_model(
     return LoadedModel(config, nnx.merge(graphdef, state), tokenizer, generation_config, path)
 
 
-__all__ = ["LoadedModel", "load_config", "load_model"]
+__all__ = ["LoadedModel", "load_config", "load_model", "load_tokenizer"]

@@ -1,0 +1,181 @@
+"""`AsyncLLM`: the server's front end to the engine core process.
+
+It owns the tokenizer, validates and tokenizes prompts, sends requests to the core, and turns
+the core's token updates into `CompletionOutput` snapshots per request (incremental
+detokenization and stop strings through the same `OutputProcessor` the offline `LLM` uses).
+Each request has an asyncio queue its handler reads with `generate`; a handler that stops
+reading (a client that went away) aborts its request, which frees its blocks in the core.
+
+Two background tasks: the output loop (core -> queues) and a watchdog that fails every
+in-flight request at once if the core process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
+from jaxllm.engine.messages import AddRequest, Ready, Stats
+from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.request import derive_seed
+from jaxllm.loaders import load_tokenizer
+from jaxllm.outputs import CompletionOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (its step raised); the engine itself goes on."""
+
+
+class AsyncLLM:
+    def __init__(self, client: EngineCoreClient, ready: Ready, tokenizer, generation_config):
+        self.client = client
+        self.ready = ready
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.stats: Stats = ready.stats
+        self.processor = OutputProcessor(tokenizer)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng()
+        self.dead = False
+        self.on_step = None  # optional callback(stats, updates) after each step, for metrics
+        self._tasks = [
+            asyncio.create_task(self._output_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+
+    @classmethod
+    async def create(cls, model: str, **engine_kwargs: Any) -> AsyncLLM:
+        """Starts the core process and waits until it has warmed up."""
+        tokenizer, generation_config = await asyncio.to_thread(load_tokenizer, model)
+        client = EngineCoreClient(str(model), engine_kwargs)
+        try:
+            ready = await client.wait_ready()
+        except BaseException:
+            await client.shutdown()
+            raise
+        return cls(client, ready, tokenizer, generation_config)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # ---- inputs ------------------------------------------------------------------------
+
+    def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
+        if not ids:
+            raise ValueError(f"{param} must not be empty (it has no tokens)")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{param} is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
+                f"(the prompt plus at least one new token must fit)"
+            )
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        index: int = 0,
+        priority: int = 0,
+    ) -> AsyncIterator[CompletionOutput]:
+        """Yields a snapshot of the completion after each new token; the last one has a
+        finish_reason. Leaving the loop early aborts the request in the core."""
+        if self.dead:
+            raise EngineDeadError("engine core is not running")
+        self.check_prompt_ids(prompt_token_ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        max_tokens = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(params.max_tokens, max_tokens)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.processor.add_request(request_id, index, prompt_token_ids, params)
+        finished = False
+        try:
+            self.client.add_request(
+                AddRequest(
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    max_tokens=max_tokens,
+                    seed=derive_seed(params.seed, index, self._rng),
+                    priority=priority,
+                )
+            )
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            self.processor.remove(request_id)
+            if not finished and not self.dead:
+                self.client.abort([request_id])
+
+    async def _output_loop(self) -> None:
+        while True:
+            try:
+                out = await self.client.get_output()
+            except Exception:
+                if self.dead:
+                    return
+                logger.exception("reading engine outputs failed")
+                await asyncio.sleep(0.1)
+                continue
+            if out is None:
+                continue
+            self.stats = out.stats
+            failed = [u.request_id for u in out.updates if u.finish_reason == "error"]
+            updates = [u for u in out.updates if u.finish_reason != "error"]
+            _, to_abort = self.processor.process(updates)
+            if to_abort:  # stop strings: the core must stop generating them
+                self.client.abort(to_abort)
+            for u in updates:
+                queue = self._queues.get(u.request_id)
+                if queue is not None and u.request_id in self.processor.states:
+                    queue.put_nowait(self.processor.output(u.request_id))
+            for rid in failed:
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(RequestFailedError("the engine failed this request"))
+            if self.on_step is not None:
+                self.on_step(out.stats, updates)
+
+    async def _watchdog(self) -> None:
+        while self.client.is_alive():
+            await asyncio.sleep(0.2)
+        self.dead = True
+        logger.error("engine core process died (exit code %s)", self.client.process.exitcode)
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("engine core process died"))
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.dead = True
+        await self.client.shutdown()

@@ -1,0 +1,111 @@
+"""The front end's handle on the engine core process (asyncio, ZMQ over private unix sockets).
+
+The client binds two sockets in a fresh directory only this user can enter (mode 0700), starts
+the core with the "spawn" method (JAX must not be forked) and waits for `Ready`. Requests and
+aborts go out on one socket, step outputs come back on the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from jaxllm.engine.core_proc import run_engine_core
+from jaxllm.engine.messages import (
+    Abort,
+    AddRequest,
+    Failed,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    encoder,
+    output_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; no request can be served."""
+
+
+class EngineCoreClient:
+    def __init__(self, model: str, engine_kwargs: dict):
+        self._dir = Path(tempfile.mkdtemp(prefix="jaxllm-"))  # 0700
+        self._ctx = zmq.asyncio.Context()
+        self._inputs = self._ctx.socket(zmq.PUSH)
+        self._outputs = self._ctx.socket(zmq.PULL)
+        input_address = f"ipc://{self._dir / 'input'}"
+        output_address = f"ipc://{self._dir / 'output'}"
+        self._inputs.bind(input_address)
+        self._outputs.bind(output_address)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(model, engine_kwargs, input_address, output_address),
+            name="jaxllm-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+
+    async def wait_ready(self) -> Ready:
+        """Waits for the core to load the model and compile; raises if it cannot start."""
+        while True:
+            if await self._outputs.poll(500):
+                message = output_decoder.decode(await self._outputs.recv())
+                if isinstance(message, Ready):
+                    return message
+                if isinstance(message, Failed):
+                    raise RuntimeError(f"engine failed to start: {message.message}")
+            elif not self.process.is_alive():
+                raise EngineDeadError(
+                    f"engine core exited during startup (exit code {self.process.exitcode})"
+                )
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def add_request(self, request: AddRequest) -> None:
+        self._send(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.is_alive():
+            self._send(Abort(request_ids))
+
+    def _send(self, message) -> None:
+        if not self.is_alive():
+            raise EngineDeadError("engine core is not running")
+        # PUSH over ipc never blocks here in practice; NOBLOCK turns a wedged core into an
+        # error rather than a hung event loop.
+        self._inputs.send(encoder.encode(message), flags=zmq.NOBLOCK)
+
+    async def get_output(self, timeout: float = 0.5) -> StepOutputs | None:
+        """The next step's outputs, or None after `timeout` seconds without one."""
+        if not await self._outputs.poll(int(timeout * 1000)):
+            return None
+        message = output_decoder.decode(await self._outputs.recv())
+        return message if isinstance(message, StepOutputs) else None
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self.process.is_alive():
+            try:
+                self._inputs.send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(self.process.join, timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, 5)
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join, 5)
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

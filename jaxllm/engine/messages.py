@@ -1,0 +1,78 @@
+"""What the front end and the engine core process say to each other, as msgpack (msgspec).
+
+Front end -> core: `AddRequest`, `Abort`, `Shutdown`. Core -> front end: `Ready` once warmup
+is done (or `Failed` if the engine could not start), then one `StepOutputs` per engine step.
+No pickle crosses the socket: every message is a typed struct.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from jaxllm.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved against max_model_len by the front end
+    seed: int  # resolved: a request without a seed gets one from the front end
+    priority: int = 0
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class Update(msgspec.Struct, array_like=True):
+    """One request's result of one step (the wire form of `scheduler.RequestUpdate`)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list | None
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (the step failed)
+    stop_reason: int | str | None
+
+
+class Stats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # share of pages held by requests
+    prefix_cache_queries: int = 0  # counters, since start
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_compilations: int = 0
+    num_steps: int = 0
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_pages: int
+    page_size: int
+    num_programs: int
+    warmup_seconds: float | None
+    stats: Stats
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    updates: list[Update]
+    stats: Stats
+
+
+Input = AddRequest | Abort | Shutdown
+Output = Ready | Failed | StepOutputs
+
+encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(Input)
+output_decoder = msgspec.msgpack.Decoder(Output)

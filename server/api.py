@@ -1,0 +1,517 @@
+"""The OpenAI-compatible HTTP API on FastAPI.
+
+Every check that can fail a request runs here, before the engine sees it (`server.protocol`
+validates the body; tokenization and length checks follow). Errors leave in OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, never with a traceback or a path. The
+engine starts in the background, so `/health` answers 503 until warmup is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import jaxllm
+from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
+from jaxllm.engine.core_client import EngineDeadError
+from server import protocol
+from server.metrics import Metrics
+from server.protocol import APIError
+
+logger = logging.getLogger("jaxllm.server")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_DISCONNECT_POLL_S = 0.25
+
+
+class ServerState:
+    def __init__(self, served_model_names: list[str], api_key: str | None, max_queued: int):
+        self.engine: AsyncLLM | None = None
+        self.startup_error: str | None = None
+        self.served_model_names = served_model_names
+        self.api_key = api_key
+        self.max_queued = max_queued
+        self.draining = False
+        self.created = int(time.time())
+        self.metrics = Metrics(lambda: self.engine, served_model_names[0])
+
+
+def build_app(
+    start_engine: Callable[[], Any],
+    *,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    max_queued_requests: int = 1024,
+) -> FastAPI:
+    """`start_engine` is an async callable returning a ready `AsyncLLM`."""
+    state = ServerState(served_model_names, api_key, max_queued_requests)
+
+    async def lifespan(app: FastAPI):
+        async def start():
+            try:
+                state.engine = await start_engine()
+                logger.info("engine ready: serving %s", ", ".join(served_model_names))
+            except Exception as e:
+                state.startup_error = f"{type(e).__name__}: {e}"
+                logger.error("engine failed to start: %s", state.startup_error)
+
+        task = asyncio.create_task(start())
+        yield
+        state.draining = True
+        task.cancel()
+        if state.engine is not None:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan)
+    app.state.server = state
+
+    # ---- cross-cutting: errors, auth, body size ----------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        headers = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        logger.exception("internal error")
+        return JSONResponse(APIError.internal().body(), status_code=500)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if request.url.path.startswith("/v1") and state.api_key is not None:
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {state.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                err = APIError.unauthorized()
+                return JSONResponse(err.body(), status_code=err.status)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            err = APIError.too_large(MAX_BODY_BYTES)
+            return JSONResponse(err.body(), status_code=err.status)
+        return await call_next(request)
+
+    def engine() -> AsyncLLM:
+        if state.engine is None or state.engine.dead or state.draining:
+            raise APIError.unavailable("the engine is not ready" if not state.draining else
+                                       "the server is shutting down")  # fmt: skip
+        return state.engine
+
+    async def parse(request: Request, model_cls):
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError.too_large(MAX_BODY_BYTES)
+        try:
+            obj = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError.bad_request("the request body is not valid JSON") from None
+        return protocol.parse_request(model_cls, obj)
+
+    def check_model(name: str | None) -> str:
+        if name is None or name in state.served_model_names:
+            return state.served_model_names[0] if name is None else name
+        raise APIError.model_not_found(name)
+
+    def admit(eng: AsyncLLM, n: int) -> None:
+        if eng.num_unfinished + n > state.max_queued:
+            raise APIError.unavailable("too many requests are queued; retry later")
+
+    # ---- plain routes ------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None or state.engine.dead or state.draining:
+            reason = state.startup_error or (
+                "engine core is dead" if state.engine else "warming up"
+            )
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        max_len = state.engine.max_model_len if state.engine is not None else None
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "jaxllm",
+                    "max_model_len": max_len,
+                }
+                for name in state.served_model_names
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse(request, protocol.TokenizeRequest)
+        eng = engine()
+        check_model(req.model)
+        if req.messages is not None:
+            ids = render_chat(eng, req, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = eng.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse(request, protocol.DetokenizeRequest)
+        eng = engine()
+        check_model(req.model)
+        protocol.check_token_ids(req.tokens, eng.vocab_size, param="tokens")
+        return {"prompt": eng.tokenizer.decode(req.tokens)}
+
+    # ---- generation --------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, protocol.CompletionRequest)
+        eng = engine()
+        model = check_model(req.model)
+        prompts = completion_prompts(eng, req)
+        jobs = [(ids, sampling_params(eng, req, ids, "prompt"), text) for ids, text in prompts]
+        admit(eng, sum(p.n for _, p, _ in jobs))
+        kind = Completion(req, model, jobs, eng)
+        if req.stream:
+            return StreamingResponse(kind.stream(state.metrics), media_type="text/event-stream")
+        return await until_done_or_gone(request, kind.full(state.metrics))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, protocol.ChatCompletionRequest)
+        eng = engine()
+        model = check_model(req.model)
+        ids = render_chat(eng, req)
+        jobs = [(ids, sampling_params(eng, req, ids, "messages"), None)]
+        admit(eng, jobs[0][1].n)
+        kind = ChatCompletion(req, model, jobs, eng)
+        if req.stream:
+            return StreamingResponse(kind.stream(state.metrics), media_type="text/event-stream")
+        return await until_done_or_gone(request, kind.full(state.metrics))
+
+    return app
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def sampling_params(eng: AsyncLLM, req, ids: list[int], param: str):
+    room = protocol.check_prompt_length(len(ids), eng.max_model_len, param=param)
+    return req.to_sampling_params(
+        default_max_tokens=room,
+        generation_defaults=eng.generation_config,
+        vocab_size=eng.vocab_size,
+    )
+
+
+def completion_prompts(eng: AsyncLLM, req) -> list[tuple[list[int], str | None]]:
+    out = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            ids = eng.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+            if not ids:
+                raise APIError.bad_request("prompt has no tokens", "prompt")
+            out.append((ids, p))
+        else:
+            protocol.check_token_ids(p, eng.vocab_size, param="prompt")
+            out.append((list(p), None))
+    return out
+
+
+def render_chat(eng: AsyncLLM, req, *, add_special_tokens: bool = False) -> list[int]:
+    try:
+        text = eng.tokenizer.apply_chat_template(
+            req.conversation(), tokenize=False, **req.template_kwargs()
+        )
+    except Exception:  # a template that rejects these messages
+        raise APIError.bad_request(
+            "the chat template rejected these messages", "messages"
+        ) from None
+    # The template already holds any BOS token, unless the caller asks for one.
+    return eng.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def until_done_or_gone(request: Request, work) -> Any:
+    """Runs `work`, cancelling it (which aborts its requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _error_event(exc: BaseException) -> str:
+    if isinstance(exc, APIError):
+        err = exc
+    elif isinstance(exc, EngineDeadError | RequestFailedError):
+        err = APIError.internal("the engine failed this request")
+    else:
+        logger.exception("stream failed", exc_info=exc)
+        err = APIError.internal()
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+class _Generation:
+    """Runs the n completions of each prompt of one HTTP request, merged in one stream of
+    (choice index, snapshot) events."""
+
+    object_name: str
+    chunk_object: str
+
+    def __init__(self, req, model: str, jobs, eng: AsyncLLM):
+        self.req, self.model, self.jobs, self.eng = req, model, jobs, eng
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+
+    async def _events(self, metrics: Metrics) -> AsyncIterator[tuple[int, Any]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        n_total = sum(params.n for _, params, _ in self.jobs)
+
+        async def run(choice: int, ids: list[int], params, index: int):
+            times: list[float] = []
+            last = None
+            try:
+                async for out in self.eng.generate(
+                    ids, params, request_id=f"{self.id}-{choice}", index=index
+                ):
+                    times.append(time.monotonic())
+                    last = out
+                    await queue.put((choice, out))
+            except BaseException as e:
+                await queue.put((choice, e))
+                return
+            finally:
+                metrics.record_request(
+                    prompt_tokens=len(ids),
+                    output_tokens=len(last.token_ids) if last else 0,
+                    finish_reason=last.finish_reason if last else None,
+                    arrival=self.arrival,
+                    token_times=times,
+                    end=time.monotonic(),
+                )
+
+        tasks = []
+        choice = 0
+        for ids, params, _ in self.jobs:
+            for i in range(params.n):
+                tasks.append(asyncio.create_task(run(choice, ids, params, i)))
+                choice += 1
+        try:
+            done = 0
+            while done < n_total:
+                choice, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    done += 1
+                yield choice, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _job_of(self, choice: int):
+        for ids, params, text in self.jobs:
+            if choice < params.n:
+                return ids, params, text
+            choice -= params.n
+        raise IndexError(choice)
+
+    def _usage(self, finals: dict[int, Any]) -> dict:
+        prompt = sum(len(ids) for ids, _, _ in self.jobs)
+        completion = sum(len(o.token_ids) for o in finals.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    async def full(self, metrics: Metrics) -> dict:
+        finals: dict[int, Any] = {}
+        try:
+            async for choice, out in self._events(metrics):
+                if out.finish_reason is not None:
+                    finals[choice] = out
+        except (EngineDeadError, RequestFailedError):
+            raise APIError.internal("the engine failed this request") from None
+        choices = [self._choice(c, finals[c]) for c in sorted(finals)]
+        return {
+            "id": self.id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(finals),
+            "system_fingerprint": None,
+        }
+
+    async def stream(self, metrics: Metrics) -> AsyncIterator[str]:
+        opts = self.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        sent: dict[int, tuple[int, int]] = {}  # choice -> (chars, tokens) already sent
+        finals: dict[int, Any] = {}
+        try:
+            for chunk in self._stream_start():
+                yield self._sse(chunk)
+            async for choice, out in self._events(metrics):
+                chars, toks = sent.get(choice, (0, 0))
+                chunk = self._delta(choice, out, chars, toks)
+                sent[choice] = (len(out.text), len(out.token_ids))
+                if out.finish_reason is not None:
+                    finals[choice] = out
+                if chunk is None:
+                    continue
+                if continuous:
+                    chunk["usage"] = self._usage({**finals, choice: out})
+                yield self._sse(chunk)
+            if include_usage:
+                yield self._sse({**self._header(), "choices": [], "usage": self._usage(finals)})
+        except Exception as e:
+            yield _error_event(e)
+        yield "data: [DONE]\n\n"
+
+    def _header(self) -> dict:
+        return {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def _sse(self, chunk: dict) -> str:
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def _stream_start(self) -> list[dict]:
+        return []
+
+
+class Completion(_Generation):
+    prefix, object_name, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def _logprobs(self, choice: int, out, start_token: int, start_char: int):
+        params = self._job_of(choice)[1]
+        if params.logprobs is None or out.logprobs is None:
+            return None
+        return protocol.completion_logprobs(
+            out.token_ids[start_token:],
+            out.logprobs[start_token:],
+            params.logprobs,
+            lambda t: self.eng.tokenizer.decode([t]),
+            initial_text_offset=start_char,
+        )
+
+    def _echo(self, choice: int) -> str:
+        if not self.req.echo:
+            return ""
+        ids, _, text = self._job_of(choice)
+        return text if text is not None else self.eng.tokenizer.decode(ids)
+
+    def _choice(self, choice: int, out) -> dict:
+        return {
+            "index": choice,
+            "text": self._echo(choice) + out.text,
+            "logprobs": self._logprobs(choice, out, 0, 0),
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+
+    def _delta(self, choice: int, out, chars: int, toks: int) -> dict | None:
+        text = out.text[chars:]
+        if toks == 0:
+            text = self._echo(choice) + text
+        if not text and out.finish_reason is None and len(out.token_ids) == toks:
+            return None
+        return {
+            **self._header(),
+            "choices": [
+                {
+                    "index": choice,
+                    "text": text,
+                    "logprobs": self._logprobs(choice, out, toks, chars),
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            ],
+        }
+
+
+class ChatCompletion(_Generation):
+    prefix, object_name, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def _logprobs(self, choice: int, out, start_token: int):
+        params = self._job_of(choice)[1]
+        if params.logprobs is None or out.logprobs is None:
+            return None
+        return protocol.chat_logprobs(
+            out.token_ids[start_token:], out.logprobs[start_token:], params.logprobs
+        )
+
+    def _choice(self, choice: int, out) -> dict:
+        return {
+            "index": choice,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": self._logprobs(choice, out, 0),
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+
+    def _stream_start(self) -> list[dict]:
+        n = self.jobs[0][1].n
+        return [
+            {
+                **self._header(),
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(n)
+                ],
+            }
+        ]
+
+    def _delta(self, choice: int, out, chars: int, toks: int) -> dict | None:
+        text = out.text[chars:]
+        if not text and out.finish_reason is None and len(out.token_ids) == toks:
+            return None
+        return {
+            **self._header(),
+            "choices": [
+                {
+                    "index": choice,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": self._logprobs(choice, out, toks),
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            ],
+        }

@@ -1,0 +1,375 @@
+"""End to end: the real `jaxllm serve` process on a tiny random model, driven with the official
+`openai` client and with raw HTTP.
+
+One server (with an API key) serves the module; the test that kills the engine core runs last
+on a server of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "jaxllm.cli", "serve", str(model_dir),
+        "--port", str(port), "--served-model-name", "tiny",
+        "--max-model-len", "256", "--num-pages", "128",
+        "--max-num-seqs", "16", "--max-num-batched-tokens", "128", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in time")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _stop_server(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """SIGTERM, as an operator would; returns the log after checking the exit was clean: the
+    app shut down and no child process (the engine core) is left behind."""
+    children = _children(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError("the server did not exit on SIGTERM") from None
+    log = proc.stdout.read()
+    # uvicorn re-raises the signal it stopped on, so a clean exit reads -SIGTERM.
+    assert proc.returncode in (0, -signal.SIGTERM), log[-3000:]
+    assert "Application shutdown complete" in log, log[-3000:]
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"child {pid} survived"
+    return log
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    proc, url = _start_server(tiny_model_dir, "--api-key", API_KEY)
+    yield url
+    _stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(server, path, body, headers=AUTH, **kw):
+    return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=60, **kw)
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(f"{server}/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"jaxllm:{name}") and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ---- the happy paths ----------------------------------------------------------------------
+
+
+def test_models_and_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_completion(client):
+    out = client.completions.create(
+        model="tiny", prompt="def add(a, b):", max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+
+
+def test_completion_stream_matches_non_stream(client):
+    kw = dict(model="tiny", prompt="hello world", max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_and_stream_with_usage(client):
+    messages = [{"role": "user", "content": "say something"}]
+    kw = dict(model="tiny", messages=messages, max_completion_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_n_and_seed(client):
+    kw = dict(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(**kw, n=2)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    again = client.completions.create(**kw, n=2)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+
+
+def test_logprobs(client):
+    out = client.completions.create(
+        model="tiny", prompt="abc", max_tokens=4, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
+    assert all(len(t) >= 3 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_seed_is_reproducible_under_concurrent_load(server):
+    body = {"model": "tiny", "prompt": "the seed test", "max_tokens": 12, "temperature": 1.0,
+            "seed": 1234, "ignore_eos": True}  # fmt: skip
+    alone = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+
+    async def load():
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as c:
+            others = [
+                c.post(f"{server}/v1/completions", json={**body, "seed": None, "prompt": f"x{i}"})
+                for i in range(8)
+            ]
+            results = await asyncio.gather(c.post(f"{server}/v1/completions", json=body), *others)
+            return results[0].json()["choices"][0]["text"]
+
+    assert asyncio.run(load()) == alone
+
+
+def test_stop_string_across_token_boundaries(server):
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    out = _post(server, "/v1/completions", {**body, "logprobs": 0}).json()["choices"][0]
+    tokens, text = out["logprobs"]["tokens"], out["text"]
+    # A stop string made of the end of one token and the start of the next.
+    i = next(i for i in range(2, len(tokens) - 1) if tokens[i] and tokens[i + 1])
+    stop = tokens[i][-1] + tokens[i + 1][0]
+    at = text.find(stop)
+    got = _post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert got["finish_reason"] == "stop" and got["stop_reason"] == stop
+    assert got["text"] == text[:at]
+
+
+def test_tokenize_detokenize_round_trip(server):
+    ids = _post(server, "/tokenize", {"prompt": "hello world"}).json()["tokens"]
+    assert ids
+    assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "hello world"
+
+
+def test_metrics_move(server, client):
+    before = _metric(server, "generation_tokens_total")
+    client.completions.create(model="tiny", prompt="m", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    assert _metric(server, "generation_tokens_total") == before + 5
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries", "num_compilations", "time_to_first_token_seconds",
+                 "e2e_request_latency_seconds", "request_success_total"):  # fmt: skip
+        assert f"jaxllm:{name}" in text, name
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+BAD = [
+    # (path, body or raw bytes, expected status, expected param or None)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5] * 300}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "min_p": 2}, 400, "min_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 100000}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 500}, 400, "logprobs"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "a", "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),  # fmt: skip
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "suffix": "z"}, 400, "suffix"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "a", "stream_options": {}},
+        400,
+        "stream_options",
+    ),  # fmt: skip
+    ("/v1/completions", {"model": "nope", "prompt": "a"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "x"}]}, 400, None),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+        400,
+        "top_logprobs",
+    ),  # fmt: skip
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"__import__": 1},
+        },
+        400,
+        "chat_template_kwargs",
+    ),  # fmt: skip
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+def _raw_nan_body() -> bytes:
+    return b'{"model": "tiny", "prompt": "a", "temperature": NaN}'
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD + [("/v1/completions", _raw_nan_body(),
+                                                          400, None)])  # fmt: skip
+def test_bad_input_gets_a_clear_error_and_the_server_goes_on(server, path, body, status, param):
+    if isinstance(body, bytes):
+        r = httpx.post(f"{server}{path}", content=body,
+                       headers={**AUTH, "content-type": "application/json"})  # fmt: skip
+    else:
+        r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] and err["param"].split(".")[0] == param, err
+    assert "Traceback" not in err["message"] and "/work" not in err["message"]
+    assert httpx.get(f"{server}/health").status_code == 200
+    ok = _post(server, "/v1/completions", {"model": "tiny", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "x"}])
+def test_missing_or_wrong_key_is_401(server, headers):
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "a"}, headers=headers)
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    assert httpx.get(f"{server}/v1/models", headers=headers).status_code == 401
+
+
+def test_oversized_body_is_413(server):
+    r = httpx.post(
+        f"{server}/v1/completions",
+        content=b"x" * (17 * 1024 * 1024),
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert r.status_code == 413
+
+
+# ---- lifecycle ----------------------------------------------------------------------------
+
+
+def test_dropped_streams_free_everything(server):
+    async def drop(c, i):
+        body = {"model": "tiny", "prompt": f"drop {i}", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        async with c.stream("POST", f"{server}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    return  # close the connection mid-stream
+
+    async def run():
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as c:
+            await asyncio.gather(*(drop(c, i) for i in range(40)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (
+            _metric(server, "num_requests_running") == 0
+            and _metric(server, "num_requests_waiting") == 0
+            and _metric(server, "kv_cache_usage_perc") == 0
+        ):
+            break
+        time.sleep(0.2)
+    assert _metric(server, "num_requests_running") == 0
+    assert _metric(server, "num_requests_waiting") == 0
+    assert _metric(server, "kv_cache_usage_perc") == 0
+
+
+def test_killed_core_makes_health_503_and_requests_fail_fast(tiny_model_dir):
+    proc, url = _start_server(tiny_model_dir)
+    try:
+        children = _children(proc.pid)
+        assert children, "the engine core runs in a child process"
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{url}/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health must turn 503"
+            time.sleep(0.1)
+        start = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and time.monotonic() - start < 2
+    finally:
+        _stop_server(proc)
