@@ -23,11 +23,13 @@ install: $(VENV)/.installed
 fetch-model: install
 	$(BIN)/jaxllm fetch $(MODEL)
 
-# The OpenAI-compatible server arrives with the server issue; until then `make serve` runs
-# a short offline chat generation with the same model.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+
+# The OpenAI-compatible server on $(HOST):$(PORT); /health turns 200 once warmup is done.
 serve: fetch-model
-	$(BIN)/jaxllm generate $(MODEL) --chat --max-tokens 64 \
-		--prompt "What is the capital of France? Answer in one sentence."
+	$(BIN)/jaxllm serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
