@@ -56,10 +56,13 @@ class AsyncLLM:
         ]
 
     @classmethod
-    async def create(cls, model: str, **engine_kwargs: Any) -> AsyncLLM:
-        """Starts the core process and waits until it has warmed up."""
+    async def create(
+        cls, model: str, *, in_process: bool = False, **engine_kwargs: Any
+    ) -> AsyncLLM:
+        """Starts the engine core (a child process, or a thread with `in_process=True`) and
+        waits until it has warmed up."""
         tokenizer, generation_config = await asyncio.to_thread(load_tokenizer, model)
-        client = EngineCoreClient(str(model), engine_kwargs)
+        client = EngineCoreClient(str(model), engine_kwargs, in_process=in_process)
         try:
             ready = await client.wait_ready()
         except BaseException:
@@ -170,7 +173,7 @@ class AsyncLLM:
         while self.client.is_alive():
             await asyncio.sleep(0.2)
         self.dead = True
-        logger.error("engine core process died (exit code %s)", self.client.process.exitcode)
+        logger.error("engine core died (%s)", self.client.exit_status)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError("engine core process died"))
 

@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import zmq
@@ -37,7 +38,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, model: str, engine_kwargs: dict):
+    """`in_process=True` runs the same core loop on a thread of this process instead of a
+    child process (for tests and notebooks: one process, same code path, same sockets)."""
+
+    def __init__(self, model: str, engine_kwargs: dict, *, in_process: bool = False):
         self._dir = Path(tempfile.mkdtemp(prefix="jaxllm-"))  # 0700
         self._ctx = zmq.asyncio.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
@@ -46,12 +50,15 @@ class EngineCoreClient:
         output_address = f"ipc://{self._dir / 'output'}"
         self._inputs.bind(input_address)
         self._outputs.bind(output_address)
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(model, engine_kwargs, input_address, output_address),
-            name="jaxllm-engine-core",
-            daemon=True,
-        )
+        args = (model, engine_kwargs, input_address, output_address)
+        if in_process:
+            self.process = threading.Thread(
+                target=run_engine_core, args=args, name="jaxllm-engine-core", daemon=True
+            )
+        else:
+            self.process = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core, args=args, name="jaxllm-engine-core", daemon=True
+            )
         self.process.start()
 
     async def wait_ready(self) -> Ready:
@@ -64,12 +71,15 @@ class EngineCoreClient:
                 if isinstance(message, Failed):
                     raise RuntimeError(f"engine failed to start: {message.message}")
             elif not self.process.is_alive():
-                raise EngineDeadError(
-                    f"engine core exited during startup (exit code {self.process.exitcode})"
-                )
+                raise EngineDeadError(f"engine core exited during startup ({self.exit_status})")
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
+
+    @property
+    def exit_status(self) -> str:
+        code = getattr(self.process, "exitcode", None)
+        return "thread ended" if code is None else f"exit code {code}"
 
     def add_request(self, request: AddRequest) -> None:
         self._send(request)
@@ -99,12 +109,13 @@ class EngineCoreClient:
             except zmq.ZMQError:
                 pass
             await asyncio.to_thread(self.process.join, timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            await asyncio.to_thread(self.process.join, 5)
-        if self.process.is_alive():
-            self.process.kill()
-            await asyncio.to_thread(self.process.join, 5)
+        if isinstance(self.process, multiprocessing.process.BaseProcess):
+            if self.process.is_alive():
+                self.process.terminate()
+                await asyncio.to_thread(self.process.join, 5)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, 5)
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)
         self._ctx.term()

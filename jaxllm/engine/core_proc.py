@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import traceback
 
 import zmq
@@ -55,14 +56,17 @@ def _stats(llm) -> Stats:
 def run_engine_core(
     model: str, engine_kwargs: dict, input_address: str, output_address: str
 ) -> None:
-    """Entry point of the core process (started with the "spawn" method)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
+    """Entry point of the core process (started with the "spawn" method), or of its thread
+    in in-process mode."""
+    in_thread = threading.current_thread() is not threading.main_thread()
+    if not in_thread:  # a process of its own: the front end decides when to stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=os.environ.get("JAXLLM_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s core %(name)s: %(message)s",
     )
     parent = os.getppid()
-    ctx = zmq.Context()
+    ctx = zmq.Context()  # its own, also on a thread: the sockets are ipc://, not inproc://
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_address)
     outputs = ctx.socket(zmq.PUSH)

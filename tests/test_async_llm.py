@@ -1,0 +1,63 @@
+"""AsyncLLM with the engine core on a thread (in-process mode: the same loop and sockets as
+the server's child process): concurrent streams, early exits that abort, stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxllm import SamplingParams
+from jaxllm.engine.async_llm import AsyncLLM
+
+ENGINE = dict(max_model_len=256, num_pages=128, max_num_seqs=16, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [[5 + i, 17, 40 + 2 * i, 9] * (i + 1) for i in range(6)]
+
+
+def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids
+        for o in tiny_llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )  # fmt: skip
+    ]
+
+    async def run():
+        eng = await AsyncLLM.create(str(tiny_model_dir), in_process=True, **ENGINE)
+        try:
+
+            async def one(ids):
+                snapshots = [o async for o in eng.generate(ids, params)]
+                # One snapshot per token, growing, the last one finished.
+                assert [len(s.token_ids) for s in snapshots] == list(range(1, 11))
+                assert snapshots[-1].finish_reason == "length"
+                return snapshots[-1].token_ids
+
+            got = await asyncio.gather(*(one(p) for p in prompts))
+
+            # Leaving a stream early aborts its request: the engine ends idle.
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            async for out in eng.generate(prompts[0], long):
+                if len(out.token_ids) == 3:
+                    break
+            for _ in range(50):
+                stats = eng.stats
+                if stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0)
+            assert eng.num_unfinished == 0
+
+            # Bad prompts are refused before they reach the core.
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                await anext(eng.generate([10**6], params))
+            return got
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(run()) == expected
