@@ -190,9 +190,15 @@ class LLM:
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one "
                     f"SamplingParams or one per prompt"
                 )
+        vocab = self.model_config.vocab_size
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            bad = [t for t in p.logit_bias or {} if t >= vocab]
+            if bad:
+                raise ValueError(
+                    f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                )
         return prompts, params
 
     # ---- generation -------------------------------------------------------------------

@@ -26,10 +26,15 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxllm.config import ModelConfig
-from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxllm.models import AttentionMetadata
 from jaxllm.sampler import SamplingInputs, sample
-from jaxllm.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS
+from jaxllm.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    SAMPLING_EPS,
+)
 from pallas_kernels import get_kv_cache_shape
 
 logger = logging.getLogger(__name__)
@@ -66,7 +71,8 @@ def compiled_shapes(
 
 
 # Sampler variants compiled for every shape: (all_greedy, num_logprobs). The fast one serves
-# batches where every request is greedy without logprobs; the general one everything else.
+# batches where every request is greedy without logprobs, blocked ids, penalties or logit
+# bias; the general one everything else (penalties run inside it only when a row has one).
 SAMPLER_VARIANTS = ((True, 0), (False, MAX_LOGPROBS))
 # Width of the per-request blocked-id array (EOS ids plus stop ids, while min_tokens holds).
 MAX_BLOCKED_IDS = MAX_STOP_TOKEN_IDS + 16
@@ -143,6 +149,7 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.pages_per_seq = -(-max_model_len // page_size)
+        self.max_model_len = max_model_len  # the width of the penalties' history_ids
         self.token_buckets, self.request_buckets = make_buckets(
             max_num_batched_tokens, max_num_seqs
         )
@@ -153,6 +160,7 @@ class ModelRunner:
         )
         self.kv_cache = jnp.zeros(shape, dtype)
         self.kv_cache_lost = False  # set when a failed step took the cache with it
+        self._idle_penalty_inputs: dict[int, dict[str, jax.Array]] = {}  # by request bucket
         self._step = jax.jit(
             functools.partial(_step, self.graphdef),
             donate_argnums=(1,),
@@ -192,7 +200,8 @@ class ModelRunner:
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
-        nothing. The one place padding values are defined; `prepare` fills requests in."""
+        nothing. The one place padding values are defined (those of logit bias and penalties in
+        `_penalty_padding`); `prepare` fills requests in."""
 
         def ints(*shape: int, fill: int = 0) -> np.ndarray:
             return np.full(shape, fill, np.int32)
@@ -217,8 +226,56 @@ class ModelRunner:
             seeds=np.zeros((r_pad, 2), np.uint32),
             counters=ints(r_pad),
             blocked_ids=ints(r_pad, MAX_BLOCKED_IDS, fill=self.config.vocab_size),  # dropped
+            **self._penalty_inputs(r_pad),
         )
         return batch, sampling
+
+    def _penalty_padding(self, r_pad: int) -> dict[str, np.ndarray]:
+        """Logit-bias and penalty arrays holding no bias and no penalty."""
+        vocab = self.config.vocab_size
+        return {
+            "logit_bias_ids": np.full((r_pad, MAX_LOGIT_BIAS), vocab, np.int32),  # dropped
+            "logit_bias": np.zeros((r_pad, MAX_LOGIT_BIAS), np.float32),
+            "presence_penalty": np.zeros(r_pad, np.float32),
+            "frequency_penalty": np.zeros(r_pad, np.float32),
+            "repetition_penalty": np.ones(r_pad, np.float32),
+            "history_ids": np.full((r_pad, self.max_model_len), vocab, np.int32),  # dropped
+            "num_prompt_tokens": np.zeros(r_pad, np.int32),
+        }
+
+    def _penalty_inputs(self, r_pad: int) -> dict[str, jax.Array]:
+        """The padding of `_penalty_padding`, kept on the device once per request bucket: a
+        batch without bias or penalties neither builds nor sends the [R, max_model_len]
+        history (`prepare` swaps in host arrays when some request needs them)."""
+        if r_pad not in self._idle_penalty_inputs:
+            self._idle_penalty_inputs[r_pad] = jax.device_put(self._penalty_padding(r_pad))
+        return self._idle_penalty_inputs[r_pad]
+
+    def _fill_penalty_inputs(
+        self, sampling: SamplingInputs, reqs: list[ScheduledRequest]
+    ) -> SamplingInputs:
+        """Host arrays for logit bias and penalties, filled for the requests that sample with
+        them; `sampling` unchanged (the device-resident padding) when none does."""
+        biased = any(r.sample and r.logit_bias for r in reqs)
+        penalized = any(r.history_ids is not None for r in reqs)
+        if not (biased or penalized):
+            return sampling
+        host = self._penalty_padding(len(sampling.temperature))
+        if not penalized:
+            host = {k: v for k, v in host.items() if k.startswith("logit_bias")}
+        for i, r in enumerate(reqs):
+            if not r.sample:
+                continue
+            if biased and r.logit_bias:
+                host["logit_bias_ids"][i, : len(r.logit_bias)] = list(r.logit_bias)
+                host["logit_bias"][i, : len(r.logit_bias)] = list(r.logit_bias.values())
+            if r.history_ids is not None:
+                host["presence_penalty"][i] = r.presence_penalty
+                host["frequency_penalty"][i] = r.frequency_penalty
+                host["repetition_penalty"][i] = r.repetition_penalty
+                host["history_ids"][i, : len(r.history_ids)] = r.history_ids
+                host["num_prompt_tokens"][i] = r.num_prompt_tokens
+        return dataclasses.replace(sampling, **host)
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.size * self.kv_cache.dtype.itemsize
@@ -258,10 +315,15 @@ class ModelRunner:
             ids = r.blocked_token_ids[:MAX_BLOCKED_IDS]
             sampling.blocked_ids[i, : len(ids)] = ids
             start += n
+        sampling = self._fill_penalty_inputs(sampling, reqs)
 
         sampling_reqs = [r for r in reqs if r.sample]
         fast = all(
-            r.temperature < SAMPLING_EPS and r.num_logprobs is None and not r.blocked_token_ids
+            r.temperature < SAMPLING_EPS
+            and r.num_logprobs is None
+            and not r.blocked_token_ids
+            and not r.logit_bias
+            and r.history_ids is None
             for r in sampling_reqs
         )
         all_greedy, num_logprobs = SAMPLER_VARIANTS[0 if fast else 1]

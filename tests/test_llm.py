@@ -6,8 +6,12 @@ import itertools
 
 import numpy as np
 import pytest
+from flax import nnx
+from test_sampler import _numpy_penalties
 
 from jaxllm import LLM, SamplingParams
+
+from helpers import prefill_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -141,22 +145,83 @@ def test_stop_token_and_eos(tiny_llm):
 
 def test_min_tokens_blocks_eos(tiny_llm):
     eos = tiny_llm.eos_token_ids[0]
-    # Logit bias is not available yet, so find a prompt whose greedy first token is EOS.
-    rng = np.random.default_rng(11)
-    for _ in range(300):
-        prompt = {"prompt_token_ids": rng.integers(3, 300, size=5).tolist()}
-        first = tiny_llm.generate(
-            prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False
-        )
-        if first[0].outputs[0].token_ids == [eos]:
-            break
-    else:
-        pytest.skip("no prompt with EOS as its first greedy token in 300 tries")
-    assert first[0].outputs[0].finish_reason == "stop" and first[0].outputs[0].text == ""
-    out = tiny_llm.generate(
-        prompt, SamplingParams(temperature=0, max_tokens=5, min_tokens=2), use_tqdm=False
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    force_eos = {eos: 100.0}
+    first = tiny_llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=4, logit_bias=force_eos), use_tqdm=False
     )[0].outputs[0]
-    assert eos not in out.token_ids[:2] and len(out.token_ids) >= 2
+    assert first.token_ids == [eos] and first.finish_reason == "stop" and first.text == ""
+    out = tiny_llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=5, min_tokens=2, logit_bias=force_eos),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.token_ids) == 3 and eos not in out.token_ids[:2] and out.token_ids[2] == eos
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny_llm):
+    prompt = {"prompt_token_ids": [7, 8, 9, 10]}
+    free = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    target = next(t for t in range(40, 300) if t not in free)
+    for temperature in (0.0, 1.0):
+        forced = tiny_llm.generate(
+            prompt,
+            SamplingParams(
+                temperature=temperature, max_tokens=6, ignore_eos=True, logit_bias={target: 100}
+            ),
+            use_tqdm=False,
+        )[0].outputs[0]
+        assert forced.token_ids == [target] * 6
+    banned = tiny_llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={free[0]: -100}),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert free[0] not in banned.token_ids
+    vocab = tiny_llm.model_config.vocab_size
+    with pytest.raises(ValueError, match="logit_bias"):
+        tiny_llm.generate(prompt, SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+    _assert_idle(tiny_llm)
+
+
+def test_penalties_through_the_engine_match_vllm_formula(tiny_llm):
+    """Greedy decoding with penalties: every token is the argmax of the model's logits after
+    vLLM's penalties over the prompt and the output so far."""
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 11, 12, 12, 12]  # greedy repeats 398, 310 after it
+    # (presence, frequency, repetition): discouraging, encouraging output repeats, and a
+    # repetition penalty < 1 that favours the prompt's tokens.
+    cases = [(0.5, 0.8, 1.6), (-2.0, -1.0, 1.0), (0.0, 0.0, 0.5)]
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            presence_penalty=p,
+            frequency_penalty=f,
+            repetition_penalty=r,
+        )
+        for p, f, r in cases
+    ]
+    # In one batch with requests without penalties, whose outputs must not change.
+    others = _prompts(3, seed=4)
+    outs = tiny_llm.generate(
+        [{"prompt_token_ids": prompt}] * 3 + others, params + [GREEDY] * 3, use_tqdm=False
+    )
+    assert _tokens(outs[3:]) == _tokens(tiny_llm.generate(others, GREEDY, use_tqdm=False))
+    free = _tokens(tiny_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False))[0]
+    runner = tiny_llm.runner
+    model = nnx.merge(runner.graphdef, runner.state)
+    changed = []
+    for (presence, frequency, repetition), o in zip(cases, outs, strict=False):
+        out = o.outputs[0].token_ids
+        changed.append(out != free)
+        logits = prefill_logits(model, runner.config, prompt + out)
+        for j, token in enumerate(out):
+            row = logits[len(prompt) - 1 + j]  # the logits that chose out[j]
+            x = _numpy_penalties(row, prompt, out[:j], presence, frequency, repetition)
+            assert token == int(x.argmax()), (presence, frequency, repetition, j)
+    assert changed == [True] * 3  # each case changed the text
+    _assert_idle(tiny_llm)
 
 
 def test_stop_strings(tiny_llm):
@@ -248,6 +313,16 @@ def test_no_compilation_for_repeated_shapes(tiny_llm):
     tiny_llm.generate(_prompts(4, seed=5), GREEDY, use_tqdm=False)
     before = tiny_llm.runner.num_compilations
     tiny_llm.generate(_prompts(4, seed=5), GREEDY, use_tqdm=False)
+    assert tiny_llm.runner.num_compilations == before
+    # Penalties and logit bias run in the programs compiled at warmup.
+    extra = [
+        SamplingParams(temperature=0, max_tokens=5, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, max_tokens=5, frequency_penalty=1.0, seed=1),
+        SamplingParams(temperature=0, max_tokens=5, logit_bias={10: 5.0}),
+        SamplingParams(temperature=0.5, max_tokens=5, presence_penalty=-1, logit_bias={11: -3}),
+    ]
+    tiny_llm.generate(_prompts(4, seed=6), extra, use_tqdm=False)
+    tiny_llm.generate(_prompts(16, seed=7), (extra * 4)[:15] + [GREEDY], use_tqdm=False)
     assert tiny_llm.runner.num_compilations == before
 
 

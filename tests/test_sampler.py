@@ -1,15 +1,21 @@
-"""The on-device sampler: greedy, top-k / top-p / min-p support, per-request seeds, logprobs."""
+"""The on-device sampler: greedy, top-k / top-p / min-p support, per-request seeds, logprobs,
+penalties and logit bias."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxllm.sampler import SamplingInputs, _filter, sample
+from jaxllm.sampler import SamplingInputs, _apply_penalties, _filter, sample
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
-def inputs(r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0):
+def inputs(r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0, seq_len=8):
+    """Sampling inputs for r rows; no blocked ids, no bias, no penalties."""
     return SamplingInputs(
         temperature=jnp.full((r,), temperature, jnp.float32),
         top_k=jnp.full((r,), top_k, jnp.int32),
@@ -18,6 +24,13 @@ def inputs(r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter
         seeds=jnp.tile(jnp.array([[seed, 0]], jnp.uint32), (r, 1)),
         counters=jnp.full((r,), counter, jnp.int32),
         blocked_ids=jnp.full((r, 4), 10**6, jnp.int32),
+        logit_bias_ids=jnp.full((r, MAX_LOGIT_BIAS), 10**6, jnp.int32),
+        logit_bias=jnp.zeros((r, MAX_LOGIT_BIAS), jnp.float32),
+        presence_penalty=jnp.zeros((r,), jnp.float32),
+        frequency_penalty=jnp.zeros((r,), jnp.float32),
+        repetition_penalty=jnp.ones((r,), jnp.float32),
+        history_ids=jnp.full((r, seq_len), 10**6, jnp.int32),
+        num_prompt_tokens=jnp.zeros((r,), jnp.int32),
     )
 
 
@@ -38,12 +51,9 @@ def test_sampling_follows_the_distribution_and_seeds():
     probs = np.array([0.5, 0.3, 0.2, 0.0])
     logits = jnp.log(jnp.asarray(np.maximum(probs, 1e-12), jnp.float32))
     r = 4000
-    s = inputs(r)
-    s = SamplingInputs(
-        **{
-            **s.__dict__,
-            "seeds": jnp.stack([jnp.arange(r, dtype=jnp.uint32), jnp.zeros(r, jnp.uint32)], 1),
-        }
+    s = dataclasses.replace(
+        inputs(r),
+        seeds=jnp.stack([jnp.arange(r, dtype=jnp.uint32), jnp.zeros(r, jnp.uint32)], 1),
     )
     out = sample(jnp.tile(logits, (r, 1)), s, all_greedy=False, num_logprobs=0)
     freq = np.bincount(np.asarray(out.sampled), minlength=4) / r
@@ -93,14 +103,11 @@ def test_filter_matches_sort_based_definition():
     top_k = rng.choice([0, 1, 5, 50, 2999], size=r)
     top_p = rng.choice([1.0, 0.95, 0.5, 0.1], size=r)
     min_p = rng.choice([0.0, 0.0, 0.05], size=r)
-    s = SamplingInputs(
-        temperature=jnp.ones(r, jnp.float32),
+    s = dataclasses.replace(
+        inputs(r),
         top_k=jnp.asarray(top_k, jnp.int32),
         top_p=jnp.asarray(top_p, jnp.float32),
         min_p=jnp.asarray(min_p, jnp.float32),
-        seeds=jnp.zeros((r, 2), jnp.uint32),
-        counters=jnp.zeros(r, jnp.int32),
-        blocked_ids=jnp.full((r, 4), v, jnp.int32),
     )
     kept = np.isfinite(np.asarray(_filter(jnp.asarray(x), s)))
     for i in range(r):
@@ -118,7 +125,7 @@ def test_filter_matches_sort_based_definition():
 def test_blocked_ids_and_tiny_temperatures():
     logits = jnp.array([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]], jnp.float32)
     s = inputs(2, temperature=0.0)
-    s = SamplingInputs(**{**s.__dict__, "blocked_ids": jnp.array([[1, 4, 4, 4], [4, 4, 4, 4]])})
+    s = dataclasses.replace(s, blocked_ids=jnp.array([[1, 4, 4, 4], [4, 4, 4, 4]]))
     out = sample(logits, s, all_greedy=False, num_logprobs=2)
     assert np.asarray(out.sampled).tolist() == [2, 1]  # row 0 may not pick token 1
     # Logprobs stay those of the raw distribution.
@@ -129,3 +136,163 @@ def test_blocked_ids_and_tiny_temperatures():
     big = jnp.array([[35.0, 0.0, 40.0, 0.0]], jnp.float32)
     tiny = sample(big, inputs(1, temperature=1e-37), all_greedy=False, num_logprobs=0)
     assert int(tiny.sampled[0]) == 2
+
+
+def _numpy_penalties(logits, prompt, output, presence, frequency, repetition):
+    """vLLM's apply_penalties for one row, written out on numpy arrays."""
+    x = logits.astype(np.float64).copy()
+    counts = np.bincount(np.asarray(output, int), minlength=len(x))
+    seen = counts > 0
+    seen[np.asarray(prompt, int)] = True
+    p = np.where(seen, repetition, 1.0)
+    x = np.where(x > 0, x / p, x * p)
+    x -= frequency * counts
+    x -= presence * (counts > 0)
+    return x
+
+
+def _penalty_case(rng, r, v, seq_len):
+    """Random logits, histories and per-row penalties (some rows neutral, some single ones)."""
+    logits = (rng.standard_normal((r, v)) * 3).astype(np.float32)
+    history = np.full((r, seq_len), v, np.int32)
+    num_prompt = np.zeros(r, np.int32)
+    rows = []
+    for i in range(r):
+        n = int(rng.integers(1, seq_len + 1))
+        p = int(rng.integers(0, n + 1))
+        ids = rng.integers(0, 12 if i % 2 else v, size=n)  # odd rows: many repeats
+        history[i, :n] = ids
+        num_prompt[i] = p
+        rows.append((ids[:p], ids[p:]))
+    presence = rng.uniform(-2, 2, r).astype(np.float32)
+    frequency = rng.uniform(-2, 2, r).astype(np.float32)
+    repetition = rng.uniform(0.05, 2, r).astype(np.float32)
+    presence[0], frequency[0], repetition[0] = 0, 0, 1  # a neutral row
+    frequency[1], repetition[1] = 0, 1  # presence only
+    presence[2], repetition[2] = 0, 1  # frequency only
+    presence[3], frequency[3] = 0, 0  # repetition only
+    s = dataclasses.replace(
+        inputs(r, seq_len=seq_len),
+        presence_penalty=jnp.asarray(presence),
+        frequency_penalty=jnp.asarray(frequency),
+        repetition_penalty=jnp.asarray(repetition),
+        history_ids=jnp.asarray(history),
+        num_prompt_tokens=jnp.asarray(num_prompt),
+    )
+    expect = np.stack(
+        [
+            _numpy_penalties(logits[i], *rows[i], presence[i], frequency[i], repetition[i])
+            for i in range(r)
+        ]
+    )
+    return logits, s, expect
+
+
+def test_penalties_match_vllm_formula():
+    rng = np.random.default_rng(0)
+    logits, s, expect = _penalty_case(rng, r=16, v=500, seq_len=64)
+    got = np.asarray(_apply_penalties(jnp.asarray(logits), s))
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[0], logits[0])  # the neutral row is untouched
+    # Through the sampler: greedy rows pick the argmax of the penalized logits.
+    s = dataclasses.replace(s, temperature=jnp.zeros(16, jnp.float32))
+    out = sample(jnp.asarray(logits), s, all_greedy=False, num_logprobs=3)
+    np.testing.assert_array_equal(out.sampled, expect.argmax(-1))
+    # Logprobs stay those of the raw logits.
+    np.testing.assert_allclose(
+        out.top_logprobs, jax.lax.top_k(jax.nn.log_softmax(logits, -1), 3)[0], rtol=1e-5
+    )
+
+
+def test_logit_bias_adds_before_penalties_and_temperature():
+    v = 50
+    logits = jax.random.normal(jax.random.key(1), (3, v))
+    ids = np.full((3, MAX_LOGIT_BIAS), v, np.int32)
+    bias = np.zeros((3, MAX_LOGIT_BIAS), np.float32)
+    ids[0, :2], bias[0, :2] = [7, 9], [100.0, -100.0]  # force 7
+    ids[1, :1], bias[1, :1] = [int(jnp.argmax(logits[1]))], [-100.0]  # ban the argmax
+    s = dataclasses.replace(
+        inputs(3, temperature=0.0),
+        logit_bias_ids=jnp.asarray(ids),
+        logit_bias=jnp.asarray(bias),
+    )
+    out = sample(logits, s, all_greedy=False, num_logprobs=0)
+    expect = np.asarray(logits).copy()
+    for i in range(3):
+        for t, b in zip(ids[i], bias[i], strict=True):
+            if t < v:
+                expect[i, t] += b
+    np.testing.assert_array_equal(out.sampled, expect.argmax(-1))
+    assert int(out.sampled[0]) == 7
+    # Random rows too: +100 leaves nothing else in the running at any temperature.
+    hot = dataclasses.replace(s, temperature=jnp.full(3, 2.0, jnp.float32))
+    assert int(sample(logits, hot, all_greedy=False, num_logprobs=0).sampled[0]) == 7
+    # Bias first, then the repetition penalty (vLLM's order): 7's logit ~ 100 + x is
+    # divided by the penalty, not (x / penalty) + 100.
+    rep = dataclasses.replace(
+        s,
+        repetition_penalty=jnp.full(3, 2.0, jnp.float32),
+        history_ids=jnp.full((3, 8), 7, jnp.int32),
+        num_prompt_tokens=jnp.full(3, 8, jnp.int32),
+        temperature=jnp.ones(3, jnp.float32),
+    )
+    one = jax.tree.map(lambda a: a[:1], rep)
+    biased = jnp.asarray(logits[:1]).at[0, 7].add(100.0).at[0, 9].add(-100.0)
+    got = _apply_penalties(biased, one)
+    np.testing.assert_allclose(got[0, 7], (logits[0, 7] + 100.0) / 2.0, rtol=1e-6)
+
+
+def test_rows_without_penalties_are_unchanged():
+    """Penalties off gives bit-identical draws, whether or not other rows use them."""
+    rng = np.random.default_rng(3)
+    r, v = 8, 300
+    logits, s, _ = _penalty_case(rng, r=r, v=v, seq_len=32)
+    logits = jnp.asarray(logits)
+    seeds = jnp.stack([jnp.arange(r, dtype=jnp.uint32), jnp.zeros(r, jnp.uint32)], 1)
+    temps = jnp.asarray([0.0, 0.7, 1.0, 0.0, 1.3, 0.5, 0.0, 1.0], jnp.float32)
+    plain = dataclasses.replace(inputs(r, top_p=0.9, seq_len=32), seeds=seeds, temperature=temps)
+    base = sample(logits, plain, all_greedy=False, num_logprobs=2)
+    # Row 0 of `s` is neutral: give the others neutral values too except row 5.
+    one = dataclasses.replace(
+        s,
+        seeds=seeds,
+        temperature=temps,
+        top_p=plain.top_p,
+        presence_penalty=jnp.zeros(r).at[5].set(1.0),
+        frequency_penalty=jnp.zeros(r).at[5].set(1.0),
+        repetition_penalty=jnp.ones(r).at[5].set(1.5),
+    )
+    mixed = sample(logits, one, all_greedy=False, num_logprobs=2)
+    keep = np.arange(r) != 5
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(mixed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[keep], np.asarray(b)[keep])
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"logit_bias": dict.fromkeys(range(MAX_LOGIT_BIAS + 1), 1.0)}, "logit_bias"),
+    ],
+)
+def test_penalty_and_bias_validation_names_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_penalty_defaults_are_off():
+    p = SamplingParams(logit_bias={})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.logit_bias is None and not p.uses_penalties
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties
+    assert SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS), -100)).logit_bias

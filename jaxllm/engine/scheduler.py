@@ -46,6 +46,14 @@ class ScheduledRequest:
     num_output_tokens: int  # tokens sampled so far; folds into the per-request PRNG key
     num_logprobs: int | None  # top logprobs wanted; None when logprobs are off
     blocked_token_ids: list[int]  # may not be sampled now (EOS and stop ids before min_tokens)
+    logit_bias: dict[int, float] | None  # token id -> added to its logit
+    presence_penalty: float  # 0 = off
+    frequency_penalty: float  # 0 = off
+    repetition_penalty: float  # 1 = off
+    # Prompt then output ids so far, for the penalties: set only when a penalty is on and this
+    # chunk samples (None otherwise, to copy nothing).
+    history_ids: list[int] | None
+    num_prompt_tokens: int  # how many of history_ids are the prompt
 
 
 @dataclasses.dataclass
@@ -205,6 +213,16 @@ class Scheduler:
                 if request.num_output_tokens < params.min_tokens
                 else []
             ),
+            logit_bias=params.logit_bias,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            history_ids=(
+                list(request.all_token_ids)
+                if params.uses_penalties and start + n == request.num_tokens
+                else None
+            ),
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def update_from_output(
