@@ -25,7 +25,7 @@ from jaxllm.config import CacheConfig, SchedulerConfig, resolve_dtype
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import Request
+from jaxllm.engine.request import Request, derive_seed
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.kv_sizing import plan_kv_cache
 from jaxllm.loaders import load_model
@@ -284,7 +284,6 @@ class LLM:
             sub_ids = []
             for i in range(sp.n):
                 sub = rid if sp.n == 1 else f"{rid}-{i}"
-                seed = self._seed(sp.seed, i)
                 requests.append(
                     Request(
                         sub,
@@ -292,8 +291,9 @@ class LLM:
                         sp,
                         eos_token_ids=self.eos_token_ids,
                         max_tokens=max_tokens,
-                        seed=seed,
+                        seed=derive_seed(sp.seed, i, self._rng),
                         priority=prio,
+                        prefix_parent=sub_ids[0] if sub_ids else None,
                     )
                 )
                 processor.add_request(sub, i, ids, sp)
@@ -338,13 +338,3 @@ class LLM:
             )
             for rid, text, ids, sub_ids in groups
         ]
-
-    def _seed(self, seed: int | None, index: int) -> int:
-        if seed is None:
-            return int(self._rng.integers(0, 2**63))
-        # Distinct, reproducible seeds for the n completions of one seeded request.
-        return (
-            seed
-            if index == 0
-            else int(np.random.default_rng([seed % 2**64, index]).integers(0, 2**63))
-        )

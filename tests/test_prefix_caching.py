@@ -135,3 +135,35 @@ def test_shared_1000_token_prefix_computes_only_new_tokens(long_llm, tiny_model_
     ref = fresh.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert fresh.kv_cache_manager.prefix_cache_hits == 0
+
+
+def test_n_completions_share_the_prompt(long_llm):
+    """Fan-out: the siblings of an n > 1 request wait for the first one to compute the prompt
+    and start from its cached blocks, so the prompt is computed once, not n times."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 300, size=600).tolist()
+    runner, kv = long_llm.runner, long_llm.kv_cache_manager
+    computed = []
+    execute = runner.execute
+
+    def counting_execute(out):
+        computed.extend(len(r.token_ids) for r in out.requests)
+        return execute(out)
+
+    hits_before = kv.prefix_cache_hits
+    runner.execute = counting_execute
+    try:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=3)
+        out = long_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    finally:
+        runner.execute = execute
+    cached = (600 // 16) * 16
+    assert kv.prefix_cache_hits - hits_before == 2 * cached
+    # One full prompt, then each sibling only its uncached tail; one token per later step.
+    assert sum(computed) == 600 + 2 * (600 - cached) + 3 * (params.max_tokens - 1)
+    single = long_llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]  # fmt: skip
+    assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 3
+    kv.check_invariants()

@@ -100,9 +100,12 @@ class AsyncLLM:
         request_id: str | None = None,
         index: int = 0,
         priority: int = 0,
+        prefix_parent: str | None = None,
     ) -> AsyncIterator[CompletionOutput]:
         """Yields a snapshot of the completion after each new token; the last one has a
-        finish_reason. Leaving the loop early aborts the request in the core."""
+        finish_reason. Leaving the loop early aborts the request in the core. `index` is the
+        completion's place among the n of one prompt (it picks the seed); the siblings pass
+        the first one's id as `prefix_parent` to share its cached prompt."""
         if self.dead:
             raise EngineDeadError("engine core is not running")
         self.check_prompt_ids(prompt_token_ids)
@@ -123,6 +126,7 @@ class AsyncLLM:
                     max_tokens=max_tokens,
                     seed=derive_seed(params.seed, index, self._rng),
                     priority=priority,
+                    prefix_parent=prefix_parent,
                 )
             )
             while True:

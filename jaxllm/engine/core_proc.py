@@ -114,6 +114,7 @@ def run_engine_core(
                             max_tokens=message.max_tokens,
                             seed=message.seed,
                             priority=message.priority,
+                            prefix_parent=message.prefix_parent,
                         )
                     )
                 elif isinstance(message, Abort):

@@ -19,6 +19,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     max_tokens: int  # resolved against max_model_len by the front end
     seed: int  # resolved: a request without a seed gets one from the front end
     priority: int = 0
+    prefix_parent: str | None = None  # see Request.prefix_parent
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -50,6 +50,7 @@ class Request:
         max_tokens: int,
         seed: int,
         priority: int = 0,
+        prefix_parent: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,6 +60,9 @@ class Request:
         self.max_tokens = max_tokens  # resolved: never runs past max_model_len
         self.seed = seed  # resolved: a request without a seed gets one from the engine
         self.priority = priority  # lower runs earlier under the "priority" policy
+        # A sibling with the same prompt (the first of n completions): this request waits
+        # until the sibling has computed the prompt, then starts from its cached blocks.
+        self.prefix_parent = prefix_parent
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -157,6 +157,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self._next_waiting()
+            if request is None:
+                break
             # A new or preempted request starts from its longest cached prefix.
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_cached, budget)
@@ -179,10 +181,26 @@ class Scheduler:
             finished_request_ids=finished,
         )
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> Request | None:
+        """The next request to admit: the first in arrival order (preempted requests went back
+        to the front) or by (priority, arrival), among those not waiting for a sibling."""
+        ready = (r for r in self.waiting if not self._waits_for_parent(r))
         if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]  # arrival order; preempted requests went back to the front
+            return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
+        return next(ready, None)
+
+    def _waits_for_parent(self, request: Request) -> bool:
+        """Fan-out of n completions: the siblings of the first one wait until it has computed
+        the shared prompt, so they start from its cached blocks instead of recomputing them."""
+        if request.prefix_parent is None or not self.kv.enable_prefix_caching:
+            return False
+        parent = self.requests.get(request.prefix_parent)
+        if parent is None:  # finished or aborted: nothing to wait for
+            return False
+        return (
+            parent.status != RequestStatus.RUNNING
+            or parent.num_computed_tokens < parent.num_prompt_tokens
+        )
 
     def _pick_victim(self, granted: list[tuple[Request, int]]) -> Request:
         done = {id(r) for r, _ in granted}
