@@ -2,8 +2,10 @@
 
 Every check that can fail a request runs here, before the engine sees it (`server.protocol`
 validates the body; tokenization and length checks follow). Errors leave in OpenAI's shape,
-`{"error": {"message", "type", "param", "code"}}`, never with a traceback or a path. The
-engine starts in the background, so `/health` answers 503 until warmup is done.
+`{"error": {"message", "type", "param", "code"}}`, never with a traceback or a path. Response
+bodies are the `server.protocol` models, serialized by pydantic: their JSON shape is defined
+there and nowhere else. The engine starts in the background, so `/health` answers 503 until
+warmup is done.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
@@ -125,6 +127,11 @@ def build_app(
         if eng.num_unfinished + n > state.max_queued:
             raise APIError.unavailable("too many requests are queued; retry later")
 
+    async def respond(request: Request, gen: _Generation) -> Response:
+        if gen.req.stream:
+            return StreamingResponse(gen.stream(state.metrics), media_type="text/event-stream")
+        return await until_done_or_gone(request, gen.full(state.metrics))
+
     # ---- plain routes ------------------------------------------------------------------
 
     @app.get("/health")
@@ -147,19 +154,11 @@ def build_app(
     @app.get("/v1/models")
     async def models():
         max_len = state.engine.max_model_len if state.engine is not None else None
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "jaxllm",
-                    "max_model_len": max_len,
-                }
-                for name in state.served_model_names
-            ],
-        }
+        cards = [
+            protocol.ModelCard(id=name, created=state.created, max_model_len=max_len)
+            for name in state.served_model_names
+        ]
+        return _json(protocol.ModelList(data=cards))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -170,7 +169,9 @@ def build_app(
             ids = render_chat(eng, req, add_special_tokens=req.add_special_tokens)
         else:
             ids = eng.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
+        return _json(
+            protocol.TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids)
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -178,7 +179,7 @@ def build_app(
         eng = engine()
         check_model(req.model)
         protocol.check_token_ids(req.tokens, eng.vocab_size, param="tokens")
-        return {"prompt": eng.tokenizer.decode(req.tokens)}
+        return _json(protocol.DetokenizeResponse(prompt=eng.tokenizer.decode(req.tokens)))
 
     # ---- generation --------------------------------------------------------------------
 
@@ -189,11 +190,9 @@ def build_app(
         model = check_model(req.model)
         prompts = completion_prompts(eng, req)
         jobs = [(ids, sampling_params(eng, req, ids, "prompt"), text) for ids, text in prompts]
-        admit(eng, sum(p.n for _, p, _ in jobs))
-        kind = Completion(req, model, jobs, eng)
-        if req.stream:
-            return StreamingResponse(kind.stream(state.metrics), media_type="text/event-stream")
-        return await until_done_or_gone(request, kind.full(state.metrics))
+        gen = Completion(req, model, jobs, eng)
+        admit(eng, gen.num_requests)
+        return await respond(request, gen)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -202,16 +201,22 @@ def build_app(
         model = check_model(req.model)
         ids = render_chat(eng, req)
         jobs = [(ids, sampling_params(eng, req, ids, "messages"), None)]
-        admit(eng, jobs[0][1].n)
-        kind = ChatCompletion(req, model, jobs, eng)
-        if req.stream:
-            return StreamingResponse(kind.stream(state.metrics), media_type="text/event-stream")
-        return await until_done_or_gone(request, kind.full(state.metrics))
+        gen = ChatCompletion(req, model, jobs, eng)
+        admit(eng, gen.num_requests)
+        return await respond(request, gen)
 
     return app
 
 
 # ---- helpers ----------------------------------------------------------------------------
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
 
 
 def sampling_params(eng: AsyncLLM, req, ids: list[int], param: str):
@@ -250,14 +255,15 @@ def render_chat(eng: AsyncLLM, req, *, add_special_tokens: bool = False) -> list
     return eng.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def until_done_or_gone(request: Request, work) -> Any:
-    """Runs `work`, cancelling it (which aborts its requests) if the client disconnects."""
+async def until_done_or_gone(request: Request, work) -> Response:
+    """Runs `work` to its response body, cancelling it (which aborts its requests) if the
+    client disconnects."""
     task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if done:
-                return task.result()
+                return _json(task.result())
             if await request.is_disconnected():
                 task.cancel()
                 return Response(status_code=499)
@@ -279,20 +285,26 @@ def _error_event(exc: BaseException) -> str:
 
 class _Generation:
     """Runs the n completions of each prompt of one HTTP request, merged in one stream of
-    (choice index, snapshot) events."""
+    (choice index, snapshot) events. Subclasses build the choices of their endpoint's
+    response and stream chunk models."""
 
-    object_name: str
-    chunk_object: str
+    response_cls: ClassVar[type[BaseModel]]
+    chunk_cls: ClassVar[type[BaseModel]]
 
     def __init__(self, req, model: str, jobs, eng: AsyncLLM):
         self.req, self.model, self.jobs, self.eng = req, model, jobs, eng
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        # The response model's own id form ("cmpl-...", "chatcmpl-..."), one for all chunks.
+        self.id = self.response_cls.model_fields["id"].get_default(call_default_factory=True)
         self.created = int(time.time())
         self.arrival = time.monotonic()
 
+    @property
+    def num_requests(self) -> int:
+        """Engine requests: n per prompt."""
+        return sum(params.n for _, params, _ in self.jobs)
+
     async def _events(self, metrics: Metrics) -> AsyncIterator[tuple[int, Any]]:
         queue: asyncio.Queue = asyncio.Queue()
-        n_total = sum(params.n for _, params, _ in self.jobs)
 
         async def run(choice: int, ids: list[int], params, index: int):
             times: list[float] = []
@@ -325,7 +337,7 @@ class _Generation:
                 choice += 1
         try:
             done = 0
-            while done < n_total:
+            while done < len(tasks):
                 choice, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
@@ -343,16 +355,13 @@ class _Generation:
             choice -= params.n
         raise IndexError(choice)
 
-    def _usage(self, finals: dict[int, Any]) -> dict:
-        prompt = sum(len(ids) for ids, _, _ in self.jobs)
-        completion = sum(len(o.token_ids) for o in finals.values())
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+    def _usage(self, finals: dict[int, Any]) -> protocol.UsageInfo:
+        return protocol.UsageInfo.of(
+            prompt_tokens=sum(len(ids) for ids, _, _ in self.jobs),
+            completion_tokens=sum(len(o.token_ids) for o in finals.values()),
+        )
 
-    async def full(self, metrics: Metrics) -> dict:
+    async def full(self, metrics: Metrics) -> BaseModel:
         finals: dict[int, Any] = {}
         try:
             async for choice, out in self._events(metrics):
@@ -360,16 +369,18 @@ class _Generation:
                     finals[choice] = out
         except (EngineDeadError, RequestFailedError):
             raise APIError.internal("the engine failed this request") from None
-        choices = [self._choice(c, finals[c]) for c in sorted(finals)]
-        return {
-            "id": self.id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self._usage(finals),
-            "system_fingerprint": None,
-        }
+        return self.response_cls(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[self._choice(c, finals[c]) for c in sorted(finals)],
+            usage=self._usage(finals),
+        )
+
+    def _chunk(self, choices: list, usage: protocol.UsageInfo | None = None) -> BaseModel:
+        return self.chunk_cls(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
     async def stream(self, metrics: Metrics) -> AsyncIterator[str]:
         opts = self.req.stream_options
@@ -379,52 +390,44 @@ class _Generation:
         finals: dict[int, Any] = {}
         try:
             for chunk in self._stream_start():
-                yield self._sse(chunk)
+                yield _sse(chunk)
             async for choice, out in self._events(metrics):
                 chars, toks = sent.get(choice, (0, 0))
-                chunk = self._delta(choice, out, chars, toks)
+                delta = self._delta(choice, out, chars, toks)
                 sent[choice] = (len(out.text), len(out.token_ids))
                 if out.finish_reason is not None:
                     finals[choice] = out
-                if chunk is None:
+                if delta is None:
                     continue
-                if continuous:
-                    chunk["usage"] = self._usage({**finals, choice: out})
-                yield self._sse(chunk)
+                usage = self._usage({**finals, choice: out}) if continuous else None
+                yield _sse(self._chunk([delta], usage))
             if include_usage:
-                yield self._sse({**self._header(), "choices": [], "usage": self._usage(finals)})
+                yield _sse(self._chunk([], self._usage(finals)))
         except Exception as e:
             yield _error_event(e)
         yield "data: [DONE]\n\n"
 
-    def _header(self) -> dict:
-        return {
-            "id": self.id,
-            "object": self.chunk_object,
-            "created": self.created,
-            "model": self.model,
-        }
-
-    def _sse(self, chunk: dict) -> str:
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-    def _stream_start(self) -> list[dict]:
+    def _stream_start(self) -> list[BaseModel]:
+        """The chunks sent before the first token."""
         return []
 
 
 class Completion(_Generation):
-    prefix, object_name, chunk_object = "cmpl", "text_completion", "text_completion"
+    response_cls = protocol.CompletionResponse
+    chunk_cls = protocol.CompletionStreamResponse
 
     def _logprobs(self, choice: int, out, start_token: int, start_char: int):
         params = self._job_of(choice)[1]
         if params.logprobs is None or out.logprobs is None:
             return None
-        return protocol.completion_logprobs(
-            out.token_ids[start_token:],
-            out.logprobs[start_token:],
-            params.logprobs,
-            lambda t: self.eng.tokenizer.decode([t]),
-            initial_text_offset=start_char,
+        return protocol.CompletionLogProbs(
+            **protocol.completion_logprobs(
+                out.token_ids[start_token:],
+                out.logprobs[start_token:],
+                params.logprobs,
+                lambda t: self.eng.tokenizer.decode([t]),
+                initial_text_offset=start_char,
+            )
         )
 
     def _echo(self, choice: int) -> str:
@@ -433,85 +436,70 @@ class Completion(_Generation):
         ids, _, text = self._job_of(choice)
         return text if text is not None else self.eng.tokenizer.decode(ids)
 
-    def _choice(self, choice: int, out) -> dict:
-        return {
-            "index": choice,
-            "text": self._echo(choice) + out.text,
-            "logprobs": self._logprobs(choice, out, 0, 0),
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
-        }
+    def _choice(self, choice: int, out) -> protocol.CompletionResponseChoice:
+        return protocol.CompletionResponseChoice(
+            index=choice,
+            text=self._echo(choice) + out.text,
+            logprobs=self._logprobs(choice, out, 0, 0),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
 
-    def _delta(self, choice: int, out, chars: int, toks: int) -> dict | None:
+    def _delta(self, choice: int, out, chars: int, toks: int):
         text = out.text[chars:]
         if toks == 0:
             text = self._echo(choice) + text
         if not text and out.finish_reason is None and len(out.token_ids) == toks:
             return None
-        return {
-            **self._header(),
-            "choices": [
-                {
-                    "index": choice,
-                    "text": text,
-                    "logprobs": self._logprobs(choice, out, toks, chars),
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            ],
-        }
+        return protocol.CompletionResponseChoice(
+            index=choice,
+            text=text,
+            logprobs=self._logprobs(choice, out, toks, chars),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
 
 
 class ChatCompletion(_Generation):
-    prefix, object_name, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    response_cls = protocol.ChatCompletionResponse
+    chunk_cls = protocol.ChatCompletionStreamResponse
 
     def _logprobs(self, choice: int, out, start_token: int):
         params = self._job_of(choice)[1]
         if params.logprobs is None or out.logprobs is None:
             return None
-        return protocol.chat_logprobs(
-            out.token_ids[start_token:], out.logprobs[start_token:], params.logprobs
+        return protocol.ChatCompletionLogProbs.model_validate(
+            protocol.chat_logprobs(
+                out.token_ids[start_token:], out.logprobs[start_token:], params.logprobs
+            )
         )
 
-    def _choice(self, choice: int, out) -> dict:
-        return {
-            "index": choice,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": self._logprobs(choice, out, 0),
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
-        }
+    def _choice(self, choice: int, out) -> protocol.ChatCompletionResponseChoice:
+        return protocol.ChatCompletionResponseChoice(
+            index=choice,
+            message=protocol.ChatResponseMessage(content=out.text),
+            logprobs=self._logprobs(choice, out, 0),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
 
-    def _stream_start(self) -> list[dict]:
+    def _stream_start(self) -> list[BaseModel]:
+        first = protocol.DeltaMessage(role="assistant", content="")
         n = self.jobs[0][1].n
         return [
-            {
-                **self._header(),
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(n)
-                ],
-            }
+            self._chunk(
+                [protocol.ChatCompletionStreamChoice(index=i, delta=first) for i in range(n)]
+            )
         ]
 
-    def _delta(self, choice: int, out, chars: int, toks: int) -> dict | None:
+    def _delta(self, choice: int, out, chars: int, toks: int):
         text = out.text[chars:]
         if not text and out.finish_reason is None and len(out.token_ids) == toks:
             return None
-        return {
-            **self._header(),
-            "choices": [
-                {
-                    "index": choice,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": self._logprobs(choice, out, toks),
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            ],
-        }
+        return protocol.ChatCompletionStreamChoice(
+            index=choice,
+            delta=protocol.DeltaMessage(content=text or None),
+            logprobs=self._logprobs(choice, out, toks),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
