@@ -6,11 +6,22 @@ validates the body; tokenization and length checks follow). Errors leave in Open
 bodies are the `server.protocol` models, serialized by pydantic: their JSON shape is defined
 there and nowhere else. The engine starts in the background, so `/health` answers 503 until
 warmup is done.
+
+Admission: a handler checks its engine requests against `--max-queued-requests` and counts
+them in `ServerState.num_admitted` with no await in between, and gives them back when its
+response ends, however it ends. (The engine's own count of unfinished requests moves only once a
+generation task has started, after the handler returned: a burst of requests would all see
+the same count and all get in.)
+
+Shutdown: `ServerState.draining` turns on as soon as the server is told to stop (see
+`server.main`); from then on `/health` and new requests answer 503 while the requests already
+admitted run to their end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -32,6 +43,10 @@ from server.protocol import APIError
 logger = logging.getLogger("jaxllm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# The request line and headers. uvicorn's h11 parser stops buffering an unfinished header
+# block at this size (server.main); a block that arrives whole in one read gets past it, so
+# the app checks the size too.
+MAX_HEADER_BYTES = 64 * 1024
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -42,7 +57,8 @@ class ServerState:
         self.served_model_names = served_model_names
         self.api_key = api_key
         self.max_queued = max_queued
-        self.draining = False
+        self.num_admitted = 0  # engine requests of responses that have not ended yet
+        self.draining = False  # set when the server is told to stop; never cleared
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine, served_model_names[0])
 
@@ -70,42 +86,46 @@ def build_app(
         yield
         state.draining = True
         task.cancel()
+        # A core still warming up is stopped by AsyncLLM.create's own cleanup: wait for it.
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         if state.engine is not None:
             await state.engine.shutdown()
 
     app = FastAPI(title="jaxllm", version=jaxllm.__version__, lifespan=lifespan)
     app.state.server = state
 
-    # ---- cross-cutting: errors, auth, body size ----------------------------------------
+    # ---- cross-cutting: errors, auth, header and body size -----------------------------
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return _error_response(exc)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
         logger.exception("internal error")
-        return JSONResponse(APIError.internal().body(), status_code=500)
+        return _error_response(APIError.internal())
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
+        header_bytes = sum(len(k) + len(v) + 4 for k, v in request.scope["headers"])  # ": ", CRLF
+        if header_bytes > MAX_HEADER_BYTES:
+            return _error_response(headers_too_large(MAX_HEADER_BYTES))
         if request.url.path.startswith("/v1") and state.api_key is not None:
             given = request.headers.get("authorization", "")
             expected = f"Bearer {state.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                err = APIError.unauthorized()
-                return JSONResponse(err.body(), status_code=err.status)
+                return _error_response(APIError.unauthorized())
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            err = APIError.too_large(MAX_BODY_BYTES)
-            return JSONResponse(err.body(), status_code=err.status)
+            return _error_response(APIError.too_large(MAX_BODY_BYTES))
         return await call_next(request)
 
     def engine() -> AsyncLLM:
-        if state.engine is None or state.engine.dead or state.draining:
-            raise APIError.unavailable("the engine is not ready" if not state.draining else
-                                       "the server is shutting down")  # fmt: skip
+        if state.draining:
+            raise APIError.unavailable("the server is shutting down")
+        if state.engine is None or state.engine.dead:
+            raise APIError.unavailable("the engine is not ready")
         return state.engine
 
     async def parse(request: Request, model_cls):
@@ -123,25 +143,37 @@ def build_app(
             return state.served_model_names[0] if name is None else name
         raise APIError.model_not_found(name)
 
-    def admit(eng: AsyncLLM, n: int) -> None:
-        if eng.num_unfinished + n > state.max_queued:
-            raise APIError.unavailable("too many requests are queued; retry later")
-
     async def respond(request: Request, gen: _Generation) -> Response:
+        """Admits `gen`'s engine requests (503 when the queue is full), then runs them as a
+        stream or to the end; the admission ends with the response, however it ends."""
+        n = gen.num_requests
+        if state.num_admitted + n > state.max_queued:
+            raise APIError.unavailable("too many requests are queued; retry later")
+        state.num_admitted += n
+
+        def release() -> None:
+            state.num_admitted -= n
+
         if gen.req.stream:
-            return StreamingResponse(gen.stream(state.metrics), media_type="text/event-stream")
-        return await until_done_or_gone(request, gen.full(state.metrics))
+            return _EventStream(gen.stream(state.metrics), on_close=release)
+        try:
+            return await until_done_or_gone(request, gen.full(state.metrics))
+        finally:
+            release()
 
     # ---- plain routes ------------------------------------------------------------------
 
     @app.get("/health")
     async def health():
-        if state.engine is None or state.engine.dead or state.draining:
-            reason = state.startup_error or (
-                "engine core is dead" if state.engine else "warming up"
-            )
-            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-        return Response(status_code=200)
+        if state.draining:
+            reason = "shutting down"
+        elif state.engine is None:
+            reason = state.startup_error or "warming up"
+        elif state.engine.dead:
+            reason = "engine core is dead"
+        else:
+            return Response(status_code=200)
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/version")
     async def version():
@@ -190,9 +222,7 @@ def build_app(
         model = check_model(req.model)
         prompts = completion_prompts(eng, req)
         jobs = [(ids, sampling_params(eng, req, ids, "prompt"), text) for ids, text in prompts]
-        gen = Completion(req, model, jobs, eng)
-        admit(eng, gen.num_requests)
-        return await respond(request, gen)
+        return await respond(request, Completion(req, model, jobs, eng))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -201,14 +231,25 @@ def build_app(
         model = check_model(req.model)
         ids = render_chat(eng, req)
         jobs = [(ids, sampling_params(eng, req, ids, "messages"), None)]
-        gen = ChatCompletion(req, model, jobs, eng)
-        admit(eng, gen.num_requests)
-        return await respond(request, gen)
+        return await respond(request, ChatCompletion(req, model, jobs, eng))
 
     return app
 
 
 # ---- helpers ----------------------------------------------------------------------------
+
+
+def headers_too_large(max_bytes: int) -> APIError:
+    return APIError(
+        431,
+        f"The request headers are too large (the limit is {max_bytes} bytes).",
+        "RequestHeaderFieldsTooLargeError",
+    )
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def _json(body: BaseModel) -> Response:
@@ -270,6 +311,26 @@ async def until_done_or_gone(request: Request, work) -> Response:
     finally:
         if not task.done():
             task.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that closes its events and calls `on_close` when the
+    exchange ends, however it ends. The events' own `finally` cannot be trusted with this: a
+    client gone before the first chunk leaves the generator unstarted, and one gone while a
+    chunk was being sent leaves it suspended until the garbage collector closes it."""
+
+    def __init__(self, events, on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # aborts unfinished engine requests now
+            finally:
+                self.on_close()
 
 
 def _error_event(exc: BaseException) -> str:
@@ -364,9 +425,10 @@ class _Generation:
     async def full(self, metrics: Metrics) -> BaseModel:
         finals: dict[int, Any] = {}
         try:
-            async for choice, out in self._events(metrics):
-                if out.finish_reason is not None:
-                    finals[choice] = out
+            async with contextlib.aclosing(self._events(metrics)) as events:
+                async for choice, out in events:
+                    if out.finish_reason is not None:
+                        finals[choice] = out
         except (EngineDeadError, RequestFailedError):
             raise APIError.internal("the engine failed this request") from None
         return self.response_cls(
@@ -391,16 +453,17 @@ class _Generation:
         try:
             for chunk in self._stream_start():
                 yield _sse(chunk)
-            async for choice, out in self._events(metrics):
-                chars, toks = sent.get(choice, (0, 0))
-                delta = self._delta(choice, out, chars, toks)
-                sent[choice] = (len(out.text), len(out.token_ids))
-                if out.finish_reason is not None:
-                    finals[choice] = out
-                if delta is None:
-                    continue
-                usage = self._usage({**finals, choice: out}) if continuous else None
-                yield _sse(self._chunk([delta], usage))
+            async with contextlib.aclosing(self._events(metrics)) as events:
+                async for choice, out in events:
+                    chars, toks = sent.get(choice, (0, 0))
+                    delta = self._delta(choice, out, chars, toks)
+                    sent[choice] = (len(out.text), len(out.token_ids))
+                    if out.finish_reason is not None:
+                        finals[choice] = out
+                    if delta is None:
+                        continue
+                    usage = self._usage({**finals, choice: out}) if continuous else None
+                    yield _sse(self._chunk([delta], usage))
             if include_usage:
                 yield _sse(self._chunk([], self._usage(finals)))
         except Exception as e:

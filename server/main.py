@@ -1,22 +1,90 @@
 """`jaxllm serve`: the HTTP process (FastAPI on uvicorn) with the engine core as its child.
 
-On SIGTERM or Ctrl-C uvicorn stops accepting connections, lets in-flight requests finish for
-up to `shutdown_timeout` seconds, then the app's shutdown stops the core process, so nothing
-is left running.
+On SIGTERM or Ctrl-C the app starts draining at once (`/health` and new requests answer 503),
+uvicorn stops accepting connections (within 0.1 s), lets in-flight requests finish for up to
+`shutdown_timeout` seconds, then the app's shutdown stops the core process, so nothing is
+left running.
+
+HTTP/1.1 is parsed by h11 whatever else is installed (uvicorn's "auto" would take httptools):
+the header block limit is an h11 setting.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
+from http import HTTPStatus
 from pathlib import Path
 
+import h11
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxllm.engine.async_llm import AsyncLLM
-from server.api import build_app
+from server.api import MAX_HEADER_BYTES, ServerState, build_app, headers_too_large
+from server.protocol import APIError
 
 logger = logging.getLogger("jaxllm.server")
+
+_LINGER_S = 2.0  # how long a refused request may go on sending before its connection closes
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app the moment a shutdown signal arrives. uvicorn itself
+    acts on the signal at its next tick (up to 0.1 s later, still serving new requests until
+    then) and the app's lifespan hears of the shutdown only after the drain."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+class _H11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, changed for requests h11 cannot parse; in practice a header
+    block past h11_max_incomplete_event_size. uvicorn answers those 400 in plain text and
+    closes at once; here:
+    - the status is h11's hint (431 for a header block too large) and the body is in OpenAI's
+      error shape;
+    - the connection closes once the client has stopped sending, or after _LINGER_S: closing
+      with request bytes still unread makes the kernel reset the connection, and the client
+      would never read the answer."""
+
+    _refused = False
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:  # after the answer, the rest of the request is dropped unread
+            super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn calls this from its `except h11.RemoteProtocolError` block.
+        status = getattr(sys.exc_info()[1], "error_status_hint", 400)
+        if status == 431:
+            err = headers_too_large(MAX_HEADER_BYTES)
+        else:
+            err = APIError.bad_request(msg)
+        body = json.dumps(err.body(), separators=(",", ":")).encode()  # as JSONResponse writes
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        reason = HTTPStatus(err.status).phrase.encode()
+        for event in (
+            h11.Response(status_code=err.status, headers=headers, reason=reason),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self._refused = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self.transport.close)
 
 
 def _load_generation_config(option: str, model_defaults: dict) -> dict:
@@ -71,12 +139,18 @@ def serve(
         api_key=api_key,
         max_queued_requests=max_queued_requests,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level="info",
+        http=_H11Protocol,
         timeout_graceful_shutdown=shutdown_timeout,
-        h11_max_incomplete_event_size=64 * 1024,  # header block limit
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
-    return 0
+    server = _Server(config, app.state.server)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on
+        pass
+    return 0 if server.started else STARTUP_FAILURE

@@ -1,14 +1,18 @@
 """End to end: the real `jaxllm serve` process on a tiny random model, driven with the official
 `openai` client and with raw HTTP.
 
-One server (with an API key) serves the module; the test that kills the engine core runs last
-on a server of its own.
+One server (with an API key) serves the module. The fault tests that need other flags or end
+their server run last: a server with a small request queue serves the queue-full test and is
+then stopped under load by the SIGTERM test; the test that kills the engine core has a server
+of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -52,37 +56,58 @@ def _start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not become healthy in time")
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of `pid`, with their command lines."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    return {int(p): _cmdline(int(p)) for p in out.stdout.split()}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def _stop_server(proc: subprocess.Popen, timeout: float = 60) -> str:
-    """SIGTERM, as an operator would; returns the log after checking the exit was clean: the
-    app shut down and no child process (the engine core) is left behind."""
+    """SIGTERM, as an operator would; returns the log after checking the exit was clean (see
+    _wait_stopped)."""
     children = _children(proc.pid)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise AssertionError("the server did not exit on SIGTERM") from None
+    return _wait_stopped(proc, children, timeout)
+
+
+def _wait_stopped(proc: subprocess.Popen, children: dict[int, str], timeout: float = 60) -> str:
+    """Waits for a server told to stop; returns its log after checking the exit was clean: the
+    app shut down and none of its `children` is left behind. The engine core must be gone by
+    the time the server exits (the app's shutdown joins it); multiprocessing's resource
+    tracker, the other child, exits on its own once it reads EOF from the dead server, so it
+    gets a moment."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the server did not exit on SIGTERM") from None
     log = proc.stdout.read()
     # uvicorn re-raises the signal it stopped on, so a clean exit reads -SIGTERM.
     assert proc.returncode in (0, -signal.SIGTERM), log[-3000:]
     assert "Application shutdown complete" in log, log[-3000:]
-    for pid in children:
-        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"child {pid} survived"
+    for pid, cmdline in children.items():
+        if "resource_tracker" in cmdline:
+            deadline = time.monotonic() + 5
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert not _alive(pid), f"child {pid} survived: {cmdline}"
     return log
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -330,20 +355,29 @@ def test_oversized_body_is_413(server):
 
 
 def test_dropped_streams_free_everything(server):
-    async def drop(c, i):
+    # 200 clients at once, far more than the batch holds (16): half leave after their first
+    # chunk, half somewhere in the middle of their stream.
+    rng = random.Random(0)
+    leave_after = [1] * 100 + [rng.randint(2, 60) for _ in range(100)]
+
+    async def drop(c, i, chunks):
         body = {"model": "tiny", "prompt": f"drop {i}", "max_tokens": 200, "stream": True,
                 "ignore_eos": True}  # fmt: skip
         async with c.stream("POST", f"{server}/v1/completions", json=body) as r:
+            assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
-                    return  # close the connection mid-stream
+                    chunks -= 1
+                    if chunks == 0:
+                        return  # close the connection mid-stream
 
     async def run():
-        async with httpx.AsyncClient(headers=AUTH, timeout=120) as c:
-            await asyncio.gather(*(drop(c, i) for i in range(40)))
+        limits = httpx.Limits(max_connections=None)  # httpx's pool would allow 100
+        async with httpx.AsyncClient(headers=AUTH, timeout=120, limits=limits) as c:
+            await asyncio.gather(*(drop(c, i, n) for i, n in enumerate(leave_after)))
 
     asyncio.run(run())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (
             _metric(server, "num_requests_running") == 0
@@ -355,15 +389,125 @@ def test_dropped_streams_free_everything(server):
     assert _metric(server, "num_requests_running") == 0
     assert _metric(server, "num_requests_waiting") == 0
     assert _metric(server, "kv_cache_usage_perc") == 0
+    ok = _post(server, "/v1/completions", {"model": "tiny", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("size", [100_000, 1_000_000])
+def test_huge_header_block_is_431_and_the_server_goes_on(server, size):
+    # Two ways to refuse it: a header block that arrives whole in one read is parsed by h11
+    # and measured by the app; a longer one overflows h11's buffer limit first. Both are 431.
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2},
+              headers={**AUTH, "x-padding": "a" * size})  # fmt: skip
+    assert r.status_code == 431, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 431
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_dir):
+    """At most 10 requests in flight, and room for long ones. The SIGTERM test stops it."""
+    proc, url = _start_server(
+        tiny_model_dir, "--max-queued-requests", "10", "--max-model-len", "1024",
+        "--num-pages", "1024",
+    )  # fmt: skip
+    yield proc, url
+    if proc.returncode is None:
+        _stop_server(proc)
+
+
+async def _stream(c, url: str, i: int, max_tokens: int, started: asyncio.Event | None = None):
+    """A streamed completion: (status, its error if refused or its finish reason, its number of
+    tokens, whether it ended with [DONE])."""
+    body = {"model": "tiny", "prompt": f"stream {i}", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return r.status_code, (r.json()["error"], r.headers.get("retry-after")), 0, False
+        finish, tokens, done = None, 0, False
+        async for line in r.aiter_lines():
+            if started is not None:
+                started.set()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data:"):
+                chunk = json.loads(line[5:])
+                if chunk["choices"]:
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return r.status_code, finish, tokens, done
+
+
+def test_full_queue_is_503_with_retry_after(small_server):
+    _, url = small_server
+
+    async def burst():
+        # 14 at once: all are checked before any reaches the engine, yet only 10 get in.
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(_stream(c, url, i, 200) for i in range(14)))
+
+    results = asyncio.run(burst())
+    ok = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] != 200]
+    assert len(ok) == 10 and all(r[1:] == ("length", 200, True) for r in ok), results
+    assert len(refused) == 4
+    for status, (err, retry_after), _, _ in refused:
+        assert status == 503 and retry_after is not None and int(retry_after) > 0
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == 503
+    # Ended streams give their places back (just after their last byte has left).
+    time.sleep(0.5)
+    again = asyncio.run(burst())
+    assert sum(r[0] == 200 for r in again) == 10
+
+
+async def _probe(method: str, url: str) -> int | str:
+    """A request on a connection of its own: its status, or "refused"."""
+    try:
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.request(method, url, json={"prompt": "a"} if method == "POST" else None)
+            return r.status_code
+    except httpx.TransportError:  # refused, or reset by a listener that just closed
+        return "refused"
+
+
+def test_sigterm_lets_in_flight_requests_finish(small_server):
+    proc, url = small_server
+    children = _children(proc.pid)
+
+    async def run():
+        started = [asyncio.Event() for _ in range(10)]
+        limits = httpx.Limits(max_connections=None)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            # Seconds of generation for this batch on a CPU.
+            streams = [
+                asyncio.create_task(_stream(c, url, i, 500, e)) for i, e in enumerate(started)
+            ]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            proc.send_signal(signal.SIGTERM)
+            probes = []  # new connections while the old ones drain: 503, then refused
+            while not all(s.done() for s in streams):
+                probes += [await _probe("GET", f"{url}/health"),
+                           await _probe("POST", f"{url}/v1/completions")]  # fmt: skip
+                await asyncio.sleep(0.1)
+            return [s.result() for s in streams], probes
+
+    results, probes = asyncio.run(run())
+    assert results == [(200, "length", 500, True)] * 10
+    assert probes and set(probes) <= {503, "refused"}, probes
+    assert probes[-1] == "refused", probes
+    _wait_stopped(proc, children)
 
 
 def test_killed_core_makes_health_503_and_requests_fail_fast(tiny_model_dir):
     proc, url = _start_server(tiny_model_dir)
     try:
-        children = _children(proc.pid)
-        assert children, "the engine core runs in a child process"
-        for pid in children:
-            os.kill(pid, signal.SIGKILL)
+        core = [pid for pid, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+        assert core, "the engine core runs in a child process"
+        os.kill(core[0], signal.SIGKILL)
         deadline = time.monotonic() + 5
         while httpx.get(f"{url}/health").status_code != 503:
             assert time.monotonic() < deadline, "/health must turn 503"
