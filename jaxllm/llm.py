@@ -335,6 +335,7 @@ class LLM:
                 prompt_token_ids=ids,
                 outputs=[processor.output(s) for s in sub_ids],
                 finished=True,
+                prompt_logprobs=processor.prompt_logprobs(sub_ids[0]),
             )
             for rid, text, ids, sub_ids in groups
         ]

@@ -33,4 +33,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: None = None  # not computed yet (arrives with the server's sampling surface)
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top ones
+    # (None for the first token, which has no context).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

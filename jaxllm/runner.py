@@ -166,6 +166,7 @@ class ModelRunner:
             donate_argnums=(1,),
             static_argnames=("all_greedy", "num_logprobs"),
         )
+        self._score = jax.jit(functools.partial(_score_prompt, self.graphdef))
 
     @property
     def num_compilations(self) -> int:
@@ -174,8 +175,9 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """The bound on compiled step programs: shapes times sampler variants."""
-        return len(self.shapes) * len(SAMPLER_VARIANTS)
+        """The bound on compiled programs: shapes times sampler variants, plus one prompt
+        scorer (prompt_logprobs) per token bucket."""
+        return len(self.shapes) * len(SAMPLER_VARIANTS) + len(self.token_buckets)
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles (or loads from the persistent cache) every program a batch can need, so
@@ -196,6 +198,16 @@ class ModelRunner:
                 all_greedy=all_greedy,
                 num_logprobs=num_logprobs,
             ).compile()
+        # The prompt scorer, per token bucket, on hidden states shaped as the step makes them.
+        _, hidden, _ = jax.eval_shape(
+            functools.partial(self._step, all_greedy=True, num_logprobs=0),
+            self.state,
+            self.kv_cache,
+            *self._padding_batch(*self.shapes[0]),
+        )
+        for t in self.token_buckets:
+            hidden_t = jax.ShapeDtypeStruct((t, *hidden.shape[1:]), hidden.dtype)
+            self._score.lower(self.state, hidden_t, np.zeros(t, np.int32)).compile()
         return time.perf_counter() - start
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
@@ -329,15 +341,20 @@ class ModelRunner:
         all_greedy, num_logprobs = SAMPLER_VARIANTS[0 if fast else 1]
         return batch, sampling, {"all_greedy": all_greedy, "num_logprobs": num_logprobs}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, tuple | None]]:
-        """Runs one step; returns {request_id: (token, logprobs or None)} for every request
-        whose scheduled chunk reached the end of its sequence."""
+    def execute(
+        self, out: SchedulerOutput
+    ) -> tuple[dict[str, tuple[int, tuple | None]], dict[str, list]]:
+        """Runs one step. Returns {request_id: (token, logprobs or None)} for every request
+        whose scheduled chunk reached the end of its sequence, and {request_id: [(prompt
+        token, logprob, rank, top ids, top logprobs), ...]} for the prompt tokens the chunk
+        scored (prompt_logprobs)."""
         batch, sampling, variant = self.prepare(out)
         try:
-            result, self.kv_cache = self._step(
+            result, hidden, self.kv_cache = self._step(
                 self.state, self.kv_cache, batch, sampling, **variant
             )
             result = jax.device_get(result)
+            prompt_logprobs = self._score_prompts(out, hidden, len(batch.input_ids))
         except BaseException:
             # The cache was donated to the failed step: if it is gone, start from a fresh one
             # so the engine can serve again (the caller drops every cached prefix).
@@ -359,7 +376,37 @@ class ModelRunner:
                     result.top_logprobs[i, :k].tolist(),
                 )
             sampled[r.request_id] = (int(result.sampled[i]), logprobs)
-        return sampled
+        return sampled, prompt_logprobs
+
+    def _score_prompts(self, out: SchedulerOutput, hidden: jax.Array, t_pad: int):
+        """Logprobs of the prompt tokens the step's chunks scored, from its hidden states."""
+        if not any(r.prompt_logprob_targets for r in out.requests):
+            return {}
+        targets = np.full(t_pad, -1, np.int32)
+        start = 0
+        for r in out.requests:
+            if r.prompt_logprob_targets:
+                targets[start : start + len(r.token_ids)] = r.prompt_logprob_targets
+            start += len(r.token_ids)
+        logprob, rank, top_ids, top_lps = jax.device_get(self._score(self.state, hidden, targets))
+        scored, start = {}, 0
+        for r in out.requests:
+            n = len(r.token_ids)
+            if r.prompt_logprob_targets:
+                k = r.num_prompt_logprobs
+                scored[r.request_id] = [
+                    (
+                        int(targets[t]),
+                        float(logprob[t]),
+                        int(rank[t]),
+                        top_ids[t, :k].tolist(),
+                        top_lps[t, :k].tolist(),
+                    )  # fmt: skip
+                    for t in range(start, start + n)
+                    if targets[t] >= 0
+                ]
+            start += n
+        return scored
 
 
 def _step(
@@ -375,4 +422,16 @@ def _step(
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(batch.input_ids, batch.positions, kv_cache, batch.attn)
     logits = model.compute_logits(hidden[batch.logits_indices])
-    return sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs), kv_cache
+    result = sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs)
+    return result, hidden, kv_cache
+
+
+def _score_prompt(graphdef, state, hidden: jax.Array, targets: jax.Array):
+    """prompt_logprobs: for each token row, the logprob and rank of `targets` (the next prompt
+    token; -1 rows are ignored) and the top MAX_LOGPROBS, from the raw logits."""
+    model = nnx.merge(graphdef, state)
+    logprobs = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)  # [T, V]
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    rank = (logprobs > chosen[:, None]).sum(axis=-1).astype(jnp.int32) + 1
+    top_lps, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return chosen, rank, top_ids.astype(jnp.int32), top_lps

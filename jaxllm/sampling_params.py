@@ -62,6 +62,9 @@ class SamplingParams:
     min_tokens: int = 0
     """Generate at least this many tokens before EOS or stop_token_ids may end the output."""
     logprobs: int | None = None
+    # Top logprobs per prompt token (the first token has none). Requests asking for them skip
+    # the prefix cache: every prompt position must be computed to be scored.
+    prompt_logprobs: int | None = None
     """Return the log-probability of each generated token and of this many top alternatives."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
@@ -110,6 +113,8 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)

@@ -44,8 +44,9 @@ Contract with the app:
     unset, chat          -> min(max_new_tokens, default_max_tokens)
 - Not supported, each a 400 naming the field: suffix, tools / tool_choice / functions
   (other than empty or "none"), response_format other than {"type": "text"}, best_of != n,
-  prompt_logprobs and echo with logprobs (jaxllm computes no prompt logprobs yet), content
-  parts other than text.
+  content parts other than text.
+- Completions `prompt_logprobs: k` scores the prompt tokens; `echo` with `logprobs: k` asks
+  the engine for prompt logprobs too, so the echoed prompt carries logprobs as in vLLM.
 - chat_template_kwargs: only the keys of CHAT_TEMPLATE_KWARGS reach the template, each with
   its type. Arbitrary keys could shadow the template's own variables (messages, tools,
   bos_token, ...) or switch templates into paths nobody tested; add keys here when a
@@ -554,6 +555,9 @@ class _SamplingRequest(_Model):
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
+    def _num_prompt_logprobs(self) -> int | None:
+        return None  # chat has no prompt logprobs
+
     def _resolve_max_tokens(self, default_max_tokens: int, max_new_tokens: int | None) -> int:
         param, requested = self._requested_max_tokens()
         if requested is not None:
@@ -618,6 +622,7 @@ class _SamplingRequest(_Model):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
+            prompt_logprobs=self._num_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
         )
         try:
@@ -682,16 +687,10 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported")
         return value
 
-    @model_validator(mode="after")
-    def _check_completion_fields(self):
-        if self.prompt_logprobs is not None and "prompt_logprobs" not in _SAMPLING_PARAMS_FIELDS:
-            raise _ParamError("prompt_logprobs", "prompt_logprobs is not supported yet")
-        if self.echo and self.logprobs is not None:
-            raise _ParamError(
-                "echo",
-                "echo with logprobs needs prompt logprobs, which this server does not compute yet",
-            )
-        return self
+    def _num_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # the echoed prompt carries logprobs
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one entry each: a string or a list of token ids."""

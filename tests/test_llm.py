@@ -368,3 +368,34 @@ def test_priority_policy(tiny_model_dir, tiny_llm):
     assert order == [ids[1], ids[2], ids[0]]
     with pytest.raises(ValueError, match="priority must be 3 integers"):
         llm.generate(prompts, GREEDY, priority=[0, 1], use_tqdm=False)
+
+
+def test_prompt_logprobs(tiny_llm):
+    """Every prompt token scored against the model's own logits, across a chunked prefill
+    (200 tokens, 128 per step), beside a request without them and with a warm prefix cache
+    (which a request wanting prompt logprobs must not use)."""
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(3, 300, size=200).tolist()
+    tiny_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)  # cache the prefix
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    compilations = tiny_llm.runner.num_compilations
+    out, other = tiny_llm.generate(
+        [{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt[:50]}],
+        [params, GREEDY],
+        use_tqdm=False,
+    )
+    assert tiny_llm.runner.num_compilations == compilations, "the scorer was warmed up"
+    assert other.prompt_logprobs is None
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    runner = tiny_llm.runner
+    logits = prefill_logits(nnx.merge(runner.graphdef, runner.state), runner.config, prompt)
+    ref = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    for i in range(1, len(prompt)):
+        entry, row = lps[i], ref[i - 1]
+        token = prompt[i]
+        assert entry[token].logprob == pytest.approx(row[token], abs=1e-4)
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top2 = np.argsort(-row)[:2]
+        assert set(top2) <= set(entry), i
+    _assert_idle(tiny_llm)

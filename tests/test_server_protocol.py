@@ -95,8 +95,6 @@ BAD_BODIES = [
     (CompletionRequest, completion(logprobs=21), "logprobs"),
     (CompletionRequest, completion(logprobs=-1), "logprobs"),
     (CompletionRequest, completion(prompt_logprobs=21), "prompt_logprobs"),
-    (CompletionRequest, completion(prompt_logprobs=1), "prompt_logprobs"),  # not yet
-    (CompletionRequest, completion(echo=True, logprobs=1), "echo"),
     (
         CompletionRequest,
         completion(include_stop_str_in_output="maybe"),
@@ -445,6 +443,12 @@ def test_logprobs_mapping():
     assert sp(CompletionRequest, completion(logprobs=0)).logprobs == 0
     assert sp(CompletionRequest, completion(logprobs=20)).logprobs == 20
     assert sp(CompletionRequest, completion()).logprobs is None
+    # Prompt logprobs: asked for, or implied by echo with logprobs (the echoed prompt's).
+    assert sp(CompletionRequest, completion()).prompt_logprobs is None
+    assert sp(CompletionRequest, completion(prompt_logprobs=3)).prompt_logprobs == 3
+    assert sp(CompletionRequest, completion(echo=True, logprobs=2)).prompt_logprobs == 2
+    assert sp(CompletionRequest, completion(echo=True)).prompt_logprobs is None
+    assert sp(ChatCompletionRequest, chat(logprobs=True)).prompt_logprobs is None
 
 
 def test_logit_bias_against_the_vocabulary():

@@ -49,7 +49,8 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._rng = np.random.default_rng()
         self.dead = False
-        self.on_step = None  # optional callback(stats, updates) after each step, for metrics
+        # Optional callback(step outputs) after each step, for metrics.
+        self.on_step = None
         self._tasks = [
             asyncio.create_task(self._output_loop()),
             asyncio.create_task(self._watchdog()),
@@ -171,7 +172,7 @@ class AsyncLLM:
                 if queue is not None:
                     queue.put_nowait(RequestFailedError("the engine failed this request"))
             if self.on_step is not None:
-                self.on_step(out.stats, updates)
+                self.on_step(out)
 
     async def _watchdog(self) -> None:
         while self.client.is_alive():

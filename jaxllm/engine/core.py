@@ -30,6 +30,6 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        sampled = self.runner.execute(scheduled)
+        sampled, prompt_logprobs = self.runner.execute(scheduled)
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduled, sampled)
+        return self.scheduler.update_from_output(scheduled, sampled, prompt_logprobs)

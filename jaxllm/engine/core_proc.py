@@ -29,10 +29,10 @@ from jaxllm.engine.messages import (
     Shutdown,
     Stats,
     StepOutputs,
-    Update,
     encoder,
     input_decoder,
 )
+from jaxllm.engine.scheduler import RequestUpdate
 
 logger = logging.getLogger("jaxllm.engine.core")
 
@@ -130,16 +130,7 @@ def run_engine_core(
                     outputs.send(encoder.encode(StepOutputs([], _stats(llm))))
                 continue
             try:
-                updates = [
-                    Update(
-                        u.request_id,
-                        u.new_token_ids,
-                        u.new_logprobs,
-                        u.finish_reason,
-                        u.stop_reason,
-                    )  # fmt: skip
-                    for u in engine.step()
-                ]
+                updates = engine.step()
             except Exception:
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 scheduler = engine.scheduler
@@ -148,8 +139,9 @@ def run_engine_core(
                 if llm.runner.kv_cache_lost:  # rebuilt: cached prefixes are void
                     llm.kv_cache_manager.reset_prefix_cache()
                     llm.runner.kv_cache_lost = False
-                updates = [Update(rid, [], None, "error", None) for rid in failed]
-            outputs.send(encoder.encode(StepOutputs(updates, _stats(llm))))
+                updates = [RequestUpdate(rid, [], None, "error", None) for rid in failed]
+            queue_times, engine.scheduler.queue_times = engine.scheduler.queue_times, []
+            outputs.send(encoder.encode(StepOutputs(updates, _stats(llm), queue_times)))
     finally:
         inputs.close(linger=0)
         outputs.close(linger=1000)

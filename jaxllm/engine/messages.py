@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from jaxllm.engine.scheduler import RequestUpdate
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -28,16 +29,6 @@ class Abort(msgspec.Struct, tag="abort"):
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
-
-
-class Update(msgspec.Struct, array_like=True):
-    """One request's result of one step (the wire form of `scheduler.RequestUpdate`)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list | None
-    finish_reason: str | None  # "stop", "length", "abort", or "error" (the step failed)
-    stop_reason: int | str | None
 
 
 class Stats(msgspec.Struct):
@@ -67,8 +58,9 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
-    updates: list[Update]
+    updates: list[RequestUpdate]  # finish_reason "error": the step failed the request
     stats: Stats
+    queue_times: list[float] = []  # seconds waited by the requests this step first ran
 
 
 Input = AddRequest | Abort | Shutdown

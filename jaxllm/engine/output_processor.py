@@ -21,6 +21,7 @@ class _State:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -43,6 +44,8 @@ class OutputProcessor:
         state = _State(index, params, detok)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first prompt token has no logprob
         self.states[request_id] = state
 
     def remove(self, request_id: str) -> None:
@@ -56,6 +59,9 @@ class OutputProcessor:
             state = self.states.get(u.request_id)
             if state is None:
                 continue
+            if u.new_prompt_logprobs and state.prompt_logprobs is not None:
+                for token, *entry in u.new_prompt_logprobs:
+                    state.prompt_logprobs.append(self._logprobs(token, entry))
             for i, token in enumerate(u.new_token_ids):
                 state.token_ids.append(token)
                 if u.new_logprobs is not None and state.logprobs is not None:
@@ -92,6 +98,9 @@ class OutputProcessor:
 
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def prompt_logprobs(self, request_id: str) -> list[dict[int, Logprob] | None] | None:
+        return self.states[request_id].prompt_logprobs
 
     def output(self, request_id: str) -> CompletionOutput:
         s = self.states[request_id]

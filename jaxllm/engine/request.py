@@ -63,6 +63,9 @@ class Request:
         # A sibling with the same prompt (the first of n completions): this request waits
         # until the sibling has computed the prompt, then starts from its cached blocks.
         self.prefix_parent = prefix_parent
+        # The next prompt position whose logprob is owed (prompt_logprobs): position 0 has
+        # none; positions scored before a preemption are not scored again.
+        self.next_prompt_logprob = 1
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -79,6 +82,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.next_prompt_logprob < self.num_prompt_tokens
+        )
 
     @property
     def num_output_tokens(self) -> int:

@@ -22,6 +22,7 @@ appends the sampled tokens and finishes requests that hit EOS, a stop token or t
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 from jaxllm.config import SchedulerConfig
@@ -54,6 +55,10 @@ class ScheduledRequest:
     # chunk samples (None otherwise, to copy nothing).
     history_ids: list[int] | None
     num_prompt_tokens: int  # how many of history_ids are the prompt
+    # prompt_logprobs: per token of token_ids, the next prompt token to score it against, or
+    # -1; None when the chunk scores nothing.
+    prompt_logprob_targets: list[int] | None = None
+    num_prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -79,6 +84,8 @@ class RequestUpdate:
     new_logprobs: list | None  # per new token: (sampled logprob, rank, top ids, top logprobs)
     finish_reason: str | None
     stop_reason: int | str | None
+    # prompt_logprobs scored this step: (prompt token, logprob, rank, top ids, top logprobs)
+    new_prompt_logprobs: list | None = None
 
 
 class Scheduler:
@@ -90,6 +97,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        # Seconds new requests waited before they first ran; the engine core drains it into
+        # its step outputs for the server's queue-time histogram.
+        self.queue_times: list[float] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -159,8 +169,11 @@ class Scheduler:
             request = self._next_waiting()
             if request is None:
                 break
-            # A new or preempted request starts from its longest cached prefix.
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            # A new or preempted request starts from its longest cached prefix, unless its
+            # prompt positions must be scored (prompt_logprobs).
+            computed_blocks, num_cached = (
+                ([], 0) if request.owes_prompt_logprobs else self.kv.get_computed_blocks(request)
+            )
             n = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
             if not self.kv.allocate_slots(request, n, computed_blocks):
@@ -168,6 +181,8 @@ class Scheduler:
                 break
             self.kv.record_lookup(request.num_tokens, num_cached)
             self.waiting.remove(request)
+            if request.status == RequestStatus.WAITING:  # first admission, not a resumption
+                self.queue_times.append(time.monotonic() - request.arrival_time)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             granted.append((request, n))
@@ -241,13 +256,29 @@ class Scheduler:
                 else None
             ),
             num_prompt_tokens=request.num_prompt_tokens,
+            prompt_logprob_targets=self._prompt_logprob_targets(request, start, n),
+            num_prompt_logprobs=params.prompt_logprobs,
         )
 
+    @staticmethod
+    def _prompt_logprob_targets(request: Request, start: int, n: int) -> list[int] | None:
+        """Position p of the chunk scores prompt token p + 1, if that one is still owed."""
+        if not request.owes_prompt_logprobs:
+            return None
+        first, end = request.next_prompt_logprob, request.num_prompt_tokens
+        ids = request.all_token_ids
+        targets = [ids[p + 1] if first <= p + 1 < end else -1 for p in range(start, start + n)]
+        return targets if any(t >= 0 for t in targets) else None
+
     def update_from_output(
-        self, scheduled: SchedulerOutput, sampled: dict[str, tuple[int, tuple | None]]
+        self,
+        scheduled: SchedulerOutput,
+        sampled: dict[str, tuple[int, tuple | None]],
+        prompt_logprobs: dict[str, list] | None = None,
     ) -> list[RequestUpdate]:
         """Advances each scheduled request; `sampled` maps request ids to (token, logprobs)
-        for the requests whose chunk reached the end of their sequence."""
+        for the requests whose chunk reached the end of their sequence, `prompt_logprobs` to
+        the prompt tokens the chunk scored."""
         updates = []
         for s in scheduled.requests:
             request = self.requests.get(s.request_id)
@@ -255,8 +286,13 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(s.token_ids)
             self.kv.cache_full_blocks(request)
+            scored = (prompt_logprobs or {}).get(s.request_id)
+            if scored:
+                request.next_prompt_logprob += len(scored)
             if s.request_id not in sampled:
-                continue  # a prefill chunk that did not reach the end of the prompt
+                if scored:  # a prefill chunk: only its prompt logprobs to report
+                    updates.append(RequestUpdate(s.request_id, [], None, None, None, scored))
+                continue
             token, logprobs = sampled[s.request_id]
             request.append_output_token(token)
             status = self._check_stop(request, token)
@@ -269,6 +305,7 @@ class Scheduler:
                     new_logprobs=None if logprobs is None else [logprobs],
                     finish_reason=status.finish_reason if status else None,
                     stop_reason=request.stop_reason,
+                    new_prompt_logprobs=scored,
                 )
             )
         return updates
