@@ -77,6 +77,7 @@ def build_app(
         async def start():
             try:
                 state.engine = await start_engine()
+                state.engine.on_step = state.metrics.observe_step
                 logger.info("engine ready: serving %s", ", ".join(served_model_names))
             except Exception as e:
                 state.startup_error = f"{type(e).__name__}: {e}"
@@ -354,6 +355,7 @@ class _Generation:
 
     def __init__(self, req, model: str, jobs, eng: AsyncLLM):
         self.req, self.model, self.jobs, self.eng = req, model, jobs, eng
+        self.prompt_logprobs: dict[int, list] = {}  # choice -> the engine's prompt_logprobs
         # The response model's own id form ("cmpl-...", "chatcmpl-..."), one for all chunks.
         self.id = self.response_cls.model_fields["id"].get_default(call_default_factory=True)
         self.created = int(time.time())
@@ -367,13 +369,20 @@ class _Generation:
     async def _events(self, metrics: Metrics) -> AsyncIterator[tuple[int, Any]]:
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def run(choice: int, ids: list[int], params, index: int):
+        async def run(choice: int, ids: list[int], params, index: int, parent: str | None):
             times: list[float] = []
             last = None
             try:
-                async for out in self.eng.generate(
-                    ids, params, request_id=f"{self.id}-{choice}", index=index
+                async for ro in self.eng.generate(
+                    ids,
+                    params,
+                    request_id=f"{self.id}-{choice}",
+                    index=index,
+                    prefix_parent=parent,
                 ):
+                    if ro.prompt_logprobs is not None:
+                        self.prompt_logprobs[choice] = ro.prompt_logprobs
+                    out = ro.outputs[0]
                     times.append(time.monotonic())
                     last = out
                     await queue.put((choice, out))
@@ -393,8 +402,12 @@ class _Generation:
         tasks = []
         choice = 0
         for ids, params, _ in self.jobs:
+            # The n completions of a prompt share it: the first computes it, the others
+            # start from its cached blocks (prefix_parent).
+            first = f"{self.id}-{choice}"
             for i in range(params.n):
-                tasks.append(asyncio.create_task(run(choice, ids, params, i)))
+                parent = first if i > 0 else None
+                tasks.append(asyncio.create_task(run(choice, ids, params, i, parent)))
                 choice += 1
         try:
             done = 0
@@ -480,17 +493,34 @@ class Completion(_Generation):
     chunk_cls = protocol.CompletionStreamResponse
 
     def _logprobs(self, choice: int, out, start_token: int, start_char: int):
-        params = self._job_of(choice)[1]
+        """Logprobs of the tokens from `start_token` on, whose text starts at `start_char`;
+        with echo, the first chunk also covers the echoed prompt (its prompt logprobs)."""
+        ids, params, _ = self._job_of(choice)
         if params.logprobs is None or out.logprobs is None:
             return None
+        token_ids, logprobs = out.token_ids[start_token:], out.logprobs[start_token:]
+        if self.req.echo:
+            if start_token == 0:
+                token_ids = [*ids, *token_ids]
+                logprobs = [*self.prompt_logprobs.get(choice, [None] * len(ids)), *logprobs]
+            else:
+                start_char += len(self._echo(choice))
         return protocol.CompletionLogProbs(
             **protocol.completion_logprobs(
-                out.token_ids[start_token:],
-                out.logprobs[start_token:],
+                token_ids,
+                logprobs,
                 params.logprobs,
                 lambda t: self.eng.tokenizer.decode([t]),
                 initial_text_offset=start_char,
             )
+        )
+
+    def _prompt_logprobs(self, choice: int):
+        ids, params, _ = self._job_of(choice)
+        if self.req.prompt_logprobs is None or choice not in self.prompt_logprobs:
+            return None
+        return protocol.prompt_logprobs_json(
+            ids, self.prompt_logprobs[choice], self.req.prompt_logprobs
         )
 
     def _echo(self, choice: int) -> str:
@@ -506,6 +536,7 @@ class Completion(_Generation):
             logprobs=self._logprobs(choice, out, 0, 0),
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
+            prompt_logprobs=self._prompt_logprobs(choice),
         )
 
     def _delta(self, choice: int, out, chars: int, toks: int):
@@ -520,6 +551,7 @@ class Completion(_Generation):
             logprobs=self._logprobs(choice, out, toks, chars),
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
+            prompt_logprobs=self._prompt_logprobs(choice) if toks == 0 else None,
         )
 
 

@@ -74,6 +74,14 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time requests waited before they first ran."
+        )
+
+    def observe_step(self, out) -> None:
+        """AsyncLLM's per-step hook: the queue times of the requests the step admitted."""
+        for seconds in out.queue_times:
+            self.queue_time.labels(self.model_name).observe(seconds)
 
     def record_request(
         self,

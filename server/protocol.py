@@ -837,11 +837,16 @@ class CompletionLogProbs(_Response):
 
 
 class CompletionResponseChoice(_Response):
+    _OMIT_IF_NONE: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended the text
+    # vLLM's extension: per prompt token {token id: {logprob, rank, decoded_token}}, the
+    # first None; present only when the request asked for prompt_logprobs.
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(_Response):
@@ -1017,6 +1022,33 @@ def completion_logprobs(
             top.append((token_id, entry))
         out["top_logprobs"].append(
             {_token_text(t, lp, tokenizer_decode): _json_logprob(lp.logprob) for t, lp in top}
+        )
+    return out
+
+
+def prompt_logprobs_json(
+    token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob] | None], num: int
+) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt token its own entry and
+    the `num` most likely, each {"logprob", "rank", "decoded_token"}; None for the first."""
+    _check_lengths(token_ids, logprobs)
+    out: list[dict[int, dict[str, Any]] | None] = []
+    for token_id, step in zip(token_ids, logprobs, strict=True):
+        if step is None:
+            out.append(None)
+            continue
+        entries = dict(_top(step, num))
+        if token_id in step:
+            entries[token_id] = step[token_id]
+        out.append(
+            {
+                t: {
+                    "logprob": _json_logprob(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }  # fmt: skip
+                for t, lp in entries.items()
+            }
         )
     return out
 

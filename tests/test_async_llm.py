@@ -32,7 +32,7 @@ def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, p
         try:
 
             async def one(ids):
-                snapshots = [o async for o in eng.generate(ids, params)]
+                snapshots = [o.outputs[0] async for o in eng.generate(ids, params)]
                 # One snapshot per token, growing, the last one finished.
                 assert [len(s.token_ids) for s in snapshots] == list(range(1, 11))
                 assert snapshots[-1].finish_reason == "length"
@@ -43,7 +43,7 @@ def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, p
             # Leaving a stream early aborts its request: the engine ends idle.
             long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
             async for out in eng.generate(prompts[0], long):
-                if len(out.token_ids) == 3:
+                if len(out.outputs[0].token_ids) == 3:
                     break
             for _ in range(50):
                 stats = eng.stats

@@ -206,6 +206,39 @@ def test_logprobs(client):
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(server):
+    body = {"model": "tiny", "prompt": "hello world again", "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    ids = _post(server, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
+    choice = _post(server, "/v1/completions", {**body, "prompt_logprobs": 2}).json()["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for token, entry in zip(ids[1:], plp[1:], strict=True):
+        assert str(token) in entry and len(entry) >= 2  # its own and the top 2
+        assert entry[str(token)]["logprob"] <= 0 and entry[str(token)]["rank"] >= 1
+    # echo + logprobs: the echoed prompt carries logprobs (None for its first token).
+    echoed = _post(server, "/v1/completions", {**body, "echo": True, "logprobs": 1}).json()
+    lp = echoed["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and all(x is not None for x in lp["token_logprobs"][1:])
+    assert echoed["choices"][0]["text"].startswith(body["prompt"])
+    first_prompt_lp = plp[1][str(ids[1])]["logprob"]
+    assert lp["token_logprobs"][1] == pytest.approx(first_prompt_lp, abs=1e-5)
+    assert "prompt_logprobs" not in echoed["choices"][0]
+
+
+def test_n_completions_share_the_prompt_blocks(server):
+    prompt = "shared " * 25  # several full blocks
+    hits = _metric(server, "prefix_cache_hits_total")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "n": 3, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    out = _post(server, "/v1/completions", body).json()
+    assert "choices" in out, out
+    assert len({c["text"] for c in out["choices"]}) == 1  # greedy: the same text three times
+    blocks = out["usage"]["prompt_tokens"] // 16
+    assert _metric(server, "prefix_cache_hits_total") - hits >= 2 * blocks * 16
+
+
 def test_seed_is_reproducible_under_concurrent_load(server):
     body = {"model": "tiny", "prompt": "the seed test", "max_tokens": 12, "temperature": 1.0,
             "seed": 1234, "ignore_eos": True}  # fmt: skip
@@ -251,7 +284,8 @@ def test_metrics_move(server, client):
     text = httpx.get(f"{server}/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prefix_cache_queries", "num_compilations", "time_to_first_token_seconds",
-                 "e2e_request_latency_seconds", "request_success_total"):  # fmt: skip
+                 "e2e_request_latency_seconds", "request_success_total",
+                 "request_queue_time_seconds_count"):  # fmt: skip
         assert f"jaxllm:{name}" in text, name
 
 

@@ -1,7 +1,7 @@
 """`AsyncLLM`: the server's front end to the engine core process.
 
 It owns the tokenizer, validates and tokenizes prompts, sends requests to the core, and turns
-the core's token updates into `CompletionOutput` snapshots per request (incremental
+the core's token updates into `RequestOutput` snapshots per request (incremental
 detokenization and stop strings through the same `OutputProcessor` the offline `LLM` uses).
 Each request has an asyncio queue its handler reads with `generate`; a handler that stops
 reading (a client that went away) aborts its request, which frees its blocks in the core.
@@ -25,7 +25,7 @@ from jaxllm.engine.messages import AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import derive_seed
 from jaxllm.loaders import load_tokenizer
-from jaxllm.outputs import CompletionOutput
+from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class AsyncLLM:
         self.stats: Stats = ready.stats
         self.processor = OutputProcessor(tokenizer)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._prompts: dict[str, list[int]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng()
         self.dead = False
@@ -102,9 +103,10 @@ class AsyncLLM:
         index: int = 0,
         priority: int = 0,
         prefix_parent: str | None = None,
-    ) -> AsyncIterator[CompletionOutput]:
-        """Yields a snapshot of the completion after each new token; the last one has a
-        finish_reason. Leaving the loop early aborts the request in the core. `index` is the
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields a `RequestOutput` after each new token, its one completion a snapshot so
+        far (the last one has a finish_reason) and its prompt_logprobs complete from the first
+        on, when asked for. Leaving the loop early aborts the request in the core. `index` is the
         completion's place among the n of one prompt (it picks the seed); the siblings pass
         the first one's id as `prefix_parent` to share its cached prompt."""
         if self.dead:
@@ -116,6 +118,7 @@ class AsyncLLM:
             max_tokens = min(params.max_tokens, max_tokens)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._prompts[request_id] = prompt_token_ids
         self.processor.add_request(request_id, index, prompt_token_ids, params)
         finished = False
         try:
@@ -135,12 +138,13 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._prompts.pop(request_id, None)
             self.processor.remove(request_id)
             if not finished and not self.dead:
                 self.client.abort([request_id])
@@ -165,14 +169,25 @@ class AsyncLLM:
                 self.client.abort(to_abort)
             for u in updates:
                 queue = self._queues.get(u.request_id)
-                if queue is not None and u.request_id in self.processor.states:
-                    queue.put_nowait(self.processor.output(u.request_id))
+                if queue is not None and u.new_token_ids and u.request_id in self.processor.states:
+                    queue.put_nowait(self._snapshot(u.request_id))
             for rid in failed:
                 queue = self._queues.get(rid)
                 if queue is not None:
                     queue.put_nowait(RequestFailedError("the engine failed this request"))
             if self.on_step is not None:
                 self.on_step(out)
+
+    def _snapshot(self, request_id: str) -> RequestOutput:
+        out = self.processor.output(request_id)
+        return RequestOutput(
+            request_id=request_id,
+            prompt=None,
+            prompt_token_ids=self._prompts[request_id],
+            outputs=[out],
+            finished=out.finish_reason is not None,
+            prompt_logprobs=self.processor.prompt_logprobs(request_id),
+        )
 
     async def _watchdog(self) -> None:
         while self.client.is_alive():

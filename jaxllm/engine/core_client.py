@@ -45,6 +45,9 @@ class EngineCoreClient:
         self._dir = Path(tempfile.mkdtemp(prefix="jaxllm-"))  # 0700
         self._ctx = zmq.asyncio.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
+        # No send limit: an abort must never be dropped (the server's queue limit already
+        # bounds what can be waiting).
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._outputs = self._ctx.socket(zmq.PULL)
         input_address = f"ipc://{self._dir / 'input'}"
         output_address = f"ipc://{self._dir / 'output'}"
@@ -110,10 +113,7 @@ class EngineCoreClient:
                 pass
             await asyncio.to_thread(self.process.join, timeout)
         if isinstance(self.process, multiprocessing.process.BaseProcess):
-            if self.process.is_alive():
-                self.process.terminate()
-                await asyncio.to_thread(self.process.join, 5)
-            if self.process.is_alive():
+            if self.process.is_alive():  # the core ignores SIGTERM: kill it
                 self.process.kill()
                 await asyncio.to_thread(self.process.join, 5)
         self._inputs.close(linger=0)

@@ -59,8 +59,11 @@ def run_engine_core(
     """Entry point of the core process (started with the "spawn" method), or of its thread
     in in-process mode."""
     in_thread = threading.current_thread() is not threading.main_thread()
-    if not in_thread:  # a process of its own: the front end decides when to stop
+    if not in_thread:
+        # A process of its own: the front end decides when to stop (a Ctrl-C or a SIGTERM to
+        # the whole process group must not kill the core before the server has drained).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=os.environ.get("JAXLLM_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s core %(name)s: %(message)s",
