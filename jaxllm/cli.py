@@ -30,6 +30,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model and its KV cache over this many devices",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -60,6 +66,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         skip_warmup=args.skip_warmup,
         compilation_cache_dir=args.compilation_cache_dir,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -93,8 +100,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from server.main import serve
 
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size: only 1 is supported so far")
     api_key = args.api_key or os.environ.get("JAXLLM_API_KEY") or None
     return serve(
         args.model,
@@ -156,7 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
         "or a directory holding a generation_config.json",
     )
-    srv.add_argument("--tensor-parallel-size", type=int, default=1)
     srv.add_argument(
         "--shutdown-timeout",
         type=float,

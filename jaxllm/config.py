@@ -82,6 +82,9 @@ class ModelConfig:
     """Attention looks back at most this many tokens (Mistral); None for full attention."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    kv_head_replicas: int = 1
+    """Each checkpoint kv head is repeated this many times (tensor parallelism over more
+    devices than kv heads, see `sharding.shard_config`); num_kv_heads counts the copies."""
 
     def __post_init__(self) -> None:
         for name in (

@@ -39,9 +39,14 @@ def kv_budget_bytes(cache: CacheConfig) -> int:
 
 
 def plan_kv_cache(
-    config: ModelConfig, cache: CacheConfig, dtype: jnp.dtype, max_model_len: int | None
+    config: ModelConfig,
+    cache: CacheConfig,
+    dtype: jnp.dtype,
+    max_model_len: int | None,
+    tensor_parallel_size: int = 1,
 ) -> tuple[int, int]:
-    """Returns (num_pages, max_model_len), checked against each other and the model."""
+    """Returns (num_pages, max_model_len), checked against each other and the model. Under
+    tensor parallelism each device holds 1/tp of every page (its kv heads)."""
     if max_model_len is not None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -54,7 +59,7 @@ def plan_kv_cache(
     if cache.num_pages is not None:
         num_pages = cache.num_pages
     else:
-        num_pages = kv_budget_bytes(cache) // page_bytes
+        num_pages = kv_budget_bytes(cache) // (page_bytes // tensor_parallel_size)
     capacity = num_pages * cache.page_size
     if max_model_len is None:
         max_model_len = min(config.max_position_embeddings, capacity)

@@ -33,6 +33,7 @@ from jaxllm.model_cache import cache_dir
 from jaxllm.outputs import RequestOutput
 from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,13 @@ class LLM:
         scheduling_policy: str = "fcfs",
         skip_warmup: bool = False,
         compilation_cache_dir: str | os.PathLike | None = "default",
+        tensor_parallel_size: int = 1,
     ):
         """`compilation_cache_dir`: JAX's persistent compilation cache; "default" is
         `<cache>/xla` under `$JAXLLM_CACHE_DIR` or `~/.cache/jaxllm`, None leaves JAX's
         setting alone. `skip_warmup` skips compiling every bucket at startup (programs then
-        compile on first use)."""
+        compile on first use). `tensor_parallel_size`: split the model and its KV cache over
+        this many devices (see `jaxllm.sharding`)."""
         if compilation_cache_dir == "default":
             compilation_cache_dir = cache_dir() / "xla"
         setup_compilation_cache(compilation_cache_dir)
@@ -70,11 +73,14 @@ class LLM:
         cache_config = CacheConfig(
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization
         )
-        loaded = load_model(model, dtype=jdtype, attention_backend=backend)
+        self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
+        loaded = load_model(model, dtype=jdtype, attention_backend=backend, mesh=self.mesh)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.generation_config = loaded.generation_config
-        num_pages, max_model_len = plan_kv_cache(loaded.config, cache_config, jdtype, max_model_len)
+        num_pages, max_model_len = plan_kv_cache(
+            loaded.config, cache_config, jdtype, max_model_len, tensor_parallel_size
+        )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -90,6 +96,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             dtype=jdtype,
+            mesh=self.mesh,
         )
         self.kv_cache_manager = KVCacheManager(
             num_pages, page_size, enable_prefix_caching=enable_prefix_caching

@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxllm import sharding
 from jaxllm.config import ModelConfig
 from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxllm.models import AttentionMetadata
@@ -143,7 +145,10 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         dtype: jnp.dtype,
+        mesh: Mesh | None = None,
     ):
+        """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
+        over its kv heads the same way); None for one device."""
         _CompileCounter.install()
         self.config = config
         self.page_size = page_size
@@ -158,11 +163,12 @@ class ModelRunner:
         shape = get_kv_cache_shape(
             config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim
         )
-        self.kv_cache = jnp.zeros(shape, dtype)
+        self.mesh = mesh
+        self.kv_cache = self._zeros_cache(shape, dtype)
         self.kv_cache_lost = False  # set when a failed step took the cache with it
         self._idle_penalty_inputs: dict[int, dict[str, jax.Array]] = {}  # by request bucket
         self._step = jax.jit(
-            functools.partial(_step, self.graphdef),
+            functools.partial(_step, self.graphdef, mesh),
             donate_argnums=(1,),
             static_argnames=("all_greedy", "num_logprobs"),
         )
@@ -206,7 +212,11 @@ class ModelRunner:
             *self._padding_batch(*self.shapes[0]),
         )
         for t in self.token_buckets:
-            hidden_t = jax.ShapeDtypeStruct((t, *hidden.shape[1:]), hidden.dtype)
+            hidden_t = jax.ShapeDtypeStruct(
+                (t, *hidden.shape[1:]),
+                hidden.dtype,
+                sharding=None if self.mesh is None else sharding.replicated(self.mesh),
+            )
             self._score.lower(self.state, hidden_t, np.zeros(t, np.int32)).compile()
         return time.perf_counter() - start
 
@@ -260,7 +270,8 @@ class ModelRunner:
         batch without bias or penalties neither builds nor sends the [R, max_model_len]
         history (`prepare` swaps in host arrays when some request needs them)."""
         if r_pad not in self._idle_penalty_inputs:
-            self._idle_penalty_inputs[r_pad] = jax.device_put(self._penalty_padding(r_pad))
+            target = None if self.mesh is None else sharding.replicated(self.mesh)
+            self._idle_penalty_inputs[r_pad] = jax.device_put(self._penalty_padding(r_pad), target)
         return self._idle_penalty_inputs[r_pad]
 
     def _fill_penalty_inputs(
@@ -288,6 +299,13 @@ class ModelRunner:
                 host["history_ids"][i, : len(r.history_ids)] = r.history_ids
                 host["num_prompt_tokens"][i] = r.num_prompt_tokens
         return dataclasses.replace(sampling, **host)
+
+    def _zeros_cache(self, shape, dtype) -> jax.Array:
+        """A zero cache, created in place on its devices (split on kv heads under a mesh)."""
+        if self.mesh is None:
+            return jnp.zeros(shape, dtype)
+        out = sharding.kv_cache_sharding(self.mesh)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out)()
 
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.size * self.kv_cache.dtype.itemsize
@@ -359,7 +377,7 @@ class ModelRunner:
             # The cache was donated to the failed step: if it is gone, start from a fresh one
             # so the engine can serve again (the caller drops every cached prefix).
             if self.kv_cache.is_deleted():
-                self.kv_cache = jnp.zeros(self.kv_cache.shape, self.kv_cache.dtype)
+                self.kv_cache = self._zeros_cache(self.kv_cache.shape, self.kv_cache.dtype)
                 self.kv_cache_lost = True
             raise
         sampled = {}
@@ -411,6 +429,7 @@ class ModelRunner:
 
 def _step(
     graphdef,
+    mesh,
     state,
     kv_cache,
     batch: BatchInputs,
@@ -422,6 +441,9 @@ def _step(
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(batch.input_ids, batch.positions, kv_cache, batch.attn)
     logits = model.compute_logits(hidden[batch.logits_indices])
+    if mesh is not None:  # split on the vocabulary by the head: gather it for the sampler
+        logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
+        hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
     result = sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs)
     return result, hidden, kv_cache
 

@@ -71,6 +71,7 @@ def write_tiny_checkpoint(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     extra_config: dict | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
     """A random Llama-family checkpoint in Hugging Face layout, with the tiny tokenizer.
 
@@ -81,6 +82,7 @@ def write_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     vocab = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
     vocab += 3  # spare ids past the tokenizer's, as real checkpoints often have
+    vocab = max(vocab, vocab_size or 0)  # or padded further, e.g. to split evenly
     rng = np.random.default_rng(seed)
     d, f, n, k, h = hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
 from jaxllm.loaders import gguf as gguf_loader
@@ -19,6 +20,7 @@ from jaxllm.loaders import hf as hf_loader
 from jaxllm.loaders.weights import build_state
 from jaxllm.model_cache import cache_dir, resolve_model
 from jaxllm.models import get_model_class
+from jaxllm.sharding import param_shardings, shard_config
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +62,34 @@ def load_model(
     dtype: jnp.dtype = jnp.float32,
     attention_backend: str = "reference",
     load_tokenizer: bool = True,
+    mesh: Mesh | None = None,
 ) -> LoadedModel:
+    """With a `mesh`, the model is built for tensor parallelism over its "model" axis (see
+    `jaxllm.sharding`) and each device receives only its shard of each parameter."""
     path = resolve_model(model)
     start = time.perf_counter()
     config = load_config(path)
+    if mesh is not None:
+        config = shard_config(config, mesh.shape["model"])
     cls = get_model_class(config)
     abstract = nnx.eval_shape(
-        lambda: cls(config, dtype=dtype, attention_backend=attention_backend, rngs=nnx.Rngs(0))
+        lambda: cls(
+            config,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            mesh=mesh,
+            rngs=nnx.Rngs(0),
+        )
     )
     graphdef, abstract_state = nnx.split(abstract)
+    shardings = None if mesh is None else param_shardings(abstract_state, mesh)
     if path.is_dir():
         tensors = hf_loader.iter_safetensors(path)
         generation_config = hf_loader.load_generation_config(path)
     else:
         tensors = gguf_loader.iter_gguf(path)
         generation_config = {}
-    state = build_state(abstract_state, tensors, config, dtype)
+    state = build_state(abstract_state, tensors, config, dtype, shardings)
     tokenizer = None
     if load_tokenizer:
         if path.is_dir():

@@ -28,18 +28,25 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndarray], np.ndarray]]]:
     """Per-layer HF suffix -> (our path inside the layer, transform from the HF layout)."""
-    d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    d, n, h = c.hidden_size, c.num_heads, c.head_dim
+    r = c.kv_head_replicas
+    k = c.num_kv_heads // r  # the checkpoint's kv heads; each repeated r times (sharding.py)
     same = lambda w: w  # noqa: E731
+
+    def kv(w: np.ndarray, *shape: int) -> np.ndarray:
+        w = w.reshape(*shape)
+        return w if r == 1 else np.repeat(w, r, axis=len(shape) - 2)
+
     return {
         "input_layernorm.weight": (("input_layernorm", "weight"), same),
         "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), same),
         "self_attn.q_proj.weight": (("self_attn", "q_proj"), lambda w: w.T.reshape(d, n, h)),
-        "self_attn.k_proj.weight": (("self_attn", "k_proj"), lambda w: w.T.reshape(d, k, h)),
-        "self_attn.v_proj.weight": (("self_attn", "v_proj"), lambda w: w.T.reshape(d, k, h)),
+        "self_attn.k_proj.weight": (("self_attn", "k_proj"), lambda w: kv(w.T, d, k, h)),
+        "self_attn.v_proj.weight": (("self_attn", "v_proj"), lambda w: kv(w.T, d, k, h)),
         "self_attn.o_proj.weight": (("self_attn", "o_proj"), lambda w: w.T.reshape(n, h, d)),
         "self_attn.q_proj.bias": (("self_attn", "q_bias"), lambda w: w.reshape(n, h)),
-        "self_attn.k_proj.bias": (("self_attn", "k_bias"), lambda w: w.reshape(k, h)),
-        "self_attn.v_proj.bias": (("self_attn", "v_bias"), lambda w: w.reshape(k, h)),
+        "self_attn.k_proj.bias": (("self_attn", "k_bias"), lambda w: kv(w, k, h)),
+        "self_attn.v_proj.bias": (("self_attn", "v_bias"), lambda w: kv(w, k, h)),
         "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w: w.T),
         "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w: w.T),
         "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w: w.T),
@@ -79,9 +86,19 @@ def build_state(
     tensors: Iterable[tuple[str, np.ndarray | jax.Array]],
     config: ModelConfig,
     dtype: jnp.dtype,
+    shardings: dict[tuple, jax.sharding.Sharding] | None = None,
 ) -> nnx.State:
-    """Fills an abstract model state from (HF name, tensor) pairs; every parameter must come."""
+    """Fills an abstract model state from (HF name, tensor) pairs; every parameter must come.
+    With `shardings` ({path: sharding}), each device receives only its own slice of each
+    parameter, straight from the host buffer: no parameter is ever whole on one device."""
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
+
+    def place(path: tuple, value: np.ndarray) -> jax.Array:
+        if shardings is None:
+            return jnp.asarray(value, dtype=dtype)
+        value = value.astype(np_dtype, copy=False)
+        return jax.make_array_from_callback(value.shape, shardings[path], lambda i: value[i])
+
     filled: dict[tuple, nnx.Variable] = {}
     stacks: dict[tuple, tuple[np.ndarray, list[bool]]] = {}  # path -> (host buffer, seen)
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -103,7 +120,7 @@ def build_state(
         if path in filled:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
         if layer is None:
-            filled[path] = var.replace(jnp.asarray(value, dtype=dtype))
+            filled[path] = var.replace(place(path, value))
             continue
         buffer, seen = stacks.setdefault(
             path, (np.empty(var.shape, np_dtype), [False] * var.shape[0])
@@ -113,7 +130,7 @@ def build_state(
         buffer[layer] = value.astype(np_dtype, copy=False)
         seen[layer] = True
         if all(seen):
-            filled[path] = var.replace(jnp.asarray(buffer))
+            filled[path] = var.replace(place(path, buffer))
             del stacks[path]
     missing = [".".join(map(str, p)) for p in expected if p not in filled]
     if missing:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxllm.config import ModelConfig, RopeScaling
@@ -82,7 +83,9 @@ class AttentionMetadata:
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, *, dtype, attention_backend: str, mesh=None, rngs: nnx.Rngs
+    ):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
         self.k_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
@@ -99,6 +102,7 @@ class Attention(nnx.Module):
         self.sm_scale = h**-0.5
         self.sliding_window = config.sliding_window
         self.attention_backend = attention_backend
+        self.mesh = mesh  # static: tensor parallelism runs the cache ops per device
 
     def __call__(
         self,
@@ -115,20 +119,40 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        kv_cache = pallas_kernels.write_kv(kv_cache, layer, k, v, meta.slot_mapping)
-        out = pallas_kernels.ragged_paged_attention(
-            q,
-            kv_cache,
-            layer,
-            meta.seq_lens,
-            meta.block_tables,
-            meta.cu_q_lens,
-            meta.num_seqs,
-            sm_scale=self.sm_scale,
-            sliding_window=self.sliding_window,
-            backend=self.attention_backend,
-        )
+        out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
         return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...]), kv_cache
+
+    def _paged_attention(self, q, k, v, kv_cache, layer, meta: AttentionMetadata):
+        """Writes the new K/V into the cache and attends; with a mesh, per device on its own
+        heads (q, k, v and the cache are split on heads, the metadata is replicated)."""
+
+        def run(q, k, v, kv_cache, layer, meta):
+            kv_cache = pallas_kernels.write_kv(kv_cache, layer, k, v, meta.slot_mapping)
+            out = pallas_kernels.ragged_paged_attention(
+                q,
+                kv_cache,
+                layer,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.cu_q_lens,
+                meta.num_seqs,
+                sm_scale=self.sm_scale,
+                sliding_window=self.sliding_window,
+                backend=self.attention_backend,
+            )
+            return out, kv_cache
+
+        if self.mesh is None:
+            return run(q, k, v, kv_cache, layer, meta)
+        heads = P(None, "model", None)
+        cache = P(None, None, None, "model", None)
+        return jax.shard_map(
+            run,
+            mesh=self.mesh,
+            in_specs=(heads, heads, heads, cache, P(), P()),
+            out_specs=(heads, cache),
+            check_vma=False,
+        )(q, k, v, kv_cache, layer, meta)
 
 
 class MLP(nnx.Module):

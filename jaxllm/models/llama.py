@@ -17,17 +17,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, param
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, attention_backend: str, mesh, rngs: nnx.Rngs):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(
-            config, dtype=dtype, attention_backend=attention_backend, rngs=rngs
+            config, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
@@ -48,8 +49,11 @@ class LlamaForCausalLM(nnx.Module):
         *,
         dtype=jnp.float32,
         attention_backend: str = "reference",
+        mesh: Mesh | None = None,
         rngs: nnx.Rngs,
     ):
+        """`mesh`: tensor parallelism over its "model" axis (attention runs per device on its
+        own heads); None for one device."""
         self.config = config
         self.embed_tokens = param(
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype
@@ -58,7 +62,9 @@ class LlamaForCausalLM(nnx.Module):
         @nnx.split_rngs(splits=config.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(config, dtype=dtype, attention_backend=attention_backend, rngs=rngs)
+            return DecoderLayer(
+                config, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
+            )
 
         self.layers = make_layers(rngs)  # one module, parameters stacked on a leading L axis
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)

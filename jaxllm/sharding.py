@@ -1,0 +1,134 @@
+"""Tensor parallelism on a `jax.sharding` mesh with axes ("data", "model").
+
+Every parameter declares logical axes where it is created (`layers.param(..., axes=...)`);
+`RULES` maps them to mesh axes, in one table:
+- q/k/v projections are column-parallel (their head axis on "model"), o and down are
+  row-parallel (their head / mlp input axis on "model"), gate and up are column-parallel on
+  "mlp"; XLA inserts the one all-reduce after each row-parallel matmul;
+- the embedding and the output head are split on the vocabulary;
+- norms (and anything else) are replicated.
+An axis whose length the mesh axis does not divide stays replicated (a 403-token toy
+vocabulary, say); two axes of one array may not map to the same mesh axis.
+
+The KV cache `[L, pages, page_size, 2K, H]` is split on its interleaved head axis, so each
+device holds whole (key, value) head pairs and attention runs per device on its own heads under
+`shard_map`. With fewer kv heads than devices, each checkpoint kv head is repeated at load
+time (`ModelConfig.kv_head_replicas`) so that every device holds whole heads: cheaper than
+repeating activations every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "embed": None,
+    "q_heads": "model",
+    "kv_heads": "model",
+    "head_dim": None,
+    "mlp": "model",
+}
+
+
+def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh over the first data x tensor devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    for name, value in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("data_parallel_size", data_parallel_size),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    needed = tensor_parallel_size * data_parallel_size
+    if needed > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} x data_parallel_size "
+            f"{data_parallel_size} needs {needed} devices; {len(devices)} available"
+        )
+    grid = np.asarray(devices[:needed]).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The PartitionSpec of an array with these logical axes. Arrays stacked over layers
+    carry one more (leading) dimension than their axes name: it stays unsplit."""
+    axes = (None,) * (len(shape) - len(axes)) + tuple(axes)
+    spec, used = [], set()
+    for name, size in zip(axes, shape, strict=True):
+        mesh_axis = RULES.get(name) if name is not None else None
+        if mesh_axis is not None and mesh_axis in used:
+            raise ValueError(f"logical axes {axes} map two dimensions onto mesh axis {mesh_axis}")
+        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+            mesh_axis = None  # not evenly divisible: keep this dimension whole
+        if mesh_axis is not None:
+            used.add(mesh_axis)
+        spec.append(mesh_axis)
+    return P(*spec)
+
+
+def param_shardings(abstract_state, mesh: Mesh) -> dict[tuple, NamedSharding]:
+    """{parameter path: NamedSharding} for an abstract NNX state, from each `axes`."""
+    from flax import nnx
+
+    out = {}
+    for path, var in nnx.to_flat_state(abstract_state):
+        axes = var.get_metadata().get("axes", ())
+        out[path] = NamedSharding(mesh, spec_for(tuple(axes), var.shape, mesh))
+    return out
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The paged cache `[L, pages, page_size, 2K, H]`: whole (K, V) head pairs per device."""
+    return NamedSharding(mesh, P(None, None, None, "model", None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The config the sharded model is built with: kv heads repeated so that every device
+    holds whole heads when there are fewer than devices. Raises, naming the parameter, when
+    the heads cannot be split evenly."""
+    tp = tensor_parallel_size
+    if tp == 1:
+        return config
+    n, k = config.num_heads, config.num_kv_heads
+    if n % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the model's {n} query heads; use a "
+            f"divisor of {n}"
+        )
+    if k % tp == 0:
+        return config
+    if tp % k:
+        raise ValueError(
+            f"tensor_parallel_size {tp} and the model's {k} kv heads do not divide one another"
+        )
+    replicas = tp // k
+    logger.info("tensor parallel %d > %d kv heads: each kv head is repeated %dx", tp, k, replicas)
+    return dataclasses.replace(
+        config, num_kv_heads=k * replicas, kv_head_replicas=config.kv_head_replicas * replicas
+    )
+
+
+def per_device_bytes(arrays) -> tuple[int, int]:
+    """(bytes on the busiest device, bytes of the whole arrays) over a pytree of jax.Arrays."""
+    per_device: dict = {}
+    total = 0
+    for a in jax.tree.leaves(arrays):
+        total += a.size * a.dtype.itemsize
+        for shard in a.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0), total

@@ -1,0 +1,92 @@
+"""Greedy outputs, compilations after warmup and per-device memory for several tensor-parallel
+sizes of one model, on real devices or on fake CPU devices.
+
+    .venv/bin/python scripts/tensor_parallel_check.py smollm2-135m --tp 1,3 --cpu-devices 8
+    .venv/bin/python scripts/tensor_parallel_check.py ./ckpt --tp 1,2,4,8 --json out.json
+
+For each size it builds the engine (warmup included), generates greedily for a fixed batch of
+prompts, and reports: the tokens (and whether they equal those of the first size), how many
+programs compiled after warmup (must be 0), and the bytes of parameters and KV cache on the
+busiest device next to the whole, from the arrays' own shardings. `--cpu-devices N` fakes N CPU
+devices (it must be set before JAX starts, so this script sets it itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel sizes")
+    parser.add_argument("--cpu-devices", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json", default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    if args.cpu_devices:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+        )
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.sharding import per_device_bytes
+
+    prompts = [{"prompt_token_ids": [5 + i, 17, 40 + 2 * i, 9] * (i + 3)} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    for tp in (int(x) for x in args.tp.split(",")):
+        start = time.perf_counter()
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            max_model_len=256,
+            num_pages=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            tensor_parallel_size=tp,
+        )
+        before = llm.runner.num_compilations
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        p_dev, p_all = per_device_bytes(llm.runner.state)
+        k_dev, k_all = per_device_bytes(llm.runner.kv_cache)
+        rows.append(
+            {
+                "tp": tp,
+                "tokens": outs,
+                "compiled_after_warmup": llm.runner.num_compilations - before,
+                "param_bytes_per_device": p_dev,
+                "param_bytes": p_all,
+                "kv_bytes_per_device": k_dev,
+                "kv_bytes": k_all,
+                "kv_head_replicas": llm.model_config.kv_head_replicas,
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
+        del llm
+    for row in rows:
+        row["same_tokens_as_first"] = row["tokens"] == rows[0]["tokens"]
+    print(f"{'tp':>3} {'same':>5} {'compiled':>8} {'params/dev':>12} {'share':>6} "
+          f"{'kv/dev':>10} {'share':>6} {'kv x':>4}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['tp']:>3} {str(r['same_tokens_as_first']):>5} {r['compiled_after_warmup']:>8} "
+            f"{r['param_bytes_per_device']:>12} {r['param_bytes_per_device'] / rows[0]['param_bytes']:>6.3f} "
+            f"{r['kv_bytes_per_device']:>10} {r['kv_bytes_per_device'] / rows[0]['kv_bytes']:>6.3f} "
+            f"{r['kv_head_replicas']:>4}"
+        )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["same_tokens_as_first"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
