@@ -31,7 +31,7 @@ from jaxllm.kv_sizing import plan_kv_cache
 from jaxllm.loaders import load_model
 from jaxllm.model_cache import cache_dir
 from jaxllm.outputs import RequestOutput
-from jaxllm.runner import ModelRunner
+from jaxllm.runner import SAMPLER_VARIANTS, ModelRunner
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sharding import make_mesh
 
@@ -108,11 +108,13 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         logger.info(
-            "buckets: tokens %s x requests %s -> %d shapes x %d sampler variants = %d programs",
+            "buckets: tokens %s x requests %s -> %d shapes x %d sampler variants + %d prompt "
+            "scorers = %d programs",
             self.runner.token_buckets,
             self.runner.request_buckets,
             len(self.runner.shapes),
-            self.runner.num_programs // len(self.runner.shapes),
+            len(SAMPLER_VARIANTS),
+            len(self.runner.token_buckets),
             self.runner.num_programs,
         )
         self.warmup_seconds = None
