@@ -64,6 +64,14 @@ def test_tiny_model_8_q_heads_2_kv_heads(tmp_path, tokenizer_dir):
         assert r["kv_bytes_per_device"] == whole_kv // min(tp, 2), r
 
 
+def test_pallas_kernel_under_shard_map(tmp_path, tiny_model_dir):
+    """The TPU kernel (interpreted) per device on its own heads: TP 2 and 4 (kv heads
+    repeated) give TP 1's tokens."""
+    rows = _check(tiny_model_dir, "1,2,4", tmp_path, "--attention-backend", "pallas")
+    assert [r["same_tokens_as_first"] for r in rows] == [True] * 3
+    assert [r["compiled_after_warmup"] for r in rows] == [0] * 3
+
+
 @pytest.mark.demo_model
 def test_demo_model_tp3_matches_tp1(tmp_path):
     """SmolLM2: 9 query heads and 3 kv heads split evenly over 3 devices."""
