@@ -19,20 +19,11 @@ from conftest import write_tiny_checkpoint
 SCRIPT = Path(__file__).parent.parent / "scripts" / "tensor_parallel_check.py"
 
 
-def _check(model, tp: str, tmp_path) -> list[dict]:
+def _check(model, tp: str, tmp_path, *extra: str) -> list[dict]:
     out = tmp_path / "report.json"
+    args = ["--tp", tp, "--cpu-devices", "8", "--json", str(out), *extra]
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            str(model),
-            "--tp",
-            tp,
-            "--cpu-devices",
-            "8",
-            "--json",
-            str(out),
-        ],  # fmt: skip
+        [sys.executable, str(SCRIPT), str(model), *args],
         capture_output=True,
         text=True,
         timeout=1200,
