@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -81,7 +82,9 @@ def build_app(
                 logger.info("engine ready: serving %s", ", ".join(served_model_names))
             except Exception as e:
                 state.startup_error = f"{type(e).__name__}: {e}"
-                logger.error("engine failed to start: %s", state.startup_error)
+                # server.main then exits non-zero, so a supervisor restarts or reports it
+                # rather than finding a server that answers 503 forever.
+                logger.error("engine failed to start: %s; shutting down", state.startup_error)
 
         task = asyncio.create_task(start())
         yield
@@ -289,7 +292,7 @@ def render_chat(eng: AsyncLLM, req, *, add_special_tokens: bool = False) -> list
         text = eng.tokenizer.apply_chat_template(
             req.conversation(), tokenize=False, **req.template_kwargs()
         )
-    except Exception:  # a template that rejects these messages
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError):  # the template refused
         raise APIError.bad_request(
             "the chat template rejected these messages", "messages"
         ) from None

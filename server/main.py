@@ -44,6 +44,11 @@ class _Server(uvicorn.Server):
         self.state.draining = True
         super().handle_exit(sig, frame)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.startup_error is not None:  # the engine could not start: stop serving
+            return True
+        return await super().on_tick(counter)
+
 
 class _H11Protocol(H11Protocol):
     """uvicorn's h11 protocol, changed for requests h11 cannot parse; in practice a header
@@ -153,4 +158,6 @@ def serve(
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on
         pass
+    if app.state.server.startup_error is not None:
+        return 1  # the engine could not start (the reason is logged)
     return 0 if server.started else STARTUP_FAILURE

@@ -551,3 +551,23 @@ def test_killed_core_makes_health_503_and_requests_fail_fast(tiny_model_dir):
         assert r.status_code == 503 and time.monotonic() - start < 2
     finally:
         _stop_server(proc)
+
+
+def test_engine_that_cannot_start_exits_nonzero(tmp_path):
+    """A supervisor (systemd, Kubernetes) must see the failure, not a server answering 503."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxllm.cli",
+            "serve",
+            str(tmp_path / "no-such-model"),
+            "--port",
+            str(_free_port()),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "engine failed to start" in proc.stdout + proc.stderr
