@@ -298,6 +298,8 @@ class ModelRunner:
                 host["repetition_penalty"][i] = r.repetition_penalty
                 host["history_ids"][i, : len(r.history_ids)] = r.history_ids
                 host["num_prompt_tokens"][i] = r.num_prompt_tokens
+        if self.mesh is not None:  # placed like the device-resident padding warmup saw
+            host = jax.device_put(host, sharding.replicated(self.mesh))
         return dataclasses.replace(sampling, **host)
 
     def _zeros_cache(self, shape, dtype) -> jax.Array:

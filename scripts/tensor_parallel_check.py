@@ -41,7 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     from jaxllm.sharding import per_device_bytes
 
     prompts = [{"prompt_token_ids": [5 + i, 17, 40 + 2 * i, 9] * (i + 3)} for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    # One request with a penalty and a logit bias: the sampler's other inputs under the mesh.
+    penalized = SamplingParams(
+        temperature=0,
+        max_tokens=args.max_tokens,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        logit_bias={7: 2.0},
+    )
+    params = [greedy] * (len(prompts) - 1) + [penalized]
     rows = []
     for tp in (int(x) for x in args.tp.split(",")):
         start = time.perf_counter()
