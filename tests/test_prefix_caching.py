@@ -3,6 +3,8 @@ second request over a shared 1000-token prefix computing only its new tokens."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -96,6 +98,23 @@ def long_llm(tiny_model_dir):
     )
 
 
+@contextlib.contextmanager
+def _counting_tokens(llm):
+    """Yields a list that collects the length of every chunk the runner computes."""
+    runner, computed = llm.runner, []
+    execute = runner.execute
+
+    def counting_execute(out):
+        computed.extend(len(r.token_ids) for r in out.requests)
+        return execute(out)
+
+    runner.execute = counting_execute
+    try:
+        yield computed
+    finally:
+        runner.execute = execute
+
+
 def test_shared_1000_token_prefix_computes_only_new_tokens(long_llm, tiny_model_dir):
     rng = np.random.default_rng(0)
     prefix = rng.integers(3, 300, size=1000).tolist()
@@ -103,21 +122,10 @@ def test_shared_1000_token_prefix_computes_only_new_tokens(long_llm, tiny_model_
     second = prefix + rng.integers(3, 300, size=30).tolist()
     long_llm.generate({"prompt_token_ids": first}, GREEDY, use_tqdm=False)
 
-    runner = long_llm.runner
-    computed = []
-    execute = runner.execute
-
-    def counting_execute(out):
-        computed.extend(len(r.token_ids) for r in out.requests)
-        return execute(out)
-
     kv = long_llm.kv_cache_manager
     hits_before = kv.prefix_cache_hits
-    runner.execute = counting_execute
-    try:
+    with _counting_tokens(long_llm) as computed:
         out = long_llm.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
-    finally:
-        runner.execute = execute
     cached = (1000 // 16) * 16  # the full blocks of the shared prefix
     assert kv.prefix_cache_hits - hits_before == cached
     # Its prompt minus the cached blocks, then one token per decode step after the first.
@@ -142,21 +150,11 @@ def test_n_completions_share_the_prompt(long_llm):
     and start from its cached blocks, so the prompt is computed once, not n times."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 300, size=600).tolist()
-    runner, kv = long_llm.runner, long_llm.kv_cache_manager
-    computed = []
-    execute = runner.execute
-
-    def counting_execute(out):
-        computed.extend(len(r.token_ids) for r in out.requests)
-        return execute(out)
-
+    kv = long_llm.kv_cache_manager
     hits_before = kv.prefix_cache_hits
-    runner.execute = counting_execute
-    try:
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=3)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=3)
+    with _counting_tokens(long_llm) as computed:
         out = long_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-    finally:
-        runner.execute = execute
     cached = (600 // 16) * 16
     assert kv.prefix_cache_hits - hits_before == 2 * cached
     # One full prompt, then each sibling only its uncached tail; one token per later step.
