@@ -25,7 +25,7 @@ from jaxllm.config import CacheConfig, SchedulerConfig, resolve_dtype
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import Request, derive_seed
+from jaxllm.engine.request import Request, check_prompt_ids, derive_seed, resolve_max_tokens
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.kv_sizing import plan_kv_cache
 from jaxllm.loaders import load_model
@@ -169,19 +169,9 @@ class LLM:
                 "prompt must be a string or a dict with 'prompt_token_ids', got "
                 f"{type(prompt).__name__}"
             )
-        if not ids:
-            raise ValueError("prompt must not be empty (it has no tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
-                f"(the prompt plus at least one new token must fit)"
-            )
+        check_prompt_ids(
+            ids, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len
+        )
         return text, ids
 
     def _normalize(self, prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
@@ -287,9 +277,7 @@ class LLM:
         priorities = priorities or [0] * len(params)
         for (text, ids), sp, prio in zip(tokenized, params, priorities, strict=True):
             rid = str(next(self._ids))
-            max_tokens = self.max_model_len - len(ids)
-            if sp.max_tokens is not None:
-                max_tokens = min(sp.max_tokens, max_tokens)
+            max_tokens = resolve_max_tokens(sp, len(ids), self.max_model_len)
             sub_ids = []
             for i in range(sp.n):
                 sub = rid if sp.n == 1 else f"{rid}-{i}"
@@ -334,9 +322,7 @@ class LLM:
             # On any error, leave the engine clean for the next call.
             if pending:
                 self.engine.abort_requests(sorted(pending))
-            if self.runner.kv_cache_lost:  # the cache was rebuilt: cached prefixes are void
-                self.kv_cache_manager.reset_prefix_cache()
-                self.runner.kv_cache_lost = False
+            self.engine.forget_lost_cache()
         return [
             RequestOutput(
                 request_id=rid,

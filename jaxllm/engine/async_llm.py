@@ -23,7 +23,7 @@ import numpy as np
 from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
 from jaxllm.engine.messages import AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import derive_seed
+from jaxllm.engine.request import check_prompt_ids, derive_seed, resolve_max_tokens
 from jaxllm.loaders import load_tokenizer
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -76,22 +76,6 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._queues)
 
-    # ---- inputs ------------------------------------------------------------------------
-
-    def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
-        if not ids:
-            raise ValueError(f"{param} must not be empty (it has no tokens)")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{param} is {len(ids)} tokens long, but max_model_len is {self.max_model_len} "
-                f"(the prompt plus at least one new token must fit)"
-            )
-
     # ---- generation --------------------------------------------------------------------
 
     async def generate(
@@ -111,11 +95,11 @@ class AsyncLLM:
         the first one's id as `prefix_parent` to share its cached prompt."""
         if self.dead:
             raise EngineDeadError("engine core is not running")
-        self.check_prompt_ids(prompt_token_ids)
+        # The server checked already (answering 400s); this guards library callers.
+        check_prompt_ids(
+            prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
         request_id = request_id or f"req-{next(self._ids)}"
-        max_tokens = self.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(params.max_tokens, max_tokens)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._prompts[request_id] = prompt_token_ids
@@ -127,7 +111,9 @@ class AsyncLLM:
                     request_id,
                     list(prompt_token_ids),
                     params,
-                    max_tokens=max_tokens,
+                    max_tokens=resolve_max_tokens(
+                        params, len(prompt_token_ids), self.max_model_len
+                    ),
                     seed=derive_seed(params.seed, index, self._rng),
                     priority=priority,
                     prefix_parent=prefix_parent,

@@ -105,6 +105,29 @@ class Request:
         )
 
 
+def check_prompt_ids(ids: list[int], *, vocab_size: int, max_model_len: int) -> None:
+    """Raises ValueError, naming the parameter, unless the prompt can run: not empty, every
+    id in the vocabulary, room left for at least one new token."""
+    if not ids:
+        raise ValueError("prompt must not be empty (it has no tokens)")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt is {len(ids)} tokens long, but max_model_len is {max_model_len} "
+            f"(the prompt plus at least one new token must fit)"
+        )
+
+
+def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's output bound: its max_tokens, never past the end of the context."""
+    room = max_model_len - num_prompt_tokens
+    return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
 def derive_seed(seed: int | None, index: int, rng: np.random.Generator) -> int:
     """The sampling seed of completion `index` of a request: a fresh one from `rng` when the
     request has none; else `seed` itself for the first completion and distinct, reproducible
