@@ -26,6 +26,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def forget_lost_cache(self) -> None:
+        """After a failed step took the donated KV cache with it (the runner rebuilt it
+        empty), the cached prefixes point at nothing: forget them. Call it once the failed
+        requests are aborted (a reset needs every block free of requests)."""
+        if self.runner.kv_cache_lost:
+            self.scheduler.kv.reset_prefix_cache()
+            self.runner.kv_cache_lost = False
+
     def step(self) -> list[RequestUpdate]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:

@@ -89,11 +89,9 @@ def run_engine_core(
                 Ready(
                     max_model_len=llm.max_model_len,
                     vocab_size=llm.model_config.vocab_size,
-                    eos_token_ids=list(llm.eos_token_ids),
                     num_pages=llm.kv_cache_manager.num_pages,
                     page_size=llm.kv_cache_manager.page_size,
                     num_programs=llm.runner.num_programs,
-                    warmup_seconds=llm.warmup_seconds,
                     stats=_stats(llm),
                 )
             )
@@ -139,9 +137,7 @@ def run_engine_core(
                 scheduler = engine.scheduler
                 failed = [r.request_id for r in scheduler.running]  # the step's requests
                 engine.abort_requests(failed)
-                if llm.runner.kv_cache_lost:  # rebuilt: cached prefixes are void
-                    llm.kv_cache_manager.reset_prefix_cache()
-                    llm.runner.kv_cache_lost = False
+                engine.forget_lost_cache()
                 updates = [RequestUpdate(rid, [], None, "error", None) for rid in failed]
             queue_times, engine.scheduler.queue_times = engine.scheduler.queue_times, []
             outputs.send(encoder.encode(StepOutputs(updates, _stats(llm), queue_times)))
