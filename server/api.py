@@ -79,7 +79,16 @@ def build_app(
             try:
                 state.engine = await start_engine()
                 state.engine.on_step = state.metrics.observe_step
-                logger.info("engine ready: serving %s", ", ".join(served_model_names))
+                ready = state.engine.ready
+                logger.info(
+                    "engine ready: serving %s (max_model_len %d, %d KV pages of %d tokens, "
+                    "%d programs)",
+                    ", ".join(served_model_names),
+                    ready.max_model_len,
+                    ready.num_pages,
+                    ready.page_size,
+                    ready.num_programs,
+                )
             except Exception as e:
                 state.startup_error = f"{type(e).__name__}: {e}"
                 # server.main then exits non-zero, so a supervisor restarts or reports it

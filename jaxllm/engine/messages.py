@@ -45,11 +45,9 @@ class Stats(msgspec.Struct):
 class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
-    eos_token_ids: list[int]
     num_pages: int
     page_size: int
     num_programs: int
-    warmup_seconds: float | None
     stats: Stats
 
 
