@@ -9,8 +9,8 @@ A converted checkpoint is a directory:
     DST/generation_config.json   when the source had one
     DST/jaxllm_orbax.json    the marker: format version, dtype, source
 
-The parameters are stored in our own layout (einsum-shaped, decoder layers stacked on a leading
-axis), so restoring is a read and nothing else: no renaming, transposing, un-permuting or
+The parameters are stored in our own layout (einsum-shaped, one array per parameter of each
+decoder layer, keyed "layers/<i>/..."), so restoring is a read and nothing else: no renaming, transposing, un-permuting or
 dequantizing. They are stored with the checkpoint's own kv heads (no tensor-parallel
 repetition), so one checkpoint serves every tensor-parallel size. Storage chunks are one layer
 and one head at a time (other axes split to about 1 MiB), so a device restoring its shard reads
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 MARKER = "jaxllm_orbax.json"
 FORMAT = "jaxllm-orbax"
-VERSION = 1
+VERSION = 2  # 2: one array per layer; 1 stacked the decoder layers on a leading axis
 STATE_DIR = "state"
 CHUNK_BYTES = 1 << 20  # storage chunks of at most 1 MiB (besides one layer, one head)
 COMPRESS = False  # zstd: a third smaller only for dequantized GGUF weights, slower to read
@@ -67,6 +67,11 @@ def read_marker(path: Path) -> dict:
         raise ValueError(
             f"{path} was written by a newer jaxllm (format version {marker['version']}, this "
             f"one reads up to {VERSION})"
+        )
+    if marker.get("version", 0) < VERSION:
+        raise ValueError(
+            f"{path} is in an older format (version {marker.get('version')}, decoder layers "
+            f"stacked); convert its source again with `jaxllm convert`"
         )
     return marker
 
@@ -93,32 +98,35 @@ def source_hf_config(path: Path) -> dict:
 
 
 def _kv_axis(var: nnx.Variable) -> int | None:
-    """The index of the kv-head axis of a parameter (counting the stacked layer axis)."""
+    """The index of the kv-head axis of a parameter."""
     axes = tuple(var.get_metadata().get("axes", ()))
     if "kv_heads" not in axes:
         return None
-    return len(var.shape) - len(axes) + axes.index("kv_heads")
+    return axes.index("kv_heads")
 
 
 def _save_args(var: nnx.Variable, shape: tuple[int, ...]):
-    """Chunks of one layer and one head, else about CHUNK_BYTES: restoring one shard then
-    reads about that shard whatever the tensor-parallel size."""
+    """Chunks of one head, else about CHUNK_BYTES: restoring one shard then reads about that
+    shard whatever the tensor-parallel size."""
     import orbax.checkpoint as ocp
 
     if CHUNK_BYTES is None:
         return ocp.SaveArgs()
     axes = tuple(var.get_metadata().get("axes", ()))
-    stacked = len(shape) - len(axes)
-    shard_axes = tuple(range(stacked)) + tuple(
-        stacked + i for i, name in enumerate(axes) if name in _HEAD_AXES
-    )
+    shard_axes = tuple(i for i, name in enumerate(axes) if name in _HEAD_AXES)
     return ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=shard_axes)
+
+
+def _key(path: tuple) -> tuple[str, ...]:
+    """A parameter path as stored: layer indices become strings ("layers", "0", ...)."""
+    return tuple(str(k) for k in path)
 
 
 def _nest(flat: dict[tuple, Any]) -> dict:
     out: dict = {}
     for path, value in flat.items():
         node = out
+        path = _key(path)
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
@@ -253,11 +261,11 @@ def restore_state(
     try:
         stored_tree = checkpointer.metadata(state_dir).item_metadata.tree
         stored = {
-            tuple(p.key for p in key): leaf
+            tuple(str(p.key) for p in key): leaf
             for key, leaf in jax.tree_util.tree_flatten_with_path(stored_tree)[0]
         }
-        missing = [".".join(p) for p in expected if p not in stored]
-        extra = [".".join(p) for p in stored if p not in expected]
+        missing = [".".join(_key(p)) for p in expected if _key(p) not in stored]
+        extra = [".".join(p) for p in stored if p not in set(map(_key, expected))]
         if missing or extra:
             raise ValueError(
                 f"checkpoint {path} does not match the model built from its config.json: "
@@ -273,10 +281,10 @@ def restore_state(
                 repeats[p] = (axis, sharding)
                 shape = shape[:axis] + (shape[axis] // r,) + shape[axis + 1 :]
                 sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-            if tuple(stored[p].shape) != shape:
+            if tuple(stored[_key(p)].shape) != shape:
                 raise ValueError(
-                    f"checkpoint {path}: parameter {'.'.join(p)} has shape "
-                    f"{tuple(stored[p].shape)}, the model wants {shape} (from config.json)"
+                    f"checkpoint {path}: parameter {'.'.join(_key(p))} has shape "
+                    f"{tuple(stored[_key(p)].shape)}, the model wants {shape} (from config.json)"
                 )
             targets[p] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
             restore_args[p] = (
@@ -290,10 +298,11 @@ def restore_state(
         )
     finally:
         checkpointer.close()
-    values = {
-        tuple(k.key for k in key): leaf
+    by_key = {
+        tuple(str(k.key) for k in key): leaf
         for key, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
     }
+    values = {p: by_key[_key(p)] for p in expected}
     for p, (axis, sharding) in repeats.items():
         whole = values[p]
         values[p] = jax.jit(

@@ -5,10 +5,8 @@ the GGUF loader renames and un-permutes llama.cpp's tensors into the same names 
 first. So this file is the one place that knows how a torch `Linear` ([out, in]) becomes one of
 our einsum-shaped parameters ("DNH", "NHD", "DF", ...).
 
-The decoder layers are one stacked module (a leading L axis on every layer parameter), so a
-layer tensor is written into its slice of a host buffer in the target dtype, and each stacked
-parameter goes to the device once all its L slices have arrived. Global tensors go to the
-device as soon as they are read.
+Every tensor goes to the device as soon as it is read (each decoder layer has parameters of
+its own, so nothing waits for the other layers).
 """
 
 from __future__ import annotations
@@ -55,17 +53,17 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
 
 def hf_to_path(
     name: str, config: ModelConfig
-) -> tuple[tuple[str, ...], int | None, Callable[[np.ndarray], np.ndarray]] | None:
-    """(our parameter path, layer index or None, layout transform) for an HF tensor name;
-    None to skip the tensor."""
+) -> tuple[tuple[str | int, ...], Callable[[np.ndarray], np.ndarray]] | None:
+    """(our parameter path, layout transform) for an HF tensor name; None to skip the
+    tensor."""
     same = lambda w: w  # noqa: E731
     if name == "model.embed_tokens.weight":
-        return ("embed_tokens",), None, same
+        return ("embed_tokens",), same
     if name == "model.norm.weight":
-        return ("norm", "weight"), None, same
+        return ("norm", "weight"), same
     if name == "lm_head.weight":
         # Some tied checkpoints still ship a copy of the embedding as lm_head: skip it.
-        return None if config.tie_word_embeddings else (("lm_head",), None, lambda w: w.T)
+        return None if config.tie_word_embeddings else (("lm_head",), lambda w: w.T)
     if name.endswith("rotary_emb.inv_freq"):
         return None  # a buffer in old checkpoints, recomputed from rope_theta
     m = _LAYER.match(name)
@@ -73,7 +71,7 @@ def hf_to_path(
         rule = _rules(config).get(m.group(2))
         layer = int(m.group(1))
         if rule is not None and layer < config.num_layers:
-            return ("layers", *rule[0]), layer, rule[1]
+            return ("layers", layer, *rule[0]), rule[1]
     raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
 
 
@@ -100,42 +98,27 @@ def build_state(
         return jax.make_array_from_callback(value.shape, shardings[path], lambda i: value[i])
 
     filled: dict[tuple, nnx.Variable] = {}
-    stacks: dict[tuple, tuple[np.ndarray, list[bool]]] = {}  # path -> (host buffer, seen)
     np_dtype = np.dtype(jnp.dtype(dtype))
     for name, tensor in tensors:
         target = hf_to_path(name, config)
         if target is None:
             continue
-        path, layer, transform = target
+        path, transform = target
         if path not in expected:
             raise ValueError(f"tensor {name!r} has no place in the model (path {path})")
         var = expected[path]
         value = transform(_to_numpy(tensor))
-        shape = var.shape if layer is None else var.shape[1:]
-        if value.shape != shape:
+        if value.shape != var.shape:
             raise ValueError(
                 f"tensor {name!r}: shape {value.shape} after conversion does not match the "
-                f"model's {shape} (from the config)"
+                f"model's {var.shape} (from the config)"
             )
         if path in filled:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        if layer is None:
-            filled[path] = var.replace(place(path, value))
-            continue
-        buffer, seen = stacks.setdefault(
-            path, (np.empty(var.shape, np_dtype), [False] * var.shape[0])
-        )
-        if seen[layer]:
-            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        buffer[layer] = value.astype(np_dtype, copy=False)
-        seen[layer] = True
-        if all(seen):
-            filled[path] = var.replace(place(path, buffer))
-            del stacks[path]
+        filled[path] = var.replace(place(path, value))
     missing = [".".join(map(str, p)) for p in expected if p not in filled]
     if missing:
         raise ValueError(
-            f"checkpoint is missing {len(missing)} parameter(s) (or some of their layers), "
-            f"e.g. {', '.join(missing[:5])}"
+            f"checkpoint is missing {len(missing)} parameter(s), e.g. {', '.join(missing[:5])}"
         )
     return nnx.from_flat_state([(p, filled[p]) for p in expected])

@@ -70,6 +70,29 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return x * cos + rotated * sin
 
 
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, I] times a weight [*in, *out] whose leading axes make up I: [T, *out], as one 2-D
+    matmul over a free reshape of the weight.
+
+    Written as an einsum over several axes (e.g. "TNH,NHD->TD"), XLA on CPU may transpose the
+    weight every step rather than the activation. The input-major layout itself was measured
+    against torch's output-major one on the demo model's 30 layers (2-core AMD EPYC, weights
+    streamed from DRAM): equal at T = 1 (about 24 ms), 25% faster at T = 8."""
+    num_in = x.shape[-1]
+    w2 = w.reshape(num_in, -1)
+    return (x @ w2).reshape(*x.shape[:-1], *w.shape[_num_in_axes(w.shape, num_in) :])
+
+
+def _num_in_axes(shape: tuple[int, ...], num_in: int) -> int:
+    """How many leading axes of a weight make up its input width."""
+    size = 1
+    for i, d in enumerate(shape, start=1):
+        size *= d
+        if size == num_in:
+            return i
+    raise ValueError(f"weight {shape} has no leading axes of total size {num_in}")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
@@ -112,15 +135,13 @@ class Attention(nnx.Module):
         layer: jax.Array,  # i32[]  this layer's index into the cache
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
-        q = jnp.einsum("TD,DNH->TNH", x, self.q_proj[...])
-        k = jnp.einsum("TD,DKH->TKH", x, self.k_proj[...])
-        v = jnp.einsum("TD,DKH->TKH", x, self.v_proj[...])
+        q, k, v = (linear(x, w[...]) for w in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_bias is not None:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
-        return jnp.einsum("TNH,NHD->TD", out, self.o_proj[...]), kv_cache
+        return linear(out.reshape(out.shape[0], -1), self.o_proj[...]), kv_cache
 
     def _paged_attention(self, q, k, v, kv_cache, layer, meta: AttentionMetadata):
         """Writes the new K/V into the cache and attends; with a mesh, per device on its own
@@ -163,6 +184,5 @@ class MLP(nnx.Module):
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jax.nn.silu(jnp.einsum("TD,DF->TF", x, self.gate_proj[...]))
-        up = jnp.einsum("TD,DF->TF", x, self.up_proj[...])
-        return jnp.einsum("TF,FD->TD", gate * up, self.down_proj[...])
+        gate = jax.nn.silu(linear(x, self.gate_proj[...]))
+        return linear(gate * linear(x, self.up_proj[...]), self.down_proj[...])
