@@ -23,10 +23,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         # pallas_kernels.ATTENTION_BACKENDS, spelled out so --help need not import JAX.
-        choices=("auto", "pallas", "reference", "pallas_tpu", "pallas_gpu"),
+        choices=("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu"),
         default="auto",
-        help="auto: the platform's Pallas kernel (the reference on CPU); pallas: the platform's "
-        "kernel (interpreted on CPU, for checking); or a backend by name",
+        help="auto: the platform's kernel (on CPU the native `cpu` kernel, or `xla` where no C++ "
+        "compiler builds it); pallas: the platform's Pallas kernel (interpreted on CPU, for "
+        "checking); or a backend by name",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

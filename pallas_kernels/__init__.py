@@ -2,13 +2,16 @@
 
 `ragged_paged_attention` is the one entry point the model calls; `backend` picks the
 implementation, all behind one signature and one cache layout (`kv_cache.py`):
-- `reference`: plain JAX (`ragged_attention_reference.py`), the ground truth and the CPU
-  default;
+- `reference`: plain JAX (`ragged_attention_reference.py`), the ground truth;
+- `cpu`: a native C++ kernel for the CPU through the XLA FFI (`ragged_attention_cpu.py`, built on
+  first use), the CPU default;
+- `xla`: plain JAX laid out for the CPU (`ragged_attention_xla.py`), the CPU default where the
+  native kernel cannot be built (no C++ compiler);
 - `pallas_tpu`: a Mosaic TPU kernel (`ragged_attention_tpu.py`);
 - `pallas_gpu`: a Pallas Triton kernel for NVIDIA GPUs (`ragged_attention_gpu.py`).
-The engine's `attention_backend` is one of `ATTENTION_BACKENDS`: "auto" picks the Pallas kernel
-of the platform (the reference on CPU), "pallas" the platform's kernel (the TPU kernel in
-interpret mode on CPU, for checking it there). Off their platform the Pallas kernels run only in
+The engine's `attention_backend` is one of `ATTENTION_BACKENDS`: "auto" picks the kernel of the
+platform (`cpu` on CPU, or `xla` without a compiler), "pallas" the platform's Pallas kernel (the
+TPU kernel in interpret mode on CPU, for checking it there). Off their platform the Pallas kernels run only in
 interpret mode, which `interpret=None` turns on by itself.
 """
 
@@ -16,30 +19,36 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import ragged_attention_cpu
 from pallas_kernels.kv_cache import get_kv_cache_shape, write_kv
+from pallas_kernels.ragged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_attention_tpu import ragged_paged_attention_tpu
+from pallas_kernels.ragged_attention_xla import ragged_paged_attention_xla
 from pallas_kernels.tuning import BlockSizes, get_block_sizes
 
-BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
+BACKENDS = ("reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 ATTENTION_BACKENDS = ("auto", "pallas", *BACKENDS)
-_NATIVE_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+_NATIVE_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """Maps an engine `attention_backend` to one of `BACKENDS` for `platform` (default: JAX's
-    default backend): "auto" is the platform's Pallas kernel, or the reference on CPU;
+    default backend): "auto" is the platform's Pallas kernel, or on CPU the native kernel
+    (`xla` where it cannot be built);
     "pallas" is the platform's kernel, the TPU one on CPU (interpreted)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     platform = platform or jax.default_backend()
     kernel = "pallas_gpu" if platform in ("gpu", "cuda", "rocm") else "pallas_tpu"
     if backend == "auto":
-        return "reference" if platform == "cpu" else kernel
+        if platform == "cpu":
+            return "cpu" if ragged_attention_cpu.available() else "xla"
+        return kernel
     if backend == "pallas":
         return kernel
-    if backend != "reference" and platform not in ("cpu", _NATIVE_PLATFORM[backend]):
+    if backend in _NATIVE_PLATFORM and platform not in ("cpu", _NATIVE_PLATFORM[backend]):
         raise ValueError(f"attention_backend {backend!r} cannot run on platform {platform!r}")
     return backend
 
@@ -95,6 +104,10 @@ def ragged_paged_attention(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
+    if backend == "xla":
+        return ragged_paged_attention_xla(*args, **kwargs)
+    if backend == "cpu":
+        return ragged_paged_attention_cpu(*args, **kwargs)
 
     page_size = kv_cache.shape[2]
     if interpret is None:
@@ -144,9 +157,11 @@ __all__ = [
     "get_block_sizes",
     "get_kv_cache_shape",
     "ragged_paged_attention",
+    "ragged_paged_attention_cpu",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",
+    "ragged_paged_attention_xla",
     "resolve_backend",
     "write_kv",
 ]

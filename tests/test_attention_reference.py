@@ -1,4 +1,5 @@
-"""The reference ragged paged attention against a dense per-request computation in numpy.
+"""The XLA ragged paged attention backends (the reference and the CPU-shaped `xla` one) against
+a dense per-request computation in numpy.
 
 Unused pages are filled with NaN, so any read outside a request's pages or past its length
 poisons the output and fails the comparison."""
@@ -13,7 +14,10 @@ from pallas_kernels import get_kv_cache_shape, ragged_paged_attention, write_kv
 
 from helpers import MIXES, dense_attention, make_case
 
+XLA_BACKENDS = ("reference", "xla", "cpu")
 
+
+@pytest.mark.parametrize("backend", XLA_BACKENDS)
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,page_size,dtype",
@@ -24,7 +28,7 @@ from helpers import MIXES, dense_attention, make_case
         (6, 2, 64, 16, jnp.bfloat16),
     ],
 )
-def test_matches_dense(mix, num_heads, num_kv_heads, head_dim, page_size, dtype):
+def test_matches_dense(backend, mix, num_heads, num_kv_heads, head_dim, page_size, dtype):
     rng = np.random.default_rng(0)
     seqs = MIXES[mix]
     q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
@@ -48,6 +52,7 @@ def test_matches_dense(mix, num_heads, num_kv_heads, head_dim, page_size, dtype)
         jnp.asarray(cu),
         jnp.asarray([len(seqs)], jnp.int32),
         sm_scale=sm_scale,
+        backend=backend,
     )
     out = np.asarray(out.astype(jnp.float32))
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -59,8 +64,9 @@ def test_matches_dense(mix, num_heads, num_kv_heads, head_dim, page_size, dtype)
     assert np.all(out[total:] == 0), "padding rows must read nothing"
 
 
+@pytest.mark.parametrize("backend", XLA_BACKENDS)
 @pytest.mark.parametrize("sliding_window,soft_cap", [(7, None), (None, 5.0), (32, 30.0)])
-def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+def test_sliding_window_and_soft_cap(backend, sliding_window, soft_cap):
     rng = np.random.default_rng(1)
     seqs = MIXES["mixed"]
     q, cache, seq_lens, bt, cu, _, ks, vs, _ = make_case(
@@ -86,6 +92,7 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
             sm_scale=0.125,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            backend=backend,
         )
     )
     for r, (q_len, _) in enumerate(seqs):
