@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -28,10 +29,10 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import Request, check_prompt_ids, derive_seed, resolve_max_tokens
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.kv_sizing import plan_kv_cache
-from jaxllm.loaders import load_model
+from jaxllm.loaders import load_model, load_tokenizer
 from jaxllm.model_cache import cache_dir
 from jaxllm.outputs import RequestOutput
-from jaxllm.runner import SAMPLER_VARIANTS, ModelRunner
+from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sharding import make_mesh
 
@@ -74,9 +75,14 @@ class LLM:
             page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization
         )
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
-        loaded = load_model(model, dtype=jdtype, attention_backend=backend, mesh=self.mesh)
+        # The tokenizer (mostly importing transformers) loads on a thread meanwhile.
+        tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
+        tokenizer = tokenizer_pool.submit(load_tokenizer, model)
+        tokenizer_pool.shutdown(wait=False)
+        loaded = load_model(
+            model, dtype=jdtype, attention_backend=backend, mesh=self.mesh, load_tokenizer=False
+        )
         self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
         self.generation_config = loaded.generation_config
         num_pages, max_model_len = plan_kv_cache(
             loaded.config, cache_config, jdtype, max_model_len, tensor_parallel_size
@@ -104,16 +110,16 @@ class LLM:
         self.engine = EngineCore(
             Scheduler(self.scheduler_config, self.kv_cache_manager), self.runner
         )
-        self.eos_token_ids = self._eos_token_ids()
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         logger.info(
-            "buckets: tokens %s x requests %s -> %d shapes x %d sampler variants + %d prompt "
-            "scorers = %d programs",
+            "buckets: tokens %s x requests %s; programs: %d forward shapes %s + %d output "
+            "heads + %d prompt scorers = %d",
             self.runner.token_buckets,
             self.runner.request_buckets,
             len(self.runner.shapes),
-            len(SAMPLER_VARIANTS),
+            self.runner.shapes,
+            len(self.runner.request_buckets),
             len(self.runner.token_buckets),
             self.runner.num_programs,
         )
@@ -123,6 +129,8 @@ class LLM:
             logger.info(
                 "warmup: %d programs in %.1f s", self.runner.num_programs, self.warmup_seconds
             )
+        self.tokenizer = tokenizer.result()[0]
+        self.eos_token_ids = self._eos_token_ids()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False (nothing done) while requests hold blocks."""

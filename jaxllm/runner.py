@@ -1,14 +1,16 @@
-"""The model runner: SchedulerOutput -> padded device arrays -> one jitted step -> tokens.
+"""The model runner: SchedulerOutput -> padded device arrays -> two jitted programs -> tokens.
 
-The model is split once (`nnx.split`); the hot path is a pure function
-`step(state, kv_cache, batch, sampling) -> (sampler output, kv_cache)` under `jax.jit`, with
-the cache donated so it is updated in place.
+The model is split once (`nnx.split`) and its parameters kept as a flat list of arrays. A step
+runs two pure functions under `jax.jit`: `_forward(params, kv_cache, batch) -> (hidden states
+to sample from, all hidden states, kv_cache)`, with the cache donated so it is updated in
+place, and `_head_and_sample(params, hidden, sampling) -> sampler output`.
 
-Every batch is padded to a bucket: the token count to the next token bucket, the request count
-to the next request bucket, and the block table to a fixed `pages_per_seq` width. The compiled
-programs are therefore bounded by `len(token_buckets) * len(request_buckets)` times the sampler
-variants (all-greedy or not, logprobs or not). Padding tokens write to an out-of-range slot
-(dropped) and padding requests have no tokens and length 0, so they never touch real data.
+Every batch is padded to a compiled shape (`make_buckets`): the token count to a token bucket,
+the request count to a request bucket paired with it, and the block table to a fixed
+`pages_per_seq` width. One forward program per shape and one head-and-sampler program per
+request bucket (the sampler's optional work is data-dependent inside it, see `sampler.py`), all
+compiled at warmup. Padding tokens write to an out-of-range slot (dropped) and padding requests
+have no tokens and length 0, so they never touch real data.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -31,60 +35,61 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxllm.models import AttentionMetadata
 from jaxllm.sampler import SamplingInputs, sample
-from jaxllm.sampling_params import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_STOP_TOKEN_IDS,
-    SAMPLING_EPS,
-)
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from pallas_kernels import get_kv_cache_shape
 
 logger = logging.getLogger(__name__)
 
 
-def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[list[int], list[int]]:
-    """Token buckets (powers of two from 16) and request buckets (powers of two from 8), each
-    list ending at its maximum."""
+def _ladder(stop: int) -> list[int]:
+    """Bucket sizes 1, 4, 16, then doubling, below `stop`, then `stop`.
 
-    def powers(start: int, stop: int) -> list[int]:
-        out, b = [], start
-        while b < stop:
-            out.append(b)
-            b *= 2
-        return [*out, stop]
-
-    return powers(16, max_num_batched_tokens), powers(8, max_num_seqs)
-
-
-def compiled_shapes(
-    token_buckets: list[int], request_buckets: list[int], max_num_seqs: int
-) -> list[tuple[int, int]]:
-    """Every (token bucket, request bucket) pair a batch can pad to: a batch of n tokens has at
-    most min(n, max_num_seqs) requests, so request buckets past that are never paired."""
-    pairs = []
-    for t in token_buckets:
-        max_reqs = min(t, max_num_seqs)
-        prev = 0
-        for r in request_buckets:
-            if prev < max_reqs:  # some request count in (prev, r] fits this token bucket
-                pairs.append((t, r))
-            prev = r
-    return pairs
+    Steps of 4 at the small end: XLA's CPU matmuls take about as long for 2 to 16 rows as for
+    16 (1.2-1.6 ms per layer of the demo model on a 2-core AMD EPYC, against 0.5-0.65 ms for
+    one row), and on accelerators a weight-streaming matmul costs the same for any row count
+    that small; so buckets of 2 and 8 would only add programs to compile. Past 16 the work
+    grows with the rows, and doubling keeps padding under 2x."""
+    out, b = [], 1
+    while b < stop:
+        out.append(b)
+        b = b * 4 if b < 16 else b * 2
+    return [*out, stop]
 
 
-# Sampler variants compiled for every shape: (all_greedy, num_logprobs). The fast one serves
-# batches where every request is greedy without logprobs, blocked ids, penalties or logit
-# bias; the general one everything else (penalties run inside it only when a row has one).
-SAMPLER_VARIANTS = ((True, 0), (False, MAX_LOGPROBS))
+# A token bucket t pairs with the request buckets r in [limit / _REQUEST_SPAN, limit], limit =
+# min(t, max_num_seqs). Fewer requests than that in t tokens means a prefill chunk is in the
+# batch, and its token work dwarfs what the padded request rows cost (the output head and the
+# sampler run per request row: on the demo model on a 2-core CPU, 4 ms for one row, 11 ms for 8,
+# 30 ms for 64, against ~700 ms for a 512-token step).
+_REQUEST_SPAN = 4
+
+
+def make_buckets(
+    max_num_batched_tokens: int, max_num_seqs: int
+) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """(token buckets, request buckets, compiled shapes): both bucket lists follow `_ladder` up
+    to their maximum, so a one-request decode is a (1, 1) program (no 16-token, 8-row floor);
+    the shapes are the (token bucket, request bucket) pairs a batch can pad to, at most three
+    request buckets per token bucket (see `_REQUEST_SPAN`)."""
+    tokens, requests = _ladder(max_num_batched_tokens), _ladder(max_num_seqs)
+    shapes = []
+    for t in tokens:
+        limit = min(t, max_num_seqs)
+        shapes += [(t, r) for r in requests if r <= limit and r * _REQUEST_SPAN >= limit]
+    return tokens, requests, shapes
+
+
 # Width of the per-request blocked-id array (EOS ids plus stop ids, while min_tokens holds).
 MAX_BLOCKED_IDS = MAX_STOP_TOKEN_IDS + 16
 
 
-def _bucket(n: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+def pick_shape(num_tokens: int, num_reqs: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+    """The smallest compiled shape that holds the batch: the least token bucket, then the least
+    request bucket paired with it."""
+    for t, r in shapes:  # ordered by token bucket, then request bucket
+        if t >= num_tokens and r >= num_reqs:
+            return t, r
+    raise ValueError(f"no compiled shape holds {num_tokens} tokens of {num_reqs} requests")
 
 
 @jax.tree_util.register_dataclass
@@ -155,24 +160,37 @@ class ModelRunner:
         self.num_pages = num_pages
         self.pages_per_seq = -(-max_model_len // page_size)
         self.max_model_len = max_model_len  # the width of the penalties' history_ids
-        self.token_buckets, self.request_buckets = make_buckets(
+        self.token_buckets, self.request_buckets, self.shapes = make_buckets(
             max_num_batched_tokens, max_num_seqs
         )
-        self.shapes = compiled_shapes(self.token_buckets, self.request_buckets, max_num_seqs)
-        self.graphdef, self.state = nnx.split(model)
+        # The parameters travel as a flat list of arrays: a call flattens a list in C++, while
+        # an nnx.State flattens through Python per variable (about 1 ms a step on the demo model).
+        self.graphdef, state = nnx.split(model)
+        self._params, self._params_def = jax.tree.flatten(state)
         shape = get_kv_cache_shape(
             config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim
         )
         self.mesh = mesh
         self.kv_cache = self._zeros_cache(shape, dtype)
         self.kv_cache_lost = False  # set when a failed step took the cache with it
+        # Per compiled shape: the step program's memory analysis (filled by `warmup`).
+        self.program_memory: dict[tuple[int, int], dict[str, int]] = {}
         self._idle_penalty_inputs: dict[int, dict[str, jax.Array]] = {}  # by request bucket
-        self._step = jax.jit(
-            functools.partial(_step, self.graphdef, mesh),
-            donate_argnums=(1,),
-            static_argnames=("all_greedy", "num_logprobs"),
+        # Two programs per step: the forward pass per (token, request) shape, and the output
+        # head with the sampler per request bucket only (the sampler compiles about as long as
+        # the 30 layers of the demo model; compiled into every shape it doubled startup).
+        self._forward = jax.jit(
+            functools.partial(_forward, self.graphdef, self._params_def, mesh), donate_argnums=(1,)
         )
-        self._score = jax.jit(functools.partial(_score_prompt, self.graphdef))
+        self._sample = jax.jit(
+            functools.partial(_head_and_sample, self.graphdef, self._params_def, mesh)
+        )
+        self._score = jax.jit(functools.partial(_score_prompt, self.graphdef, self._params_def))
+
+    @property
+    def state(self) -> nnx.State:
+        """The model's parameters (`nnx.merge(runner.graphdef, runner.state)` rebuilds it)."""
+        return jax.tree.unflatten(self._params_def, self._params)
 
     @property
     def num_compilations(self) -> int:
@@ -181,44 +199,68 @@ class ModelRunner:
 
     @property
     def num_programs(self) -> int:
-        """The bound on compiled programs: shapes times sampler variants, plus one prompt
-        scorer (prompt_logprobs) per token bucket."""
-        return len(self.shapes) * len(SAMPLER_VARIANTS) + len(self.token_buckets)
+        """The bound on compiled programs: a forward pass per shape, the head and sampler per
+        request bucket, and one prompt scorer (prompt_logprobs) per token bucket."""
+        return len(self.shapes) + len(self.request_buckets) + len(self.token_buckets)
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles (or loads from the persistent cache) every program a batch can need, so
-        nothing compiles while serving. Returns the seconds it took."""
+        nothing compiles while serving. Returns the seconds it took. XLA compiles without the
+        GIL, so the programs compile on one thread per CPU core."""
         start = time.perf_counter()
-        jobs = [(t, r, v) for t, r in self.shapes for v in SAMPLER_VARIANTS]
-        for t, r, (all_greedy, num_logprobs) in tqdm(
-            jobs, desc="Compiling buckets", disable=not progress, unit="program"
-        ):
-            batch, sampling = self._padding_batch(t, r)
-            # Ahead-of-time: compile (or load from the persistent cache) without running.
-            # The jitted function reuses these executables when a real batch arrives.
-            self._step.lower(
-                self.state,
-                self.kv_cache,
-                batch,
-                sampling,
-                all_greedy=all_greedy,
-                num_logprobs=num_logprobs,
-            ).compile()
-        # The prompt scorer, per token bucket, on hidden states shaped as the step makes them.
+        replicated = None if self.mesh is None else sharding.replicated(self.mesh)
         _, hidden, _ = jax.eval_shape(
-            functools.partial(self._step, all_greedy=True, num_logprobs=0),
-            self.state,
-            self.kv_cache,
-            *self._padding_batch(*self.shapes[0]),
+            self._forward, self._params, self.kv_cache, self._padding_batch(*self.shapes[0])[0]
         )
-        for t in self.token_buckets:
-            hidden_t = jax.ShapeDtypeStruct(
-                (t, *hidden.shape[1:]),
-                hidden.dtype,
-                sharding=None if self.mesh is None else sharding.replicated(self.mesh),
+
+        def rows(n: int) -> jax.ShapeDtypeStruct:  # hidden states shaped as the forward makes them
+            return jax.ShapeDtypeStruct((n, *hidden.shape[1:]), hidden.dtype, sharding=replicated)
+
+        # Ahead-of-time: compile (or load) without running. The jitted functions reuse these
+        # executables when real batches arrive.
+        def forward(shape):
+            batch = self._padding_batch(*shape)[0]
+            compiled = self._forward.lower(self._params, self.kv_cache, batch).compile()
+            self.program_memory[shape] = _memory(compiled)
+
+        def head(r):
+            sampling = self._padding_batch(self.shapes[-1][0], r)[1]
+            self._sample.lower(self._params, rows(r), sampling).compile()
+
+        def scorer(t):
+            self._score.lower(self._params, rows(t), np.zeros(t, np.int32)).compile()
+
+        jobs = [functools.partial(forward, shape) for shape in self.shapes]
+        jobs += [functools.partial(head, r) for r in self.request_buckets]
+        jobs += [functools.partial(scorer, t) for t in self.token_buckets]
+        # Several processes (multi-host) compile one at a time: compiling a program that spans
+        # them exchanges messages between them, which must come in the same order on each.
+        workers = 1 if jax.process_count() > 1 else max(1, min(os.cpu_count() or 1, 8))
+        with (
+            ThreadPoolExecutor(workers) as pool,
+            tqdm(total=len(jobs), desc="Compiling", disable=not progress, unit="program") as bar,
+        ):
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
+                bar.update(1)
+        copies = [shape for shape, m in self.program_memory.items() if not self.updates_in_place(m)]
+        if copies:
+            logger.warning(
+                "the forward programs of shapes %s copy the KV cache (%.0f MiB) instead of "
+                "updating it in place: expect slow steps and extra memory there",
+                copies,
+                self.kv_cache.nbytes / 2**20,
             )
-            self._score.lower(self.state, hidden_t, np.zeros(t, np.int32)).compile()
         return time.perf_counter() - start
+
+    def updates_in_place(self, memory: dict[str, int]) -> bool:
+        """Whether a step program with this memory analysis writes the donated KV cache in
+        place: its output aliases the cache, and no temporary could hold a copy of it (XLA
+        has copied it when a one-token write became a dynamic-update-slice, see `write_kv`)."""
+        cache = self.kv_cache.nbytes
+        if self.mesh is not None:  # the analysis is per device
+            cache //= self.mesh.shape["model"]
+        return memory["alias_bytes"] >= cache and memory["temp_bytes"] < cache
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -247,6 +289,7 @@ class ModelRunner:
             min_p=np.zeros(r_pad, np.float32),
             seeds=np.zeros((r_pad, 2), np.uint32),
             counters=ints(r_pad),
+            logprobs=np.zeros(r_pad, np.bool_),
             blocked_ids=ints(r_pad, MAX_BLOCKED_IDS, fill=self.config.vocab_size),  # dropped
             **self._penalty_inputs(r_pad),
         )
@@ -312,12 +355,11 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.size * self.kv_cache.dtype.itemsize
 
-    def prepare(self, out: SchedulerOutput) -> tuple[BatchInputs, SamplingInputs, dict]:
+    def prepare(self, out: SchedulerOutput) -> tuple[BatchInputs, SamplingInputs]:
         reqs = out.requests
         num_reqs = len(reqs)
         num_tokens = out.total_num_scheduled_tokens
-        t_pad = _bucket(num_tokens, self.token_buckets)
-        r_pad = _bucket(num_reqs, self.request_buckets)
+        t_pad, r_pad = pick_shape(num_tokens, num_reqs, self.shapes)
         batch, sampling = self._padding_batch(t_pad, r_pad)
         attn = batch.attn
         attn.num_seqs[0] = num_reqs
@@ -344,22 +386,12 @@ class ModelRunner:
             seed = r.seed % 2**64
             sampling.seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
             sampling.counters[i] = r.num_output_tokens
+            sampling.logprobs[i] = r.num_logprobs is not None
             ids = r.blocked_token_ids[:MAX_BLOCKED_IDS]
             sampling.blocked_ids[i, : len(ids)] = ids
             start += n
         sampling = self._fill_penalty_inputs(sampling, reqs)
-
-        sampling_reqs = [r for r in reqs if r.sample]
-        fast = all(
-            r.temperature < SAMPLING_EPS
-            and r.num_logprobs is None
-            and not r.blocked_token_ids
-            and not r.logit_bias
-            and r.history_ids is None
-            for r in sampling_reqs
-        )
-        all_greedy, num_logprobs = SAMPLER_VARIANTS[0 if fast else 1]
-        return batch, sampling, {"all_greedy": all_greedy, "num_logprobs": num_logprobs}
+        return batch, sampling
 
     def execute(
         self, out: SchedulerOutput
@@ -368,12 +400,10 @@ class ModelRunner:
         whose scheduled chunk reached the end of its sequence, and {request_id: [(prompt
         token, logprob, rank, top ids, top logprobs), ...]} for the prompt tokens the chunk
         scored (prompt_logprobs)."""
-        batch, sampling, variant = self.prepare(out)
+        batch, sampling = self.prepare(out)
         try:
-            result, hidden, self.kv_cache = self._step(
-                self.state, self.kv_cache, batch, sampling, **variant
-            )
-            result = jax.device_get(result)
+            last, hidden, self.kv_cache = self._forward(self._params, self.kv_cache, batch)
+            result = jax.device_get(self._sample(self._params, last, sampling))
             prompt_logprobs = self._score_prompts(out, hidden, len(batch.input_ids))
         except BaseException:
             # The cache was donated to the failed step: if it is gone, start from a fresh one
@@ -408,7 +438,7 @@ class ModelRunner:
             if r.prompt_logprob_targets:
                 targets[start : start + len(r.token_ids)] = r.prompt_logprob_targets
             start += len(r.token_ids)
-        logprob, rank, top_ids, top_lps = jax.device_get(self._score(self.state, hidden, targets))
+        logprob, rank, top_ids, top_lps = jax.device_get(self._score(self._params, hidden, targets))
         scored, start = {}, 0
         for r in out.requests:
             n = len(r.token_ids)
@@ -429,31 +459,40 @@ class ModelRunner:
         return scored
 
 
-def _step(
-    graphdef,
-    mesh,
-    state,
-    kv_cache,
-    batch: BatchInputs,
-    sampling: SamplingInputs,
-    *,
-    all_greedy: bool,
-    num_logprobs: int,
-):
-    model = nnx.merge(graphdef, state)
+def _memory(compiled) -> dict[str, int]:
+    analysis = compiled.memory_analysis()
+    return {
+        "temp_bytes": analysis.temp_size_in_bytes,
+        "alias_bytes": analysis.alias_size_in_bytes,
+    }
+
+
+def _merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
+    return nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
+
+
+def _forward(graphdef, params_def, mesh, params, kv_cache, batch: BatchInputs):
+    """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
+    the updated cache)."""
+    model = _merge(graphdef, params_def, params)
     hidden, kv_cache = model(batch.input_ids, batch.positions, kv_cache, batch.attn)
-    logits = model.compute_logits(hidden[batch.logits_indices])
+    if mesh is not None:
+        hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
+    return hidden[batch.logits_indices], hidden, kv_cache
+
+
+def _head_and_sample(graphdef, params_def, mesh, params, last: jax.Array, sampling: SamplingInputs):
+    model = _merge(graphdef, params_def, params)
+    logits = model.compute_logits(last)
     if mesh is not None:  # split on the vocabulary by the head: gather it for the sampler
         logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
-        hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
-    result = sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs)
-    return result, hidden, kv_cache
+    return sample(logits, sampling)
 
 
-def _score_prompt(graphdef, state, hidden: jax.Array, targets: jax.Array):
+def _score_prompt(graphdef, params_def, params, hidden: jax.Array, targets: jax.Array):
     """prompt_logprobs: for each token row, the logprob and rank of `targets` (the next prompt
     token; -1 rows are ignored) and the top MAX_LOGPROBS, from the raw logits."""
-    model = nnx.merge(graphdef, state)
+    model = _merge(graphdef, params_def, params)
     logprobs = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)  # [T, V]
     chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
     rank = (logprobs > chosen[:, None]).sum(axis=-1).astype(jnp.int32) + 1

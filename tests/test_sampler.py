@@ -10,11 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampler import SamplingInputs, _apply_penalties, _filter, sample
+from jaxllm.sampler import (
+    NUM_CANDIDATES,
+    SamplingInputs,
+    _apply_penalties,
+    _candidate_cut,
+    _filter,
+    sample,
+)
 from jaxllm.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
-def inputs(r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0, seq_len=8):
+def inputs(
+    r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0, seq_len=8,
+    logprobs=False,
+):  # fmt: skip
     """Sampling inputs for r rows; no blocked ids, no bias, no penalties."""
     return SamplingInputs(
         temperature=jnp.full((r,), temperature, jnp.float32),
@@ -23,6 +33,7 @@ def inputs(r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter
         min_p=jnp.full((r,), min_p, jnp.float32),
         seeds=jnp.tile(jnp.array([[seed, 0]], jnp.uint32), (r, 1)),
         counters=jnp.full((r,), counter, jnp.int32),
+        logprobs=jnp.full((r,), logprobs, jnp.bool_),
         blocked_ids=jnp.full((r, 4), 10**6, jnp.int32),
         logit_bias_ids=jnp.full((r, MAX_LOGIT_BIAS), 10**6, jnp.int32),
         logit_bias=jnp.zeros((r, MAX_LOGIT_BIAS), jnp.float32),
@@ -55,27 +66,27 @@ def test_sampling_follows_the_distribution_and_seeds():
         inputs(r),
         seeds=jnp.stack([jnp.arange(r, dtype=jnp.uint32), jnp.zeros(r, jnp.uint32)], 1),
     )
-    out = sample(jnp.tile(logits, (r, 1)), s, all_greedy=False, num_logprobs=0)
+    out = sample(jnp.tile(logits, (r, 1)), s)
     freq = np.bincount(np.asarray(out.sampled), minlength=4) / r
     np.testing.assert_allclose(freq, probs, atol=0.03)
     # Same seed and counter -> same draw, whatever the row; another counter -> a fresh draw.
-    a = sample(
-        jnp.tile(logits, (8, 1)), inputs(8, seed=42, counter=3), all_greedy=False, num_logprobs=0
-    )
+    a = sample(jnp.tile(logits, (8, 1)), inputs(8, seed=42, counter=3))
     assert len(set(np.asarray(a.sampled).tolist())) == 1
 
 
 def test_greedy_rows_and_logprobs():
     logits = jax.random.normal(jax.random.key(0), (3, 50))
-    s = inputs(3, temperature=0.0)
-    out = sample(logits, s, all_greedy=False, num_logprobs=5)
+    s = inputs(3, temperature=0.0, logprobs=True)
+    out = sample(logits, s)
     np.testing.assert_array_equal(out.sampled, jnp.argmax(logits, -1))
     lp = jax.nn.log_softmax(logits, -1)
     np.testing.assert_allclose(out.logprob, lp.max(-1), rtol=1e-6)
     assert (np.asarray(out.rank) == 1).all()
-    np.testing.assert_allclose(out.top_logprobs, jax.lax.top_k(lp, 5)[0], rtol=1e-6)
-    fast = sample(logits, s, all_greedy=True, num_logprobs=0)
-    np.testing.assert_array_equal(fast.sampled, out.sampled)
+    np.testing.assert_allclose(out.top_logprobs[:, :5], jax.lax.top_k(lp, 5)[0], rtol=1e-6)
+    # Without logprobs: the same tokens, and no logprob work (zeros).
+    plain = sample(logits, inputs(3, temperature=0.0))
+    np.testing.assert_array_equal(plain.sampled, out.sampled)
+    assert not np.asarray(plain.logprob).any()
 
 
 def _numpy_filter(x, top_k, top_p, min_p):
@@ -122,19 +133,93 @@ def test_filter_matches_sort_based_definition():
         )
 
 
+def test_candidate_cut_matches_sort_based_definition_where_covered():
+    """The fast path's kept set, for every row it claims, equals the sort-based definition; and
+    it claims the rows it should (top-k within the candidates, a top-p or min-p cut inside
+    them), leaving plain temperature sampling and larger top-k to the full path."""
+    rng = np.random.default_rng(1)
+    r, v = 48, 5000
+    scale = rng.choice([0.5, 3.0, 8.0], size=r)[:, None]  # flat to peaked distributions
+    x = (rng.standard_normal((r, v)) * scale).astype(np.float32)
+    top_k = rng.choice([0, 1, 7, NUM_CANDIDATES, NUM_CANDIDATES + 1, 4000], size=r)
+    top_p = rng.choice([1.0, 0.99, 0.9, 0.5, 0.05], size=r)
+    min_p = rng.choice([0.0, 0.0, 0.01, 0.2], size=r)
+    top_k[:3], top_p[:3], min_p[:3] = 0, 1.0, 0.0  # plain temperature sampling
+    top_k[3] = NUM_CANDIDATES  # exactly the candidates
+    x[4, : NUM_CANDIDATES + 5] = 9.0  # ties across the candidates' edge
+    top_k[4], top_p[4], min_p[4] = NUM_CANDIDATES, 1.0, 0.0
+    s = dataclasses.replace(
+        inputs(r),
+        top_k=jnp.asarray(top_k, jnp.int32),
+        top_p=jnp.asarray(top_p, jnp.float32),
+        min_p=jnp.asarray(min_p, jnp.float32),
+    )
+    vals, ids, keep, covered = (np.asarray(a) for a in _candidate_cut(jnp.asarray(x), s))
+    for i in range(r):
+        expect = _numpy_filter(x[i].astype(np.float64), top_k[i], top_p[i], min_p[i])
+        if covered[i]:
+            got = np.zeros(v, bool)
+            got[ids[i][keep[i]]] = True
+            assert (got == expect).all(), (i, top_k[i], top_p[i], min_p[i])
+        else:  # left to the full path only when it may be needed: something past the
+            # candidates is kept, or a top-k past them (top-p's normaliser is then unknown),
+            # or the tie across the edge
+            needed = expect.sum() > keep[i].sum() or top_k[i] > NUM_CANDIDATES or i == 4
+            assert needed, (i, top_k[i], top_p[i], min_p[i], expect.sum())
+    assert not covered[:3].any(), "plain temperature sampling needs the whole vocabulary"
+    assert not covered[4], "a tie across the candidates' edge needs the whole vocabulary"
+    small_k = (top_k > 0) & (top_k < NUM_CANDIDATES)
+    assert covered[small_k].all()
+    assert covered.sum() > r // 2
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(top_p=0.9),  # candidates: the prefix ends inside
+        dict(top_k=3),  # candidates: top-k
+        dict(),  # the full path: plain temperature
+        dict(top_k=NUM_CANDIDATES + 10),  # the full path: a top-k past the candidates
+        dict(min_p=0.05),  # candidates: min-p
+    ],
+)
+def test_draws_follow_the_filtered_distribution(params):
+    """Empirical frequencies over 4000 seeds against the filtered softmax, on a vocabulary
+    larger than the candidates, for each way a row can be drawn."""
+    v, r = 200, 4000
+    base = np.log(np.linspace(1.0, 0.01, v) ** 3).astype(np.float32)  # a smooth long tail
+    s = dataclasses.replace(
+        inputs(r, temperature=1.0, **params),
+        seeds=jnp.stack([jnp.arange(r, dtype=jnp.uint32), jnp.zeros(r, jnp.uint32)], 1),
+    )
+    out = np.asarray(sample(jnp.tile(jnp.asarray(base), (r, 1)), s).sampled)
+    keep = _numpy_filter(
+        base.astype(np.float64),
+        params.get("top_k", 0),
+        params.get("top_p", 1.0),
+        params.get("min_p", 0.0),
+    )
+    p = np.where(keep, np.exp(base - base.max()), 0.0)
+    p /= p.sum()
+    assert keep[out].all(), "a filtered-out token was drawn"
+    freq = np.bincount(out, minlength=v) / r
+    # Compare the cumulative distributions (Kolmogorov-Smirnov, ~1.6/sqrt(n) at 1%).
+    assert np.abs(np.cumsum(freq) - np.cumsum(p)).max() < 1.6 / np.sqrt(r)
+
+
 def test_blocked_ids_and_tiny_temperatures():
     logits = jnp.array([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]], jnp.float32)
-    s = inputs(2, temperature=0.0)
+    s = inputs(2, temperature=0.0, logprobs=True)
     s = dataclasses.replace(s, blocked_ids=jnp.array([[1, 4, 4, 4], [4, 4, 4, 4]]))
-    out = sample(logits, s, all_greedy=False, num_logprobs=2)
+    out = sample(logits, s)
     assert np.asarray(out.sampled).tolist() == [2, 1]  # row 0 may not pick token 1
     # Logprobs stay those of the raw distribution.
     np.testing.assert_allclose(
-        out.top_logprobs[0], jax.nn.log_softmax(logits[0])[jnp.array([1, 2])]
+        out.top_logprobs[0, :2], jax.nn.log_softmax(logits[0])[jnp.array([1, 2])]
     )
     # A temperature too small to divide by is greedy, not NaN.
     big = jnp.array([[35.0, 0.0, 40.0, 0.0]], jnp.float32)
-    tiny = sample(big, inputs(1, temperature=1e-37), all_greedy=False, num_logprobs=0)
+    tiny = sample(big, inputs(1, temperature=1e-37))
     assert int(tiny.sampled[0]) == 2
 
 
@@ -195,12 +280,14 @@ def test_penalties_match_vllm_formula():
     np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[0], logits[0])  # the neutral row is untouched
     # Through the sampler: greedy rows pick the argmax of the penalized logits.
-    s = dataclasses.replace(s, temperature=jnp.zeros(16, jnp.float32))
-    out = sample(jnp.asarray(logits), s, all_greedy=False, num_logprobs=3)
+    s = dataclasses.replace(
+        s, temperature=jnp.zeros(16, jnp.float32), logprobs=jnp.ones(16, jnp.bool_)
+    )
+    out = sample(jnp.asarray(logits), s)
     np.testing.assert_array_equal(out.sampled, expect.argmax(-1))
     # Logprobs stay those of the raw logits.
     np.testing.assert_allclose(
-        out.top_logprobs, jax.lax.top_k(jax.nn.log_softmax(logits, -1), 3)[0], rtol=1e-5
+        out.top_logprobs[:, :3], jax.lax.top_k(jax.nn.log_softmax(logits, -1), 3)[0], rtol=1e-5
     )
 
 
@@ -216,7 +303,7 @@ def test_logit_bias_adds_before_penalties_and_temperature():
         logit_bias_ids=jnp.asarray(ids),
         logit_bias=jnp.asarray(bias),
     )
-    out = sample(logits, s, all_greedy=False, num_logprobs=0)
+    out = sample(logits, s)
     expect = np.asarray(logits).copy()
     for i in range(3):
         for t, b in zip(ids[i], bias[i], strict=True):
@@ -226,7 +313,7 @@ def test_logit_bias_adds_before_penalties_and_temperature():
     assert int(out.sampled[0]) == 7
     # Random rows too: +100 leaves nothing else in the running at any temperature.
     hot = dataclasses.replace(s, temperature=jnp.full(3, 2.0, jnp.float32))
-    assert int(sample(logits, hot, all_greedy=False, num_logprobs=0).sampled[0]) == 7
+    assert int(sample(logits, hot).sampled[0]) == 7
     # Bias first, then the repetition penalty (vLLM's order): 7's logit ~ 100 + x is
     # divided by the penalty, not (x / penalty) + 100.
     rep = dataclasses.replace(
@@ -250,19 +337,22 @@ def test_rows_without_penalties_are_unchanged():
     logits = jnp.asarray(logits)
     seeds = jnp.stack([jnp.arange(r, dtype=jnp.uint32), jnp.zeros(r, jnp.uint32)], 1)
     temps = jnp.asarray([0.0, 0.7, 1.0, 0.0, 1.3, 0.5, 0.0, 1.0], jnp.float32)
-    plain = dataclasses.replace(inputs(r, top_p=0.9, seq_len=32), seeds=seeds, temperature=temps)
-    base = sample(logits, plain, all_greedy=False, num_logprobs=2)
+    plain = dataclasses.replace(
+        inputs(r, top_p=0.9, seq_len=32, logprobs=True), seeds=seeds, temperature=temps
+    )
+    base = sample(logits, plain)
     # Row 0 of `s` is neutral: give the others neutral values too except row 5.
     one = dataclasses.replace(
         s,
         seeds=seeds,
         temperature=temps,
         top_p=plain.top_p,
+        logprobs=plain.logprobs,
         presence_penalty=jnp.zeros(r).at[5].set(1.0),
         frequency_penalty=jnp.zeros(r).at[5].set(1.0),
         repetition_penalty=jnp.ones(r).at[5].set(1.5),
     )
-    mixed = sample(logits, one, all_greedy=False, num_logprobs=2)
+    mixed = sample(logits, one)
     keep = np.arange(r) != 5
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(mixed), strict=True):
         np.testing.assert_array_equal(np.asarray(a)[keep], np.asarray(b)[keep])

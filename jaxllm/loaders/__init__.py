@@ -82,7 +82,7 @@ def load_model(
             dtype=dtype,
             attention_backend=attention_backend,
             mesh=mesh,
-            rngs=nnx.Rngs(0),
+            rngs=None,  # shapes only: the weights come from the checkpoint
         )
     )
     graphdef, abstract_state = nnx.split(abstract)

@@ -21,11 +21,22 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, linear, param
+from jaxllm.models.layers import (
+    MLP,
+    Attention,
+    AttentionMetadata,
+    RMSNorm,
+    Rope,
+    linear,
+    param,
+    rope_inv_freq,
+)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, attention_backend: str, mesh, rngs: nnx.Rngs):
+    def __init__(
+        self, config: ModelConfig, *, dtype, attention_backend: str, mesh, rngs: nnx.Rngs | None
+    ):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(
@@ -34,10 +45,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache, layer, meta: AttentionMetadata):
-        attn_out, kv_cache = self.self_attn(
-            self.input_layernorm(x), positions, kv_cache, layer, meta
-        )
+    def __call__(self, x, rope: Rope, kv_cache, layer: int, meta: AttentionMetadata):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), rope, kv_cache, layer, meta)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv_cache
@@ -51,7 +60,7 @@ class LlamaForCausalLM(nnx.Module):
         dtype=jnp.float32,
         attention_backend: str = "reference",
         mesh: Mesh | None = None,
-        rngs: nnx.Rngs,
+        rngs: nnx.Rngs | None,
     ):
         """`mesh`: tensor parallelism over its "model" axis (attention runs per device on its
         own heads); None for one device."""
@@ -67,6 +76,10 @@ class LlamaForCausalLM(nnx.Module):
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+        # Static (part of the graph definition, not a parameter): a tuple, not an array.
+        self.inv_freq = tuple(
+            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).tolist()
+        )
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -81,15 +94,16 @@ class LlamaForCausalLM(nnx.Module):
         kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:  # [T, D], updated cache
-        x = self.embed_tokens[...][input_ids]
+        x = self.embed_tokens.get_value()[input_ids]
+        rope = Rope.at(positions, self.inv_freq)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, kv_cache = layer(x, positions, kv_cache, i, meta)
+                x, kv_cache = layer(x, rope, kv_cache, i, meta)
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         if self.lm_head is None:
-            logits = jnp.einsum("RD,VD->RV", hidden, self.embed_tokens[...])
+            logits = jnp.einsum("RD,VD->RV", hidden, self.embed_tokens.get_value())
         else:
-            logits = linear(hidden, self.lm_head[...])
+            logits = linear(hidden, self.lm_head.get_value())
         return logits.astype(jnp.float32)

@@ -1,0 +1,52 @@
+"""The runner's compiled programs: bounded, sized to the batch, and writing the KV cache in
+place."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxllm.runner import make_buckets, pick_shape
+
+
+def test_buckets_fit_every_batch_tightly():
+    tokens, requests, shapes = make_buckets(512, 64)
+    assert tokens[0] == 1 and requests[0] == 1, "a one-request decode pays for one row"
+    assert len(shapes) <= 3 * len(tokens)
+    for num_tokens in range(1, 513):
+        for num_reqs in {1, 2, 3, 7, 16, 33, 64, min(num_tokens, 64)}:
+            if num_reqs > num_tokens:
+                continue
+            t, r = pick_shape(num_tokens, num_reqs, shapes)
+            assert t >= num_tokens and r >= num_reqs
+            assert t <= 2 * num_tokens or t == 16, "at most twice the tokens, past 16"
+            assert r <= max(2 * num_reqs, 16, min(t, 64) / 4), (num_tokens, num_reqs, t, r)
+    # Decode batches: one request is the (1, 1) program; n requests pay for few more rows.
+    assert pick_shape(1, 1, shapes) == (1, 1)
+    assert pick_shape(3, 3, shapes) == (4, 4)
+    assert pick_shape(33, 33, shapes) == (64, 64)
+    # Sizes that are not powers of two still close every list.
+    tokens, requests, shapes = make_buckets(500, 48)
+    assert tokens[-1] == 500 and requests[-1] == 48
+    assert pick_shape(500, 48, shapes) == (500, 48)
+
+
+@pytest.mark.parametrize("attention_backend", ["cpu", "xla"])
+def test_every_program_updates_the_kv_cache_in_place(tiny_model_dir, attention_backend):
+    """From each compiled step program's memory analysis: the output aliases the donated cache
+    and no temporary is large enough to hold a copy of it. The cache (64 MiB) is far larger than
+    anything else the tiny model's steps hold."""
+    from jaxllm import LLM
+
+    llm = LLM(
+        tiny_model_dir,
+        max_model_len=256,
+        num_pages=8192,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        attention_backend=attention_backend,
+    )
+    runner = llm.runner
+    assert runner.kv_cache.nbytes >= 64 * 2**20
+    assert set(runner.program_memory) == set(runner.shapes)
+    for shape, memory in runner.program_memory.items():
+        assert runner.updates_in_place(memory), (shape, memory, runner.kv_cache.nbytes)
