@@ -134,22 +134,28 @@ def _filter(x: jax.Array, s: SamplingInputs) -> jax.Array:
 def _candidate_cut(x: jax.Array, s: SamplingInputs):
     """The top-k / top-p / min-p cut-offs along each row's sorted candidates.
 
-    x: f32[R, V] scaled logits. Returns (vals f32[R, C] sorted descending, ids i32[R, C], keep
-    bool[R, C], covered bool[R]): where `covered`, `keep` is exactly the row's kept set (as
-    `_filter` defines it), no token outside the candidates being kept."""
+    x: f32[R, V] scaled logits. Returns (vals f32[R, W] sorted descending, ids i32[R, W], keep
+    bool[R, W], covered bool[R]), W = NUM_CANDIDATES + 1 (or V if smaller): where `covered`,
+    `keep` is exactly the row's kept set (as `_filter` defines it), no token outside `ids` being
+    kept. Only the first NUM_CANDIDATES columns can be kept: the last one is there for its
+    value, which bounds every token outside the candidates.
+
+    The top_k result is only ever read whole (reductions, gathers, masks), never sliced in two:
+    XLA's CPU backend runs a top-k as its fast TopK call only when the sort it stands for has
+    a single slice as its user; `vals[:, c]` beside `vals[:, :c]` made it sort all of V (10 ms
+    for one row of V = 49152, 500 ms for 64, instead of 0.1 and 8)."""
     vocab = x.shape[-1]
     c = min(NUM_CANDIDATES, vocab)
-    # One more than the candidates: its value bounds every token outside them.
     vals, ids = jax.lax.top_k(x, min(c + 1, vocab))
-    outside = vals[:, c] if vocab > c else jnp.full(x.shape[:1], -jnp.inf)
-    vals, ids = vals[:, :c], ids[:, :c]
-    pos = jnp.arange(c)[None, :]
+    pos = jnp.arange(vals.shape[-1])[None, :]
+    candidate = pos < c
+    outside = jnp.min(vals, axis=-1) if vocab > c else jnp.full(x.shape[:1], -jnp.inf)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)  # [R]
     k_inside = k <= c
     # Top-k keeps values >= the k-th largest, ties included. Right on the candidates for any
     # k: past C, every candidate is in.
     kth = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, c - 1)[:, None], axis=-1)[:, 0]
-    in_k = ~k_inside[:, None] | (vals >= kth[:, None])
+    in_k = candidate & (~k_inside[:, None] | (vals >= kth[:, None]))
     excl_k = k_inside & (outside < kth)
     # Top-p on the distribution renormalised to the top-k set: the smallest prefix of the
     # sorted list reaching top_p, ties with its last token included. Its normaliser is known
@@ -168,9 +174,9 @@ def _candidate_cut(x: jax.Array, s: SamplingInputs):
     v_last = jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0]
     in_p = in_p | (vals >= v_last[:, None])
     p_on = s.top_p < 1.0
-    excl_p = p_on & norm_known & (cum[:, -1] >= s.top_p) & (outside < v_last)
+    excl_p = p_on & norm_known & (cum.max(axis=-1) >= s.top_p) & (outside < v_last)
     # min-p: probability at least min_p times the top one's.
-    mth = vals[:, 0] + jnp.log(jnp.maximum(s.min_p, 1e-30))
+    mth = vals.max(axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
     in_min = (s.min_p[:, None] <= 0) | (vals >= mth[:, None])
     excl_min = (s.min_p > 0) & (outside < mth)
     keep = in_k & in_p & in_min
@@ -180,7 +186,7 @@ def _candidate_cut(x: jax.Array, s: SamplingInputs):
 
 def _draw_candidates(vals, ids, keep, u):
     """The token whose cumulative probability over the kept candidates first exceeds u."""
-    p = jnp.where(keep, jnp.exp(vals - vals[:, :1]), 0.0)
+    p = jnp.where(keep, jnp.exp(vals - vals.max(axis=-1, keepdims=True)), 0.0)
     cdf = jnp.cumsum(p, axis=-1)
     i = jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1)
     i = jnp.minimum(i, vals.shape[-1] - 1)
@@ -266,6 +272,16 @@ def _logprobs(raw: jax.Array, sampled: jax.Array):
     return chosen, rank, jnp.pad(top_ids, pad).astype(jnp.int32), top_lp
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (first index of the maximum) as two plain reductions, which
+    XLA's CPU backend vectorizes: 2.5-3.5x faster than its variadic argmax reduce on
+    [R, 49152] (0.07 against 0.24 ms at R = 1, 2.8 against 7.1 ms at R = 64, 2-core CPU)."""
+    vocab = x.shape[-1]
+    index = jnp.arange(vocab, dtype=jnp.int32)
+    first = jnp.min(jnp.where(x == x.max(axis=-1, keepdims=True), index, vocab), axis=-1)
+    return jnp.minimum(first, vocab - 1)  # a NaN row matches nothing: the last id, in range
+
+
 def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f32[R, V]
     vocab = logits.shape[-1]
     raw = logits
@@ -274,7 +290,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f3
         (s.presence_penalty != 0) | (s.frequency_penalty != 0) | (s.repetition_penalty != 1)
     )
     logits = jax.lax.cond(modified, _modify, lambda x, _: x, logits, s)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = _argmax(logits)
     random = s.temperature >= SAMPLING_EPS
     sampled = jax.lax.cond(
         jnp.any(random),
