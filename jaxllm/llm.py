@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -84,8 +86,12 @@ class LLM:
         )
         self.model_config = loaded.config
         self.generation_config = loaded.generation_config
+        # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend
+        # computes bfloat16 in float32, and converting the cache for the K/V write made every
+        # forward program copy it, every step (found by the runner's in-place check).
+        kv_dtype = jnp.float32 if jax.default_backend() == "cpu" else jdtype
         num_pages, max_model_len = plan_kv_cache(
-            loaded.config, cache_config, jdtype, max_model_len, tensor_parallel_size
+            loaded.config, cache_config, kv_dtype, max_model_len, tensor_parallel_size
         )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
@@ -101,7 +107,7 @@ class LLM:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            dtype=jdtype,
+            dtype=kv_dtype,
             mesh=self.mesh,
         )
         self.kv_cache_manager = KVCacheManager(

@@ -149,7 +149,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        dtype: jnp.dtype,
+        dtype: jnp.dtype,  # the KV cache's
         mesh: Mesh | None = None,
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split

@@ -28,6 +28,7 @@ from jaxllm.models.layers import (
     RMSNorm,
     Rope,
     linear,
+    matmul,
     param,
     rope_inv_freq,
 )
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         if self.lm_head is None:
-            logits = jnp.einsum("RD,VD->RV", hidden, self.embed_tokens.get_value())
+            logits = matmul(hidden, self.embed_tokens.get_value(), w_transposed=True)
         else:
             logits = linear(hidden, self.lm_head.get_value())
         return logits.astype(jnp.float32)
