@@ -251,15 +251,19 @@ def _apply_penalties(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     return logits - s.presence_penalty[:, None] * (counts > 0)
 
 
+def _any_penalty(s: SamplingInputs) -> jax.Array:
+    """Whether some row of the batch has a presence, frequency or repetition penalty."""
+    return jnp.any(
+        (s.presence_penalty != 0) | (s.frequency_penalty != 0) | (s.repetition_penalty != 1)
+    )
+
+
 def _modify(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     """Blocked ids, logit bias, then penalties (the last only if some row has one)."""
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, s.blocked_ids].set(-jnp.inf, mode="drop")
     logits = logits.at[rows, s.logit_bias_ids].add(s.logit_bias, mode="drop")
-    any_penalty = jnp.any(
-        (s.presence_penalty != 0) | (s.frequency_penalty != 0) | (s.repetition_penalty != 1)
-    )
-    return jax.lax.cond(any_penalty, _apply_penalties, lambda x, _: x, logits, s)
+    return jax.lax.cond(_any_penalty(s), _apply_penalties, lambda x, _: x, logits, s)
 
 
 def _logprobs(raw: jax.Array, sampled: jax.Array):
@@ -286,9 +290,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f3
     vocab = logits.shape[-1]
     raw = logits
     modified = jnp.any(s.blocked_ids < vocab) | jnp.any(s.logit_bias_ids < vocab)
-    modified |= jnp.any(
-        (s.presence_penalty != 0) | (s.frequency_penalty != 0) | (s.repetition_penalty != 1)
-    )
+    modified |= _any_penalty(s)
     logits = jax.lax.cond(modified, _modify, lambda x, _: x, logits, s)
     greedy = _argmax(logits)
     random = s.temperature >= SAMPLING_EPS

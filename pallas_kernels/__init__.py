@@ -11,8 +11,8 @@ implementation, all behind one signature and one cache layout (`kv_cache.py`):
 - `pallas_gpu`: a Pallas Triton kernel for NVIDIA GPUs (`ragged_attention_gpu.py`).
 The engine's `attention_backend` is one of `ATTENTION_BACKENDS`: "auto" picks the kernel of the
 platform (`cpu` on CPU, or `xla` without a compiler), "pallas" the platform's Pallas kernel (the
-TPU kernel in interpret mode on CPU, for checking it there). Off their platform the Pallas kernels run only in
-interpret mode, which `interpret=None` turns on by itself.
+TPU kernel in interpret mode on CPU, for checking it there). Off their platform the Pallas
+kernels run only in interpret mode, which `interpret=None` turns on by itself.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-sha
 
 
 def _cache_dir() -> Path:
+    # The rule of jaxllm.model_cache.cache_dir, restated: pallas_kernels does not import jaxllm.
     base = os.environ.get("JAXLLM_CACHE_DIR") or Path.home() / ".cache" / "jaxllm"
     return Path(base) / "kernels"
 
