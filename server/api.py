@@ -269,8 +269,15 @@ def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
+# Characters JSON may carry raw but many line readers split on (str.splitlines, and so httpx's
+# aiter_lines): a token decoding to one of them cut a `data:` line in two for such clients.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
+    """One server-sent event; its JSON escapes every character a line reader could break on
+    (JSON already escapes the control characters), so each event is one line for any client."""
+    return f"data: {body.model_dump_json().translate(_LINE_BREAKS)}\n\n"
 
 
 def sampling_params(eng: AsyncLLM, req, ids: list[int], param: str):

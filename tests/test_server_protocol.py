@@ -697,3 +697,20 @@ def test_model_list_json():
     card = data["data"][0]
     assert set(card) == {"id", "object", "created", "owned_by", "max_model_len"}
     assert (card["object"], card["owned_by"], card["max_model_len"]) == ("model", "jaxllm", 2048)
+
+
+def test_a_streamed_event_is_one_line_whatever_the_text_holds():
+    """Text with characters str.splitlines (and httpx's aiter_lines) breaks on still gives one
+    `data:` line per event, which decodes back to the same text."""
+    from pydantic import BaseModel
+
+    from server.api import _sse
+
+    class Chunk(BaseModel):
+        text: str
+
+    text = "a\u2028b\u2029c\x85d\ne\rf\x0bg\x1ch"
+    event = _sse(Chunk(text=text))
+    lines = event.splitlines()
+    assert lines[1:] == [""] and event.endswith("\n\n"), lines
+    assert json.loads(lines[0].removeprefix("data: "))["text"] == text
