@@ -13,7 +13,9 @@ starts it with `num_computed_tokens > 0`.
 
 When the KV pool has no block for a running request, the newest running request is preempted:
 its blocks are freed, and it goes back to the front of the waiting queue to be recomputed from
-its prompt and the tokens it already produced, so its output does not change.
+its prompt and the tokens it already produced, so its output does not change. Under the
+"priority" policy the victim is the lowest-priority, newest running request, and a waiting
+request may also preempt running requests of strictly lower priority to get a seat or blocks.
 
 The scheduler's only output is a `SchedulerOutput`; after the model ran, `update_from_output`
 appends the sampled tokens and finishes requests that hit EOS, a stop token or their length.
@@ -127,21 +129,25 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, granted: dict[Request, int]) -> int:
+        """Frees a running request's blocks and sends it back to the front of the queue, to be
+        recomputed; returns the tokens it had been granted this step (now free again)."""
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        return granted.pop(request, 0)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        granted: list[tuple[Request, int]] = []
+        granted: dict[Request, int] = {}  # in batch order
         preempted: list[str] = []
 
-        # Running requests first, oldest first; make room by preempting the newest (under the
-        # priority policy: the lowest-priority, newest) of those not yet granted this step.
+        # Running requests first, oldest first. When blocks run out, a victim is preempted:
+        # the newest running request not yet granted this step ("fcfs"), or the lowest-priority,
+        # newest running request, granted or not ("priority", as vLLM V1 does it).
         for request in list(self.running):
             if budget == 0:
                 break
@@ -150,25 +156,27 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim(granted)
-                self._preempt(victim)
+                budget += self._preempt(victim, granted)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                granted.append((request, n))
+                granted[request] = n
                 budget -= n
 
-        # Then waiting requests in arrival order, while budget, seats and blocks last.
-        # Nothing new is admitted in a step that had to preempt: memory is short.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        # Then waiting requests in arrival (or priority) order, while budget, seats and blocks
+        # last. Nothing new is admitted in a step that had to preempt (memory is short), except
+        # under "priority" a request that displaces running requests of lower priority.
+        while self.waiting and budget > 0:
             request = self._next_waiting()
-            if request is None:
+            if request is None or (preempted and self._displaceable(request) is None):
                 break
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = self._displaceable(request)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, granted)
+                preempted.append(victim.request_id)
             # A new or preempted request starts from its longest cached prefix, unless its
             # prompt positions must be scored (prompt_logprobs).
             computed_blocks, num_cached = (
@@ -176,7 +184,13 @@ class Scheduler:
             )
             n = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
-            if not self.kv.allocate_slots(request, n, computed_blocks):
+            admitted = self.kv.allocate_slots(request, n, computed_blocks)
+            while not admitted and (victim := self._displaceable(request)) is not None:
+                budget += self._preempt(victim, granted)
+                preempted.append(victim.request_id)
+                n = min(request.num_tokens - num_cached, budget)
+                admitted = self.kv.allocate_slots(request, n, computed_blocks)
+            if not admitted:
                 request.num_computed_tokens = 0
                 break
             self.kv.record_lookup(request.num_tokens, num_cached)
@@ -185,12 +199,12 @@ class Scheduler:
                 self.queue_times.append(time.monotonic() - request.arrival_time)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            granted.append((request, n))
+            granted[request] = n
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
-            requests=[self._scheduled(request, n) for request, n in granted],
+            requests=[self._scheduled(request, n) for request, n in granted.items()],
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
@@ -217,13 +231,20 @@ class Scheduler:
             or parent.num_computed_tokens < parent.num_prompt_tokens
         )
 
-    def _pick_victim(self, granted: list[tuple[Request, int]]) -> Request:
-        done = {id(r) for r, _ in granted}
-        candidates = [r for r in self.running if id(r) not in done]  # never empty: the
-        # request being scheduled is a candidate itself
+    def _pick_victim(self, granted: dict[Request, int]) -> Request:
+        """The running request to preempt when a running one needs blocks (the request being
+        scheduled is itself a candidate, so there always is one)."""
         if self.config.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return [r for r in self.running if r not in granted][-1]
+
+    def _displaceable(self, request: Request) -> Request | None:
+        """Under "priority", the running request a waiting `request` may preempt: the
+        lowest-priority, newest one, if its priority is strictly lower than the request's."""
+        if self.config.policy != "priority" or not self.running:
+            return None
+        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return victim if victim.priority > request.priority else None
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
