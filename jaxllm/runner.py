@@ -1,5 +1,8 @@
 """The model runner: SchedulerOutput -> padded device arrays -> two jitted programs -> tokens.
 
+The requests in the batch live in a persistent `InputBatch` (one row of host arrays each),
+updated from each step's diffs; `prepare` gathers a step's inputs from its rows.
+
 The model is split once (`nnx.split`) and its parameters kept as a flat list of arrays. A step
 runs two pure functions under `jax.jit`: `_forward(params, kv_cache, batch) -> (hidden states
 to sample from, all hidden states, kv_cache)`, with the cache donated so it is updated in
@@ -32,10 +35,16 @@ from tqdm.auto import tqdm
 
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
-from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxllm.engine.step_data import (
+    PromptTokenLogprobs,
+    RunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from jaxllm.input_batch import MAX_BLOCKED_IDS, InputBatch
 from jaxllm.models import AttentionMetadata
 from jaxllm.sampler import SamplingInputs, sample
-from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from pallas_kernels import get_kv_cache_shape
 
 logger = logging.getLogger(__name__)
@@ -77,10 +86,6 @@ def make_buckets(
         limit = min(t, max_num_seqs)
         shapes += [(t, r) for r in requests if r <= limit and r * _REQUEST_SPAN >= limit]
     return tokens, requests, shapes
-
-
-# Width of the per-request blocked-id array (EOS ids plus stop ids, while min_tokens holds).
-MAX_BLOCKED_IDS = MAX_STOP_TOKEN_IDS + 16
 
 
 def pick_shape(num_tokens: int, num_reqs: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
@@ -173,6 +178,9 @@ class ModelRunner:
         self.mesh = mesh
         self.kv_cache = self._zeros_cache(shape, dtype)
         self.kv_cache_lost = False  # set when a failed step took the cache with it
+        self.input_batch = InputBatch(
+            max_num_seqs, max_model_len, self.pages_per_seq, config.vocab_size
+        )
         # Per compiled shape: the step program's memory analysis (filled by `warmup`).
         self.program_memory: dict[tuple[int, int], dict[str, int]] = {}
         self._idle_penalty_inputs: dict[int, dict[str, jax.Array]] = {}  # by request bucket
@@ -318,29 +326,30 @@ class ModelRunner:
         return self._idle_penalty_inputs[r_pad]
 
     def _fill_penalty_inputs(
-        self, sampling: SamplingInputs, reqs: list[ScheduledRequest]
+        self, sampling: SamplingInputs, rows: np.ndarray, samples: np.ndarray
     ) -> SamplingInputs:
-        """Host arrays for logit bias and penalties, filled for the requests that sample with
+        """Host arrays for logit bias and penalties, filled from the rows that sample with
         them; `sampling` unchanged (the device-resident padding) when none does."""
-        biased = any(r.sample and r.logit_bias for r in reqs)
-        penalized = any(r.history_ids is not None for r in reqs)
-        if not (biased or penalized):
+        ib = self.input_batch
+        biased = ib.has_logit_bias[rows] & samples
+        penalized = ib.uses_penalties[rows] & samples
+        if not (biased.any() or penalized.any()):
             return sampling
         host = self._penalty_padding(len(sampling.temperature))
-        if not penalized:
+        if not penalized.any():
             host = {k: v for k, v in host.items() if k.startswith("logit_bias")}
-        for i, r in enumerate(reqs):
-            if not r.sample:
-                continue
-            if biased and r.logit_bias:
-                host["logit_bias_ids"][i, : len(r.logit_bias)] = list(r.logit_bias)
-                host["logit_bias"][i, : len(r.logit_bias)] = list(r.logit_bias.values())
-            if r.history_ids is not None:
-                host["presence_penalty"][i] = r.presence_penalty
-                host["frequency_penalty"][i] = r.frequency_penalty
-                host["repetition_penalty"][i] = r.repetition_penalty
-                host["history_ids"][i, : len(r.history_ids)] = r.history_ids
-                host["num_prompt_tokens"][i] = r.num_prompt_tokens
+        n = len(rows)
+        if biased.any():
+            host["logit_bias_ids"][:n] = np.where(
+                biased[:, None], ib.logit_bias_ids[rows], self.config.vocab_size
+            )
+            host["logit_bias"][:n] = np.where(biased[:, None], ib.logit_bias[rows], 0.0)
+        if penalized.any():
+            host["presence_penalty"][:n] = np.where(penalized, ib.presence_penalty[rows], 0.0)
+            host["frequency_penalty"][:n] = np.where(penalized, ib.frequency_penalty[rows], 0.0)
+            host["repetition_penalty"][:n] = np.where(penalized, ib.repetition_penalty[rows], 1.0)
+            host["history_ids"][:n] = ib.token_ids[rows]
+            host["num_prompt_tokens"][:n] = ib.num_prompt_tokens[rows]
         if self.mesh is not None:  # placed like the device-resident padding warmup saw
             host = jax.device_put(host, sharding.replicated(self.mesh))
         return dataclasses.replace(sampling, **host)
@@ -352,55 +361,74 @@ class ModelRunner:
         out = sharding.kv_cache_sharding(self.mesh)
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out)()
 
-    def kv_cache_bytes(self) -> int:
-        return self.kv_cache.size * self.kv_cache.dtype.itemsize
+    def update_batch(self, out: SchedulerOutput) -> np.ndarray:
+        """Applies the step's diffs to the persistent batch: rows of finished and preempted
+        requests freed, rows of entering requests written, new blocks appended. Returns the
+        scheduled requests' rows, in batch order."""
+        ib = self.input_batch
+        for rid in out.finished_request_ids:
+            ib.remove(rid)
+        for rid in out.preempted_request_ids:
+            ib.remove(rid)
+        for new in out.new_requests:
+            ib.remove(new.request_id)  # resumed in the step that preempted it
+            ib.add(new)
+        return ib.apply(out.requests)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[BatchInputs, SamplingInputs]:
-        reqs = out.requests
-        num_reqs = len(reqs)
-        num_tokens = out.total_num_scheduled_tokens
+    def prepare(
+        self, out: SchedulerOutput, rows: np.ndarray
+    ) -> tuple[BatchInputs, SamplingInputs, np.ndarray]:
+        """The step's padded inputs, gathered from the batch rows, and which requests sample
+        (their chunk reaches the end of their sequence)."""
+        ib = self.input_batch
+        num_reqs = len(out.requests)
+        computed = np.fromiter((s.num_computed_tokens for s in out.requests), np.int32, num_reqs)
+        lens = np.fromiter((s.num_scheduled_tokens for s in out.requests), np.int32, num_reqs)
+        num_tokens = int(lens.sum())
         t_pad, r_pad = pick_shape(num_tokens, num_reqs, self.shapes)
         batch, sampling = self._padding_batch(t_pad, r_pad)
         attn = batch.attn
+
+        starts = np.zeros(num_reqs + 1, np.int32)
+        np.cumsum(lens, out=starts[1:])
+        owner = np.repeat(np.arange(num_reqs), lens)  # the request of each token
+        pos = computed[owner] + np.arange(num_tokens, dtype=np.int32) - starts[owner]
+        token_rows = rows[owner]
+        batch.input_ids[:num_tokens] = ib.token_ids[token_rows, pos]
+        batch.positions[:num_tokens] = pos
+        attn.slot_mapping[:num_tokens] = (
+            ib.block_table[token_rows, pos // self.page_size] * self.page_size
+            + pos % self.page_size
+        )
         attn.num_seqs[0] = num_reqs
-        attn.cu_q_lens[:] = num_tokens  # padding requests: empty, after the last real token
+        attn.cu_q_lens[:num_reqs] = starts[:num_reqs]
+        attn.cu_q_lens[num_reqs:] = num_tokens  # padding requests: empty, after the last token
+        attn.seq_lens[:num_reqs] = computed + lens
+        attn.block_tables[:num_reqs] = ib.block_table[rows]
+        batch.logits_indices[:num_reqs] = starts[1:] - 1
 
-        start = 0
-        for i, r in enumerate(reqs):
-            n = len(r.token_ids)
-            pos = np.arange(r.num_computed_tokens, r.num_computed_tokens + n, dtype=np.int32)
-            blocks = np.asarray(r.block_ids, np.int32)
-            batch.input_ids[start : start + n] = r.token_ids
-            batch.positions[start : start + n] = pos
-            attn.slot_mapping[start : start + n] = (
-                blocks[pos // self.page_size] * self.page_size + pos % self.page_size
-            )
-            attn.cu_q_lens[i] = start
-            attn.seq_lens[i] = r.num_computed_tokens + n
-            attn.block_tables[i, : len(blocks)] = blocks
-            batch.logits_indices[i] = start + n - 1
-            sampling.temperature[i] = r.temperature
-            sampling.top_k[i] = r.top_k
-            sampling.top_p[i] = r.top_p
-            sampling.min_p[i] = r.min_p
-            seed = r.seed % 2**64
-            sampling.seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-            sampling.counters[i] = r.num_output_tokens
-            sampling.logprobs[i] = r.num_logprobs is not None
-            ids = r.blocked_token_ids[:MAX_BLOCKED_IDS]
-            sampling.blocked_ids[i, : len(ids)] = ids
-            start += n
-        sampling = self._fill_penalty_inputs(sampling, reqs)
-        return batch, sampling
+        samples = computed + lens == ib.num_tokens[rows]
+        num_output = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
+        sampling.temperature[:num_reqs] = ib.temperature[rows]
+        sampling.top_k[:num_reqs] = ib.top_k[rows]
+        sampling.top_p[:num_reqs] = ib.top_p[rows]
+        sampling.min_p[:num_reqs] = ib.min_p[rows]
+        sampling.seeds[:num_reqs] = ib.seeds[rows]
+        sampling.counters[:num_reqs] = num_output
+        sampling.logprobs[:num_reqs] = ib.num_logprobs[rows] >= 0
+        blocked = num_output < ib.min_tokens[rows]  # EOS and stop ids wait for min_tokens
+        sampling.blocked_ids[:num_reqs] = np.where(
+            blocked[:, None], ib.blocked_ids[rows], self.config.vocab_size
+        )
+        sampling = self._fill_penalty_inputs(sampling, rows, samples)
+        return batch, sampling, samples
 
-    def execute(
-        self, out: SchedulerOutput
-    ) -> tuple[dict[str, tuple[int, tuple | None]], dict[str, list]]:
-        """Runs one step. Returns {request_id: (token, logprobs or None)} for every request
-        whose scheduled chunk reached the end of its sequence, and {request_id: [(prompt
-        token, logprob, rank, top ids, top logprobs), ...]} for the prompt tokens the chunk
-        scored (prompt_logprobs)."""
-        batch, sampling = self.prepare(out)
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Runs one step: the tokens sampled for every request whose scheduled chunk reached
+        the end of its sequence (appended to its row too), their logprobs when asked, and the
+        prompt tokens the chunks scored (prompt_logprobs)."""
+        rows = self.update_batch(out)
+        batch, sampling, samples = self.prepare(out, rows)
         try:
             last, hidden, self.kv_cache = self._forward(self._params, self.kv_cache, batch)
             result = jax.device_get(self._sample(self._params, last, sampling))
@@ -412,46 +440,51 @@ class ModelRunner:
                 self.kv_cache = self._zeros_cache(self.kv_cache.shape, self.kv_cache.dtype)
                 self.kv_cache_lost = True
             raise
-        sampled = {}
-        for i, r in enumerate(out.requests):
-            if not r.sample:
-                continue
-            logprobs = None
-            if r.num_logprobs is not None:
-                k = r.num_logprobs
-                logprobs = (
-                    float(result.logprob[i]),
-                    int(result.rank[i]),
-                    result.top_ids[i, :k].tolist(),
-                    result.top_logprobs[i, :k].tolist(),
-                )
-            sampled[r.request_id] = (int(result.sampled[i]), logprobs)
-        return sampled, prompt_logprobs
+        ib = self.input_batch
+        (sampling_reqs,) = np.nonzero(samples)
+        tokens = result.sampled[sampling_reqs]
+        ib.append_tokens(rows[sampling_reqs], tokens)
+        ids = [s.request_id for s in out.requests]
+        sampled = dict(zip([ids[i] for i in sampling_reqs], tokens.tolist(), strict=True))
+        logprobs = {}
+        num_logprobs = ib.num_logprobs[rows]
+        for i in np.nonzero(samples & (num_logprobs >= 0))[0].tolist():
+            k = int(num_logprobs[i])
+            logprobs[ids[i]] = TokenLogprobs(
+                float(result.logprob[i]),
+                int(result.rank[i]),
+                result.top_ids[i, :k].tolist(),
+                result.top_logprobs[i, :k].tolist(),
+            )
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def _score_prompts(self, out: SchedulerOutput, hidden: jax.Array, t_pad: int):
+    def _score_prompts(
+        self, out: SchedulerOutput, hidden: jax.Array, t_pad: int
+    ) -> dict[str, list[PromptTokenLogprobs]]:
         """Logprobs of the prompt tokens the step's chunks scored, from its hidden states."""
-        if not any(r.prompt_logprob_targets for r in out.requests):
+        if not any(s.prompt_logprob_targets for s in out.requests):
             return {}
         targets = np.full(t_pad, -1, np.int32)
         start = 0
-        for r in out.requests:
-            if r.prompt_logprob_targets:
-                targets[start : start + len(r.token_ids)] = r.prompt_logprob_targets
-            start += len(r.token_ids)
+        for s in out.requests:
+            if s.prompt_logprob_targets:
+                targets[start : start + s.num_scheduled_tokens] = s.prompt_logprob_targets
+            start += s.num_scheduled_tokens
         logprob, rank, top_ids, top_lps = jax.device_get(self._score(self._params, hidden, targets))
+        ib = self.input_batch
         scored, start = {}, 0
-        for r in out.requests:
-            n = len(r.token_ids)
-            if r.prompt_logprob_targets:
-                k = r.num_prompt_logprobs
-                scored[r.request_id] = [
-                    (
+        for s in out.requests:
+            n = s.num_scheduled_tokens
+            if s.prompt_logprob_targets:
+                k = int(ib.num_prompt_logprobs[ib.row_of[s.request_id]])
+                scored[s.request_id] = [
+                    PromptTokenLogprobs(
                         int(targets[t]),
                         float(logprob[t]),
                         int(rank[t]),
                         top_ids[t, :k].tolist(),
                         top_lps[t, :k].tolist(),
-                    )  # fmt: skip
+                    )
                     for t in range(start, start + n)
                     if targets[t] >= 0
                 ]

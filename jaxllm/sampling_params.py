@@ -62,10 +62,11 @@ class SamplingParams:
     min_tokens: int = 0
     """Generate at least this many tokens before EOS or stop_token_ids may end the output."""
     logprobs: int | None = None
-    # Top logprobs per prompt token (the first token has none). Requests asking for them skip
-    # the prefix cache: every prompt position must be computed to be scored.
-    prompt_logprobs: int | None = None
     """Return the log-probability of each generated token and of this many top alternatives."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token (the first has none) and of this many
+    top alternatives. Such requests skip the prefix cache: every prompt position must be
+    computed to be scored."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
     presence_penalty: float = 0.0

@@ -32,7 +32,13 @@ from jaxllm.engine import multihost
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
-from jaxllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.step_data import (
+    NewRequestData,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from jaxllm.sampling_params import SamplingParams
 
 from conftest import write_tiny_checkpoint
@@ -40,58 +46,59 @@ from conftest import write_tiny_checkpoint
 ROOT = Path(__file__).parent.parent
 
 
-def _scheduled(**overrides) -> ScheduledRequest:
-    fields = dict(
-        request_id="r0",
-        token_ids=[5, 6, 7],
-        num_computed_tokens=16,
-        block_ids=[3, 9],
-        sample=True,
+def _new(request_id: str = "r0") -> NewRequestData:
+    params = SamplingParams(
         temperature=0.7,
         top_k=20,
         top_p=0.9,
         min_p=0.05,
-        seed=2**63 + 5,
-        num_output_tokens=4,
-        num_logprobs=3,
-        blocked_token_ids=[2],
+        logprobs=3,
         logit_bias={11: -100.0, 12: 2.5},
         presence_penalty=0.5,
-        frequency_penalty=0.25,
-        repetition_penalty=1.1,
-        history_ids=[1, 2, 3, 5, 6, 7],
+        min_tokens=2,
+        stop_token_ids=[2],
+        prompt_logprobs=2,
+    )
+    return NewRequestData(
+        request_id=request_id,
+        token_ids=[1, 2, 3, 5, 6, 7],
         num_prompt_tokens=3,
+        sampling_params=params,
+        seed=2**63 + 5,
+        eos_token_ids=[0],
+        block_ids=[3, 9],
+    )
+
+
+def _scheduled(request_id: str = "r0", **overrides) -> ScheduledRequest:
+    fields = dict(
+        request_id=request_id,
+        num_computed_tokens=3,
+        num_scheduled_tokens=3,
+        new_block_ids=[4],
         prompt_logprob_targets=[6, 7, -1],
-        num_prompt_logprobs=2,
     )
     return ScheduledRequest(**{**fields, **overrides})
 
 
 def test_scheduler_output_round_trip():
     out = SchedulerOutput(
-        requests=[
-            _scheduled(),
-            _scheduled(
-                request_id="r1",
-                logit_bias=None,
-                history_ids=None,
-                num_logprobs=None,
-                prompt_logprob_targets=None,
-                num_prompt_logprobs=None,
-            ),
-        ],
+        new_requests=[_new()],
+        requests=[_scheduled(), _scheduled("r1", new_block_ids=[], prompt_logprob_targets=None)],
         total_num_scheduled_tokens=6,
         preempted_request_ids=["r7"],
         finished_request_ids=["r2", "r3"],
     )
     back = multihost.decode_scheduler_output(multihost.encode_scheduler_output(out))
     assert back == out
-    assert back.requests[0].logit_bias == {11: -100.0, 12: 2.5}  # int keys stay ints
+    # int keys stay ints
+    assert back.new_requests[0].sampling_params.logit_bias == {11: -100.0, 12: 2.5}
 
 
 class FakeRunner:
-    """Records each batch it executes (a decoded copy, as a worker sees it); samples token
-    (last input token + 1) so requests advance and finish."""
+    """Records each batch it executes (a decoded copy, as a worker sees it); keeps each
+    request's tokens as the real runner's persistent batch does, and samples (its last token
+    + 1) so requests advance and finish."""
 
     def __init__(self):
         self.executed: list[SchedulerOutput] = []
@@ -102,15 +109,22 @@ class FakeRunner:
         self.request_buckets = [4]
         self.max_model_len = 32
         self.kv_cache_lost = False
+        self.tokens: dict[str, list[int]] = {}
 
-    def execute(self, out: SchedulerOutput):
-        self.executed.append(
-            multihost.decode_scheduler_output(multihost.encode_scheduler_output(out))
-        )
-        sampled = {
-            r.request_id: ((r.token_ids[-1] + 1) % 50, None) for r in out.requests if r.sample
-        }
-        return sampled, {}
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        out = multihost.decode_scheduler_output(multihost.encode_scheduler_output(out))
+        self.executed.append(out)
+        for rid in [*out.finished_request_ids, *out.preempted_request_ids]:
+            self.tokens.pop(rid, None)
+        for new in out.new_requests:
+            self.tokens[new.request_id] = list(new.token_ids)
+        sampled = {}
+        for s in out.requests:
+            tokens = self.tokens[s.request_id]
+            if s.num_computed_tokens + s.num_scheduled_tokens == len(tokens):
+                tokens.append((tokens[-1] + 1) % 50)
+                sampled[s.request_id] = tokens[-1]
+        return RunnerOutput(sampled, {}, {})
 
 
 class FakeLLM:
@@ -195,7 +209,7 @@ def test_worker_stops_on_a_gap_in_the_stream():
     publisher = multihost.LockstepPublisher(
         address, 1, multihost.engine_fingerprint(worker.runner), timeout_s=30
     )
-    empty = SchedulerOutput([_scheduled()], 3, [], [])
+    empty = SchedulerOutput([_new()], [_scheduled()], 3, [], [])
     publisher.publish(empty)
     publisher.seq += 1  # as if a message were lost
     publisher.publish(empty)

@@ -105,7 +105,7 @@ def _counting_tokens(llm):
     execute = runner.execute
 
     def counting_execute(out):
-        computed.extend(len(r.token_ids) for r in out.requests)
+        computed.extend(r.num_scheduled_tokens for r in out.requests)
         return execute(out)
 
     runner.execute = counting_execute

@@ -7,6 +7,7 @@ import itertools
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.step_data import RunnerOutput
 from jaxllm.sampling_params import SamplingParams
 
 PAGE = 4
@@ -41,8 +42,13 @@ def add(scheduler, num_prompt_tokens: int, priority: int) -> Request:
 def step(scheduler) -> list[str]:
     """One step; every request that reached the end of its sequence samples token 7."""
     out = scheduler.schedule()
-    sampled = {s.request_id: (7, None) for s in out.requests if s.sample}
-    scheduler.update_from_output(out, sampled)
+    sampled = {
+        s.request_id: 7
+        for s in out.requests
+        if s.num_computed_tokens + s.num_scheduled_tokens
+        == scheduler.requests[s.request_id].num_tokens
+    }
+    scheduler.update_from_output(out, RunnerOutput(sampled, {}, {}))
     scheduler.kv.check_invariants()
     return [s.request_id for s in out.requests]
 
@@ -108,3 +114,75 @@ def test_fcfs_waiting_request_never_preempts():
     step(s)
     add(s, PAGE, priority=0)
     assert step(s) == [first.request_id]
+
+
+def test_full_request_data_crosses_once():
+    s = make_scheduler(num_pages=64, policy="fcfs")
+    a, b = add(s, PAGE, priority=0), add(s, 2, priority=0)
+    first = s.schedule()
+    assert [n.request_id for n in first.new_requests] == [a.request_id, b.request_id]
+    assert first.new_requests[0].token_ids == a.prompt_token_ids
+    assert [r.new_block_ids for r in first.requests] == [[], []]  # whole tables sent as new
+    s.update_from_output(first, RunnerOutput({a.request_id: 7, b.request_id: 7}, {}, {}))
+    second = s.schedule()
+    assert second.new_requests == []
+    # a's fifth token starts its second page: only that block crosses; b's fits its first.
+    assert [r.new_block_ids for r in second.requests] == [
+        s.kv.get_block_table(a.request_id)[1:],
+        [],
+    ]
+    assert [(r.num_computed_tokens, r.num_scheduled_tokens) for r in second.requests] == [
+        (PAGE, 1),
+        (2, 1),
+    ]
+
+
+def test_resumed_request_crosses_again_with_its_tokens():
+    s = make_scheduler(num_pages=4, policy="fcfs")
+    first, second = add(s, PAGE, priority=0), add(s, PAGE, priority=0)
+    for _ in range(PAGE + 2):  # the sixth step preempts `second` (see the fcfs test)
+        out = s.schedule()
+        sampled = {
+            r.request_id: 7
+            for r in out.requests
+            if r.num_computed_tokens + r.num_scheduled_tokens == s.requests[r.request_id].num_tokens
+        }
+        s.update_from_output(out, RunnerOutput(sampled, {}, {}))
+    assert out.preempted_request_ids == [second.request_id]
+    s.abort_requests([first.request_id])
+    out = s.schedule()
+    assert out.finished_request_ids == [first.request_id]
+    (new,) = out.new_requests
+    assert new.request_id == second.request_id
+    assert new.token_ids == second.prompt_token_ids + [7] * second.num_output_tokens
+    assert new.block_ids == s.kv.get_block_table(second.request_id)
+
+
+def _imports(module: str, seen: set[str] | None = None) -> set[str]:
+    """The jaxllm modules `module` imports, directly or through other jaxllm modules (package
+    `__init__` files aside: importing a submodule runs them, but they are not its deps)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    seen = set() if seen is None else seen
+    path = root / (module.replace(".", "/") + ".py")
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.startswith("jaxllm") and name not in seen:
+                if (root / (name.replace(".", "/") + ".py")).exists():
+                    seen.add(name)
+                    _imports(name, seen)
+    return seen
+
+
+def test_import_graph():
+    """The runner and the scheduler share only the step data: neither imports the other."""
+    assert "jaxllm.engine.scheduler" not in _imports("jaxllm.runner")
+    assert not {"jaxllm.runner", "jaxllm.input_batch"} & _imports("jaxllm.engine.scheduler")
+    assert "jaxllm.engine.step_data" in _imports("jaxllm.runner")

@@ -24,6 +24,7 @@ from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
 from jaxllm.engine.messages import AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import check_prompt_ids, derive_seed, resolve_max_tokens
+from jaxllm.engine.step_data import FinishReason
 from jaxllm.loaders import load_tokenizer
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -148,8 +149,8 @@ class AsyncLLM:
             if out is None:
                 continue
             self.stats = out.stats
-            failed = [u.request_id for u in out.updates if u.finish_reason == "error"]
-            updates = [u for u in out.updates if u.finish_reason != "error"]
+            failed = [u.request_id for u in out.updates if u.finish_reason == FinishReason.ERROR]
+            updates = [u for u in out.updates if u.finish_reason != FinishReason.ERROR]
             _, to_abort = self.processor.process(updates)
             if to_abort:  # stop strings: the core must stop generating them
                 self.client.abort(to_abort)

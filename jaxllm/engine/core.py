@@ -7,7 +7,8 @@ the same class behind a socket.
 from __future__ import annotations
 
 from jaxllm.engine.request import Request
-from jaxllm.engine.scheduler import RequestUpdate, Scheduler
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.step_data import RequestUpdate
 from jaxllm.runner import ModelRunner
 
 
@@ -38,6 +39,6 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        sampled, prompt_logprobs = self.runner.execute(scheduled)
+        output = self.runner.execute(scheduled)
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduled, sampled, prompt_logprobs)
+        return self.scheduler.update_from_output(scheduled, output)

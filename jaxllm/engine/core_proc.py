@@ -32,7 +32,7 @@ from jaxllm.engine.messages import (
     encoder,
     input_decoder,
 )
-from jaxllm.engine.scheduler import RequestUpdate
+from jaxllm.engine.step_data import FinishReason, RequestUpdate
 
 logger = logging.getLogger("jaxllm.engine.core")
 
@@ -138,7 +138,9 @@ def run_engine_core(
                 failed = [r.request_id for r in scheduler.running]  # the step's requests
                 engine.abort_requests(failed)
                 engine.forget_lost_cache()
-                updates = [RequestUpdate(rid, [], None, "error", None) for rid in failed]
+                updates = [
+                    RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in failed
+                ]
             queue_times, engine.scheduler.queue_times = engine.scheduler.queue_times, []
             outputs.send(encoder.encode(StepOutputs(updates, _stats(llm), queue_times)))
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from jaxllm.engine.scheduler import RequestUpdate
+from jaxllm.engine.step_data import RequestUpdate
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -56,7 +56,7 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
-    updates: list[RequestUpdate]  # finish_reason "error": the step failed the request
+    updates: list[RequestUpdate]  # FinishReason.ERROR: the step failed the request
     stats: Stats
     queue_times: list[float] = []  # seconds waited by the requests this step first ran
 

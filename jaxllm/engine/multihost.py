@@ -62,7 +62,8 @@ import msgspec
 import zmq
 
 from jaxllm.engine.core import EngineCore
-from jaxllm.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -306,9 +307,9 @@ class LockstepEngineCore(EngineCore):
         if scheduled.is_empty:
             return []
         self.publisher.publish(scheduled)
-        sampled, prompt_logprobs = self.runner.execute(scheduled)
+        output = self.runner.execute(scheduled)
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduled, sampled, prompt_logprobs)
+        return self.scheduler.update_from_output(scheduled, output)
 
     def shutdown(self) -> None:
         """Releases the workers; call it once host 0 is done (`run_worker` returns)."""

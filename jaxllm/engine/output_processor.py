@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.scheduler import RequestUpdate
+from jaxllm.engine.step_data import FinishReason, RequestUpdate, TokenLogprobs
 from jaxllm.outputs import CompletionOutput, Logprob
 from jaxllm.sampling_params import SamplingParams
 
@@ -19,7 +19,7 @@ class _State:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
@@ -60,40 +60,39 @@ class OutputProcessor:
             if state is None:
                 continue
             if u.new_prompt_logprobs and state.prompt_logprobs is not None:
-                for token, *entry in u.new_prompt_logprobs:
-                    state.prompt_logprobs.append(self._logprobs(token, entry))
+                for entry in u.new_prompt_logprobs:
+                    state.prompt_logprobs.append(self._logprobs(entry.token_id, entry))
             for i, token in enumerate(u.new_token_ids):
                 state.token_ids.append(token)
                 if u.new_logprobs is not None and state.logprobs is not None:
                     state.logprobs.append(self._logprobs(token, u.new_logprobs[i]))
-                    state.cumulative_logprob += u.new_logprobs[i][0]
+                    state.cumulative_logprob += u.new_logprobs[i].logprob
                 if state.detokenizer is None:
                     continue
                 # The token that stopped the output (EOS or a stop id) leaves its text out
                 # unless include_stop_str_in_output.
-                ends = u.finish_reason == "stop" and i == len(u.new_token_ids) - 1
+                ends = u.finish_reason == FinishReason.STOP and i == len(u.new_token_ids) - 1
                 skip = ends and not state.params.include_stop_str_in_output
                 if state.detokenizer.add_token(token, skip_text=skip):
-                    state.finish_reason = "stop"
+                    state.finish_reason = FinishReason.STOP
                     state.stop_reason = state.detokenizer.stop_reason
                     to_abort.append(u.request_id)
                     break
             if state.finish_reason is None and u.finish_reason is not None:
                 state.finish_reason, state.stop_reason = u.finish_reason, u.stop_reason
                 if state.detokenizer is not None and state.detokenizer.flush():
-                    state.finish_reason = "stop"
+                    state.finish_reason = FinishReason.STOP
                     state.stop_reason = state.detokenizer.stop_reason
             if state.finish_reason is not None:
                 finished.append(u.request_id)
         return finished, to_abort
 
-    def _logprobs(self, token: int, entry) -> dict[int, Logprob]:
-        logprob, rank, top_ids, top_lps = entry
+    def _logprobs(self, token: int, entry: TokenLogprobs) -> dict[int, Logprob]:
         out = {}
-        for r, (tid, lp) in enumerate(zip(top_ids, top_lps, strict=True), start=1):
+        for r, (tid, lp) in enumerate(zip(entry.top_ids, entry.top_logprobs, strict=True), 1):
             out[tid] = Logprob(lp, r, self._decode_one(tid))
         if token not in out:
-            out[token] = Logprob(logprob, rank, self._decode_one(token))
+            out[token] = Logprob(entry.logprob, entry.rank, self._decode_one(token))
         return out
 
     def _decode_one(self, token: int) -> str | None:

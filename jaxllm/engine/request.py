@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from jaxllm.engine.step_data import FinishReason
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -23,7 +24,7 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
 
@@ -33,9 +34,9 @@ _FINISHED = {
     RequestStatus.FINISHED_ABORTED,
 }
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -74,6 +75,8 @@ class Request:
         # Tokens whose K/V are in the cache. It catches up with num_tokens one scheduled chunk
         # at a time; when it equals num_tokens the next step samples a new token.
         self.num_computed_tokens = 0
+        # Blocks of its table the runner has been sent (see `SchedulerOutput`).
+        self.num_blocks_sent = 0
 
     @property
     def num_tokens(self) -> int:

@@ -17,77 +17,27 @@ its prompt and the tokens it already produced, so its output does not change. Un
 "priority" policy the victim is the lowest-priority, newest running request, and a waiting
 request may also preempt running requests of strictly lower priority to get a seat or blocks.
 
-The scheduler's only output is a `SchedulerOutput`; after the model ran, `update_from_output`
-appends the sampled tokens and finishes requests that hit EOS, a stop token or their length.
+The scheduler's only output is a `SchedulerOutput` (see `step_data`): the full data of the
+requests entering the batch, and for every scheduled request only its progress and new blocks.
+After the model ran, `update_from_output` appends the sampled tokens and finishes requests that
+hit EOS, a stop token or their length.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
-
-
-@dataclasses.dataclass
-class ScheduledRequest:
-    """One request's share of a step: everything the runner needs to know about it."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens to compute now (a prompt chunk, or the last sampled token)
-    num_computed_tokens: int  # position of token_ids[0] in the sequence
-    block_ids: list[int]  # the request's whole block table
-    sample: bool  # this chunk reaches the end of the sequence: sample the next token
-    temperature: float
-    top_k: int  # 0 = off
-    top_p: float
-    min_p: float
-    seed: int
-    num_output_tokens: int  # tokens sampled so far; folds into the per-request PRNG key
-    num_logprobs: int | None  # top logprobs wanted; None when logprobs are off
-    blocked_token_ids: list[int]  # may not be sampled now (EOS and stop ids before min_tokens)
-    logit_bias: dict[int, float] | None  # token id -> added to its logit
-    presence_penalty: float  # 0 = off
-    frequency_penalty: float  # 0 = off
-    repetition_penalty: float  # 1 = off
-    # Prompt then output ids so far, for the penalties: set only when a penalty is on and this
-    # chunk samples (None otherwise, to copy nothing).
-    history_ids: list[int] | None
-    num_prompt_tokens: int  # how many of history_ids are the prompt
-    # prompt_logprobs: per token of token_ids, the next prompt token to score it against, or
-    # -1; None when the chunk scores nothing.
-    prompt_logprob_targets: list[int] | None = None
-    num_prompt_logprobs: int | None = None
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's batch, in batch order."""
-
-    requests: list[ScheduledRequest]  # requests scheduled this step, each with its tokens
-    total_num_scheduled_tokens: int  # sum of len(r.token_ids); <= max_num_batched_tokens
-    preempted_request_ids: list[str]  # requests preempted while building this step
-    finished_request_ids: list[str]  # requests that finished since the previous step
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
-
-
-@dataclasses.dataclass
-class RequestUpdate:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list | None  # per new token: (sampled logprob, rank, top ids, top logprobs)
-    finish_reason: str | None
-    stop_reason: int | str | None
-    # prompt_logprobs scored this step: (prompt token, logprob, rank, top ids, top logprobs)
-    new_prompt_logprobs: list | None = None
+from jaxllm.engine.step_data import (
+    NewRequestData,
+    RequestUpdate,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class Scheduler:
@@ -143,6 +93,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         granted: dict[Request, int] = {}  # in batch order
+        admitted: list[Request] = []  # entering the batch: the runner gets their full data
         preempted: list[str] = []
 
         # Running requests first, oldest first. When blocks run out, a victim is preempted:
@@ -184,13 +135,13 @@ class Scheduler:
             )
             n = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
-            admitted = self.kv.allocate_slots(request, n, computed_blocks)
-            while not admitted and (victim := self._displaceable(request)) is not None:
+            allocated = self.kv.allocate_slots(request, n, computed_blocks)
+            while not allocated and (victim := self._displaceable(request)) is not None:
                 budget += self._preempt(victim, granted)
                 preempted.append(victim.request_id)
                 n = min(request.num_tokens - num_cached, budget)
-                admitted = self.kv.allocate_slots(request, n, computed_blocks)
-            if not admitted:
+                allocated = self.kv.allocate_slots(request, n, computed_blocks)
+            if not allocated:
                 request.num_computed_tokens = 0
                 break
             self.kv.record_lookup(request.num_tokens, num_cached)
@@ -199,11 +150,15 @@ class Scheduler:
                 self.queue_times.append(time.monotonic() - request.arrival_time)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            admitted.append(request)
             granted[request] = n
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, []
+        # Data for the new rows first: it records the blocks they have as sent.
+        new_requests = [self._new_request_data(r) for r in admitted if r in granted]
         return SchedulerOutput(
+            new_requests=new_requests,
             requests=[self._scheduled(request, n) for request, n in granted.items()],
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
@@ -246,39 +201,30 @@ class Scheduler:
         victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return victim if victim.priority > request.priority else None
 
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        block_ids = list(self.kv.get_block_table(request.request_id))
+        request.num_blocks_sent = len(block_ids)
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            seed=request.seed,
+            eos_token_ids=list(request.eos_token_ids),
+            block_ids=block_ids,
+        )
+
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        table = self.kv.get_block_table(request.request_id)
+        new_block_ids = list(table[request.num_blocks_sent :])
+        request.num_blocks_sent = len(table)
         start = request.num_computed_tokens
-        params = request.sampling_params
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + n],
             num_computed_tokens=start,
-            block_ids=list(self.kv.get_block_table(request.request_id)),
-            sample=start + n == request.num_tokens,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            seed=request.seed,
-            num_output_tokens=request.num_output_tokens,
-            num_logprobs=params.logprobs,
-            blocked_token_ids=(
-                [*request.eos_token_ids, *params.stop_token_ids]
-                if request.num_output_tokens < params.min_tokens
-                else []
-            ),
-            logit_bias=params.logit_bias,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            history_ids=(
-                list(request.all_token_ids)
-                if params.uses_penalties and start + n == request.num_tokens
-                else None
-            ),
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_scheduled_tokens=n,
+            new_block_ids=new_block_ids,
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, n),
-            num_prompt_logprobs=params.prompt_logprobs,
         )
 
     @staticmethod
@@ -292,36 +238,34 @@ class Scheduler:
         return targets if any(t >= 0 for t in targets) else None
 
     def update_from_output(
-        self,
-        scheduled: SchedulerOutput,
-        sampled: dict[str, tuple[int, tuple | None]],
-        prompt_logprobs: dict[str, list] | None = None,
+        self, scheduled: SchedulerOutput, output: RunnerOutput
     ) -> list[RequestUpdate]:
-        """Advances each scheduled request; `sampled` maps request ids to (token, logprobs)
-        for the requests whose chunk reached the end of their sequence, `prompt_logprobs` to
-        the prompt tokens the chunk scored."""
+        """Advances each scheduled request by its grant; appends the token sampled for each
+        request whose chunk reached the end of its sequence, and finishes it if it stops."""
         updates = []
         for s in scheduled.requests:
-            request = self.requests.get(s.request_id)
+            rid = s.request_id
+            request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(s.token_ids)
+            request.num_computed_tokens += s.num_scheduled_tokens
             self.kv.cache_full_blocks(request)
-            scored = (prompt_logprobs or {}).get(s.request_id)
+            scored = output.prompt_logprobs.get(rid)
             if scored:
                 request.next_prompt_logprob += len(scored)
-            if s.request_id not in sampled:
+            if rid not in output.sampled:
                 if scored:  # a prefill chunk: only its prompt logprobs to report
-                    updates.append(RequestUpdate(s.request_id, [], None, None, None, scored))
+                    updates.append(RequestUpdate(rid, [], new_prompt_logprobs=scored))
                 continue
-            token, logprobs = sampled[s.request_id]
+            token = output.sampled[rid]
+            logprobs = output.logprobs.get(rid)
             request.append_output_token(token)
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
             updates.append(
                 RequestUpdate(
-                    request_id=s.request_id,
+                    request_id=rid,
                     new_token_ids=[token],
                     new_logprobs=None if logprobs is None else [logprobs],
                     finish_reason=status.finish_reason if status else None,
