@@ -15,9 +15,11 @@ Reported per request count:
     tok_per_s   output tokens per second of the timed `generate`
     steps_per_s engine steps per second
 
-`--against DIR` runs the same measurement on the jaxllm checked out in DIR (e.g. the commit
-before a change, `git worktree add ../old <commit>`), taking turns with this one in fresh
-processes, and prints the ratios: both sides from one run, on the same machine.
+This checkout runs with async scheduling on and off. `--against DIR` runs the same
+measurement on the jaxllm checked out in DIR (e.g. the commit before a change, `git worktree
+add ../old <commit>`), taking turns with this one in fresh processes, and prints the ratios:
+every side from one run, on the same machine. With async scheduling, `host_ms` overlaps the
+device's work; `step_ms` is the time between two steps' returns.
 """
 
 from __future__ import annotations
@@ -106,16 +108,18 @@ def _wrap(times: dict[str, list[float]], obj, name: str) -> None:
     setattr(obj, name, timed)
 
 
-def measure(model: str, num_requests: int, output_len: int) -> dict:
+def measure(model: str, num_requests: int, output_len: int, async_scheduling: str) -> dict:
     """One request count, in this process, with whatever `jaxllm` imports."""
     from jaxllm import LLM, SamplingParams
 
+    extra = {} if async_scheduling == "default" else {"async_scheduling": async_scheduling == "on"}
     llm = LLM(
         model,
         max_model_len=16 + output_len + 16,
         max_num_seqs=num_requests,
         max_num_batched_tokens=max(512, num_requests),
         compilation_cache_dir=None,
+        **extra,
     )
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 500, 16).tolist()} for _ in range(num_requests)]
@@ -153,10 +157,10 @@ def measure(model: str, num_requests: int, output_len: int) -> dict:
     }
 
 
-def _run_child(checkout: Path, model: str, n: int, output_len: int) -> dict:
+def _run_child(checkout: Path, model: str, n: int, output_len: int, mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run(
-        [sys.executable, str(HERE), "--child", model, str(n), str(output_len)],
+        [sys.executable, str(HERE), "--child", model, str(n), str(output_len), mode],
         cwd=checkout,
         env=env,
         capture_output=True,
@@ -169,8 +173,8 @@ def _run_child(checkout: Path, model: str, n: int, output_len: int) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        model, n, output_len = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-        print(json.dumps(measure(model, n, output_len)))
+        model, n, output_len, mode = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+        print(json.dumps(measure(model, n, output_len, mode)))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, nargs="+", default=[1, 64, 256])
@@ -178,23 +182,30 @@ def main() -> None:
     p.add_argument("--against", type=Path, help="another jaxllm checkout to compare with")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    sides = {"this": HERE.parent.parent}
+    # (checkout, async scheduling): this code with it on and off, the other as it comes
+    sides = {"async": (HERE.parent.parent, "on"), "sync": (HERE.parent.parent, "off")}
     if args.against:
-        sides["against"] = args.against.resolve()
+        sides["against"] = (args.against.resolve(), "default")
     results: dict = {
         "output_len": args.output_len,
-        "checkouts": {k: str(v) for k, v in sides.items()},
+        "sides": {k: [str(c), mode] for k, (c, mode) in sides.items()},
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_model(Path(tmp) / "tiny-llama"))
         for n in args.requests:
             row = {}
-            for side, checkout in sides.items():  # taking turns, each in a fresh process
-                row[side] = _run_child(checkout, model, n, args.output_len)
+            for side, (checkout, mode) in sides.items():  # in turns, each in a fresh process
+                row[side] = _run_child(checkout, model, n, args.output_len, mode)
                 print(side, json.dumps(row[side]), flush=True)
+            row["async_over_sync_tok_per_s"] = row["async"]["tok_per_s"] / row["sync"]["tok_per_s"]
             if "against" in row:
-                row["tok_per_s_ratio"] = row["this"]["tok_per_s"] / row["against"]["tok_per_s"]
-                row["host_ms_ratio"] = row["this"]["host_ms"] / row["against"]["host_ms"]
+                for side in ("async", "sync"):
+                    row[f"{side}_over_against_tok_per_s"] = (
+                        row[side]["tok_per_s"] / row["against"]["tok_per_s"]
+                    )
+                    row[f"{side}_over_against_host_ms"] = (
+                        row[side]["host_ms"] / row["against"]["host_ms"]
+                    )
             results[str(n)] = row
     print(json.dumps(results, indent=2))
     if args.json:

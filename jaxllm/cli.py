@@ -44,6 +44,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule each step while the previous one runs on the device (default: on)",
+    )
+    p.add_argument(
         "--skip-warmup", action="store_true", help="do not compile every bucket at startup"
     )
     p.add_argument(
@@ -68,6 +74,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         skip_warmup=args.skip_warmup,
         compilation_cache_dir=args.compilation_cache_dir,
         tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -62,12 +62,14 @@ class LLM:
         skip_warmup: bool = False,
         compilation_cache_dir: str | os.PathLike | None = "default",
         tensor_parallel_size: int = 1,
+        async_scheduling: bool = True,
     ):
         """`compilation_cache_dir`: JAX's persistent compilation cache; "default" is
         `<cache>/xla` under `$JAXLLM_CACHE_DIR` or `~/.cache/jaxllm`, None leaves JAX's
         setting alone. `skip_warmup` skips compiling every bucket at startup (programs then
         compile on first use). `tensor_parallel_size`: split the model and its KV cache over
-        this many devices (see `jaxllm.sharding`)."""
+        this many devices (see `jaxllm.sharding`). `async_scheduling`: schedule
+        each step while the previous one runs (see `jaxllm.engine.core`)."""
         if compilation_cache_dir == "default":
             compilation_cache_dir = cache_dir() / "xla"
         setup_compilation_cache(compilation_cache_dir)
@@ -114,7 +116,9 @@ class LLM:
             num_pages, page_size, enable_prefix_caching=enable_prefix_caching
         )
         self.engine = EngineCore(
-            Scheduler(self.scheduler_config, self.kv_cache_manager), self.runner
+            Scheduler(self.scheduler_config, self.kv_cache_manager),
+            self.runner,
+            async_scheduling=async_scheduling,
         )
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
@@ -336,6 +340,7 @@ class LLM:
             # On any error, leave the engine clean for the next call.
             if pending:
                 self.engine.abort_requests(sorted(pending))
+            self.engine.drain()  # a step launched past the last stop: nothing of ours left
             self.engine.forget_lost_cache()
         return [
             RequestOutput(

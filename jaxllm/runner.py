@@ -18,6 +18,7 @@ have no tokens and length 0, so they never touch real data.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -25,6 +26,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +103,9 @@ def pick_shape(num_tokens: int, num_reqs: int, shapes: list[tuple[int, int]]) ->
 @dataclasses.dataclass(frozen=True)
 class BatchInputs:
     input_ids: jax.Array  # i32[T]  flattened tokens of all scheduled requests
+    # i32[T]  -1, or the batch row whose token sampled by the previous step (still on the
+    # device, see `ModelRunner.last_tokens`) is this input: async scheduling's decode inputs
+    token_src: jax.Array
     positions: jax.Array  # i32[T]
     logits_indices: jax.Array  # i32[R]  row of each request's last token
     attn: AttentionMetadata
@@ -181,6 +186,10 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_seqs, max_model_len, self.pages_per_seq, config.vocab_size
         )
+        # The token each batch row sampled last, kept on the device: the next step's decode
+        # input for that row when it was scheduled before this step's output came back.
+        self.max_num_seqs = max_num_seqs
+        self.last_tokens = self._zeros_last_tokens()
         # Per compiled shape: the step program's memory analysis (filled by `warmup`).
         self.program_memory: dict[tuple[int, int], dict[str, int]] = {}
         self._idle_penalty_inputs: dict[int, dict[str, jax.Array]] = {}  # by request bucket
@@ -191,7 +200,8 @@ class ModelRunner:
             functools.partial(_forward, self.graphdef, self._params_def, mesh), donate_argnums=(1,)
         )
         self._sample = jax.jit(
-            functools.partial(_head_and_sample, self.graphdef, self._params_def, mesh)
+            functools.partial(_head_and_sample, self.graphdef, self._params_def, mesh),
+            donate_argnums=(4,),
         )
         self._score = jax.jit(functools.partial(_score_prompt, self.graphdef, self._params_def))
 
@@ -218,7 +228,11 @@ class ModelRunner:
         start = time.perf_counter()
         replicated = None if self.mesh is None else sharding.replicated(self.mesh)
         _, hidden, _ = jax.eval_shape(
-            self._forward, self._params, self.kv_cache, self._padding_batch(*self.shapes[0])[0]
+            self._forward,
+            self._params,
+            self.kv_cache,
+            self.last_tokens,
+            self._padding_batch(*self.shapes[0])[0],
         )
 
         def rows(n: int) -> jax.ShapeDtypeStruct:  # hidden states shaped as the forward makes them
@@ -228,12 +242,17 @@ class ModelRunner:
         # executables when real batches arrive.
         def forward(shape):
             batch = self._padding_batch(*shape)[0]
-            compiled = self._forward.lower(self._params, self.kv_cache, batch).compile()
+            compiled = self._forward.lower(
+                self._params, self.kv_cache, self.last_tokens, batch
+            ).compile()
             self.program_memory[shape] = _memory(compiled)
 
         def head(r):
             sampling = self._padding_batch(self.shapes[-1][0], r)[1]
-            self._sample.lower(self._params, rows(r), sampling).compile()
+            sample_rows = np.full(r, self.max_num_seqs, np.int32)
+            self._sample.lower(
+                self._params, rows(r), sampling, sample_rows, self.last_tokens
+            ).compile()
 
         def scorer(t):
             self._score.lower(self._params, rows(t), np.zeros(t, np.int32)).compile()
@@ -280,6 +299,7 @@ class ModelRunner:
 
         batch = BatchInputs(
             input_ids=ints(t_pad),
+            token_src=ints(t_pad, fill=-1),
             positions=ints(t_pad),
             logits_indices=ints(r_pad),
             attn=AttentionMetadata(
@@ -354,6 +374,10 @@ class ModelRunner:
             host = jax.device_put(host, sharding.replicated(self.mesh))
         return dataclasses.replace(sampling, **host)
 
+    def _zeros_last_tokens(self) -> jax.Array:
+        target = None if self.mesh is None else sharding.replicated(self.mesh)
+        return jax.device_put(np.zeros(self.max_num_seqs, np.int32), target)
+
     def _zeros_cache(self, shape, dtype) -> jax.Array:
         """A zero cache, created in place on its devices (split on kv heads under a mesh)."""
         if self.mesh is None:
@@ -394,7 +418,10 @@ class ModelRunner:
         owner = np.repeat(np.arange(num_reqs), lens)  # the request of each token
         pos = computed[owner] + np.arange(num_tokens, dtype=np.int32) - starts[owner]
         token_rows = rows[owner]
-        batch.input_ids[:num_tokens] = ib.token_ids[token_rows, pos]
+        ids = ib.token_ids[token_rows, pos]
+        # A placeholder (-1): the token the previous step samples, not back on the host yet.
+        batch.input_ids[:num_tokens] = np.maximum(ids, 0)
+        batch.token_src[:num_tokens] = np.where(ids < 0, token_rows, -1)
         batch.positions[:num_tokens] = pos
         attn.slot_mapping[:num_tokens] = (
             ib.block_table[token_rows, pos // self.page_size] * self.page_size
@@ -424,31 +451,60 @@ class ModelRunner:
         return batch, sampling, samples
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Runs one step: the tokens sampled for every request whose scheduled chunk reached
-        the end of its sequence (appended to its row too), their logprobs when asked, and the
-        prompt tokens the chunks scored (prompt_logprobs)."""
+        """Runs one step and waits for it: `fetch(launch(out))`."""
+        return self.fetch(self.launch(out))
+
+    def launch(self, out: SchedulerOutput) -> InflightStep:
+        """Applies the step's diffs to the batch and dispatches its programs without waiting
+        for them. Each request that samples gets a placeholder token in its row, which the
+        next step may already consume on the device (see `BatchInputs.token_src`)."""
+        ib = self.input_batch
         rows = self.update_batch(out)
         batch, sampling, samples = self.prepare(out, rows)
-        try:
-            last, hidden, self.kv_cache = self._forward(self._params, self.kv_cache, batch)
-            result = jax.device_get(self._sample(self._params, last, sampling))
-            prompt_logprobs = self._score_prompts(out, hidden, len(batch.input_ids))
-        except BaseException:
-            # The cache was donated to the failed step: if it is gone, start from a fresh one
-            # so the engine can serve again (the caller drops every cached prefix).
-            if self.kv_cache.is_deleted():
-                self.kv_cache = self._zeros_cache(self.kv_cache.shape, self.kv_cache.dtype)
-                self.kv_cache_lost = True
-            raise
-        ib = self.input_batch
         (sampling_reqs,) = np.nonzero(samples)
-        tokens = result.sampled[sampling_reqs]
-        ib.append_tokens(rows[sampling_reqs], tokens)
-        ids = [s.request_id for s in out.requests]
-        sampled = dict(zip([ids[i] for i in sampling_reqs], tokens.tolist(), strict=True))
+        sample_rows = np.full(len(sampling.temperature), self.max_num_seqs, np.int32)  # dropped
+        sample_rows[sampling_reqs] = rows[sampling_reqs]
+        with self._recovering():
+            last, hidden, self.kv_cache = self._forward(
+                self._params, self.kv_cache, self.last_tokens, batch
+            )
+            result, self.last_tokens = self._sample(
+                self._params, last, sampling, sample_rows, self.last_tokens
+            )
+            scoring = self._launch_scoring(out, hidden, len(batch.input_ids))
+        positions = ib.num_tokens[rows[sampling_reqs]]
+        ib.token_ids[rows[sampling_reqs], positions] = -1
+        ib.num_tokens[rows[sampling_reqs]] += 1
+        return InflightStep(out, rows, sampling_reqs, positions, result, scoring)
+
+    def fetch(self, step: InflightStep) -> RunnerOutput:
+        """Waits for a launched step: the tokens sampled for every request whose scheduled
+        chunk reached the end of its sequence (written over their placeholders), their
+        logprobs when asked, and the prompt tokens the chunks scored (prompt_logprobs)."""
+        ib = self.input_batch
+        reqs = step.sampling_reqs
+        num_logprobs = ib.num_logprobs[step.rows]
+        with self._recovering():
+            if (num_logprobs[reqs] >= 0).any():
+                result = jax.device_get(step.result)
+                all_tokens = result.sampled
+            else:  # only the tokens cross (one transfer instead of five)
+                result, all_tokens = None, np.asarray(step.result.sampled)
+            prompt_logprobs = self._fetch_scoring(step.out, step.scoring)
+        ids = [s.request_id for s in step.out.requests]
+        tokens = all_tokens[reqs]
+        # Rows still held by their request (one finished or preempted since then may have
+        # handed its row to another).
+        rows = step.rows[reqs]
+        held = np.fromiter(
+            (ib.row_of.get(ids[i]) == row for i, row in zip(reqs, rows, strict=True)),
+            np.bool_,
+            len(reqs),
+        )
+        ib.token_ids[rows[held], step.positions[held]] = tokens[held]
+        sampled = dict(zip([ids[i] for i in reqs], tokens.tolist(), strict=True))
         logprobs = {}
-        num_logprobs = ib.num_logprobs[rows]
-        for i in np.nonzero(samples & (num_logprobs >= 0))[0].tolist():
+        for i in reqs[num_logprobs[reqs] >= 0].tolist():
             k = int(num_logprobs[i])
             logprobs[ids[i]] = TokenLogprobs(
                 float(result.logprob[i]),
@@ -458,24 +514,44 @@ class ModelRunner:
             )
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def _score_prompts(
-        self, out: SchedulerOutput, hidden: jax.Array, t_pad: int
-    ) -> dict[str, list[PromptTokenLogprobs]]:
-        """Logprobs of the prompt tokens the step's chunks scored, from its hidden states."""
+    @contextlib.contextmanager
+    def _recovering(self):
+        """A failed step may take the buffers it was donated with it: start from fresh ones so
+        the engine can serve again (the caller drops every cached prefix)."""
+        try:
+            yield
+        except BaseException:
+            if self.kv_cache.is_deleted():
+                self.kv_cache = self._zeros_cache(self.kv_cache.shape, self.kv_cache.dtype)
+                self.kv_cache_lost = True
+            if self.last_tokens.is_deleted():
+                self.last_tokens = self._zeros_last_tokens()
+            raise
+
+    def _launch_scoring(self, out: SchedulerOutput, hidden: jax.Array, t_pad: int):
+        """prompt_logprobs: dispatches the scorer over the step's hidden states when a chunk
+        scores prompt tokens; (targets, device results) or None."""
         if not any(s.prompt_logprob_targets for s in out.requests):
-            return {}
+            return None
         targets = np.full(t_pad, -1, np.int32)
         start = 0
         for s in out.requests:
             if s.prompt_logprob_targets:
                 targets[start : start + s.num_scheduled_tokens] = s.prompt_logprob_targets
             start += s.num_scheduled_tokens
-        logprob, rank, top_ids, top_lps = jax.device_get(self._score(self._params, hidden, targets))
+        return targets, self._score(self._params, hidden, targets)
+
+    def _fetch_scoring(self, out: SchedulerOutput, scoring) -> dict[str, list]:
+        if scoring is None:
+            return {}
+        targets, results = scoring
+        logprob, rank, top_ids, top_lps = jax.device_get(results)
         ib = self.input_batch
-        scored, start = {}, 0
+        scored: dict[str, list[PromptTokenLogprobs]] = {}
+        start = 0
         for s in out.requests:
             n = s.num_scheduled_tokens
-            if s.prompt_logprob_targets:
+            if s.prompt_logprob_targets and s.request_id in ib.row_of:
                 k = int(ib.num_prompt_logprobs[ib.row_of[s.request_id]])
                 scored[s.request_id] = [
                     PromptTokenLogprobs(
@@ -492,6 +568,18 @@ class ModelRunner:
         return scored
 
 
+@dataclasses.dataclass
+class InflightStep:
+    """A launched step: what `ModelRunner.fetch` needs to collect its results."""
+
+    out: SchedulerOutput
+    rows: np.ndarray  # the batch rows of out.requests
+    sampling_reqs: np.ndarray  # indices into out.requests of the requests that sample
+    positions: np.ndarray  # where their sampled tokens go in their rows
+    result: Any  # the sampler's output, on the device
+    scoring: Any  # prompt_logprobs: (targets, device results), or None
+
+
 def _memory(compiled) -> dict[str, int]:
     analysis = compiled.memory_analysis()
     return {
@@ -504,22 +592,35 @@ def _merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
 
 
-def _forward(graphdef, params_def, mesh, params, kv_cache, batch: BatchInputs):
+def _forward(graphdef, params_def, mesh, params, kv_cache, last_tokens, batch: BatchInputs):
     """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
     the updated cache)."""
     model = _merge(graphdef, params_def, params)
-    hidden, kv_cache = model(batch.input_ids, batch.positions, kv_cache, batch.attn)
+    src = batch.token_src
+    input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
+    hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
     return hidden[batch.logits_indices], hidden, kv_cache
 
 
-def _head_and_sample(graphdef, params_def, mesh, params, last: jax.Array, sampling: SamplingInputs):
+def _head_and_sample(
+    graphdef,
+    params_def,
+    mesh,
+    params,
+    last: jax.Array,
+    sampling: SamplingInputs,
+    sample_rows: jax.Array,  # i32[R]  the batch row of each request that samples, else out of range
+    last_tokens: jax.Array,  # i32[max_num_seqs], donated
+):
+    """The sampler's output, and `last_tokens` with each sampled token at its batch row."""
     model = _merge(graphdef, params_def, params)
     logits = model.compute_logits(last)
     if mesh is not None:  # split on the vocabulary by the head: gather it for the sampler
         logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
-    return sample(logits, sampling)
+    result = sample(logits, sampling)
+    return result, last_tokens.at[sample_rows].set(result.sampled, mode="drop")
 
 
 def _score_prompt(graphdef, params_def, params, hidden: jax.Array, targets: jax.Array):

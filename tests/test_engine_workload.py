@@ -2,11 +2,14 @@
 from 1 to near max_model_len, mixed max_tokens, shared long prefixes, mid-way aborts, a pool too
 small for everything at once (so preemption happens). Asserts after every step that the block
 pool is consistent, that nothing compiles after warmup, and that every finished request's
-output equals the output of running it alone on a separate engine without prefix caching."""
+output equals the output of running it alone on a separate engine without prefix caching.
+Runs with async scheduling on and off (a share of the requests has penalties, under which
+the async engine steps synchronously, so it switches between the two)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.request import Request
@@ -30,21 +33,52 @@ def _workload(rng: np.random.Generator, vocab: int, n: int = 240):
             params = SamplingParams(
                 temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5
             )
-        elif kind < 0.9:  # greedy with logprobs: the general sampler variant
+        elif kind < 0.85:  # greedy with logprobs: the general sampler variant
             params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)
+        elif kind < 0.9:  # penalties: the token history travels from the host
+            params = SamplingParams(
+                temperature=0, max_tokens=max_tokens, repetition_penalty=1.3, ignore_eos=True
+            )
         else:  # seeded sampling: also reproducible alone
             params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=max_tokens)
         work.append((f"req-{i}", prompt, params))
     return work
 
 
-def test_random_workload_no_recompilation_and_outputs_match_alone(tiny_model_dir):
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_model_dir):
+    """Each request's output when run alone, computed once for both runs of the test."""
+    alone = LLM(
+        tiny_model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        num_pages=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+        skip_warmup=True,
+    )
+    cache: dict[str, list[int]] = {}
+
+    def get(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        if rid not in cache:
+            out = alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+            cache[rid] = out.outputs[0].token_ids
+        return cache[rid]
+
+    return get
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_random_workload_no_recompilation_and_outputs_match_alone(
+    tiny_model_dir, alone_outputs, async_scheduling
+):
     llm = LLM(
         tiny_model_dir,
         max_model_len=MAX_MODEL_LEN,
         num_pages=64,  # 1024 token slots for up to 16 running requests of up to 256 tokens
         max_num_seqs=16,
         max_num_batched_tokens=128,
+        async_scheduling=async_scheduling,
     )
     runner, core, kv = llm.runner, llm.engine, llm.kv_cache_manager
     compiles_after_warmup = runner.num_compilations
@@ -91,24 +125,11 @@ def test_random_workload_no_recompilation_and_outputs_match_alone(tiny_model_dir
     assert kv.prefix_cache_hits > 0, "the shared prefixes were meant to hit the cache"
     assert len(finished) + len(aborted) == len(work) and len(aborted) >= 5
 
-    alone = LLM(
-        tiny_model_dir,
-        max_model_len=MAX_MODEL_LEN,
-        num_pages=32,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        enable_prefix_caching=False,
-        skip_warmup=True,
-    )
     mismatches = []
     for rid, prompt, params in work:
         if rid in aborted:
             continue
-        ref = (
-            alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-            .outputs[0]
-            .token_ids
-        )
+        ref = alone_outputs(rid, prompt, params)
         if ref != outputs[rid]:
             mismatches.append(f"{rid} (prompt {len(prompt)} tokens): {outputs[rid]} != alone {ref}")
     assert not mismatches, "\n".join(mismatches[:10])

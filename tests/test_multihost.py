@@ -266,8 +266,11 @@ if mode == "multi":
     multihost.initialize_distributed()
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.multihost import decode_scheduler_output, encode_scheduler_output
+# The lockstep engine steps synchronously: so does the one-process reference, whose schedule
+# must match step for step.
 llm = LLM(model, max_model_len=128, num_pages=32, max_num_seqs=4, max_num_batched_tokens=16,
-          tensor_parallel_size=jax.device_count(), compilation_cache_dir=None)
+          tensor_parallel_size=jax.device_count(), compilation_cache_dir=None,
+          async_scheduling=False)
 digests = []  # what this host's runner executed, in order
 execute = llm.runner.execute
 def recording_execute(out):

@@ -102,17 +102,17 @@ def long_llm(tiny_model_dir):
 def _counting_tokens(llm):
     """Yields a list that collects the length of every chunk the runner computes."""
     runner, computed = llm.runner, []
-    execute = runner.execute
+    launch = runner.launch  # every step goes through it, with async scheduling or not
 
-    def counting_execute(out):
+    def counting_launch(out):
         computed.extend(r.num_scheduled_tokens for r in out.requests)
-        return execute(out)
+        return launch(out)
 
-    runner.execute = counting_execute
+    runner.launch = counting_launch
     try:
         yield computed
     finally:
-        runner.execute = execute
+        runner.launch = launch
 
 
 def test_shared_1000_token_prefix_computes_only_new_tokens(long_llm, tiny_model_dir):

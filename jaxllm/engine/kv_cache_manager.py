@@ -96,7 +96,7 @@ class KVCacheManager:
         rid = request.request_id
         table = self.block_tables.get(rid, [])
         start = self._num_cached_blocks.get(rid, 0)
-        end = min(request.num_computed_tokens // self.page_size, len(table))
+        end = min(request.num_confirmed_tokens // self.page_size, len(table))
         if end <= start:
             return
         hashes = self._block_hashes(request)

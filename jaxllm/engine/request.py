@@ -77,10 +77,21 @@ class Request:
         self.num_computed_tokens = 0
         # Blocks of its table the runner has been sent (see `SchedulerOutput`).
         self.num_blocks_sent = 0
+        # Scheduled steps whose output has not come back yet (async scheduling runs one step
+        # ahead): num_computed_tokens counts their tokens already; `num_inflight_tokens` of them
+        # are not confirmed written, and `num_pending_tokens` is the token such a step samples
+        # (0 or 1), not yet appended.
+        self.num_inflight_tokens = 0
+        self.num_pending_tokens = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_confirmed_tokens(self) -> int:
+        """Tokens whose K/V a finished step has written (the prefix cache may key them)."""
+        return self.num_computed_tokens - self.num_inflight_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

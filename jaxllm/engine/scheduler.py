@@ -47,7 +47,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._finished_ids: list[str] = []
+        self._finished_ids: list[str] = []  # finished since the last step that ran
+        self._preempted_ids: list[str] = []  # preempted in steps that ran nothing
         self.num_preemptions = 0
         # Seconds new requests waited before they first ran; the engine core drains it into
         # its step outputs for the server's queue-time histogram.
@@ -86,6 +87,9 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token an in-flight step samples for it is dropped: it is sampled again, the same
+        # (same seed and counter), once the request is recomputed.
+        request.num_inflight_tokens = request.num_pending_tokens = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         return granted.pop(request, 0)
@@ -104,7 +108,10 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._finishes_by_length(request):
+                continue  # its in-flight step samples its last token
+            n = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+            n = min(n, budget)
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim(granted)
                 budget += self._preempt(victim, granted)
@@ -154,16 +161,38 @@ class Scheduler:
             granted[request] = n
             budget -= n
 
-        finished, self._finished_ids = self._finished_ids, []
+        # Ids the runner must drop wait for a step that runs (an empty one is not sent).
+        self._preempted_ids += preempted
+        finished, preempted = self._finished_ids, self._preempted_ids
+        if granted:
+            self._finished_ids, self._preempted_ids = [], []
+        else:
+            finished, preempted = [], []
         # Data for the new rows first: it records the blocks they have as sent.
         new_requests = [self._new_request_data(r) for r in admitted if r in granted]
-        return SchedulerOutput(
+        out = SchedulerOutput(
             new_requests=new_requests,
             requests=[self._scheduled(request, n) for request, n in granted.items()],
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
         )
+        # The grants count as computed from now on, so the next step can be scheduled before
+        # this one's output is back; `update_from_output` confirms them.
+        for request, n in granted.items():
+            request.num_computed_tokens += n
+            request.num_inflight_tokens += n
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # this step samples its next token
+        return out
+
+    def _end(self, request: Request) -> int:
+        """The sequence length a request may reach."""
+        return min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+
+    def _finishes_by_length(self, request: Request) -> bool:
+        """Whether the token an in-flight step samples for the request is its last."""
+        return request.num_tokens + request.num_pending_tokens >= self._end(request)
 
     def _next_waiting(self) -> Request | None:
         """The next request to admit: the first in arrival order (preempted requests went back
@@ -183,7 +212,7 @@ class Scheduler:
             return False
         return (
             parent.status != RequestStatus.RUNNING
-            or parent.num_computed_tokens < parent.num_prompt_tokens
+            or parent.num_confirmed_tokens < parent.num_prompt_tokens
         )
 
     def _pick_victim(self, granted: dict[Request, int]) -> Request:
@@ -247,8 +276,8 @@ class Scheduler:
             rid = s.request_id
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += s.num_scheduled_tokens
+                continue  # finished, aborted or preempted while the step ran
+            request.num_inflight_tokens -= s.num_scheduled_tokens
             self.kv.cache_full_blocks(request)
             scored = output.prompt_logprobs.get(rid)
             if scored:
@@ -259,6 +288,7 @@ class Scheduler:
                 continue
             token = output.sampled[rid]
             logprobs = output.logprobs.get(rid)
+            request.num_pending_tokens -= 1
             request.append_output_token(token)
             status = self._check_stop(request, token)
             if status is not None:
