@@ -199,9 +199,10 @@ class ModelRunner:
         self._forward = jax.jit(
             functools.partial(_forward, self.graphdef, self._params_def, mesh), donate_argnums=(1,)
         )
+        # `last_tokens` is not donated (a few KiB): donating a buffer the forward pass still
+        # reads made the host wait for that pass before it could dispatch the sampler.
         self._sample = jax.jit(
-            functools.partial(_head_and_sample, self.graphdef, self._params_def, mesh),
-            donate_argnums=(4,),
+            functools.partial(_head_and_sample, self.graphdef, self._params_def, mesh)
         )
         self._score = jax.jit(functools.partial(_score_prompt, self.graphdef, self._params_def))
 
@@ -612,7 +613,7 @@ def _head_and_sample(
     last: jax.Array,
     sampling: SamplingInputs,
     sample_rows: jax.Array,  # i32[R]  the batch row of each request that samples, else out of range
-    last_tokens: jax.Array,  # i32[max_num_seqs], donated
+    last_tokens: jax.Array,  # i32[max_num_seqs]
 ):
     """The sampler's output, and `last_tokens` with each sampled token at its batch row."""
     model = _merge(graphdef, params_def, params)

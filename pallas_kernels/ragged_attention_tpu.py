@@ -7,7 +7,8 @@ double-buffered with async copies, and folds them into one online softmax per qu
 of other requests are masked for that request, so every row ends up with exactly its own
 request's attention.
 
-Design choices that keep the kernel checkable on CPU (see JAX_NOTES.md): every DMA copies one
+Design choices that keep the kernel checkable on CPU (Pallas interpret mode and the TPU
+simulator): every DMA copies one
 whole page (fixed size; pages past a request's length are skipped with `pl.when` rather than
 copied with a traced size) and VMEM refs are never reshaped after a DMA (only loaded values
 are). Garbage in the cache can never leak in: scores outside the causal/sliding-window mask are
