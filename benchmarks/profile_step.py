@@ -8,7 +8,7 @@ Runs `--batch` requests of `--context` random prompt tokens (seeded) through `LL
 then times `--steps` decode steps (every request decoding one token per step) stage by stage:
 
     schedule      Scheduler.schedule (host)
-    prepare       ModelRunner.prepare: the padded host arrays (host)
+    prepare       ModelRunner.update_batch and .prepare: the padded host arrays (host)
     forward       the layers' program, dispatch to result ready (device)
     head+sample   the output head and the sampler, dispatch to result ready (device)
     fetch         device_get of the sampled tokens and the rest of ModelRunner.execute (host)
@@ -24,6 +24,7 @@ decode throughput it implies (batch / median step).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from collections import defaultdict
@@ -51,12 +52,17 @@ def _timed(times: dict[str, list[float]], obj, name: str, stage: str, *, block: 
 
 
 def profile(args) -> dict:
+    # Stages are timed one after another, so steps run synchronously (older code has no flag).
+    extra = {}
+    if "async_scheduling" in inspect.signature(LLM).parameters:
+        extra["async_scheduling"] = False
     llm = LLM(
         args.model,
         dtype=args.dtype,
         max_model_len=args.context + args.steps + 8 + -(-args.batch * args.context // 512),
         max_num_seqs=max(args.batch, 1),
         attention_backend=args.attention_backend,
+        **extra,
     )
     rng = np.random.default_rng(0)
     vocab = llm.runner.config.vocab_size
@@ -79,6 +85,8 @@ def profile(args) -> dict:
     times: dict[str, list[float]] = defaultdict(list)
     runner, scheduler, engine = llm.runner, llm.engine.scheduler, llm.engine
     _timed(times, runner, "prepare", "prepare")
+    if hasattr(runner, "update_batch"):  # the persistent batch's diffs count as prepare
+        _timed(times, runner, "update_batch", "update_batch")
     if hasattr(runner, "_forward"):
         _timed(times, runner, "_forward", "forward", block=True)
         _timed(times, runner, "_sample", "head+sample", block=True)
@@ -118,8 +126,13 @@ def profile(args) -> dict:
     rows = {}
     for stage in ("schedule", "prepare", "forward", "head+sample", "update"):
         rows[stage] = [times[stage][i] for i in steps]
+    if times["update_batch"]:
+        rows["prepare"] = [
+            p + times["update_batch"][i] for p, i in zip(rows["prepare"], steps, strict=True)
+        ]
     rows["fetch"] = [
-        times["execute"][i] - times["prepare"][i] - times["forward"][i] - sample[i] for i in steps
+        times["execute"][i] - rows["prepare"][k] - times["forward"][i] - sample[i]
+        for k, i in enumerate(steps)
     ]
     rows["step"] = [starts[i + 1] - starts[i] for i in steps]
     rows["output"] = [
