@@ -18,6 +18,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument(
+        "--memory-utilization",
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of device memory the weights and KV cache may use (vLLM's "
+        "--gpu-memory-utilization; on CPU the KV cache gets 1 GiB instead)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument(
@@ -65,6 +73,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         page_size=args.page_size,
         num_pages=args.num_pages,
+        memory_utilization=args.memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,

@@ -73,3 +73,18 @@ def test_attention_backend_choices_match_the_kernels():
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]
     (action,) = [a for a in generate._actions if a.dest == "attention_backend"]
     assert set(action.choices) == set(pallas_kernels.ATTENTION_BACKENDS)
+
+
+def test_every_engine_argument_has_a_flag():
+    """Each keyword argument of `LLM(...)` can be set from `generate` and `serve`."""
+    import inspect
+
+    from jaxllm import LLM
+
+    wanted = set(inspect.signature(LLM).parameters) - {"model"}
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("generate", "serve"):
+        dests = {a.dest for a in commands[name]._actions}
+        assert wanted <= dests, f"{name} lacks flags for {sorted(wanted - dests)}"
+    args = build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "0.5"])
+    assert args.memory_utilization == 0.5
