@@ -45,8 +45,8 @@ from jaxllm.engine.step_data import (
 )
 from jaxllm.input_batch import MAX_BLOCKED_IDS, InputBatch
 from jaxllm.models import AttentionMetadata
-from jaxllm.sampler import SamplingInputs, sample
-from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from jaxllm.sampler import SamplingInputs, sample, token_logprobs
+from jaxllm.sampling_params import MAX_LOGIT_BIAS
 from pallas_kernels import get_kv_cache_shape
 
 logger = logging.getLogger(__name__)
@@ -628,8 +628,4 @@ def _score_prompt(graphdef, params_def, params, hidden: jax.Array, targets: jax.
     """prompt_logprobs: for each token row, the logprob and rank of `targets` (the next prompt
     token; -1 rows are ignored) and the top MAX_LOGPROBS, from the raw logits."""
     model = _merge(graphdef, params_def, params)
-    logprobs = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)  # [T, V]
-    chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
-    rank = (logprobs > chosen[:, None]).sum(axis=-1).astype(jnp.int32) + 1
-    top_lps, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    return chosen, rank, top_ids.astype(jnp.int32), top_lps
+    return token_logprobs(model.compute_logits(hidden), jnp.maximum(targets, 0))

@@ -266,9 +266,11 @@ def _modify(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     return jax.lax.cond(_any_penalty(s), _apply_penalties, lambda x, _: x, logits, s)
 
 
-def _logprobs(raw: jax.Array, sampled: jax.Array):
+def token_logprobs(raw: jax.Array, ids: jax.Array):
+    """Per row of raw logits [R, V]: the logprob of `ids[r]`, its rank (1 = most likely) and
+    the top MAX_LOGPROBS ids and logprobs (padded with -inf past a smaller vocabulary)."""
     logprobs = jax.nn.log_softmax(raw, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, sampled[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
     rank = (logprobs > chosen[:, None]).sum(axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, raw.shape[-1]))
     pad = ((0, 0), (0, MAX_LOGPROBS - top_lp.shape[-1]))  # a vocabulary smaller than that
@@ -307,6 +309,6 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f3
         jnp.zeros((num_reqs, MAX_LOGPROBS), jnp.float32),
     )
     chosen, rank, top_ids, top_lp = jax.lax.cond(
-        jnp.any(s.logprobs), lambda: _logprobs(raw, sampled), lambda: none
+        jnp.any(s.logprobs), lambda: token_logprobs(raw, sampled), lambda: none
     )
     return SamplerOutput(sampled, chosen, rank, top_ids, top_lp)
