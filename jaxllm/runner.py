@@ -181,6 +181,8 @@ class ModelRunner:
             config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim
         )
         self.mesh = mesh
+        # Where host inputs go: the default device, or replicated over the mesh.
+        self._replicated = None if mesh is None else sharding.replicated(mesh)
         self.kv_cache = self._zeros_cache(shape, dtype)
         self.kv_cache_lost = False  # set when a failed step took the cache with it
         self.input_batch = InputBatch(
@@ -227,7 +229,6 @@ class ModelRunner:
         nothing compiles while serving. Returns the seconds it took. XLA compiles without the
         GIL, so the programs compile on one thread per CPU core."""
         start = time.perf_counter()
-        replicated = None if self.mesh is None else sharding.replicated(self.mesh)
         _, hidden, _ = jax.eval_shape(
             self._forward,
             self._params,
@@ -237,7 +238,9 @@ class ModelRunner:
         )
 
         def rows(n: int) -> jax.ShapeDtypeStruct:  # hidden states shaped as the forward makes them
-            return jax.ShapeDtypeStruct((n, *hidden.shape[1:]), hidden.dtype, sharding=replicated)
+            return jax.ShapeDtypeStruct(
+                (n, *hidden.shape[1:]), hidden.dtype, sharding=self._replicated
+            )
 
         # Ahead-of-time: compile (or load) without running. The jitted functions reuse these
         # executables when real batches arrive.
@@ -342,8 +345,8 @@ class ModelRunner:
         batch without bias or penalties neither builds nor sends the [R, max_model_len]
         history (`prepare` swaps in host arrays when some request needs them)."""
         if r_pad not in self._idle_penalty_inputs:
-            target = None if self.mesh is None else sharding.replicated(self.mesh)
-            self._idle_penalty_inputs[r_pad] = jax.device_put(self._penalty_padding(r_pad), target)
+            padding = self._penalty_padding(r_pad)
+            self._idle_penalty_inputs[r_pad] = jax.device_put(padding, self._replicated)
         return self._idle_penalty_inputs[r_pad]
 
     def _fill_penalty_inputs(
@@ -372,12 +375,11 @@ class ModelRunner:
             host["history_ids"][:n] = ib.token_ids[rows]
             host["num_prompt_tokens"][:n] = ib.num_prompt_tokens[rows]
         if self.mesh is not None:  # placed like the device-resident padding warmup saw
-            host = jax.device_put(host, sharding.replicated(self.mesh))
+            host = jax.device_put(host, self._replicated)
         return dataclasses.replace(sampling, **host)
 
     def _zeros_last_tokens(self) -> jax.Array:
-        target = None if self.mesh is None else sharding.replicated(self.mesh)
-        return jax.device_put(np.zeros(self.max_num_seqs, np.int32), target)
+        return jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._replicated)
 
     def _zeros_cache(self, shape, dtype) -> jax.Array:
         """A zero cache, created in place on its devices (split on kv heads under a mesh)."""
@@ -396,7 +398,6 @@ class ModelRunner:
         for rid in out.preempted_request_ids:
             ib.remove(rid)
         for new in out.new_requests:
-            ib.remove(new.request_id)  # resumed in the step that preempted it
             ib.add(new)
         return ib.apply(out.requests)
 
@@ -473,20 +474,28 @@ class ModelRunner:
                 self._params, last, sampling, sample_rows, self.last_tokens
             )
             scoring = self._launch_scoring(out, hidden, len(batch.input_ids))
-        positions = ib.num_tokens[rows[sampling_reqs]]
-        ib.token_ids[rows[sampling_reqs], positions] = -1
-        ib.num_tokens[rows[sampling_reqs]] += 1
-        return InflightStep(out, rows, sampling_reqs, positions, result, scoring)
+        sampling_rows = rows[sampling_reqs]
+        positions = ib.num_tokens[sampling_rows]
+        ib.token_ids[sampling_rows, positions] = -1
+        ib.num_tokens[sampling_rows] += 1
+        return InflightStep(
+            out,
+            sampling_reqs,
+            sampling_rows,
+            positions,
+            ib.num_logprobs[sampling_rows],
+            result,
+            scoring,
+        )
 
     def fetch(self, step: InflightStep) -> RunnerOutput:
         """Waits for a launched step: the tokens sampled for every request whose scheduled
         chunk reached the end of its sequence (written over their placeholders), their
         logprobs when asked, and the prompt tokens the chunks scored (prompt_logprobs)."""
         ib = self.input_batch
-        reqs = step.sampling_reqs
-        num_logprobs = ib.num_logprobs[step.rows]
+        reqs, rows, num_logprobs = step.sampling_reqs, step.rows, step.num_logprobs
         with self._recovering():
-            if (num_logprobs[reqs] >= 0).any():
+            if (num_logprobs >= 0).any():
                 result = jax.device_get(step.result)
                 all_tokens = result.sampled
             else:  # only the tokens cross (one transfer instead of five)
@@ -496,7 +505,6 @@ class ModelRunner:
         tokens = all_tokens[reqs]
         # Rows still held by their request (one finished or preempted since then may have
         # handed its row to another).
-        rows = step.rows[reqs]
         held = np.fromiter(
             (ib.row_of.get(ids[i]) == row for i, row in zip(reqs, rows, strict=True)),
             np.bool_,
@@ -505,8 +513,8 @@ class ModelRunner:
         ib.token_ids[rows[held], step.positions[held]] = tokens[held]
         sampled = dict(zip([ids[i] for i in reqs], tokens.tolist(), strict=True))
         logprobs = {}
-        for i in reqs[num_logprobs[reqs] >= 0].tolist():
-            k = int(num_logprobs[i])
+        for j in np.flatnonzero(num_logprobs >= 0).tolist():
+            i, k = int(reqs[j]), int(num_logprobs[j])
             logprobs[ids[i]] = TokenLogprobs(
                 float(result.logprob[i]),
                 int(result.rank[i]),
@@ -574,9 +582,10 @@ class InflightStep:
     """A launched step: what `ModelRunner.fetch` needs to collect its results."""
 
     out: SchedulerOutput
-    rows: np.ndarray  # the batch rows of out.requests
     sampling_reqs: np.ndarray  # indices into out.requests of the requests that sample
+    rows: np.ndarray  # their batch rows
     positions: np.ndarray  # where their sampled tokens go in their rows
+    num_logprobs: np.ndarray  # the logprobs each asked for (-1: none), read at launch
     result: Any  # the sampler's output, on the device
     scoring: Any  # prompt_logprobs: (targets, device results), or None
 

@@ -52,7 +52,7 @@ class EngineCore:
         flight: the caller fails the running requests."""
         try:
             if not self.async_scheduling or self._needs_sync():
-                updates = self._collect()
+                updates = self.drain()
                 scheduled = self.scheduler.schedule()
                 if scheduled.is_empty:
                     return updates
@@ -61,7 +61,7 @@ class EngineCore:
                 return updates + self.scheduler.update_from_output(scheduled, output)
             scheduled = self.scheduler.schedule()
             launched = None if scheduled.is_empty else self.runner.launch(scheduled)
-            updates = self._collect()
+            updates = self.drain()
             if launched is not None:
                 self._inflight = (scheduled, launched)
                 self.num_steps += 1
@@ -71,15 +71,8 @@ class EngineCore:
             raise
 
     def drain(self) -> list[RequestUpdate]:
-        """Waits for the step in flight, if any (e.g. one launched past the last stop)."""
-        try:
-            return self._collect()
-        except BaseException:
-            self._inflight = None
-            raise
-
-    def _collect(self) -> list[RequestUpdate]:
-        """Waits for the step in flight, if any, and applies its output."""
+        """Waits for the step in flight, if any (e.g. one launched past the last stop), and
+        applies its output. Nothing is left in flight, even if it raises."""
         if self._inflight is None:
             return []
         scheduled, launched = self._inflight

@@ -80,9 +80,10 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
-    def _preempt(self, request: Request, granted: dict[Request, int]) -> int:
+    def _preempt(self, request: Request, granted: dict[Request, int], preempted: list[str]) -> int:
         """Frees a running request's blocks and sends it back to the front of the queue, to be
-        recomputed; returns the tokens it had been granted this step (now free again)."""
+        recomputed; records it in `preempted` and returns the tokens it had been granted this
+        step (now free again)."""
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -92,6 +93,7 @@ class Scheduler:
         request.num_inflight_tokens = request.num_pending_tokens = 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        preempted.append(request.request_id)
         return granted.pop(request, 0)
 
     def schedule(self) -> SchedulerOutput:
@@ -114,8 +116,7 @@ class Scheduler:
             n = min(n, budget)
             while not self.kv.allocate_slots(request, n):
                 victim = self._pick_victim(granted)
-                budget += self._preempt(victim, granted)
-                preempted.append(victim.request_id)
+                budget += self._preempt(victim, granted, preempted)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
@@ -133,8 +134,7 @@ class Scheduler:
                 victim = self._displaceable(request)
                 if victim is None:
                     break
-                budget += self._preempt(victim, granted)
-                preempted.append(victim.request_id)
+                budget += self._preempt(victim, granted, preempted)
             # A new or preempted request starts from its longest cached prefix, unless its
             # prompt positions must be scored (prompt_logprobs).
             computed_blocks, num_cached = (
@@ -144,8 +144,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             allocated = self.kv.allocate_slots(request, n, computed_blocks)
             while not allocated and (victim := self._displaceable(request)) is not None:
-                budget += self._preempt(victim, granted)
-                preempted.append(victim.request_id)
+                budget += self._preempt(victim, granted, preempted)
                 n = min(request.num_tokens - num_cached, budget)
                 allocated = self.kv.allocate_slots(request, n, computed_blocks)
             if not allocated:
@@ -219,7 +218,7 @@ class Scheduler:
         """The running request to preempt when a running one needs blocks (the request being
         scheduled is itself a candidate, so there always is one)."""
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            return self._lowest_priority_running()
         return [r for r in self.running if r not in granted][-1]
 
     def _displaceable(self, request: Request) -> Request | None:
@@ -227,8 +226,12 @@ class Scheduler:
         lowest-priority, newest one, if its priority is strictly lower than the request's."""
         if self.config.policy != "priority" or not self.running:
             return None
-        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        victim = self._lowest_priority_running()
         return victim if victim.priority > request.priority else None
+
+    def _lowest_priority_running(self) -> Request:
+        """The lowest-priority running request (the largest value), the newest among equals."""
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         block_ids = list(self.kv.get_block_table(request.request_id))
@@ -314,9 +317,6 @@ class Scheduler:
             if token in request.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
+        if request.num_tokens >= self._end(request):
             return RequestStatus.FINISHED_LENGTH
         return None
