@@ -1,5 +1,9 @@
 """The `jaxllm` command line: `serve` (the OpenAI-compatible server), `generate` for a quick
-check, `fetch` for the demo models, `convert` to an orbax checkpoint."""
+check, `fetch` for the demo models, `convert` to an orbax checkpoint.
+
+The engine's flags of `serve` and `generate` are made from `EngineConfig`'s fields
+(`jaxllm.config.add_cli_args`). Both run multi-host: started on every host with the same
+flags, host 0 serves (or generates) and the others follow it (`jaxllm.engine.multihost`)."""
 
 from __future__ import annotations
 
@@ -7,84 +11,26 @@ import argparse
 import logging
 import sys
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model", help="HF checkpoint directory, .gguf file, or a demo name (smollm2-135m)"
-    )
-    p.add_argument(
-        "--dtype", default="auto", help="auto (f32 on CPU, bf16 elsewhere), float32, bfloat16"
-    )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument(
-        "--memory-utilization",
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="share of device memory the weights and KV cache may use (vLLM's "
-        "--gpu-memory-utilization; on CPU the KV cache gets 1 GiB instead)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument(
-        "--attention-backend",
-        # pallas_kernels.ATTENTION_BACKENDS, spelled out so --help need not import JAX.
-        choices=("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu"),
-        default="auto",
-        help="auto: the platform's kernel (on CPU the native `cpu` kernel, or `xla` where no C++ "
-        "compiler builds it); pallas: the platform's Pallas kernel (interpreted on CPU, for "
-        "checking); or a backend by name",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model and its KV cache over this many devices",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV cache of shared prompt prefixes (default: on)",
-    )
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="schedule each step while the previous one runs on the device (default: on)",
-    )
-    p.add_argument(
-        "--skip-warmup", action="store_true", help="do not compile every bucket at startup"
-    )
-    p.add_argument(
-        "--compilation-cache-dir",
-        default="default",
-        help="JAX persistent compilation cache (default: ~/.cache/jaxllm/xla)",
-    )
+from jaxllm.config import EngineConfig, add_cli_args
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        memory_utilization=args.memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        skip_warmup=args.skip_warmup,
-        compilation_cache_dir=args.compilation_cache_dir,
-        tensor_parallel_size=args.tensor_parallel_size,
-        async_scheduling=args.async_scheduling,
-    )
+def _multihost_worker(config) -> int | None:
+    """On a host other than 0 of a multi-host run: builds the engine and follows host 0 until
+    it stops (returns 0). None on host 0, and when no multi-host run is asked for."""
+    if not config.parallel.multihost:
+        return None
+    from jaxllm.engine import multihost
+
+    index = multihost.process_index(config.parallel)
+    if index == 0:
+        return None
+    from jaxllm.engine.core import EngineCore
+
+    engine = EngineCore.from_config(config)
+    logging.getLogger("jaxllm").info("multi-host: host %d follows host 0", index)
+    steps = multihost.run_worker(engine)
+    logging.getLogger("jaxllm").info("multi-host: host 0 stopped after %d steps", steps)
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -98,7 +44,19 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, **_engine_kwargs(args))
+    config = EngineConfig.from_cli(args)
+    worker = _multihost_worker(config)
+    if worker is not None:
+        return worker
+    llm = LLM(config=config)
+    try:
+        _print_generations(llm, args, params)
+    finally:
+        llm.engine.shutdown()  # multi-host: releases the other hosts
+    return 0
+
+
+def _print_generations(llm, args: argparse.Namespace, params) -> None:
     if args.chat:
         convs = [[{"role": "user", "content": p}] for p in args.prompt]
         outputs = llm.chat(convs, params, use_tqdm=False)
@@ -109,7 +67,6 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"### prompt: {prompt}")
         print(c.text)
         print(f"### {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
-    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -117,10 +74,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from server.main import serve
 
+    config = EngineConfig.from_cli(args)
+    worker = _multihost_worker(config)  # hosts other than 0 serve no HTTP
+    if worker is not None:
+        return worker
     api_key = args.api_key or os.environ.get("JAXLLM_API_KEY") or None
     return serve(
-        args.model,
-        _engine_kwargs(args),
+        config,
         host=args.host,
         port=args.port,
         api_key=api_key,
@@ -157,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
-    _add_engine_args(gen)
+    add_cli_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="may be repeated")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -169,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    _add_engine_args(srv)
+    add_cli_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(

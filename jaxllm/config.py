@@ -1,38 +1,50 @@
 """Configuration: one small frozen dataclass per concern, validated on construction.
 
 `ModelConfig` describes the network (built from a Hugging Face `config.json` or from GGUF
-metadata); `CacheConfig`, `SchedulerConfig` and `EngineConfig` describe how it is served.
-CLI flags and `LLM(...)` keyword arguments map one-to-one onto these fields.
+metadata). `EngineConfig` describes how it is served, one section per concern: `LoadConfig`
+(the model source and overrides), `CacheConfig`, `SchedulerConfig`, `ParallelConfig` and
+`CompilationConfig`. Each of their fields is declared once, with its default and a docstring;
+the `LLM(...)` keyword arguments, the command line's flags (`add_cli_args`, vLLM's names as
+aliases where vLLM has the concept) and their `--help` all come from those declarations.
+
+This module imports no JAX, so `jaxllm --help` starts fast.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
+import textwrap
+import types
+import typing
 from typing import Any
-
-import jax.numpy as jnp
 
 # Hugging Face `architectures` entries we can run; the model registry maps them to classes.
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 _DTYPES = {
-    "float32": jnp.float32,
-    "f32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "bf16": jnp.bfloat16,
-    "float16": jnp.float16,
-    "f16": jnp.float16,
+    "float32": "float32",
+    "f32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "f16": "float16",
 }
 
 
-def resolve_dtype(dtype: Any) -> jnp.dtype:
+def resolve_dtype(dtype: Any):
     """Maps "auto", a name such as "bfloat16", or a dtype to a jnp dtype.
 
     "auto" is float32 on CPU (exact parity with references) and bfloat16 on accelerators.
     """
-    if dtype is None or dtype == "auto":
-        import jax
+    import jax
+    import jax.numpy as jnp
 
+    if dtype is None or dtype == "auto":
         return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -163,21 +175,83 @@ class ModelConfig:
         )
 
 
+# ---- how the model is served ------------------------------------------------------------
+#
+# Every field below is an `LLM(...)` keyword argument and a flag of `jaxllm generate` and
+# `jaxllm serve` (its name with dashes); its docstring is the flag's help. `_opt` adds what a
+# flag needs beyond that: vLLM's spelling as an alias, and the choices.
+
+
+def _opt(default: Any, *aliases: str, choices: tuple[str, ...] | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"aliases": aliases, "choices": choices})
+
+
+# pallas_kernels.ATTENTION_BACKENDS, spelled out here so the command line need not import JAX
+# (tests/test_cli_and_cache.py checks that they agree).
+ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
+
+
+def _check_types(config: Any) -> None:
+    """A clear error naming the parameter for a value of the wrong type (a string where a
+    number belongs, a bool for an int, ...), before any comparison trips over it."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, hint = getattr(config, f.name), hints[f.name]
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        ok = any(
+            (value is None and t is type(None))
+            or (t is bool and isinstance(value, bool))
+            or (t is int and isinstance(value, int) and not isinstance(value, bool))
+            or (t is float and isinstance(value, int | float) and not isinstance(value, bool))
+            or (t is str and isinstance(value, str))
+            for t in allowed
+        )
+        if not ok:
+            want = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {want}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    """Where the model comes from, and how its weights are loaded."""
+
+    model: str
+    """HF checkpoint directory, .gguf file, orbax checkpoint (`jaxllm convert`), or a demo
+    model's name (smollm2-135m)."""
+    dtype: str = _opt("auto", choices=("auto", *_DTYPES))
+    """The weights' dtype: auto is float32 on CPU (exact parity with references), bfloat16
+    on accelerators."""
+    seed: int = 0
+    """Seeds the seeds of requests that give none, so a run repeats."""
+
+    def __post_init__(self) -> None:
+        if hasattr(self.model, "__fspath__"):  # a Path is welcome
+            object.__setattr__(self, "model", str(self.model))
+        _check_types(self)
+        if not str(self.model):
+            raise ValueError("model must not be empty")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
 
-    page_size: int = 16
-    """Tokens per page (block)."""
-    num_pages: int | None = None
-    """Pages in the pool; None derives it from `memory_utilization`."""
-    memory_utilization: float = 0.9
-    """Share of device memory the weights and KV cache may use (vLLM's
-    `gpu_memory_utilization`). On CPU, where JAX reports no memory limit, the KV cache gets
-    `cpu_kv_cache_gib` instead."""
+    page_size: int = _opt(16, "--block-size")
+    """Tokens per KV page (vLLM's block size); a power of two."""
+    num_pages: int | None = _opt(None, "--num-gpu-blocks-override")
+    """Pages in the KV pool; default: as many as `memory_utilization` leaves room for."""
+    memory_utilization: float = _opt(0.9, "--gpu-memory-utilization")
+    """Share of device memory the weights and KV cache may use. On CPU, where JAX reports
+    no memory limit, the KV cache gets `cpu_kv_cache_gib` instead."""
     cpu_kv_cache_gib: float = 1.0
+    """The KV cache's size on CPU, in GiB."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:
@@ -190,23 +264,29 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits."""
+    """Continuous batching."""
 
-    max_model_len: int
-    """Longest sequence (prompt + output) a request may reach."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) a request may reach; default: the model's context,
+    clipped to what the KV cache holds. The engine fills it in when it starts."""
     max_num_seqs: int = 64
     """Most requests in one step."""
     max_num_batched_tokens: int = 512
     """Most tokens (prefill chunks + decodes) in one step."""
-    policy: str = "fcfs"
-    """"fcfs": waiting requests in arrival order, the newest running one is preempted first.
-    "priority": by (priority, arrival), lower values first; the lowest-priority, newest
-    running request is preempted first."""
+    scheduling_policy: str = _opt("fcfs", choices=("fcfs", "priority"))
+    """fcfs: waiting requests in arrival order, the newest running one is preempted first.
+    priority: by (priority, arrival), lower values first; the lowest-priority, newest running
+    request is preempted first, and a waiting request may preempt lower-priority ones."""
+    async_scheduling: bool = True
+    """Schedule each step while the previous one runs on the device."""
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
-        if self.max_model_len < 1:
+        _check_types(self)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -214,4 +294,197 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}): every running request needs a token"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Devices, and hosts (see `jaxllm.engine.multihost`)."""
+
+    tensor_parallel_size: int | None = None
+    """Split the model and its KV cache over this many devices; default: 1 on one host,
+    every device of every host in a multi-host run."""
+    distributed: bool = False
+    """Join a multi-host run (`jax.distributed`): host 0 schedules (and serves HTTP), the
+    others execute its steps. Implied by `coordinator_address`; on Cloud TPU VMs JAX
+    discovers the coordinator, the process count and this host's id."""
+    coordinator_address: str | None = None
+    """host:port of process 0's coordinator (env JAXLLM_COORDINATOR_ADDRESS)."""
+    num_processes: int | None = None
+    """Processes (hosts) in the run (env JAXLLM_NUM_PROCESSES)."""
+    process_id: int | None = None
+    """This process's index, 0 on the host that schedules (env JAXLLM_PROCESS_ID)."""
+    lockstep_address: str | None = None
+    """tcp://HOST0:PORT of the channel host 0 sends its steps on (env
+    JAXLLM_LOCKSTEP_ADDRESS); default: the coordinator's host, one port above it."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ValueError(f"process_id must be >= 0, got {self.process_id}")
+
+    @property
+    def multihost(self) -> bool:
+        """Whether this process is asked to join a multi-host run."""
+        return self.distributed or any(
+            v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilationConfig:
+    """The runner's programs."""
+
+    attention_backend: str = _opt("auto", choices=ATTENTION_BACKENDS)
+    """auto: the platform's kernel (on CPU the native `cpu` kernel, or `xla` where no C++
+    compiler builds it); pallas: the platform's Pallas kernel (interpreted on CPU, for
+    checking); or a backend by name."""
+    skip_warmup: bool = False
+    """Do not compile every bucket at startup (programs then compile on first use)."""
+    compilation_cache_dir: str | None = "default"
+    """JAX's persistent compilation cache: default is `xla` under $JAXLLM_CACHE_DIR or
+    ~/.cache/jaxllm; none leaves JAX's own setting alone."""
+
+    def __post_init__(self) -> None:
+        if self.compilation_cache_dir is not None and hasattr(
+            self.compilation_cache_dir, "__fspath__"
+        ):  # a Path is welcome
+            object.__setattr__(self, "compilation_cache_dir", str(self.compilation_cache_dir))
+        _check_types(self)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                f"{self.attention_backend!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides how an engine is built, one section per concern.
+
+    `EngineConfig.create(model, max_num_seqs=8, ...)` takes the sections' fields flat, by
+    name (the `LLM(...)` keyword arguments); `add_cli_args` and `from_cli` do the same for a
+    command line."""
+
+    load: LoadConfig
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+
+    @staticmethod
+    def fields() -> dict[str, tuple[str, dataclasses.Field]]:
+        """Every flat field name -> (its section, its field)."""
+        return _flat_fields()
+
+    @classmethod
+    def create(cls, model: Any, **kwargs: Any) -> EngineConfig:
+        """Builds the sections from flat keyword arguments; a name that is no field raises."""
+        fields = _flat_fields()
+        unknown = sorted(set(kwargs) - set(fields))
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        sections: dict[str, dict[str, Any]] = {s.name: {} for s in dataclasses.fields(cls)}
+        kwargs["model"] = model
+        for name, value in kwargs.items():
+            sections[fields[name][0]][name] = value
+        hints = typing.get_type_hints(cls)
+        return cls(**{s: hints[s](**values) for s, values in sections.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """The inverse of `create`: every field by name."""
+        return {
+            name: getattr(getattr(self, section), name)
+            for name, (section, _) in _flat_fields().items()
+        }
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config of a command line parsed by a parser `add_cli_args` filled in."""
+        values = {name: getattr(args, name) for name in _flat_fields()}
+        return cls.create(values.pop("model"), **values)
+
+    def replace(self, **kwargs: Any) -> EngineConfig:
+        """A copy with some flat fields changed."""
+        return EngineConfig.create(**{**self.flat(), **kwargs})
+
+
+@functools.cache
+def _flat_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    hints = typing.get_type_hints(EngineConfig)
+    out: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section in dataclasses.fields(EngineConfig):
+        for f in dataclasses.fields(hints[section.name]):
+            assert f.name not in out, f"engine field {f.name!r} is declared twice"
+            out[f.name] = (section.name, f)
+    return out
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings under a dataclass's fields (a string literal right after the field),
+    read from its source as Sphinx reads them."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    docs = {}
+    for a, b in itertools.pairwise(tree.body[0].body):
+        if (
+            isinstance(a, ast.AnnAssign)
+            and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)
+        ):
+            docs[a.target.id] = " ".join(inspect.cleandoc(b.value.value).split())
+    return docs
+
+
+def _cli_value(hint: Any):
+    """argparse's `type` for a field: its type, with "none" for None where None is allowed."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    base = next(t for t in allowed if t is not type(None))
+    if type(None) not in allowed:
+        return base
+
+    def parse(text: str):
+        return None if text.lower() == "none" else base(text)
+
+    parse.__name__ = base.__name__  # argparse names the type in its errors
+    return parse
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Adds a flag per engine field (`--max-num-seqs`; bools as `--x/--no-x`; vLLM's names
+    as aliases), the model positional, each with the field's docstring as help."""
+    hints = {}
+    for name, (section, f) in _flat_fields().items():
+        cls = typing.get_type_hints(EngineConfig)[section]
+        hints.setdefault(cls, typing.get_type_hints(cls))
+        hint, doc = hints[cls][name], field_docs(cls).get(name, "")
+        if name == "model":
+            parser.add_argument("model", help=doc)
+            continue
+        flags = ["--" + name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        default = f.default
+        help_text = doc if default is None else f"{doc} (default: {default})"
+        help_text = help_text.replace("%", "%%")
+        if hint is bool:
+            on_off = "on" if default else "off"
+            parser.add_argument(
+                *flags,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=f"{doc} (default: {on_off})",
+            )
+        else:
+            parser.add_argument(
+                *flags,
+                dest=name,
+                type=_cli_value(hint),
+                default=default,
+                choices=f.metadata.get("choices"),
+                help=help_text,
             )

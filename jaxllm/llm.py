@@ -10,6 +10,7 @@ batches: continuous batching runs them side by side rather than one after anothe
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -17,26 +18,23 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-import pallas_kernels
-from jaxllm.compilation_cache import setup_compilation_cache
-from jaxllm.config import CacheConfig, SchedulerConfig, resolve_dtype
+from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
-from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import Request, check_prompt_ids, derive_seed, resolve_max_tokens
-from jaxllm.engine.scheduler import Scheduler
-from jaxllm.kv_sizing import plan_kv_cache
-from jaxllm.loaders import load_model, load_tokenizer
-from jaxllm.model_cache import cache_dir
+from jaxllm.engine.request import (
+    Request,
+    check_prompt_ids,
+    derive_seed,
+    fan_out,
+    resolve_eos_token_ids,
+    resolve_max_tokens,
+)
+from jaxllm.loaders import load_tokenizer
 from jaxllm.outputs import RequestOutput
-from jaxllm.runner import ModelRunner
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -44,103 +42,50 @@ Prompt = str | dict[str, Any]
 
 
 class LLM:
+    """An engine (`EngineCore`), a tokenizer and an output processor, in this process.
+
+    `LLM(model, **engine_args)`: the keyword arguments are the fields of `EngineConfig`'s
+    sections, by name (`max_num_seqs=8`, `tensor_parallel_size=4`, ...), each documented
+    where it is declared in `jaxllm.config` and shown by `help(LLM)`; `config=` takes a whole
+    `EngineConfig` instead. In a multi-host run (`jax.distributed` initialized first, or
+    `distributed=True`) host 0 generates and every other host calls
+    `multihost.run_worker(llm.engine)`."""
+
     def __init__(
         self,
-        model: str | os.PathLike,
+        model: str | os.PathLike | None = None,
         *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        memory_utilization: float = 0.9,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
-        skip_warmup: bool = False,
-        compilation_cache_dir: str | os.PathLike | None = "default",
-        tensor_parallel_size: int = 1,
-        async_scheduling: bool = True,
+        config: EngineConfig | None = None,
+        **engine_args: Any,
     ):
-        """`compilation_cache_dir`: JAX's persistent compilation cache; "default" is
-        `<cache>/xla` under `$JAXLLM_CACHE_DIR` or `~/.cache/jaxllm`, None leaves JAX's
-        setting alone. `skip_warmup` skips compiling every bucket at startup (programs then
-        compile on first use). `tensor_parallel_size`: split the model and its KV cache over
-        this many devices (see `jaxllm.sharding`). `async_scheduling`: schedule
-        each step while the previous one runs (see `jaxllm.engine.core`)."""
-        if compilation_cache_dir == "default":
-            compilation_cache_dir = cache_dir() / "xla"
-        setup_compilation_cache(compilation_cache_dir)
-        jdtype = resolve_dtype(dtype)
-        self.attention_backend = backend = pallas_kernels.resolve_backend(attention_backend)
-        cache_config = CacheConfig(
-            page_size=page_size, num_pages=num_pages, memory_utilization=memory_utilization
-        )
-        self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
+        if config is None:
+            if model is None:
+                raise TypeError("LLM() needs a model (or a config)")
+            config = EngineConfig.create(model, **engine_args)
+        elif model is not None or engine_args:
+            raise TypeError("LLM(config=...) takes no other engine arguments")
         # The tokenizer (mostly importing transformers) loads on a thread meanwhile.
         tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
-        tokenizer = tokenizer_pool.submit(load_tokenizer, model)
+        tokenizer = tokenizer_pool.submit(load_tokenizer, config.load.model)
         tokenizer_pool.shutdown(wait=False)
-        loaded = load_model(
-            model, dtype=jdtype, attention_backend=backend, mesh=self.mesh, load_tokenizer=False
-        )
-        self.model_config = loaded.config
-        self.generation_config = loaded.generation_config
-        # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend
-        # computes bfloat16 in float32, and converting the cache for the K/V write made every
-        # forward program copy it, every step (found by the runner's in-place check).
-        kv_dtype = jnp.float32 if jax.default_backend() == "cpu" else jdtype
-        num_pages, max_model_len = plan_kv_cache(
-            loaded.config, cache_config, kv_dtype, max_model_len, tensor_parallel_size
-        )
-        self.scheduler_config = SchedulerConfig(
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            policy=scheduling_policy,
-        )
-        self.runner = ModelRunner(
-            loaded.model,
-            loaded.config,
-            num_pages=num_pages,
-            page_size=page_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            dtype=kv_dtype,
-            mesh=self.mesh,
-        )
-        self.kv_cache_manager = KVCacheManager(
-            num_pages, page_size, enable_prefix_caching=enable_prefix_caching
-        )
-        self.engine = EngineCore(
-            Scheduler(self.scheduler_config, self.kv_cache_manager),
-            self.runner,
-            async_scheduling=async_scheduling,
-        )
-        self._rng = np.random.default_rng(seed)
-        self._ids = itertools.count()
-        logger.info(
-            "buckets: tokens %s x requests %s; programs: %d forward shapes %s + %d output "
-            "heads + %d prompt scorers = %d",
-            self.runner.token_buckets,
-            self.runner.request_buckets,
-            len(self.runner.shapes),
-            self.runner.shapes,
-            len(self.runner.request_buckets),
-            len(self.runner.token_buckets),
-            self.runner.num_programs,
-        )
-        self.warmup_seconds = None
-        if not skip_warmup:
-            self.warmup_seconds = self.runner.warmup()
-            logger.info(
-                "warmup: %d programs in %.1f s", self.runner.num_programs, self.warmup_seconds
-            )
+        self.engine = EngineCore.from_config(config)
+        self.config = self.engine.config
         self.tokenizer = tokenizer.result()[0]
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = resolve_eos_token_ids(
+            self.model_config.eos_token_ids, self.generation_config, self.tokenizer
+        )
+        self._rng = np.random.default_rng(self.config.load.seed)
+        self._ids = itertools.count()
+
+    # What researchers and tests reach for, all owned by the engine.
+    runner = property(lambda self: self.engine.runner)
+    kv_cache_manager = property(lambda self: self.engine.scheduler.kv)
+    model_config = property(lambda self: self.engine.model_config)
+    generation_config = property(lambda self: self.engine.generation_config)
+    scheduler_config = property(lambda self: self.config.scheduler)
+    mesh = property(lambda self: self.engine.mesh)
+    attention_backend = property(lambda self: self.config.compilation.attention_backend)
+    warmup_seconds = property(lambda self: self.engine.warmup_seconds)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False (nothing done) while requests hold blocks."""
@@ -152,16 +97,6 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        gen_eos = self.generation_config.get("eos_token_id")
-        ids.update(
-            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        )
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # ---- validation -------------------------------------------------------------------
 
@@ -237,7 +172,7 @@ class LLM:
     def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int] | None:
         if priority is None:
             return None  # everyone at the default priority (see _run)
-        if self.scheduler_config.policy != "priority":
+        if self.scheduler_config.scheduling_policy != "priority":
             raise ValueError('priority: requires LLM(..., scheduling_policy="priority")')
         priority = list(priority)
         if len(priority) != n or not all(
@@ -297,8 +232,7 @@ class LLM:
             rid = str(next(self._ids))
             max_tokens = resolve_max_tokens(sp, len(ids), self.max_model_len)
             sub_ids = []
-            for i in range(sp.n):
-                sub = rid if sp.n == 1 else f"{rid}-{i}"
+            for sub, i, parent in fan_out(rid, sp.n):
                 requests.append(
                     Request(
                         sub,
@@ -308,7 +242,7 @@ class LLM:
                         max_tokens=max_tokens,
                         seed=derive_seed(sp.seed, i, self._rng),
                         priority=prio,
-                        prefix_parent=sub_ids[0] if sub_ids else None,
+                        prefix_parent=parent,
                     )
                 )
                 processor.add_request(sub, i, ids, sp)
@@ -353,3 +287,18 @@ class LLM:
             )
             for rid, text, ids, sub_ids in groups
         ]
+
+
+def _signature() -> inspect.Signature:
+    """`LLM.__init__`'s signature with every engine field spelled out, defaults as declared
+    (for `help(LLM)`, IDEs and `inspect`)."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("model", P.POSITIONAL_OR_KEYWORD)]
+    for name, (_, f) in EngineConfig.fields().items():
+        if name != "model":
+            params.append(P(name, P.KEYWORD_ONLY, default=f.default))
+    params.append(P("config", P.KEYWORD_ONLY, default=None))
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()

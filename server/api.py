@@ -37,6 +37,7 @@ from pydantic import BaseModel
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
 from jaxllm.engine.core_client import EngineDeadError
+from jaxllm.engine.request import fan_out
 from server import protocol
 from server.metrics import Metrics
 from server.protocol import APIError
@@ -388,14 +389,14 @@ class _Generation:
     async def _events(self, metrics: Metrics) -> AsyncIterator[tuple[int, Any]]:
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def run(choice: int, ids: list[int], params, index: int, parent: str | None):
+        async def run(choice: int, rid: str, ids: list[int], params, index: int, parent):
             times: list[float] = []
             last = None
             try:
                 async for ro in self.eng.generate(
                     ids,
                     params,
-                    request_id=f"{self.id}-{choice}",
+                    request_id=rid,
                     index=index,
                     prefix_parent=parent,
                 ):
@@ -420,13 +421,9 @@ class _Generation:
 
         tasks = []
         choice = 0
-        for ids, params, _ in self.jobs:
-            # The n completions of a prompt share it: the first computes it, the others
-            # start from its cached blocks (prefix_parent).
-            first = f"{self.id}-{choice}"
-            for i in range(params.n):
-                parent = first if i > 0 else None
-                tasks.append(asyncio.create_task(run(choice, ids, params, i, parent)))
+        for p, (ids, params, _) in enumerate(self.jobs):
+            for rid, i, parent in fan_out(f"{self.id}-{p}", params.n):
+                tasks.append(asyncio.create_task(run(choice, rid, ids, params, i, parent)))
                 choice += 1
         try:
             done = 0

@@ -22,6 +22,7 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from jaxllm.config import EngineConfig
 from jaxllm.engine.async_llm import AsyncLLM
 from server.api import MAX_HEADER_BYTES, ServerState, build_app, headers_too_large
 from server.protocol import APIError
@@ -115,8 +116,7 @@ def _load_chat_template(option: str | None) -> str | None:
 
 
 def serve(
-    model: str,
-    engine_kwargs: dict,
+    config: EngineConfig,
     *,
     host: str,
     port: int,
@@ -130,7 +130,7 @@ def serve(
     template = _load_chat_template(chat_template)
 
     async def start_engine() -> AsyncLLM:
-        engine = await AsyncLLM.create(model, **engine_kwargs)
+        engine = await AsyncLLM.create(config)
         if template is not None:
             engine.tokenizer.chat_template = template
         engine.generation_config = _load_generation_config(
@@ -144,7 +144,7 @@ def serve(
         api_key=api_key,
         max_queued_requests=max_queued_requests,
     )
-    config = uvicorn.Config(
+    uv_config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -153,7 +153,7 @@ def serve(
         timeout_graceful_shutdown=shutdown_timeout,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
-    server = _Server(config, app.state.server)
+    server = _Server(uv_config, app.state.server)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on

@@ -75,16 +75,74 @@ def test_attention_backend_choices_match_the_kernels():
     assert set(action.choices) == set(pallas_kernels.ATTENTION_BACKENDS)
 
 
-def test_every_engine_argument_has_a_flag():
-    """Each keyword argument of `LLM(...)` can be set from `generate` and `serve`."""
+def test_every_engine_field_has_a_flag_a_docstring_and_a_keyword():
+    """Each field of `EngineConfig` is declared once: with a docstring (the flag's help), a
+    flag on `generate` and `serve` whose default is the field's, and an `LLM(...)` keyword."""
+    import dataclasses
     import inspect
+    import typing
 
+    import pallas_kernels
     from jaxllm import LLM
+    from jaxllm.config import ATTENTION_BACKENDS, EngineConfig, field_docs
 
-    wanted = set(inspect.signature(LLM).parameters) - {"model"}
+    fields = EngineConfig.fields()
+    assert len(fields) > 15
+    sections = typing.get_type_hints(EngineConfig)
+    for name, (section, _) in fields.items():
+        assert field_docs(sections[section]).get(name), f"{name} has no docstring"
+    assert [s.name for s in dataclasses.fields(EngineConfig)] == list(sections)
+
     commands = build_parser()._subparsers._group_actions[0].choices
-    for name in ("generate", "serve"):
-        dests = {a.dest for a in commands[name]._actions}
-        assert wanted <= dests, f"{name} lacks flags for {sorted(wanted - dests)}"
-    args = build_parser().parse_args(["serve", "m", "--gpu-memory-utilization", "0.5"])
-    assert args.memory_utilization == 0.5
+    for command in ("generate", "serve"):
+        dests = {a.dest for a in commands[command]._actions}
+        assert set(fields) <= dests, f"{command} lacks flags for {sorted(set(fields) - dests)}"
+        extra = ["--prompt", "x"] if command == "generate" else []
+        args = build_parser().parse_args([command, "m", *extra])
+        assert EngineConfig.from_cli(args) == EngineConfig.create("m")  # same defaults
+
+    params = inspect.signature(LLM).parameters
+    assert set(params) - {"self"} == set(fields) | {"config"}
+    for name, (_, f) in fields.items():
+        if name != "model":
+            assert params[name].default == f.default, name
+
+    # vLLM's spellings.
+    args = build_parser().parse_args(
+        ["serve", "m", "--gpu-memory-utilization", "0.5", "--block-size", "32",
+         "--num-gpu-blocks-override", "64", "--no-enable-prefix-caching"]
+    )  # fmt: skip
+    config = EngineConfig.from_cli(args)
+    assert config.cache == dataclasses.replace(
+        config.cache, memory_utilization=0.5, page_size=32, num_pages=64
+    )
+    assert config.cache.enable_prefix_caching is False
+    assert ATTENTION_BACKENDS == pallas_kernels.ATTENTION_BACKENDS
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_num_seqs": "8"}, "max_num_seqs must be int"),
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching must be bool"),
+        ({"page_size": 24}, "page_size must be a power of two"),
+        ({"memory_utilization": 1.5}, "memory_utilization must be in"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be fcfs or priority"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+        ({"attention_backend": "flash"}, "attention_backend must be one of"),
+        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max_num_batched_tokens"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+    ],
+)
+def test_engine_config_names_the_bad_parameter(kwargs, message):
+    from jaxllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create("m", **kwargs)
+    with pytest.raises(TypeError, match=r"unknown engine argument.*max_num_seq\b"):
+        EngineConfig.create("m", max_num_seq=8)
+
+
+def test_cli_rejects_a_bad_flag_value(capsys):
+    assert main(["generate", "m", "--prompt", "x", "--page-size", "24"]) == 2
+    assert "page_size must be a power of two" in capsys.readouterr().err

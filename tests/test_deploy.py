@@ -53,7 +53,7 @@ def serve_help_flags() -> frozenset[str]:
     return frozenset(FLAG.findall(out))
 
 
-def check_serve_argv(argv: list[str], *, parse: bool = True) -> None:
+def check_serve_argv(argv: list[str], *, parse: bool = True, tensor_parallel_size: int = 1) -> None:
     """argv after `serve`: every flag is listed by --help and the real parser accepts it all
     (the defaults shipped in the files split the model over one device: right for any model)."""
     flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
@@ -63,7 +63,7 @@ def check_serve_argv(argv: list[str], *, parse: bool = True) -> None:
         from jaxllm.cli import build_parser
 
         args = build_parser().parse_args(["serve", *argv])
-        assert args.tensor_parallel_size == 1
+        assert (args.tensor_parallel_size or 1) == tensor_parallel_size
 
 
 def tool(name: str) -> str | None:
@@ -235,20 +235,31 @@ def test_tpu_vm_dry_run_gcs_model_and_cache():
     check_serve_argv(["smollm2-135m", *shlex.split(extra)])
 
 
-@pytest.mark.parametrize("accelerator", ["v5litepod-16", "v6e-16", "v5p-16"])
-def test_tpu_vm_multi_host_is_only_a_plan(accelerator, tmp_path):
+@pytest.mark.parametrize(
+    "accelerator, chips", [("v5litepod-16", 16), ("v6e-32", 32), ("v5p-32", 16)]
+)
+def test_tpu_vm_multi_host_installs_every_host_distributed(accelerator, chips, tmp_path):
+    """A multi-host slice gets the same install on every host, with --distributed and one
+    mesh over every chip; a real run calls exactly what the dry run prints."""
     args = ("--name", "jx", "--zone", "z", "--accelerator-type", accelerator)
     dry = bash(TPU_VM / "create_tpu_vm.sh", "--dry-run", *args)
     assert dry.returncode == 0, dry.stderr
-    assert "NOT IMPLEMENTED" in dry.stdout and "jax.distributed.initialize()" in dry.stdout
     commands = printed_commands(dry.stdout)
     for verb in ("scp", "ssh"):  # the same install on every host
         assert "--worker=all" in gcloud_command(commands, verb)
+    install = remote_install_argv(gcloud_command(commands, "ssh"))
+    assert "--distributed" in install
+    assert install[install.index("--tensor-parallel-size") + 1] == str(chips)
+    check_serve_argv(
+        ["m", "--distributed", "--tensor-parallel-size", str(chips)], tensor_parallel_size=chips
+    )
 
     env, log = fake_gcloud(tmp_path)
+    env["TMPDIR"] = str(tmp_path)
     real = bash(TPU_VM / "create_tpu_vm.sh", *args, env=env)
-    assert real.returncode != 0 and "NOT IMPLEMENTED" in real.stderr
-    assert recorded_calls(log) == []  # refused before touching the cloud
+    assert real.returncode == 0, real.stderr
+    dry = bash(TPU_VM / "create_tpu_vm.sh", "--dry-run", *args, env=env)
+    assert recorded_calls(log) == [c[1:] for c in printed_commands(dry.stdout) if c[0] == "gcloud"]
 
 
 def test_tpu_vm_real_run_calls_what_dry_run_prints(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
@@ -17,7 +18,10 @@ def make_scheduler(num_pages: int, *, policy: str = "priority", max_num_seqs: in
     from jaxllm.engine.scheduler import Scheduler
 
     config = SchedulerConfig(
-        max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, policy=policy
+        max_model_len=256,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        scheduling_policy=policy,
     )
     return Scheduler(config, KVCacheManager(num_pages, PAGE, enable_prefix_caching=False))
 
@@ -186,3 +190,12 @@ def test_import_graph():
     assert "jaxllm.engine.scheduler" not in _imports("jaxllm.runner")
     assert not {"jaxllm.runner", "jaxllm.input_batch"} & _imports("jaxllm.engine.scheduler")
     assert "jaxllm.engine.step_data" in _imports("jaxllm.runner")
+    # The engine is built by EngineCore.from_config; LLM is a front end on top of it.
+    engine_modules = [
+        f"jaxllm.engine.{p.stem}"
+        for p in (Path(__file__).parent.parent / "jaxllm" / "engine").glob("*.py")
+        if p.stem != "__init__"
+    ]
+    assert len(engine_modules) >= 10
+    for module in engine_modules:
+        assert "jaxllm.llm" not in _imports(module), f"{module} imports jaxllm.llm"

@@ -20,10 +20,16 @@ from typing import Any
 
 import numpy as np
 
+from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
 from jaxllm.engine.messages import AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import check_prompt_ids, derive_seed, resolve_max_tokens
+from jaxllm.engine.request import (
+    check_prompt_ids,
+    derive_seed,
+    resolve_eos_token_ids,
+    resolve_max_tokens,
+)
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.loaders import load_tokenizer
 from jaxllm.outputs import RequestOutput
@@ -37,11 +43,24 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, client: EngineCoreClient, ready: Ready, tokenizer, generation_config):
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        ready: Ready,
+        tokenizer,
+        generation_config: dict,
+        config: EngineConfig,
+    ):
         self.client = client
         self.ready = ready
+        self.config = config
         self.tokenizer = tokenizer
+        # The model's sampling defaults (the server may replace them: --generation-config);
+        # the EOS ids come from the model's own, whatever the server does with them.
         self.generation_config = generation_config
+        self.eos_token_ids = resolve_eos_token_ids(
+            ready.eos_token_ids, generation_config, tokenizer
+        )
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.stats: Stats = ready.stats
@@ -49,7 +68,7 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._prompts: dict[str, list[int]] = {}
         self._ids = itertools.count()
-        self._rng = np.random.default_rng()
+        self._rng = np.random.default_rng(config.load.seed)
         self.dead = False
         # Optional callback(step outputs) after each step, for metrics.
         self.on_step = None
@@ -60,18 +79,29 @@ class AsyncLLM:
 
     @classmethod
     async def create(
-        cls, model: str, *, in_process: bool = False, **engine_kwargs: Any
+        cls,
+        model: str | EngineConfig,
+        *,
+        in_process: bool = False,
+        **engine_args: Any,
     ) -> AsyncLLM:
         """Starts the engine core (a child process, or a thread with `in_process=True`) and
-        waits until it has warmed up."""
-        tokenizer, generation_config = await asyncio.to_thread(load_tokenizer, model)
-        client = EngineCoreClient(str(model), engine_kwargs, in_process=in_process)
+        waits until it has warmed up. `model` is a model (with the engine's fields as keyword
+        arguments, as `LLM` takes them) or a whole `EngineConfig`."""
+        if isinstance(model, EngineConfig):
+            if engine_args:
+                raise TypeError("AsyncLLM.create(config) takes no other engine arguments")
+            config = model
+        else:
+            config = EngineConfig.create(model, **engine_args)
+        tokenizer, generation_config = await asyncio.to_thread(load_tokenizer, config.load.model)
+        client = EngineCoreClient(config, in_process=in_process)
         try:
             ready = await client.wait_ready()
         except BaseException:
             await client.shutdown()
             raise
-        return cls(client, ready, tokenizer, generation_config)
+        return cls(client, ready, tokenizer, generation_config, config)
 
     @property
     def num_unfinished(self) -> int:
@@ -116,6 +146,7 @@ class AsyncLLM:
                         params, len(prompt_token_ids), self.max_model_len
                     ),
                     seed=derive_seed(params.seed, index, self._rng),
+                    eos_token_ids=list(self.eos_token_ids),
                     priority=priority,
                     prefix_parent=prefix_parent,
                 )

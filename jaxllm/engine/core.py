@@ -1,7 +1,9 @@
-"""EngineCore: the loop `schedule -> execute -> update`, one step per call.
+"""EngineCore: the loop `schedule -> execute -> update`, one step per call, and the composition
+root that builds an engine from an `EngineConfig` (`EngineCore.from_config`).
 
-The `LLM` class drives it in process; the server's core process (`core_proc.py`) runs the same
-class behind a socket.
+The offline `LLM` drives it in process; the server's core process (`core_proc.py`) runs the
+same class behind a socket. Neither adds anything to it: tokenizing, detokenizing and stop
+strings live in the front ends.
 
 Async scheduling (on by default): `step` schedules and launches step N+1 before it collects
 step N, so the host's work (scheduling, building inputs, and whatever the caller does with the
@@ -11,23 +13,161 @@ stop checks, one step later, and a step scheduled past a stop is discarded. Outp
 same as without it: sampling depends only on a request's seed and token count. Rows with
 penalties need their whole history on the host, so a step with such a request runs
 synchronously.
+
+A `StepHook` hears of every step before it launches: multi-host serving publishes each step to
+the other hosts this way (`multihost.LockstepPublisher`), which replay the same runner calls.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput
-from jaxllm.runner import InflightStep, ModelRunner
+from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput, Stats
+
+if TYPE_CHECKING:
+    from jaxllm.runner import InflightStep, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class StepHook(Protocol):
+    def on_launch(self, out: SchedulerOutput, *, overlap: bool, wait: bool) -> None:
+        """Called before the runner launches `out`. `overlap`: the previous step is still in
+        flight (it is collected right after this launch); `wait`: this step is collected at
+        once (a synchronous step)."""
+
+    def close(self) -> None:
+        """The engine is shutting down."""
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, *, async_scheduling: bool = True):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        *,
+        async_scheduling: bool = True,
+        hook: StepHook | None = None,
+    ):
         self.scheduler = scheduler
         self.runner = runner
         self.async_scheduling = async_scheduling
+        self.hook = hook
         self.num_steps = 0
         self._inflight: tuple[SchedulerOutput, InflightStep] | None = None
+        # Set by `from_config`: the resolved config (max_model_len, num_pages,
+        # tensor_parallel_size and attention_backend filled in), what was loaded, and the
+        # engine's place in a multi-host run.
+        self.config: EngineConfig | None = None
+        self.model_config: ModelConfig | None = None
+        self.generation_config: dict[str, Any] = {}
+        self.mesh = None
+        self.warmup_seconds: float | None = None
+        self.is_worker = False  # a multi-host host other than 0: runs `multihost.run_worker`
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        """Builds the whole engine: joins a multi-host run if asked, loads the model onto its
+        mesh, sizes the KV cache, builds the runner, KV cache manager and scheduler, compiles
+        every program (unless `skip_warmup`), and on host 0 of a multi-host run waits for the
+        other hosts to join the lockstep channel."""
+        import jax
+        import jax.numpy as jnp
+
+        import pallas_kernels
+        from jaxllm.compilation_cache import setup_compilation_cache
+        from jaxllm.config import resolve_dtype
+        from jaxllm.engine import multihost
+        from jaxllm.engine.kv_cache_manager import KVCacheManager
+        from jaxllm.kv_sizing import plan_kv_cache
+        from jaxllm.loaders import load_model
+        from jaxllm.model_cache import cache_dir
+        from jaxllm.runner import ModelRunner
+        from jaxllm.sharding import make_mesh
+
+        comp, parallel = config.compilation, config.parallel
+        xla_cache = comp.compilation_cache_dir
+        setup_compilation_cache(cache_dir() / "xla" if xla_cache == "default" else xla_cache)
+        if parallel.multihost:
+            multihost.initialize_distributed(
+                parallel.coordinator_address, parallel.num_processes, parallel.process_id
+            )
+        multi = jax.process_count() > 1
+        tp = parallel.tensor_parallel_size or (jax.device_count() if multi else 1)
+        backend = pallas_kernels.resolve_backend(comp.attention_backend)
+        mesh = make_mesh(tp) if tp != 1 else None
+        loaded = load_model(
+            config.load.model,
+            dtype=resolve_dtype(config.load.dtype),
+            attention_backend=backend,
+            mesh=mesh,
+            load_tokenizer=False,
+        )
+        # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend
+        # computes bfloat16 in float32, and converting the cache for the K/V write made every
+        # forward program copy it, every step (found by the runner's in-place check).
+        kv_dtype = (
+            jnp.float32 if jax.default_backend() == "cpu" else resolve_dtype(config.load.dtype)
+        )
+        num_pages, max_model_len = plan_kv_cache(
+            loaded.config, config.cache, kv_dtype, config.scheduler.max_model_len, tp
+        )
+        config = config.replace(
+            max_model_len=max_model_len,
+            num_pages=num_pages,
+            tensor_parallel_size=tp,
+            attention_backend=backend,
+        )
+        sched, cache = config.scheduler, config.cache
+        runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            num_pages=num_pages,
+            page_size=cache.page_size,
+            max_model_len=max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            dtype=kv_dtype,
+            mesh=mesh,
+        )
+        kv = KVCacheManager(
+            num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
+        )
+        core = cls(Scheduler(sched, kv), runner, async_scheduling=sched.async_scheduling)
+        core.config = config
+        core.model_config = loaded.config
+        core.generation_config = loaded.generation_config
+        core.mesh = mesh
+        logger.info(
+            "buckets: tokens %s x requests %s; programs: %d forward shapes %s + %d output "
+            "heads + %d prompt scorers = %d",
+            runner.token_buckets,
+            runner.request_buckets,
+            len(runner.shapes),
+            runner.shapes,
+            len(runner.request_buckets),
+            len(runner.token_buckets),
+            runner.num_programs,
+        )
+        if not comp.skip_warmup:
+            core.warmup_seconds = runner.warmup()
+            logger.info("warmup: %d programs in %.1f s", runner.num_programs, core.warmup_seconds)
+        if multi and jax.process_index() == 0:
+            core.hook = multihost.LockstepPublisher(
+                multihost.lockstep_address(parallel.lockstep_address),
+                jax.process_count() - 1,
+                multihost.engine_fingerprint(runner),
+            )
+        core.is_worker = multi and jax.process_index() != 0
+        return core
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -46,6 +186,19 @@ class EngineCore:
             self.scheduler.kv.reset_prefix_cache()
             self.runner.kv_cache_lost = False
 
+    def stats(self) -> Stats:
+        scheduler, kv = self.scheduler, self.scheduler.kv
+        return Stats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_pages,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+            num_compilations=self.runner.num_compilations,
+            num_steps=self.num_steps,
+        )
+
     def step(self) -> list[RequestUpdate]:
         """Runs one step; returns the updates of the step that completed (with async
         scheduling, the one launched by the previous call). If it raises, no step is left in
@@ -56,11 +209,15 @@ class EngineCore:
                 scheduled = self.scheduler.schedule()
                 if scheduled.is_empty:
                     return updates
+                self._announce(scheduled, wait=True)
                 output = self.runner.execute(scheduled)
                 self.num_steps += 1
                 return updates + self.scheduler.update_from_output(scheduled, output)
             scheduled = self.scheduler.schedule()
-            launched = None if scheduled.is_empty else self.runner.launch(scheduled)
+            launched = None
+            if not scheduled.is_empty:
+                self._announce(scheduled, wait=False)
+                launched = self.runner.launch(scheduled)
             updates = self.drain()
             if launched is not None:
                 self._inflight = (scheduled, launched)
@@ -78,6 +235,19 @@ class EngineCore:
         scheduled, launched = self._inflight
         self._inflight = None
         return self.scheduler.update_from_output(scheduled, self.runner.fetch(launched))
+
+    def shutdown(self) -> None:
+        """Collects the step in flight and tells the hook (a multi-host host 0 releases the
+        other hosts). The engine serves nothing afterwards."""
+        try:
+            self.drain()
+        finally:
+            if self.hook is not None:
+                self.hook.close()
+
+    def _announce(self, scheduled: SchedulerOutput, *, wait: bool) -> None:
+        if self.hook is not None:
+            self.hook.on_launch(scheduled, overlap=self._inflight is not None, wait=wait)
 
     def _needs_sync(self) -> bool:
         """Penalties read a request's whole history from the host: with such a request

@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from jaxllm.config import EngineConfig
 from jaxllm.engine.core_proc import run_engine_core
 from jaxllm.engine.messages import (
     Abort,
@@ -41,7 +42,7 @@ class EngineCoreClient:
     """`in_process=True` runs the same core loop on a thread of this process instead of a
     child process (for tests and notebooks: one process, same code path, same sockets)."""
 
-    def __init__(self, model: str, engine_kwargs: dict, *, in_process: bool = False):
+    def __init__(self, config: EngineConfig, *, in_process: bool = False):
         self._dir = Path(tempfile.mkdtemp(prefix="jaxllm-"))  # 0700
         self._ctx = zmq.asyncio.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
@@ -53,7 +54,7 @@ class EngineCoreClient:
         output_address = f"ipc://{self._dir / 'output'}"
         self._inputs.bind(input_address)
         self._outputs.bind(output_address)
-        args = (model, engine_kwargs, input_address, output_address)
+        args = (config, input_address, output_address)
         if in_process:
             self.process = threading.Thread(
                 target=run_engine_core, args=args, name="jaxllm-engine-core", daemon=True

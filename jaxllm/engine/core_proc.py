@@ -1,7 +1,8 @@
 """The engine core in its own process, driven over ZMQ by `EngineCoreClient`.
 
-The process owns the accelerator: it builds the engine (loading weights, compiling every
-bucket), says `Ready`, then loops: take every message waiting on the input socket, run one
+The process owns the accelerator: it builds the engine (`EngineCore.from_config`: loading
+weights, compiling every bucket; on host 0 of a multi-host run, joining the other hosts), says
+`Ready`, then loops: take every message waiting on the input socket, run one
 engine step if any request is unfinished, send that step's updates with the engine's stats.
 When idle it blocks on the input socket (with a timeout, to notice a dead parent).
 
@@ -21,17 +22,19 @@ import traceback
 
 import zmq
 
+from jaxllm.config import EngineConfig
+from jaxllm.engine.core import EngineCore
 from jaxllm.engine.messages import (
     Abort,
     AddRequest,
     Failed,
     Ready,
     Shutdown,
-    Stats,
     StepOutputs,
     encoder,
     input_decoder,
 )
+from jaxllm.engine.request import Request
 from jaxllm.engine.step_data import FinishReason, RequestUpdate
 
 logger = logging.getLogger("jaxllm.engine.core")
@@ -39,23 +42,7 @@ logger = logging.getLogger("jaxllm.engine.core")
 _IDLE_POLL_MS = 200
 
 
-def _stats(llm) -> Stats:
-    scheduler, kv = llm.engine.scheduler, llm.kv_cache_manager
-    return Stats(
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_pages,
-        prefix_cache_queries=kv.prefix_cache_queries,
-        prefix_cache_hits=kv.prefix_cache_hits,
-        num_preemptions=scheduler.num_preemptions,
-        num_compilations=llm.runner.num_compilations,
-        num_steps=llm.engine.num_steps,
-    )
-
-
-def run_engine_core(
-    model: str, engine_kwargs: dict, input_address: str, output_address: str
-) -> None:
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Entry point of the core process (started with the "spawn" method), or of its thread
     in in-process mode."""
     in_thread = threading.current_thread() is not threading.main_thread()
@@ -74,12 +61,10 @@ def run_engine_core(
     inputs.connect(input_address)
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(output_address)
+    engine = None
     try:
-        from jaxllm.engine.request import Request
-        from jaxllm.llm import LLM
-
         try:
-            llm = LLM(model, **engine_kwargs)
+            engine = EngineCore.from_config(config)
         except Exception as e:  # a bad model path or flag: tell the front end, then exit
             logger.exception("engine failed to start")
             outputs.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))
@@ -87,17 +72,16 @@ def run_engine_core(
         outputs.send(
             encoder.encode(
                 Ready(
-                    max_model_len=llm.max_model_len,
-                    vocab_size=llm.model_config.vocab_size,
-                    num_pages=llm.kv_cache_manager.num_pages,
-                    page_size=llm.kv_cache_manager.page_size,
-                    num_programs=llm.runner.num_programs,
-                    stats=_stats(llm),
+                    max_model_len=engine.max_model_len,
+                    vocab_size=engine.model_config.vocab_size,
+                    eos_token_ids=list(engine.model_config.eos_token_ids),
+                    num_pages=engine.scheduler.kv.num_pages,
+                    page_size=engine.scheduler.kv.page_size,
+                    num_programs=engine.runner.num_programs,
+                    stats=engine.stats(),
                 )
             )
         )
-        engine = llm.engine
-        eos = llm.eos_token_ids
         while True:
             busy = engine.has_unfinished_requests()
             timeout = 0 if busy else _IDLE_POLL_MS
@@ -111,7 +95,7 @@ def run_engine_core(
                             message.request_id,
                             message.prompt_token_ids,
                             message.sampling_params,
-                            eos_token_ids=eos,
+                            eos_token_ids=tuple(message.eos_token_ids),
                             max_tokens=message.max_tokens,
                             seed=message.seed,
                             priority=message.priority,
@@ -128,7 +112,7 @@ def run_engine_core(
                 return
             if not engine.has_unfinished_requests():
                 if received:  # e.g. the last requests were aborted: publish the idle stats
-                    outputs.send(encoder.encode(StepOutputs([], _stats(llm))))
+                    outputs.send(encoder.encode(StepOutputs([], engine.stats())))
                 continue
             try:
                 updates = engine.step()
@@ -142,8 +126,13 @@ def run_engine_core(
                     RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in failed
                 ]
             queue_times, engine.scheduler.queue_times = engine.scheduler.queue_times, []
-            outputs.send(encoder.encode(StepOutputs(updates, _stats(llm), queue_times)))
+            outputs.send(encoder.encode(StepOutputs(updates, engine.stats(), queue_times)))
     finally:
+        if engine is not None:
+            try:
+                engine.shutdown()  # multi-host: releases the other hosts
+            except Exception:
+                logger.exception("engine shutdown failed")
         inputs.close(linger=0)
         outputs.close(linger=1000)
         ctx.term()

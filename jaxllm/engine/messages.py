@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from jaxllm.engine.step_data import RequestUpdate
+from jaxllm.engine.step_data import RequestUpdate, Stats
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -19,6 +19,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     sampling_params: SamplingParams
     max_tokens: int  # resolved against max_model_len by the front end
     seed: int  # resolved: a request without a seed gets one from the front end
+    eos_token_ids: list[int]  # resolved by the front end (model, generation config, tokenizer)
     priority: int = 0
     prefix_parent: str | None = None  # see Request.prefix_parent
 
@@ -31,20 +32,10 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-class Stats(msgspec.Struct):
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # share of pages held by requests
-    prefix_cache_queries: int = 0  # counters, since start
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_compilations: int = 0
-    num_steps: int = 0
-
-
 class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
+    eos_token_ids: list[int]  # the model config's; the front end adds its tokenizer's
     num_pages: int
     page_size: int
     num_programs: int

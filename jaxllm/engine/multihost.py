@@ -7,29 +7,38 @@ that launches a different program, or skips one, hangs the others.
 
 So the scheduler's decisions are made once and replayed everywhere:
 
-    host 0: schedule() -> publish SchedulerOutput -> runner.execute() -> update, emit outputs
-    host k:               receive SchedulerOutput -> runner.execute()
+    host 0: schedule() -> publish the step -> runner.launch/fetch -> update, emit outputs
+    host k:               receive the step  -> runner.launch/fetch
 
-Host 0 (process_index 0) runs the scheduler, the KV cache manager and the front end. Each step
-with work, `LockstepEngineCore.step` publishes the step's `SchedulerOutput` (msgpack, numbered)
-before executing it; every other host runs `run_worker`, which executes each one as it comes.
-Only host 0 updates the scheduler and emits tokens: the sampled tokens are replicated over the
-mesh, so every host holds them, but the workers have nothing to do with them.
+Host 0 (process_index 0) runs the scheduler, the KV cache manager and the front end (the HTTP
+server of `jaxllm serve`, or `LLM.generate`). Its `EngineCore` has a `LockstepPublisher` as
+its step hook (`EngineCore.from_config` attaches it), which publishes each step's
+`SchedulerOutput` (msgpack, numbered) before the runner launches it, with how host 0 collects
+it (at once, or after launching the next step: async scheduling). Every other host runs
+`run_worker`, which makes the same runner calls in the same order. Only host 0 updates the
+scheduler and emits tokens: the sampled tokens are replicated over the mesh, so every host
+holds them, but the workers have nothing to do with them.
+
+    every host:  jaxllm serve MODEL --coordinator-address HOST0:PORT --num-processes N \
+                     --process-id I      (or nothing but --distributed on a Cloud TPU VM)
+
+`jaxllm serve` on host 0 serves HTTP (its engine core process joins the run); on the others it
+builds the same engine in its own process and follows host 0 until host 0 stops.
 
 Why the hosts stay in lockstep:
-- `ModelRunner.execute` is a function of the `SchedulerOutput` and of the runner's own state
-  (which buckets' padding already sits on the device, whether the cache was rebuilt): the
-  bucket, the sampler variant, whether prompt logprobs are scored, every host array, all follow
-  from the batch. Hosts that start from the same engine (the `Hello` fingerprint checks it) and
-  execute the same batches in the same order therefore launch the same programs in the same
-  order, with identical host inputs.
+- The runner's calls are a function of the `SchedulerOutput`s, of the order of launches and
+  collections, and of the runner's own state (which buckets' padding already sits on the
+  device, whether the cache was rebuilt): the bucket, the sampler variant, whether prompt
+  logprobs are scored, every host array, all follow from them. Hosts that start from the same
+  engine (the `Hello` fingerprint checks it) and replay the same calls in the same order
+  therefore launch the same programs in the same order, with identical host inputs.
 - The channel is one TCP stream per worker (ZMQ), reliable and in order; each message carries a
   sequence number and a worker raises on a gap instead of running a different program.
 - Steps with nothing scheduled launch nothing and are not sent. A step that raises on host 0
   raises on every host (same input, same code): host 0 fails the step's requests, workers log
   and go on, and if the donated KV cache was lost each runner rebuilds its own.
-- Startup is not part of the stream: every host builds the same `LLM` (same model, flags and
-  explicit `num_pages`), which loads and compiles in the same order.
+- Startup is not part of the stream: every host builds the same engine from the same config,
+  which loads, sizes its KV cache and compiles in the same order.
 
 The channel: ZMQ PUB/SUB from host 0 to the workers over the hosts' network, not
 `jax.experimental.multihost_utils.broadcast_one_to_all`. The broadcast would ride the device
@@ -52,18 +61,19 @@ main thread blocks in `run_worker` on its socket (polling, so it notices signals
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
-from jaxllm.engine.core import EngineCore
-from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput
+from jaxllm.engine.step_data import SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxllm.config import ParallelConfig
+    from jaxllm.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +98,12 @@ class Hello(msgspec.Struct, tag="hello"):
 
 
 class Step(msgspec.Struct, tag="step"):
+    """A step host 0 launches, and how it collects it (see `run_worker`)."""
+
     seq: int
     scheduler_output: SchedulerOutput
+    overlap: bool = False  # the previous step was still in flight: collected after this launch
+    wait: bool = True  # collected at once (a synchronous step)
 
 
 class Stop(msgspec.Struct, tag="stop"):
@@ -245,8 +259,10 @@ class LockstepPublisher:
         self.socket.send(_encoder.encode(message))
         self.seq += 1
 
-    def publish(self, out: SchedulerOutput) -> None:
-        self._send(Step(self.seq, out))
+    def publish(self, out: SchedulerOutput, *, overlap: bool = False, wait: bool = True) -> None:
+        self._send(Step(self.seq, out, overlap, wait))
+
+    on_launch = publish  # the `EngineCore` step hook
 
     def close(self) -> None:
         """Tells the workers to stop, then closes (waiting a while for the message to go)."""
@@ -292,57 +308,53 @@ def _bind_address(address: str) -> str:
     return address  # ipc:// and the like: as given
 
 
-# ---- host 0 and the workers ------------------------------------------------------------
+# ---- the workers -----------------------------------------------------------------------
 
 
-class LockstepEngineCore(EngineCore):
-    """Host 0's engine core: `EngineCore.step`, publishing each batch before executing it."""
-
-    def __init__(self, scheduler: Scheduler, runner, publisher: LockstepPublisher):
-        # Synchronous for now: async scheduling across hosts (host 0 publishing step N+1
-        # before step N's tokens are back) is not tested yet.
-        super().__init__(scheduler, runner, async_scheduling=False)
-        self.publisher = publisher
-
-    def step(self) -> list[RequestUpdate]:
-        scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return []
-        self.publisher.publish(scheduled)
-        output = self.runner.execute(scheduled)
-        self.num_steps += 1
-        return self.scheduler.update_from_output(scheduled, output)
-
-    def shutdown(self) -> None:
-        """Releases the workers; call it once host 0 is done (`run_worker` returns)."""
-        self.publisher.close()
-
-
-def enable_lockstep(
-    llm, *, address: str | None = None, num_workers: int | None = None
-) -> LockstepEngineCore:
-    """On host 0: swaps `llm.engine` for a `LockstepEngineCore` (same scheduler and runner),
-    once every worker has subscribed. `llm.generate`, `llm.chat` and the server's core loop
-    then drive every host. Call `llm.engine.shutdown()` at the end."""
-    import jax
-
-    if num_workers is None:
-        num_workers = jax.process_count() - 1
-    publisher = LockstepPublisher(
-        lockstep_address(address), num_workers, engine_fingerprint(llm.runner)
+def process_index(parallel: ParallelConfig) -> int:
+    """This host's index in the multi-host run `parallel` asks for, known before
+    `jax.distributed` starts (the server decides with it whether this host serves HTTP or
+    follows host 0): `process_id`, else `JAXLLM_PROCESS_ID`, else what JAX's cluster
+    detection finds (the TPU VM's worker number)."""
+    args = distributed_args(
+        parallel.coordinator_address, parallel.num_processes, parallel.process_id
     )
-    llm.engine = LockstepEngineCore(llm.engine.scheduler, llm.runner, publisher)
-    return llm.engine
+    if "process_id" in args:
+        return args["process_id"]
+    # JAX's own discovery, as `jax.distributed.initialize()` runs it (a private API: the
+    # public one starts the runtime, which belongs to the engine's process).
+    from jax._src.clusters import ClusterEnv
+
+    _, _, pid, _ = ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, None
+    )
+    if pid is None:
+        raise ValueError(
+            "multi-host: this host's process id is unknown; pass --process-id (or set "
+            f"{ENV_PROCESS_ID}) with --coordinator-address and --num-processes"
+        )
+    return pid
 
 
-def run_worker(llm, *, address: str | None = None, subscriber: LockstepSubscriber | None = None):
-    """On a host other than 0: executes every batch host 0 publishes, in order, until host 0
-    shuts down. Returns the number of steps executed. `llm` is this host's `LLM`, built with
-    the same arguments as host 0's (its scheduler stays unused)."""
+def run_worker(engine: EngineCore, *, subscriber: LockstepSubscriber | None = None) -> int:
+    """On a host other than 0: replays every step host 0 publishes, in order, until host 0
+    shuts down; returns the number of steps. `engine` is this host's engine, built from the
+    same config as host 0's (its scheduler stays unused).
+
+    The runner calls are host 0's, in host 0's order: a synchronous step is launched and
+    collected at once; an async one is launched, and the step before it collected after the
+    launch if host 0 had it still in flight (`overlap`), before it otherwise. The order matters
+    beyond the programs launched: a row whose previous token is not collected yet reads it on
+    the device, and the hosts' inputs must be the same."""
+    runner = engine.runner
+    parallel = engine.config.parallel if engine.config is not None else None
     own = subscriber is None
-    subscriber = subscriber or LockstepSubscriber(lockstep_address(address))
-    runner = llm.runner
+    if own:
+        subscriber = LockstepSubscriber(
+            lockstep_address(parallel.lockstep_address if parallel else None)
+        )
     num_steps = 0
+    pending = None  # the step launched and not collected yet
     try:
         hello = subscriber.recv()
         if not isinstance(hello, Hello):
@@ -353,72 +365,31 @@ def run_worker(llm, *, address: str | None = None, subscriber: LockstepSubscribe
             diff = {k: v for k, v in diff.items() if v[0] != v[1]}
             raise RuntimeError(
                 "multi-host: this host's engine differs from host 0's (host 0, here): "
-                f"{diff}; start every host with the same model and flags, num_pages explicit"
+                f"{diff}; start every host with the same model and flags"
             )
         while True:
             message = subscriber.recv()
             if isinstance(message, Stop):
+                if pending is not None:
+                    runner.fetch(pending)
                 return num_steps
             try:
-                runner.execute(message.scheduler_output)
+                if pending is not None and not message.overlap:
+                    previous, pending = pending, None
+                    runner.fetch(previous)
+                if message.wait:
+                    runner.execute(message.scheduler_output)
+                else:
+                    previous, pending = pending, runner.launch(message.scheduler_output)
+                    if previous is not None:
+                        runner.fetch(previous)
             except Exception:
                 # Host 0 ran the same batch through the same code and failed it too; it fails
-                # the step's requests and goes on, and so does this host.
+                # the step's requests, drops what was in flight, and goes on; so does this host.
                 logger.exception("multi-host worker: step %d failed", message.seq)
+                pending = None
                 runner.kv_cache_lost = False  # a rebuilt cache: nothing to forget here
             num_steps += 1
     finally:
         if own:
             subscriber.close()
-
-
-# ---- a command line for trying it ------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m jaxllm.engine.multihost MODEL --prompt TEXT ...`, run once on every host:
-    host 0 generates greedily and prints; the others follow it."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("model")
-    parser.add_argument("--prompt", action="append", default=[])
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--coordinator-address", default=None)
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
-    parser.add_argument("--lockstep-address", default=None)
-    parser.add_argument("--num-pages", type=int, default=None, help="give it: hosts must agree")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "INFO"))
-    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
-
-    import jax
-
-    from jaxllm import LLM, SamplingParams
-
-    llm = LLM(
-        args.model,
-        tensor_parallel_size=jax.device_count(),
-        num_pages=args.num_pages,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    if jax.process_index() != 0:
-        n = run_worker(llm, address=args.lockstep_address)
-        logger.info("multi-host worker: host 0 stopped after %d steps", n)
-        return 0
-    engine = enable_lockstep(llm, address=args.lockstep_address)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-        for out in llm.generate(args.prompt or ["Hello"], params):
-            print(repr(out.prompt), "->", repr(out.outputs[0].text))
-    finally:
-        engine.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -151,3 +152,26 @@ def derive_seed(seed: int | None, index: int, rng: np.random.Generator) -> int:
     if index == 0:
         return seed
     return int(np.random.default_rng([seed % 2**64, index]).integers(0, 2**63))
+
+
+def fan_out(request_id: str, n: int) -> list[tuple[str, int, str | None]]:
+    """The engine requests of one prompt's n completions, as (id, index, prefix_parent).
+    Completion `index` samples with `derive_seed(seed, index, ...)`; all but the first start
+    from the first's cached prompt (`prefix_parent`), so the prompt is computed once."""
+    if n == 1:
+        return [(request_id, 0, None)]
+    ids = [f"{request_id}-{i}" for i in range(n)]
+    return [(sub, i, ids[0] if i else None) for i, sub in enumerate(ids)]
+
+
+def resolve_eos_token_ids(
+    model_eos: Sequence[int], generation_config: dict, tokenizer
+) -> tuple[int, ...]:
+    """The ids that end a request: the model config's, the generation config's and the
+    tokenizer's EOS, together."""
+    ids = set(model_eos)
+    gen_eos = generation_config.get("eos_token_id")
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -42,6 +42,8 @@ from jaxllm.engine.step_data import (
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        if config.max_model_len is None:
+            raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
@@ -197,7 +199,7 @@ class Scheduler:
         """The next request to admit: the first in arrival order (preempted requests went back
         to the front) or by (priority, arrival), among those not waiting for a sibling."""
         ready = (r for r in self.waiting if not self._waits_for_parent(r))
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
         return next(ready, None)
 
@@ -217,14 +219,14 @@ class Scheduler:
     def _pick_victim(self, granted: dict[Request, int]) -> Request:
         """The running request to preempt when a running one needs blocks (the request being
         scheduled is itself a candidate, so there always is one)."""
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             return self._lowest_priority_running()
         return [r for r in self.running if r not in granted][-1]
 
     def _displaceable(self, request: Request) -> Request | None:
         """Under "priority", the running request a waiting `request` may preempt: the
         lowest-priority, newest one, if its priority is strictly lower than the request's."""
-        if self.config.policy != "priority" or not self.running:
+        if self.config.scheduling_policy != "priority" or not self.running:
             return None
         victim = self._lowest_priority_running()
         return victim if victim.priority > request.priority else None

@@ -103,3 +103,16 @@ class RequestUpdate(msgspec.Struct):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     new_prompt_logprobs: list[PromptTokenLogprobs] | None = None
+
+
+class Stats(msgspec.Struct):
+    """The engine core's state and counters, as of its last step (`EngineCore.stats`)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # share of pages held by requests
+    prefix_cache_queries: int = 0  # counters, since start
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_compilations: int = 0
+    num_steps: int = 0

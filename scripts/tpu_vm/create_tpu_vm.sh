@@ -11,9 +11,9 @@
 #   4. gcloud compute tpus tpu-vm ssh       unpack it and run scripts/tpu_vm/install_host.sh:
 #                                           jax[tpu], the systemd unit, /etc/jaxllm/jaxllm.env
 #
-# Multi-host slices (v5litepod-16, v6e-16, v5p-16 and up) are NOT served by jaxllm yet: the engine
-# (and its tensor parallelism) runs on one host's devices. For them --dry-run prints the intended per-host commands and a
-# notice, and a real run refuses. See docs/deploy.md, "Multi-host TPU slices".
+# Multi-host slices (v5litepod-16, v6e-16, v5p-16 and up): the same install on every host, with
+# --distributed and the tensor parallel size set to every chip of the slice; host 0 (worker 0)
+# serves HTTP, the others follow it. See docs/deploy.md, "Multi-host TPU slices".
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,8 +37,8 @@ usage: create_tpu_vm.sh --name NAME --zone ZONE --accelerator-type TYPE [options
   --served-model-name N     the name clients use (default: the demo name or the directory's name)
   --port P                  server port on the VM (the first install's default: 8000)
   --xla-cache-gcs URI       mirror the compilation cache to gs://... as well as local disk
-  --tensor-parallel-size N  split the model over N chips of the host (default 1; the model's
-                            attention heads must divide by N)
+  --tensor-parallel-size N  split the model over N chips (default 1 on one host, every chip of
+                            a multi-host slice; the model's attention heads must divide by N)
   --extra-args "ARGS"       more \`jaxllm serve\` flags, e.g. "--max-model-len 8192"
   --jax-version V           JAX version to install with the TPU extra (default $JAX_VERSION_DEFAULT)
   --source-tarball PATH     ship this tarball (made by git archive --prefix=jaxllm/) instead of HEAD
@@ -109,14 +109,8 @@ gcloud_scope=()
 gcloud_scope+=("--zone=$ZONE")
 
 if [[ $multi_host == 1 ]]; then
-    notice="NOT IMPLEMENTED: $ACCEL is a multi-host slice ($chips chips; one host holds $per_host at most). jaxllm does not
-serve across hosts yet (its tensor parallelism spans one host), so these commands show the intended layout
-only and are untested: the same install on every host (--worker=all), one \`jaxllm serve\` process
-per host joining one JAX runtime with jax.distributed.initialize() (on Cloud TPU it reads the
-coordinator address, process count and process id from the TPU runtime's metadata), and only
-host 0 answering HTTP. Use a single-host type (v5litepod-8, v6e-8, v5p-8 or smaller) today."
-    if [[ $DRY_RUN == 0 ]]; then die "$notice"; fi
-    echo "# $notice" | sed '2,$s/^/# /'
+    TP=${TP:-$chips}
+    echo "# $ACCEL is a multi-host slice ($chips chips, $per_host per host): one engine over all of them"
 fi
 [[ $DRY_RUN == 1 ]] && echo "# dry run: $ACCEL ($chips chips), runtime $RUNTIME; nothing is run"
 
@@ -148,12 +142,14 @@ install=(sudo bash /tmp/jaxllm/scripts/tpu_vm/install_host.sh --source /tmp/jaxl
 [[ -n $SERVED_NAME ]] && install+=(--served-model-name "$SERVED_NAME")
 [[ -n $XLA_GCS ]] && install+=(--xla-cache-gcs "$XLA_GCS")
 [[ -n $TP ]] && install+=(--tensor-parallel-size "$TP")
+[[ $multi_host == 1 ]] && install+=(--distributed)
 [[ -n $EXTRA_ARGS ]] && install+=(--extra-args "$EXTRA_ARGS")
 remote="set -e; rm -rf /tmp/jaxllm; tar -xzf /tmp/jaxllm-src.tar.gz -C /tmp; $(quote "${install[@]}")"
 run gcloud compute tpus tpu-vm ssh "$NAME" "${gcloud_scope[@]}" --worker=all "--command=$remote"
 if [[ $multi_host == 1 ]]; then
-    echo "# intended, NOT IMPLEMENTED: every host then runs the same jaxllm.service; the engine would call"
-    echo "# jax.distributed.initialize() before touching a device, and hosts other than 0 would not bind HTTP."
+    echo "# Every host runs jaxllm.service: host 0 (--worker=0) serves HTTP once all hosts have joined,"
+    echo "# the others follow it and serve no HTTP. Reach host 0 only; restart all hosts together:"
+    echo "#   gcloud compute tpus tpu-vm ssh $NAME $(quote "${gcloud_scope[@]}") --worker=all --command='sudo systemctl restart jaxllm'"
 fi
 
 cat <<EOF

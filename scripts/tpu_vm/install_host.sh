@@ -35,7 +35,9 @@ usage: install_host.sh --source DIR [options]
   --served-model-name N   name clients use (default: the demo name or the directory's name)
   --host H / --port P     where the server listens (default: 0.0.0.0:8000)
   --xla-cache-gcs URI     mirror the compilation cache to gs://... (pull on start, push on stop)
-  --tensor-parallel-size N  split the model over N devices of this host (default 1)
+  --tensor-parallel-size N  split the model over N devices (default 1)
+  --distributed           this host is one of a multi-host slice (jaxllm serve --distributed):
+                          host 0 serves HTTP, the others follow it
   --extra-args "ARGS"     more \`jaxllm serve\` flags, e.g. "--max-model-len 8192"
   --api-key KEY           require this key on /v1 (default: a generated one on the first run)
   --no-api-key            no key (only on a private network)
@@ -61,7 +63,7 @@ run() {
 die() { echo "install_host.sh: $*" >&2; exit 2; }
 
 SOURCE="" JAX_EXTRA=tpu JAX_VERSION=$JAX_VERSION_DEFAULT MODEL="" SERVED_NAME="" HOST="" PORT=""
-XLA_GCS="" TP="" EXTRA_ARGS="" EXTRA_ARGS_SET=0 API_KEY="" API_KEY_MODE=generate SERVICE_USER=jaxllm
+XLA_GCS="" TP="" DISTRIBUTED=0 EXTRA_ARGS="" EXTRA_ARGS_SET=0 API_KEY="" API_KEY_MODE=generate SERVICE_USER=jaxllm
 PYTHON="" START=1 DRY_RUN=0
 need() { [[ $# -ge 2 ]] || die "$1 needs a value"; }
 while [[ $# -gt 0 ]]; do
@@ -83,6 +85,7 @@ while [[ $# -gt 0 ]]; do
     --service-user) need "$@"; SERVICE_USER=$2; shift ;;
     --python) need "$@"; PYTHON=$2; shift ;;
     --no-start) START=0 ;;
+    --distributed) DISTRIBUTED=1 ;;
     --dry-run) DRY_RUN=1 ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $arg" ;;
@@ -178,6 +181,7 @@ fi
 [[ -n $PORT ]] && set_env JAXLLM_PORT "$PORT"
 [[ -n $XLA_GCS ]] && set_env JAXLLM_XLA_CACHE_GCS_URI "$XLA_GCS"
 [[ -n $TP ]] && set_env JAXLLM_TENSOR_PARALLEL_SIZE "$TP"
+[[ $DISTRIBUTED == 1 ]] && set_env JAXLLM_DISTRIBUTED --distributed
 [[ $EXTRA_ARGS_SET == 1 ]] && set_env JAXLLM_EXTRA_ARGS "$EXTRA_ARGS"
 case "$API_KEY_MODE" in
 given) set_env JAXLLM_API_KEY "$API_KEY" ;;
