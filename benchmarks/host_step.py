@@ -14,12 +14,34 @@ Reported per request count:
     step_ms     the whole step, median
     tok_per_s   output tokens per second of the timed `generate`
     steps_per_s engine steps per second
+    idle_ms     the device's idle time between two steps, median per step (see below)
+    idle_share  the device's idle time over the timed run: the gaps' sum over the time from
+                the first step's launch to the last step's output
 
 This checkout runs with async scheduling on and off. `--against DIR` runs the same
 measurement on the jaxllm checked out in DIR (e.g. the commit before a change, `git worktree
 add ../old <commit>`), taking turns with this one in fresh processes, and prints the ratios:
 every side from one run, on the same machine. With async scheduling, `host_ms` overlaps the
-device's work; `step_ms` is the time between two steps' returns.
+device's work; `step_ms` is the time between two steps' returns. The table goes to stdout as
+it fills; the full results as JSON to `--json`, or to stdout after the table.
+
+Device idle time. Each step that `runner.launch` dispatches gets t_launch, the time launch
+returned (the step's programs are enqueued), and t_done, the time its sampled tokens were
+ready, seen by a watcher thread that waits on the launched steps in order. The device runs
+steps in order, so step k+1 starts at max(t_launch[k+1], t_done[k]) and the device idles
+max(0, t_launch[k+1] - t_done[k]) before it: the host work between two steps that async
+scheduling failed to hide. Limits:
+- The device may start a step's first program (the forward pass) before launch returns, while
+  the host still dispatches the sampler: the gaps are upper bounds by up to that dispatch time
+  (0.2-0.9 ms per step measured on a 2-core CPU, 64 requests).
+- t_done is read when the watcher thread gets the GIL back; the measuring process lowers the
+  interpreter's switch interval from 5 ms to 0.1 ms (on every side, for like conditions) so
+  that it gets it promptly.
+- On the CPU the "device" is XLA's CPU thread pool, on the same cores as the host thread: the
+  two slow each other down, and a busy device delays launch's return. On an accelerator the
+  gaps are the accelerator's idle time.
+- Only steps that go through `runner.launch` are timed: an older checkout (`--against`) whose
+  runner has only `execute` reports None.
 """
 
 from __future__ import annotations
@@ -27,9 +49,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -39,61 +63,23 @@ import numpy as np
 HERE = Path(__file__).resolve()
 
 
-def write_tiny_model(path: Path, vocab_size: int = 512) -> Path:
-    """A random 2-layer Llama checkpoint in Hugging Face layout with a word-level tokenizer."""
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def write_tiny_model(path: Path) -> Path:
+    """The random model measured: Llama, 2 layers, width 64 (MLP 128), 4 query heads and 2
+    kv heads of 16, vocabulary 512, with `jaxllm.testing`'s tiny tokenizer."""
+    from jaxllm.testing import write_tiny_checkpoint, write_tiny_tokenizer
 
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {f"t{i}": i for i in range(vocab_size - 1)} | {"<unk>": vocab_size - 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"})
+    tokenizer = write_tiny_tokenizer(path.parent / f"{path.name}-tokenizer")
+    return write_tiny_checkpoint(
+        path,
+        tokenizer,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=512,
     )
-    d, f, layers, heads, kv_heads, head_dim = 64, 128, 2, 4, 2, 16
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": d,
-        "intermediate_size": f,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    rng = np.random.default_rng(0)
-
-    def w(*shape):
-        return (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
-
-    tensors = {
-        "model.embed_tokens.weight": w(vocab_size, d),
-        "model.norm.weight": np.ones(d, np.float32),
-        "lm_head.weight": w(vocab_size, d),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": np.ones(d, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-            p + "self_attn.q_proj.weight": w(heads * head_dim, d),
-            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, d),
-            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, d),
-            p + "self_attn.o_proj.weight": w(d, heads * head_dim),
-            p + "mlp.gate_proj.weight": w(f, d),
-            p + "mlp.up_proj.weight": w(f, d),
-            p + "mlp.down_proj.weight": w(d, f),
-        }
-    save_file(tensors, str(path / "model.safetensors"))
-    return path
 
 
 def _wrap(times: dict[str, list[float]], obj, name: str) -> None:
@@ -106,6 +92,53 @@ def _wrap(times: dict[str, list[float]], obj, name: str) -> None:
         return out
 
     setattr(obj, name, timed)
+
+
+class DeviceTimeline:
+    """When each step launched through `runner.launch` was enqueued (`t_launch`: launch
+    returned) and when its sampled tokens were ready (`t_done`, seen by one watcher thread that
+    waits on the launched steps in order)."""
+
+    def __init__(self, runner):
+        self.t_launch: list[float] = []
+        self.t_done: list[float] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+        launch = runner.launch  # `execute` (sync steps) calls it too
+
+        def timed_launch(*args, **kwargs):
+            step = launch(*args, **kwargs)
+            self._queue.put((time.perf_counter(), step.result.sampled))
+            return step
+
+        runner.launch = timed_launch
+
+    def _watch(self) -> None:
+        while (item := self._queue.get()) is not None:
+            t_launch, sampled = item
+            try:
+                sampled.block_until_ready()
+                t_done = time.perf_counter()
+            except Exception:  # a failed step: no time for it
+                t_done = float("nan")
+            self.t_launch.append(t_launch)
+            self.t_done.append(t_done)
+
+    def close(self) -> dict:
+        """Waits for the steps launched so far; idle_ms: the median gap per step between one
+        step's output being ready and the next step's launch, where that launch came later;
+        idle_share: the gaps' sum over the time from the first launch to the last output."""
+        self._queue.put(None)
+        self._watcher.join()
+        launch, done = np.array(self.t_launch), np.array(self.t_done)
+        if len(launch) < 2 or np.isnan(done).any():
+            return {"idle_ms": None, "idle_share": None}
+        gaps = np.maximum(0.0, launch[1:] - done[:-1])
+        return {
+            "idle_ms": 1e3 * float(np.median(gaps)),
+            "idle_share": float(gaps.sum() / (done[-1] - launch[0])),
+        }
 
 
 def measure(model: str, num_requests: int, output_len: int, async_scheduling: str) -> dict:
@@ -137,9 +170,14 @@ def measure(model: str, num_requests: int, output_len: int, async_scheduling: st
     ):
         if hasattr(obj, name):
             _wrap(times, obj, name)
+    # the watcher reads a step's t_done once it holds the GIL: let it take the GIL from the
+    # thread running the engine within 0.1 ms instead of the default 5 ms
+    sys.setswitchinterval(1e-4)
+    timeline = DeviceTimeline(runner) if hasattr(runner, "launch") else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    idle = timeline.close() if timeline else {"idle_ms": None, "idle_share": None}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = len(times["step"])
     host = [
@@ -153,6 +191,7 @@ def measure(model: str, num_requests: int, output_len: int, async_scheduling: st
         "tok_per_s": tokens / elapsed,
         "steps_per_s": steps / elapsed,
         "steps": steps,
+        **idle,
         "jaxllm": str(Path(__import__("jaxllm").__file__).parent.parent),
     }
 
@@ -169,6 +208,21 @@ def _run_child(checkout: Path, model: str, n: int, output_len: int, mode: str) -
     if out.returncode:
         raise RuntimeError(f"{checkout}: {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_HEADER = (
+    f"{'requests':>8}  {'side':<7} {'host_ms':>7} {'step_ms':>7} {'idle_ms':>7} "
+    f"{'idle_share':>10} {'tok/s':>9} {'steps':>5}"
+)
+
+
+def _table_row(side: str, r: dict) -> str:
+    idle_ms = "-" if r["idle_ms"] is None else f"{r['idle_ms']:.3f}"
+    idle_share = "-" if r["idle_share"] is None else f"{r['idle_share']:.1%}"
+    return (
+        f"{r['requests']:>8}  {side:<7} {r['host_ms']:>7.3f} {r['step_ms']:>7.3f} {idle_ms:>7} "
+        f"{idle_share:>10} {r['tok_per_s']:>9,.0f} {r['steps']:>5}"
+    )
 
 
 def main() -> None:
@@ -192,11 +246,12 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_model(Path(tmp) / "tiny-llama"))
+        print(_HEADER, flush=True)
         for n in args.requests:
             row = {}
             for side, (checkout, mode) in sides.items():  # in turns, each in a fresh process
                 row[side] = _run_child(checkout, model, n, args.output_len, mode)
-                print(side, json.dumps(row[side]), flush=True)
+                print(_table_row(side, row[side]), flush=True)
             row["async_over_sync_tok_per_s"] = row["async"]["tok_per_s"] / row["sync"]["tok_per_s"]
             if "against" in row:
                 for side in ("async", "sync"):
@@ -206,10 +261,19 @@ def main() -> None:
                     row[f"{side}_over_against_host_ms"] = (
                         row[side]["host_ms"] / row["against"]["host_ms"]
                     )
+            ratios = [f"async/sync tok/s {row['async_over_sync_tok_per_s']:.2f}x"]
+            ratios += [
+                f"{side}/against tok/s {row[f'{side}_over_against_tok_per_s']:.2f}x, "
+                f"host_ms {row[f'{side}_over_against_host_ms']:.2f}x"
+                for side in ("async", "sync")
+                if "against" in row
+            ]
+            print(f"{'':>8}  " + "; ".join(ratios), flush=True)
             results[str(n)] = row
-    print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    else:
+        print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

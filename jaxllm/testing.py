@@ -1,0 +1,161 @@
+"""Tiny random models for tests, benchmarks and researchers: a byte-level BPE tokenizer trained
+on the spot, and random Llama-family checkpoints in Hugging Face layout, written with numpy and
+safetensors (no torch, no network). They load as any Hugging Face checkpoint does.
+
+    from jaxllm.testing import write_tiny_checkpoint, write_tiny_tokenizer
+
+    tokenizer = write_tiny_tokenizer(tmp / "tokenizer")
+    model = write_tiny_checkpoint(tmp / "tiny-llama", tokenizer)  # 2 layers, width 64
+    LLM(model).generate(...)
+
+The same arguments give the same files: the weights come from a seeded numpy generator, the
+tokenizer from a deterministic BPE training run over a fixed corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CHATML", "write_tiny_checkpoint", "write_tiny_tokenizer"]
+
+# The tiny tokenizer's chat template (ChatML, as Qwen and SmolLM2 use).
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time there was a small model that ran on a CPU.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: !?.,;:-+*/=()[]{}",
+    "Héllo wörld, naïve café, 日本語, emoji 🙂.",
+]
+
+
+def write_tiny_tokenizer(
+    path: str | os.PathLike, *, vocab_size: int = 400, chat_template: str | None = CHATML
+) -> Path:
+    """A byte-level BPE tokenizer saved as a Hugging Face tokenizer directory, with
+    `chat_template`: the special tokens `<|endoftext|>` (id 0, also unk), `<|im_start|>` (1,
+    bos) and `<|im_end|>` (2, eos), the 256 bytes, and merges learned from a small fixed
+    corpus up to `vocab_size` ids (the corpus runs out of merges at 445). Any text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
+
+
+def write_tiny_checkpoint(
+    path: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike,
+    *,
+    architecture: str = "LlamaForCausalLM",
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    extra_config: dict | None = None,
+    vocab_size: int | None = None,
+) -> Path:
+    """A random Llama-family checkpoint in Hugging Face layout, with the tokenizer in
+    `tokenizer_dir` (e.g. `write_tiny_tokenizer`'s) copied beside it.
+
+    `architecture` is "LlamaForCausalLM" or "Qwen2ForCausalLM" (which adds q/k/v biases). The
+    vocabulary is the tokenizer's plus 3 spare ids, as real checkpoints often have, or
+    `vocab_size` where that is larger (e.g. to split evenly across devices). `extra_config`
+    adds to or overrides config.json. Weights are larger than a trained model's init so the
+    logits are peaked: greedy decoding then has clear winners, and comparisons across batch
+    shapes are not decided by ties."""
+    from safetensors.numpy import save_file
+
+    path, tokenizer_dir = Path(path), Path(tokenizer_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    vocab += 3  # spare ids past the tokenizer's, as real checkpoints often have
+    vocab = max(vocab, vocab_size or 0)  # or padded further, e.g. to split evenly
+    rng = np.random.default_rng(seed)
+    d, f, n, k, h = hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    tensors = {
+        "model.embed_tokens.weight": w(vocab, d, scale=1.0),
+        "model.norm.weight": 1 + w(d, scale=0.1),
+    }
+    if not tie_word_embeddings:
+        tensors["lm_head.weight"] = w(vocab, d, scale=0.5)
+    qwen = architecture == "Qwen2ForCausalLM"
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = 1 + w(d, scale=0.1)
+        tensors[p + "post_attention_layernorm.weight"] = 1 + w(d, scale=0.1)
+        tensors[p + "self_attn.q_proj.weight"] = w(n * h, d)
+        tensors[p + "self_attn.k_proj.weight"] = w(k * h, d)
+        tensors[p + "self_attn.v_proj.weight"] = w(k * h, d)
+        tensors[p + "self_attn.o_proj.weight"] = w(d, n * h)
+        if qwen:
+            tensors[p + "self_attn.q_proj.bias"] = w(n * h, scale=0.1)
+            tensors[p + "self_attn.k_proj.bias"] = w(k * h, scale=0.1)
+            tensors[p + "self_attn.v_proj.bias"] = w(k * h, scale=0.1)
+        tensors[p + "mlp.gate_proj.weight"] = w(f, d)
+        tensors[p + "mlp.up_proj.weight"] = w(f, d)
+        tensors[p + "mlp.down_proj.weight"] = w(d, f)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "architectures": [architecture],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": vocab,
+        "hidden_size": d,
+        "intermediate_size": f,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": n,
+        "num_key_value_heads": k,
+        "head_dim": h,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        **(extra_config or {}),
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    for f_ in tokenizer_dir.iterdir():
+        (path / f_.name).write_bytes(f_.read_bytes())
+    return path
