@@ -66,14 +66,14 @@ class InputBatch:
         self.num_blocks[i] = 0
         self.append_blocks(i, new.block_ids)
         self.temperature[i] = p.temperature
-        self.top_k[i] = p.top_k
+        self.top_k[i] = p.top_k if p.top_k < self.vocab_size else 0  # all tokens: off
         self.top_p[i] = p.top_p
         self.min_p[i] = p.min_p
         seed = new.seed % 2**64
         self.seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
         self.num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[i] = p.prompt_logprobs or 0
-        self.min_tokens[i] = p.min_tokens
+        self.min_tokens[i] = min(p.min_tokens, self.token_ids.shape[1])  # past the end: all
         blocked = [*new.eos_token_ids, *(p.stop_token_ids or [])][:MAX_BLOCKED_IDS]
         self.blocked_ids[i] = self.vocab_size
         self.blocked_ids[i, : len(blocked)] = blocked

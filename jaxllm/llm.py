@@ -27,6 +27,7 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import (
     Request,
     check_prompt_ids,
+    check_sampling_params,
     derive_seed,
     fan_out,
     resolve_eos_token_ids,
@@ -142,15 +143,10 @@ class LLM:
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one "
                     f"SamplingParams or one per prompt"
                 )
-        vocab = self.model_config.vocab_size
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            bad = [t for t in p.logit_bias or {} if t >= vocab]
-            if bad:
-                raise ValueError(
-                    f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-                )
+            check_sampling_params(p, vocab_size=self.model_config.vocab_size)
         return prompts, params
 
     # ---- generation -------------------------------------------------------------------

@@ -585,7 +585,8 @@ class _SamplingRequest(_Model):
         default_max_tokens: the room the prompt leaves, max_model_len - prompt_len
             (check_prompt_length). generation_defaults: the model's defaults for fields the
             request left unset (keys: GENERATION_DEFAULT_KEYS; others are ignored).
-            vocab_size: when given, logit_bias keys must be tokens of the vocabulary."""
+            vocab_size: when given, logit_bias keys and stop_token_ids must be tokens of the
+            vocabulary."""
         if default_max_tokens < 1:
             raise APIError.bad_request(
                 "The prompt fills the model's context; no room is left to generate.",
@@ -610,6 +611,8 @@ class _SamplingRequest(_Model):
             logit_bias = {int(k): b for k, b in self.logit_bias.items()}
             if vocab_size is not None:
                 check_token_ids(list(logit_bias), vocab_size, param="logit_bias")
+        if vocab_size is not None and self.stop_token_ids:
+            check_token_ids(self.stop_token_ids, vocab_size, param="stop_token_ids")
         kwargs.update(
             n=self.n,
             presence_penalty=self.presence_penalty or 0.0,

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from jaxllm import SamplingParams
-from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
+from jaxllm.engine.messages import AddRequest
 
 ENGINE = dict(max_model_len=256, num_pages=128, max_num_seqs=16, max_num_batched_tokens=128)
 
@@ -56,6 +57,29 @@ def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, p
             # Bad prompts are refused before they reach the core.
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 await anext(eng.generate([10**6], params))
+            with pytest.raises(ValueError, match="stop_token_ids"):
+                await anext(eng.generate(prompts[0], SamplingParams(stop_token_ids=[2**31])))
+
+            # Issue 13, defect 8: a request id already in use is refused, and the other
+            # request goes on (it used to kill the core process).
+            stream = eng.generate(prompts[1], long, request_id="dup")
+            first = await anext(stream)
+            with pytest.raises(ValueError, match="already in use"):
+                await anext(eng.generate(prompts[2], params, request_id="dup"))
+            assert len((await anext(stream)).outputs[0].token_ids) == 2
+            await stream.aclose()
+
+            # What the front end would refuse, sent to the core anyway: only that request
+            # fails, the core goes on serving.
+            bad = AddRequest("bad", prompts[0], SamplingParams(stop_token_ids=[10**6]),
+                             max_tokens=4, seed=0, eos_token_ids=[])  # fmt: skip
+            eng._queues["bad"] = queue = asyncio.Queue()
+            eng.client.add_request(bad)
+            assert isinstance(await asyncio.wait_for(queue.get(), 30), RequestFailedError)
+            eng._queues.pop("bad")
+            assert first.outputs[0].token_ids
+            again = [o async for o in eng.generate(prompts[0], params)]
+            assert again[-1].outputs[0].token_ids == got[0]
             return got
         finally:
             await eng.shutdown()

@@ -106,6 +106,39 @@ def test_bad_inputs_raise_and_engine_keeps_serving(tiny_llm):
     assert len(out[0].outputs[0].token_ids) == 12
 
 
+def test_values_past_the_vocabulary(tiny_llm):
+    """Issue 13, defect 1: a top_k past the vocabulary is off (as in vLLM); a stop id outside
+    it is refused naming stop_token_ids (both used to overflow an int32 host array while the
+    batch was built, failing every request of the step). min_tokens past any length is all."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    sampled = dict(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True)
+    off = tiny_llm.generate(prompt, SamplingParams(**sampled), use_tqdm=False)
+    huge = tiny_llm.generate(prompt, SamplingParams(**sampled, top_k=2**31), use_tqdm=False)
+    assert _tokens(huge) == _tokens(off)
+    out = tiny_llm.generate(
+        prompt, SamplingParams(max_tokens=4, min_tokens=4, stop_token_ids=[5]), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="stop_token_ids: token id 2147483648 is outside"):
+        tiny_llm.generate(
+            [prompt, prompt],
+            [GREEDY, SamplingParams(stop_token_ids=[2**31], min_tokens=1)],
+            use_tqdm=False,
+        )
+    _assert_idle(tiny_llm)
+    big_min = SamplingParams(max_tokens=None, min_tokens=2**40, ignore_eos=True)
+    out = tiny_llm.generate(prompt, big_min, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length"
+    # The engine core refuses such a request on its own too (library callers of the core).
+    from jaxllm.engine.request import Request
+
+    bad = Request("x", [5, 6], SamplingParams(stop_token_ids=[10**6]), eos_token_ids=(),
+                  max_tokens=4, seed=0)  # fmt: skip
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tiny_llm.engine.add_request(bad)
+    _assert_idle(tiny_llm)
+
+
 def test_string_prompts_and_chat(tiny_llm):
     out = tiny_llm.generate(["The quick brown fox", "Paris is"], GREEDY, use_tqdm=False)
     tok = tiny_llm.get_tokenizer()

@@ -460,6 +460,16 @@ def test_logit_bias_against_the_vocabulary():
     assert sp(CompletionRequest, completion(logit_bias={})).logit_bias is None
 
 
+def test_stop_token_ids_against_the_vocabulary():
+    """Issue 13, defect 1: a stop id outside the vocabulary is a 400 naming it (it used to
+    overflow an int32 array in the runner and fail every request of the step)."""
+    assert sp(CompletionRequest, completion(stop_token_ids=[99]), vocab_size=100).stop_token_ids
+    for bad in (100, 2**31):
+        with pytest.raises(APIError) as info:
+            sp(CompletionRequest, completion(stop_token_ids=[bad], min_tokens=1), vocab_size=100)
+        assert (info.value.status, info.value.param) == (400, "stop_token_ids")
+
+
 def test_sampling_params_errors_become_400s():
     # A generation default SamplingParams refuses (the second line of checks) still names it.
     with pytest.raises(APIError) as info:

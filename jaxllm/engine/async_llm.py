@@ -26,6 +26,7 @@ from jaxllm.engine.messages import AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import (
     check_prompt_ids,
+    check_sampling_params,
     derive_seed,
     resolve_eos_token_ids,
     resolve_max_tokens,
@@ -130,6 +131,9 @@ class AsyncLLM:
         check_prompt_ids(
             prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        check_sampling_params(params, vocab_size=self.vocab_size)
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue

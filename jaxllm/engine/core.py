@@ -24,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxllm.config import EngineConfig, ModelConfig
-from jaxllm.engine.request import Request
+from jaxllm.engine.request import Request, check_prompt_ids, check_sampling_params
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput, Stats
 
@@ -170,6 +170,15 @@ class EngineCore:
         return self.scheduler.config.max_model_len
 
     def add_request(self, request: Request) -> None:
+        """Queues a request; a ValueError (naming the parameter) if it cannot run here, before
+        anything of it reaches a batch: one request's bad value must not fail a step that
+        carries others."""
+        if self.model_config is not None:
+            vocab = self.model_config.vocab_size
+            check_prompt_ids(
+                request.prompt_token_ids, vocab_size=vocab, max_model_len=self.max_model_len
+            )
+            check_sampling_params(request.sampling_params, vocab_size=vocab)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

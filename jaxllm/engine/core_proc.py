@@ -86,22 +86,29 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             busy = engine.has_unfinished_requests()
             timeout = 0 if busy else _IDLE_POLL_MS
             received = False
+            refused: list[RequestUpdate] = []
             while inputs.poll(timeout):
                 received = True
                 message = input_decoder.decode(inputs.recv())
                 if isinstance(message, AddRequest):
-                    engine.add_request(
-                        Request(
-                            message.request_id,
-                            message.prompt_token_ids,
-                            message.sampling_params,
-                            eos_token_ids=tuple(message.eos_token_ids),
-                            max_tokens=message.max_tokens,
-                            seed=message.seed,
-                            priority=message.priority,
-                            prefix_parent=message.prefix_parent,
+                    try:
+                        engine.add_request(
+                            Request(
+                                message.request_id,
+                                message.prompt_token_ids,
+                                message.sampling_params,
+                                eos_token_ids=tuple(message.eos_token_ids),
+                                max_tokens=message.max_tokens,
+                                seed=message.seed,
+                                priority=message.priority,
+                                prefix_parent=message.prefix_parent,
+                            )
                         )
-                    )
+                    except Exception as e:  # fails this request only
+                        logger.warning("request %s refused: %s", message.request_id, e)
+                        refused.append(
+                            RequestUpdate(message.request_id, [], finish_reason=FinishReason.ERROR)
+                        )
                 elif isinstance(message, Abort):
                     engine.abort_requests(message.request_ids)
                 elif isinstance(message, Shutdown):
@@ -112,7 +119,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                 return
             if not engine.has_unfinished_requests():
                 if received:  # e.g. the last requests were aborted: publish the idle stats
-                    outputs.send(encoder.encode(StepOutputs([], engine.stats())))
+                    outputs.send(encoder.encode(StepOutputs(refused, engine.stats())))
                 continue
             try:
                 updates = engine.step()
@@ -126,7 +133,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                     RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in failed
                 ]
             queue_times, engine.scheduler.queue_times = engine.scheduler.queue_times, []
-            outputs.send(encoder.encode(StepOutputs(updates, engine.stats(), queue_times)))
+            outputs.send(
+                encoder.encode(StepOutputs(refused + updates, engine.stats(), queue_times))
+            )
     finally:
         if engine is not None:
             try:

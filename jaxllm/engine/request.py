@@ -137,6 +137,16 @@ def check_prompt_ids(ids: list[int], *, vocab_size: int, max_model_len: int) -> 
         )
 
 
+def check_sampling_params(params: SamplingParams, *, vocab_size: int) -> None:
+    """Raises ValueError, naming the parameter, for a token id outside the vocabulary (what
+    `SamplingParams` alone cannot know). Values past the vocabulary elsewhere mean "all":
+    a top_k larger than the vocabulary is off."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
     """The request's output bound: its max_tokens, never past the end of the context."""
     room = max_model_len - num_prompt_tokens
