@@ -36,10 +36,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int, *, skip_text: bool = False) -> bool:
+    def add_token(self, token_id: int, *, skip_text: bool = False, check_stop: bool = True) -> bool:
         """Appends a token; returns True when a stop string ended the text.
 
-        `skip_text` leaves the token's text out (a stop token the user named)."""
+        `skip_text` leaves the token's text out (a stop token the user named); `check_stop`
+        False looks for no stop string in the new text (the output is short of min_tokens)."""
         if skip_text:
             return False
         self.tokens.append(token_id)
@@ -51,9 +52,20 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         old_len = len(self.text)
         self.text += delta
-        return self._check_stop(old_len)
+        return check_stop and self._check_stop(old_len)
 
-    def flush(self) -> bool:
+    @property
+    def stable_text(self) -> str:
+        """The text that no stop string can take back any more: all of it but the last
+        (longest stop string - 1) characters, which a stop string completed later would cut
+        (vLLM's streaming holds them back the same way). With include_stop_str_in_output the
+        text is never cut, so all of it."""
+        if not self.stop or self.include_stop_str_in_output or self.stop_reason is not None:
+            return self.text
+        hold = max(len(s) for s in self.stop) - 1
+        return self.text[: max(len(self.text) - hold, 0)]
+
+    def flush(self, *, check_stop: bool = True) -> bool:
         """At the end of the output, adds text held back for an incomplete character (it
         will never complete: the bytes really are invalid UTF-8). Returns True when that text
         completes a stop string."""
@@ -66,7 +78,7 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += full[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.tokens)
-        return self._check_stop(old_len)
+        return check_stop and self._check_stop(old_len)
 
     def _check_stop(self, old_len: int) -> bool:
         """Truncates the text at the earliest stop string that the last delta completed."""

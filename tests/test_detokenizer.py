@@ -73,3 +73,64 @@ def test_skip_special_tokens(tok):
     for t in ids:
         d.add_token(t)
     assert d.text == "Hi there<|im_end|>"
+
+
+def _stream(tok, ids: list[int], params, finish_at: int | None = None):
+    """Feeds `ids` one update at a time through an OutputProcessor, as the engine core would
+    (the last one finishing by length); returns the texts of the snapshots and the final."""
+    from jaxllm.engine.output_processor import OutputProcessor
+    from jaxllm.engine.step_data import FinishReason, RequestUpdate
+
+    proc = OutputProcessor(tok)
+    proc.add_request("r", 0, [5, 6], params)
+    snapshots = []
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        finished, _ = proc.process(
+            [RequestUpdate("r", [t], finish_reason=FinishReason.LENGTH if last else None)]
+        )
+        snapshots.append(proc.output("r"))
+        if finished:
+            break
+    return [s.text for s in snapshots], snapshots[-1]
+
+
+def test_a_stream_never_sends_text_a_stop_string_takes_back(tok):
+    """Issue 13, defect 3: the start of a stop string must not be streamed before it is known
+    whether the rest follows (vLLM holds back the longest stop string minus one character)."""
+    from jaxllm import SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text)
+    pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+    # A stop string that starts inside one token's text and ends in a later one's.
+    k = next(i for i in range(1, len(ids)) if len(pieces[i]) - len(pieces[i - 1]) >= 3)
+    start = len(pieces[k]) - 2
+    stop = text[start : len(pieces[k + 1]) + 1]
+    texts, final = _stream(tok, ids, SamplingParams(stop=[stop], max_tokens=None))
+    assert final.finish_reason == "stop" and final.text == text[:start]
+    for snapshot in texts:
+        assert final.text.startswith(snapshot), (snapshot, final.text)
+    # Nothing is held back once the output is finished, or when the stop string stays in.
+    texts, final = _stream(tok, ids, SamplingParams(stop=["zzz"], max_tokens=None))
+    assert final.text == text and texts[-1] == text
+    texts, final = _stream(
+        tok, ids, SamplingParams(stop=[stop], include_stop_str_in_output=True, max_tokens=None)
+    )
+    assert texts[k] == pieces[k]
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    """Issue 13, defect 4: like EOS and stop ids, a stop string ends the output only once
+    min_tokens tokens are out (vLLM's rule)."""
+    from jaxllm import SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text)
+    early = tok.decode(ids[:2])[-3:]  # completed by the second token
+    _, final = _stream(tok, ids, SamplingParams(stop=[early], max_tokens=None))
+    assert final.finish_reason == "stop" and len(final.token_ids) == 2
+    _, final = _stream(tok, ids, SamplingParams(stop=[early], min_tokens=3, max_tokens=None))
+    assert final.finish_reason == "length" and final.text == text
+    _, final = _stream(tok, ids, SamplingParams(stop=["lazy"], min_tokens=3, max_tokens=None))
+    assert final.finish_reason == "stop" and final.text == text[: text.index("lazy")]

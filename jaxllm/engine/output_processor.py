@@ -73,14 +73,17 @@ class OutputProcessor:
                 # unless include_stop_str_in_output.
                 ends = u.finish_reason == FinishReason.STOP and i == len(u.new_token_ids) - 1
                 skip = ends and not state.params.include_stop_str_in_output
-                if state.detokenizer.add_token(token, skip_text=skip):
+                # Stop strings count only past min_tokens, as EOS and stop ids (vLLM's rule).
+                check = len(state.token_ids) > state.params.min_tokens
+                if state.detokenizer.add_token(token, skip_text=skip, check_stop=check):
                     state.finish_reason = FinishReason.STOP
                     state.stop_reason = state.detokenizer.stop_reason
                     to_abort.append(u.request_id)
                     break
             if state.finish_reason is None and u.finish_reason is not None:
                 state.finish_reason, state.stop_reason = u.finish_reason, u.stop_reason
-                if state.detokenizer is not None and state.detokenizer.flush():
+                check = len(state.token_ids) > state.params.min_tokens
+                if state.detokenizer is not None and state.detokenizer.flush(check_stop=check):
                     state.finish_reason = FinishReason.STOP
                     state.stop_reason = state.detokenizer.stop_reason
             if state.finish_reason is not None:
@@ -102,10 +105,17 @@ class OutputProcessor:
         return self.states[request_id].prompt_logprobs
 
     def output(self, request_id: str) -> CompletionOutput:
+        """The completion so far. Until it finishes, its text leaves out the tail a stop
+        string could still cut (`IncrementalDetokenizer.stable_text`), so a stream of these
+        snapshots never sends text the finished answer removes."""
         s = self.states[request_id]
+        text = ""
+        if s.detokenizer is not None:
+            d = s.detokenizer
+            text = d.text if s.finish_reason is not None else d.stable_text
         return CompletionOutput(
             index=s.index,
-            text=s.detokenizer.text if s.detokenizer is not None else "",
+            text=text,
             token_ids=list(s.token_ids),
             cumulative_logprob=s.cumulative_logprob,
             logprobs=s.logprobs,
