@@ -114,9 +114,10 @@ def _filter(x: jax.Array, s: SamplingInputs) -> jax.Array:
     vocab = x.shape[-1]
     top = x.max(axis=-1, keepdims=True)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)[:, None]
-    kth = _bisect(
-        lambda v: (x >= v).sum(axis=-1, keepdims=True) >= k, x.min(axis=-1, keepdims=True), top
-    )
+    # From the least finite value: blocked ids (min_tokens) are -inf, and a bisection from
+    # -inf never leaves it (top-k was silently off while min_tokens held).
+    least = jnp.where(x > -jnp.inf, x, top).min(axis=-1, keepdims=True)
+    kth = _bisect(lambda v: (x >= v).sum(axis=-1, keepdims=True) >= k, least, top)
     x = jnp.where((s.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
     probs = jax.nn.softmax(x, axis=-1)
     top_p = s.top_p[:, None]

@@ -61,6 +61,7 @@ class ServerState:
         self.max_queued = max_queued
         self.num_admitted = 0  # engine requests of responses that have not ended yet
         self.draining = False  # set when the server is told to stop; never cleared
+        self.engine_died = False  # the engine died while serving: the server exits non-zero
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine, served_model_names[0])
 
@@ -148,9 +149,12 @@ def build_app(
             raise APIError.too_large(MAX_BODY_BYTES)
         try:
             obj = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # also integers past 4300 digits
             raise APIError.bad_request("the request body is not valid JSON") from None
-        return protocol.parse_request(model_cls, obj)
+        try:
+            return protocol.parse_request(model_cls, obj)
+        except RecursionError:
+            raise APIError.bad_request("the request body is nested too deeply") from None
 
     def check_model(name: str | None) -> str:
         if name is None or name in state.served_model_names:

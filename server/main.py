@@ -48,6 +48,15 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.state.startup_error is not None:  # the engine could not start: stop serving
             return True
+        engine = self.state.engine
+        if engine is not None and engine.dead and not self.state.draining:
+            # The engine core died (or its outputs could not be processed): its requests have
+            # failed already. Exit non-zero, so a supervisor restarts the server, rather than
+            # answer 503 forever (vLLM's server exits too).
+            logger.error("the engine is dead; the server exits")
+            self.state.engine_died = True
+            self.state.draining = True
+            return True
         return await super().on_tick(counter)
 
 
@@ -158,6 +167,6 @@ def serve(
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on
         pass
-    if app.state.server.startup_error is not None:
-        return 1  # the engine could not start (the reason is logged)
+    if app.state.server.startup_error is not None or app.state.server.engine_died:
+        return 1  # the engine could not start, or died (the reason is logged)
     return 0 if server.started else STARTUP_FAILURE

@@ -85,3 +85,32 @@ def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, p
             await eng.shutdown()
 
     assert asyncio.run(run()) == expected
+
+
+def test_a_failure_in_output_processing_fails_every_request(tiny_model_dir, prompts):
+    """Issue 13, defect 8: an exception while processing the core's outputs used to kill the
+    output loop silently, leaving every request waiting forever."""
+    from jaxllm.engine.core_client import EngineDeadError
+
+    async def run():
+        eng = await AsyncLLM.create(str(tiny_model_dir), in_process=True, **ENGINE)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+            def broken(updates):
+                raise RuntimeError("a bug")
+
+            eng.processor.process = broken
+
+            async def one(ids):
+                return [o async for o in eng.generate(ids, params)]
+
+            results = await asyncio.wait_for(
+                asyncio.gather(*(one(p) for p in prompts[:3]), return_exceptions=True), 30
+            )
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+            assert eng.dead
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(run())

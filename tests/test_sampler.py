@@ -59,6 +59,19 @@ def test_filter_top_k_top_p_min_p():
     assert kept() == [True] * 5
 
 
+def test_top_k_holds_with_blocked_ids():
+    """Issue 13, defect 2: with a blocked id (-inf while min_tokens holds) in the row, the
+    full-vocabulary top-k (k past the candidates) used to keep everything."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 300)), jnp.float32).at[:, 5].set(-jnp.inf)
+    k = NUM_CANDIDATES + 36
+    kept = np.isfinite(np.asarray(_filter(x, inputs(2, top_k=k))))
+    assert kept.sum(axis=-1).tolist() == [k, k]
+    assert not kept[:, 5].any()
+    everything = np.isfinite(np.asarray(_filter(x, inputs(2, top_k=299))))
+    assert everything.sum(axis=-1).tolist() == [299, 299]
+
+
 def test_sampling_follows_the_distribution_and_seeds():
     probs = np.array([0.5, 0.3, 0.2, 0.0])
     logits = jnp.log(jnp.asarray(np.maximum(probs, 1e-12), jnp.float32))

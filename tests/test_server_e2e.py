@@ -343,6 +343,12 @@ BAD = [
         "chat_template_kwargs",
     ),  # fmt: skip
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "a", "stop_token_ids": [2**31], "min_tokens": 1},
+        400,
+        "stop_token_ids",
+    ),  # fmt: skip
 ]
 
 
@@ -350,8 +356,38 @@ def _raw_nan_body() -> bytes:
     return b'{"model": "tiny", "prompt": "a", "temperature": NaN}'
 
 
-@pytest.mark.parametrize("path,body,status,param", BAD + [("/v1/completions", _raw_nan_body(),
-                                                          400, None)])  # fmt: skip
+# Issue 13, defect 5: nesting past the parser's recursion limit, and an integer literal past
+# Python's 4300 digits, used to be 500s with a logged traceback.
+RAW = [
+    ("/v1/completions", _raw_nan_body(), 400, None),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [], "x": ' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}",
+        400,
+        None,
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+        400,
+        None,
+    ),
+    (
+        "/tokenize",
+        b'{"prompt": "a", "add_special_tokens": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        400,
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD + RAW)  # fmt: skip
 def test_bad_input_gets_a_clear_error_and_the_server_goes_on(server, path, body, status, param):
     if isinstance(body, bytes):
         r = httpx.post(f"{server}{path}", content=body,
@@ -536,21 +572,32 @@ def test_sigterm_lets_in_flight_requests_finish(small_server):
     _wait_stopped(proc, children)
 
 
-def test_killed_core_makes_health_503_and_requests_fail_fast(tiny_model_dir):
-    proc, url = _start_server(tiny_model_dir)
+def test_killed_core_fails_requests_at_once_and_the_server_exits(tiny_model_dir):
+    """Issue 13, defect 9: with its engine core killed (SIGKILL, mid-stream), the server fails
+    the streams in flight at once and exits non-zero, so that a supervisor (systemd,
+    Kubernetes) restarts it; it used to answer 503 forever."""
+    proc, url = _start_server(tiny_model_dir, "--shutdown-timeout", "5")
+    children = _children(proc.pid)
     try:
-        core = [pid for pid, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+        core = [pid for pid, cmd in children.items() if "spawn_main" in cmd]
         assert core, "the engine core runs in a child process"
-        os.kill(core[0], signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while httpx.get(f"{url}/health").status_code != 503:
-            assert time.monotonic() < deadline, "/health must turn 503"
-            time.sleep(0.1)
-        start = time.monotonic()
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503 and time.monotonic() - start < 2
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(core[0], signal.SIGKILL)
+            start = time.monotonic()
+            rest = list(lines)
+        assert time.monotonic() - start < 5, "the stream must fail at once"
+        assert any("error" in line for line in rest), rest[-3:]
+        proc.wait(timeout=30)
     finally:
-        _stop_server(proc)
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert proc.returncode == 1, log[-3000:]
+    assert "engine core died" in log and "the server exits" in log
 
 
 def test_engine_that_cannot_start_exits_nonzero(tmp_path):

@@ -183,22 +183,38 @@ class AsyncLLM:
                 continue
             if out is None:
                 continue
-            self.stats = out.stats
-            failed = [u.request_id for u in out.updates if u.finish_reason == FinishReason.ERROR]
-            updates = [u for u in out.updates if u.finish_reason != FinishReason.ERROR]
-            _, to_abort = self.processor.process(updates)
-            if to_abort:  # stop strings: the core must stop generating them
-                self.client.abort(to_abort)
-            for u in updates:
-                queue = self._queues.get(u.request_id)
-                if queue is not None and u.new_token_ids and u.request_id in self.processor.states:
-                    queue.put_nowait(self._snapshot(u.request_id))
-            for rid in failed:
-                queue = self._queues.get(rid)
-                if queue is not None:
-                    queue.put_nowait(RequestFailedError("the engine failed this request"))
-            if self.on_step is not None:
-                self.on_step(out)
+            try:
+                self._apply(out)
+            except Exception:
+                # A bug here would leave every request waiting forever: fail them all and
+                # stop, so the server exits and its supervisor restarts it.
+                logger.exception("processing engine outputs failed")
+                self._die(EngineDeadError("the engine's output processing failed"))
+                return
+
+    def _apply(self, out) -> None:
+        self.stats = out.stats
+        failed = [u.request_id for u in out.updates if u.finish_reason == FinishReason.ERROR]
+        updates = [u for u in out.updates if u.finish_reason != FinishReason.ERROR]
+        _, to_abort = self.processor.process(updates)
+        if to_abort:  # stop strings: the core must stop generating them
+            self.client.abort(to_abort)
+        for u in updates:
+            queue = self._queues.get(u.request_id)
+            if queue is not None and u.new_token_ids and u.request_id in self.processor.states:
+                queue.put_nowait(self._snapshot(u.request_id))
+        for rid in failed:
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(RequestFailedError("the engine failed this request"))
+        if self.on_step is not None:
+            self.on_step(out)
+
+    def _die(self, error: BaseException) -> None:
+        """Nothing can be served any more: every waiting request fails with `error` now."""
+        self.dead = True
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     def _snapshot(self, request_id: str) -> RequestOutput:
         out = self.processor.output(request_id)
@@ -214,10 +230,10 @@ class AsyncLLM:
     async def _watchdog(self) -> None:
         while self.client.is_alive():
             await asyncio.sleep(0.2)
-        self.dead = True
+        if self.dead:  # shut down, or failed already
+            return
         logger.error("engine core died (%s)", self.client.exit_status)
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError("engine core process died"))
+        self._die(EngineDeadError("engine core process died"))
 
     async def shutdown(self) -> None:
         for task in self._tasks:
