@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import jinja2
@@ -45,6 +47,9 @@ from server.protocol import APIError
 logger = logging.getLogger("jaxllm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# What a load balancer, a probe or a scraper reads without the API key; everything else (the
+# /v1 API, /tokenize, /detokenize) needs it.
+_OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 # The request line and headers. uvicorn's h11 parser stops buffering an unfinished header
 # block at this size (server.main); a block that arrives whole in one read gets past it, so
 # the app checks the size too.
@@ -62,6 +67,7 @@ class ServerState:
         self.num_admitted = 0  # engine requests of responses that have not ended yet
         self.draining = False  # set when the server is told to stop; never cleared
         self.engine_died = False  # the engine died while serving: the server exits non-zero
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenize")
         self.created = int(time.time())
         self.metrics = Metrics(lambda: self.engine, served_model_names[0])
 
@@ -126,7 +132,7 @@ def build_app(
         header_bytes = sum(len(k) + len(v) + 4 for k, v in request.scope["headers"])  # ": ", CRLF
         if header_bytes > MAX_HEADER_BYTES:
             return _error_response(headers_too_large(MAX_HEADER_BYTES))
-        if request.url.path.startswith("/v1") and state.api_key is not None:
+        if state.api_key is not None and request.url.path not in _OPEN_PATHS:
             given = request.headers.get("authorization", "")
             expected = f"Bearer {state.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
@@ -135,6 +141,14 @@ def build_app(
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return _error_response(APIError.too_large(MAX_BODY_BYTES))
         return await call_next(request)
+
+    async def tokenizing(fn, *args, **kwargs):
+        """Tokenizing and templating, off the event loop (a 10 MB prompt takes seconds, and
+        `/health` must answer meanwhile), on one thread, so encodes never overlap one another.
+        (The output loop decodes on the event loop meanwhile: encode and decode only read the
+        tokenizer, which neither reconfigures.)"""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, call)
 
     def engine() -> AsyncLLM:
         if state.draining:
@@ -216,9 +230,10 @@ def build_app(
         eng = engine()
         check_model(req.model)
         if req.messages is not None:
-            ids = render_chat(eng, req, add_special_tokens=req.add_special_tokens)
+            ids = await tokenizing(render_chat, eng, req, add_special_tokens=req.add_special_tokens)
         else:
-            ids = eng.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            encode = eng.tokenizer.encode
+            ids = await tokenizing(encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return _json(
             protocol.TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids)
         )
@@ -229,7 +244,8 @@ def build_app(
         eng = engine()
         check_model(req.model)
         protocol.check_token_ids(req.tokens, eng.vocab_size, param="tokens")
-        return _json(protocol.DetokenizeResponse(prompt=eng.tokenizer.decode(req.tokens)))
+        text = await tokenizing(eng.tokenizer.decode, req.tokens)
+        return _json(protocol.DetokenizeResponse(prompt=text))
 
     # ---- generation --------------------------------------------------------------------
 
@@ -238,7 +254,7 @@ def build_app(
         req = await parse(request, protocol.CompletionRequest)
         eng = engine()
         model = check_model(req.model)
-        prompts = completion_prompts(eng, req)
+        prompts = await tokenizing(completion_prompts, eng, req)
         jobs = [(ids, sampling_params(eng, req, ids, "prompt"), text) for ids, text in prompts]
         return await respond(request, Completion(req, model, jobs, eng))
 
@@ -247,7 +263,7 @@ def build_app(
         req = await parse(request, protocol.ChatCompletionRequest)
         eng = engine()
         model = check_model(req.model)
-        ids = render_chat(eng, req)
+        ids = await tokenizing(render_chat, eng, req)
         jobs = [(ids, sampling_params(eng, req, ids, "messages"), None)]
         return await respond(request, ChatCompletion(req, model, jobs, eng))
 
@@ -391,7 +407,9 @@ class _Generation:
         return sum(params.n for _, params, _ in self.jobs)
 
     async def _events(self, metrics: Metrics) -> AsyncIterator[tuple[int, Any]]:
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: while the client does not read, the choices' tasks wait here, and the
+        # engine's outputs pile up as one snapshot per request (AsyncLLM), not one per token.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * self.num_requests)
 
         async def run(choice: int, rid: str, ids: list[int], params, index: int, parent):
             times: list[float] = []
@@ -410,7 +428,9 @@ class _Generation:
                     times.append(time.monotonic())
                     last = out
                     await queue.put((choice, out))
-            except BaseException as e:
+            except asyncio.CancelledError:
+                raise  # the response is over: nobody reads the queue any more
+            except Exception as e:
                 await queue.put((choice, e))
                 return
             finally:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from jaxllm import SamplingParams
-from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
+from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError, _Stream
 from jaxllm.engine.messages import AddRequest
 
 ENGINE = dict(max_model_len=256, num_pages=128, max_num_seqs=16, max_num_batched_tokens=128)
@@ -34,12 +34,30 @@ def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, p
 
             async def one(ids):
                 snapshots = [o.outputs[0] async for o in eng.generate(ids, params)]
-                # One snapshot per token, growing, the last one finished.
-                assert [len(s.token_ids) for s in snapshots] == list(range(1, 11))
-                assert snapshots[-1].finish_reason == "length"
-                return snapshots[-1].token_ids
+                # Snapshots growing (a token per step, or more when read late), each one a
+                # prefix of the next, the last one finished.
+                lengths = [len(s.token_ids) for s in snapshots]
+                assert lengths == sorted(set(lengths)) and lengths[-1] == 10
+                final = snapshots[-1]
+                for s in snapshots:
+                    assert final.token_ids[: len(s.token_ids)] == s.token_ids
+                assert [s.finish_reason for s in snapshots[:-1]] == [None] * (len(lengths) - 1)
+                assert final.finish_reason == "length"
+                return final.token_ids
 
             got = await asyncio.gather(*(one(p) for p in prompts))
+
+            # Issue 13, defect 7: a reader that stops reading costs one snapshot, not one per
+            # token (they used to queue up, each holding the whole text so far).
+            slow = eng.generate(prompts[3], SamplingParams(temperature=0, max_tokens=40,
+                                                           ignore_eos=True))  # fmt: skip
+            assert len((await anext(slow)).outputs[0].token_ids) == 1
+            for _ in range(300):
+                if eng.stats.num_running == eng.stats.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            rest = [o.outputs[0] async for o in slow]
+            assert [len(o.token_ids) for o in rest] == [40] and rest[0].finish_reason == "length"
 
             # Leaving a stream early aborts its request: the engine ends idle.
             long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -73,10 +91,11 @@ def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, p
             # fails, the core goes on serving.
             bad = AddRequest("bad", prompts[0], SamplingParams(stop_token_ids=[10**6]),
                              max_tokens=4, seed=0, eos_token_ids=[])  # fmt: skip
-            eng._queues["bad"] = queue = asyncio.Queue()
+            eng._streams["bad"] = stream = _Stream()
             eng.client.add_request(bad)
-            assert isinstance(await asyncio.wait_for(queue.get(), 30), RequestFailedError)
-            eng._queues.pop("bad")
+            await asyncio.wait_for(stream.ready.wait(), 30)
+            assert isinstance(stream.error, RequestFailedError)
+            eng._streams.pop("bad")
             assert first.outputs[0].token_ids
             again = [o async for o in eng.generate(prompts[0], params)]
             assert again[-1].outputs[0].token_ids == got[0]

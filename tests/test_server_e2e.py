@@ -276,6 +276,34 @@ def test_tokenize_detokenize_round_trip(server):
     assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "hello world"
 
 
+def test_health_answers_while_a_huge_prompt_is_tokenized(server):
+    """Issue 13, defect 6: tokenizing a 10 MB prompt took the event loop for seconds, and
+    /health with it (long enough for a probe to kill the pod)."""
+    import threading
+
+    prompt = "hello world, " * 800_000  # 10.4 MB
+    done: dict = {}
+
+    def big():
+        start = time.monotonic()
+        r = httpx.post(f"{server}/tokenize", json={"prompt": prompt}, headers=AUTH, timeout=300)
+        done.update(status=r.status_code, seconds=time.monotonic() - start)
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.5)  # the body is read and tokenizing has begun
+    waits = []
+    while thread.is_alive() and len(waits) < 20:
+        start = time.monotonic()
+        assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+        waits.append(time.monotonic() - start)
+        time.sleep(0.1)
+    thread.join()
+    assert done["status"] == 200
+    assert done["seconds"] > 1.5, "too quick to tell: make the prompt longer"
+    assert waits and max(waits) < 1.0, waits
+
+
 def test_metrics_move(server, client):
     before = _metric(server, "generation_tokens_total")
     client.completions.create(model="tiny", prompt="m", max_tokens=5, temperature=0,
@@ -410,6 +438,10 @@ def test_missing_or_wrong_key_is_401(server, headers):
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "a"}, headers=headers)
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
     assert httpx.get(f"{server}/v1/models", headers=headers).status_code == 401
+    # Issue 13, defect 6: tokenizing costs the server as much as a prompt does.
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [5]})):
+        assert httpx.post(f"{server}{path}", json=body, headers=headers).status_code == 401
+    assert httpx.get(f"{server}/health", headers=headers).status_code == 200
 
 
 def test_oversized_body_is_413(server):

@@ -3,10 +3,12 @@
 It owns the tokenizer, validates and tokenizes prompts, sends requests to the core, and turns
 the core's token updates into `RequestOutput` snapshots per request (incremental
 detokenization and stop strings through the same `OutputProcessor` the offline `LLM` uses).
-Each request has an asyncio queue its handler reads with `generate`; a handler that stops
-reading (a client that went away) aborts its request, which frees its blocks in the core.
+Each request has a `_Stream` its handler reads with `generate`: a flag that new output is
+there, not a queue of outputs, so a handler that falls behind (a client that stops reading)
+costs one snapshot, built when it reads, however many tokens came meanwhile. A handler that
+leaves (a client that went away) aborts its request, which frees its blocks in the core.
 
-Two background tasks: the output loop (core -> queues) and a watchdog that fails every
+Two background tasks: the output loop (core -> streams) and a watchdog that fails every
 in-flight request at once if the core process dies.
 """
 
@@ -43,6 +45,20 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request (its step raised); the engine itself goes on."""
 
 
+class _Stream:
+    """What a request's reader has not taken yet: whether there is new output, or an error."""
+
+    __slots__ = ("error", "ready")
+
+    def __init__(self):
+        self.ready = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+
 class AsyncLLM:
     def __init__(
         self,
@@ -66,7 +82,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.stats: Stats = ready.stats
         self.processor = OutputProcessor(tokenizer)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._prompts: dict[str, list[int]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.load.seed)
@@ -106,7 +122,7 @@ class AsyncLLM:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     # ---- generation --------------------------------------------------------------------
 
@@ -120,8 +136,8 @@ class AsyncLLM:
         priority: int = 0,
         prefix_parent: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields a `RequestOutput` after each new token, its one completion a snapshot so
-        far (the last one has a finish_reason) and its prompt_logprobs complete from the first
+        """Yields a `RequestOutput` when new tokens came, its one completion a snapshot so
+        far (tokens that came while the caller was not reading arrive together) (the last one has a finish_reason) and its prompt_logprobs complete from the first
         on, when asked for. Leaving the loop early aborts the request in the core. `index` is the
         completion's place among the n of one prompt (it picks the seed); the siblings pass
         the first one's id as `prefix_parent` to share its cached prompt."""
@@ -132,11 +148,10 @@ class AsyncLLM:
             prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         check_sampling_params(params, vocab_size=self.vocab_size)
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request_id = request_id or f"req-{next(self._ids)}"
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        stream = self._streams[request_id] = _Stream()
         self._prompts[request_id] = prompt_token_ids
         self.processor.add_request(request_id, index, prompt_token_ids, params)
         finished = False
@@ -156,16 +171,18 @@ class AsyncLLM:
                 )
             )
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
+                await stream.ready.wait()
+                stream.ready.clear()
+                if stream.error is not None:
                     finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                    raise stream.error
+                out = self._snapshot(request_id)
+                finished = out.finished
+                yield out
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             self._prompts.pop(request_id, None)
             self.processor.remove(request_id)
             if not finished and not self.dead:
@@ -200,21 +217,21 @@ class AsyncLLM:
         if to_abort:  # stop strings: the core must stop generating them
             self.client.abort(to_abort)
         for u in updates:
-            queue = self._queues.get(u.request_id)
-            if queue is not None and u.new_token_ids and u.request_id in self.processor.states:
-                queue.put_nowait(self._snapshot(u.request_id))
+            stream = self._streams.get(u.request_id)
+            if stream is not None and (u.new_token_ids or u.finish_reason is not None):
+                stream.ready.set()
         for rid in failed:
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(RequestFailedError("the engine failed this request"))
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.fail(RequestFailedError("the engine failed this request"))
         if self.on_step is not None:
             self.on_step(out)
 
     def _die(self, error: BaseException) -> None:
         """Nothing can be served any more: every waiting request fails with `error` now."""
         self.dead = True
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for stream in self._streams.values():
+            stream.fail(error)
 
     def _snapshot(self, request_id: str) -> RequestOutput:
         out = self.processor.output(request_id)
