@@ -7,7 +7,8 @@ shares the batch. Logprobs are those of the model's raw distribution (before pen
 bias, temperature and top-k/p), as vLLM returns them by default.
 
 The order is vLLM's: blocked ids (min_tokens) and logit bias, then the repetition, frequency
-and presence penalties, then greedy argmax or temperature, top-k, top-p, min-p and the draw. So
+and presence penalties, then greedy argmax or temperature, min-p, top-k, top-p and the draw
+(vLLM V1 applies min-p as a logits processor, before its top-k/top-p sampler). So
 a greedy request's argmax sees its penalties and bias.
 
 One program, work that follows the batch: every optional part (blocked ids, bias and
@@ -17,7 +18,8 @@ and no variant of the program is ever compiled.
 
 The random draw is exact and sorts nothing of the vocabulary's size. Each random row's
 candidates are its top `NUM_CANDIDATES` scaled logits (`lax.top_k`, in order). Top-k, top-p
-(on the distribution renormalised to the top k) and min-p are cut-offs along that sorted list,
+(on the distribution renormalised to what min-p and top-k keep) and min-p are cut-offs along
+that sorted list,
 and one uniform number per row picks a token by inverse CDF over what is kept. A row whose kept
 set provably lies inside its candidates (top-k <= NUM_CANDIDATES, or the top-p prefix or the
 min-p cut ends inside them) is done there. Any other row (plain temperature sampling, or a top-k
@@ -105,17 +107,20 @@ def _bisect(ok, lo: jax.Array, hi: jax.Array) -> jax.Array:
 
 
 def _filter(x: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Masks (to -inf) tokens outside top-k, then top-p, then min-p. x: f32[R, V] scaled logits.
+    """Masks (to -inf) tokens outside min-p, then top-k, then top-p. x: f32[R, V] scaled logits.
 
     The full-vocabulary definition (`_candidate_cut` is the fast one): each cut-off is a per-row
-    threshold found by bisection. Top-k keeps the values >= the k-th largest; top-p keeps the
-    smallest set of most likely tokens whose mass reaches top_p. Tokens tied with the cut-off
-    stay in."""
+    threshold. Min-p keeps the tokens whose probability is at least min_p times the top one's;
+    top-k keeps the values >= the k-th largest of those; top-p keeps the smallest set of most
+    likely tokens whose mass, renormalised to what is left, reaches top_p. Tokens tied with a
+    cut-off stay in."""
     vocab = x.shape[-1]
     top = x.max(axis=-1, keepdims=True)
+    mth = top + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]
+    x = jnp.where((s.min_p[:, None] > 0) & (x < mth), -jnp.inf, x)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)[:, None]
-    # From the least finite value: blocked ids (min_tokens) are -inf, and a bisection from
-    # -inf never leaves it (top-k was silently off while min_tokens held).
+    # From the least finite value: blocked ids (min_tokens) and min-p's cut are -inf, and a
+    # bisection from -inf never leaves it (top-k was silently off while min_tokens held).
     least = jnp.where(x > -jnp.inf, x, top).min(axis=-1, keepdims=True)
     kth = _bisect(lambda v: (x >= v).sum(axis=-1, keepdims=True) >= k, least, top)
     x = jnp.where((s.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
@@ -126,10 +131,7 @@ def _filter(x: jax.Array, s: SamplingInputs) -> jax.Array:
         jnp.zeros_like(top),
         probs.max(axis=-1, keepdims=True),
     )
-    x = jnp.where((top_p < 1.0) & (probs < pth), -jnp.inf, x)
-    # min-p: a token stays if its probability is at least min_p times the top one's.
-    mth = top + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]
-    return jnp.where((s.min_p[:, None] > 0) & (x < mth), -jnp.inf, x)
+    return jnp.where((top_p < 1.0) & (probs < pth), -jnp.inf, x)
 
 
 def _candidate_cut(x: jax.Array, s: SamplingInputs):
@@ -151,37 +153,41 @@ def _candidate_cut(x: jax.Array, s: SamplingInputs):
     pos = jnp.arange(vals.shape[-1])[None, :]
     candidate = pos < c
     outside = jnp.min(vals, axis=-1) if vocab > c else jnp.full(x.shape[:1], -jnp.inf)
+    # min-p: probability at least min_p times the top one's (the top one is a candidate).
+    mth = vals.max(axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
+    in_min = (s.min_p[:, None] <= 0) | (vals >= mth[:, None])
+    excl_min = (s.min_p > 0) & (outside < mth)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)  # [R]
     k_inside = k <= c
-    # Top-k keeps values >= the k-th largest, ties included. Right on the candidates for any
-    # k: past C, every candidate is in.
+    # Top-k keeps values >= the k-th largest of what min-p kept, ties included (min-p keeps a
+    # prefix of the sorted list, so that is the k-th candidate, if min-p kept it). Right on
+    # the candidates for any k: past C, every candidate is in.
     kth = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, c - 1)[:, None], axis=-1)[:, 0]
     in_k = candidate & (~k_inside[:, None] | (vals >= kth[:, None]))
     excl_k = k_inside & (outside < kth)
-    # Top-p on the distribution renormalised to the top-k set: the smallest prefix of the
-    # sorted list reaching top_p, ties with its last token included. Its normaliser is known
-    # when top-k is off (all of V) or the top-k set lies among the candidates.
-    norm_known = (k == vocab) | excl_k
+    pre = in_min & in_k
+    excl_pre = excl_min | excl_k  # no token outside the candidates survives min-p and top-k
+    # Top-p on the distribution renormalised to what min-p and top-k kept: the smallest prefix
+    # of the sorted list reaching top_p, ties with its last token included. Its normaliser is
+    # known when that set lies among the candidates, or top-k is off (min-p's set over all V).
+    norm_known = (k == vocab) | excl_pre
+    min_set = (s.min_p[:, None] <= 0) | (x >= mth[:, None])
     log_norm = jnp.where(
-        excl_k,
-        jax.nn.logsumexp(jnp.where(in_k, vals, -jnp.inf), axis=-1),
-        jax.nn.logsumexp(x, axis=-1),
+        excl_pre,
+        jax.nn.logsumexp(jnp.where(pre, vals, -jnp.inf), axis=-1),
+        jax.nn.logsumexp(jnp.where(min_set, x, -jnp.inf), axis=-1),
     )
-    probs = jnp.where(in_k, jnp.exp(vals - log_norm[:, None]), 0.0)
+    probs = jnp.where(pre, jnp.exp(vals - log_norm[:, None]), 0.0)
     cum = jnp.cumsum(probs, axis=-1)
     top_p = s.top_p[:, None]
     in_p = (top_p >= 1.0) | ((cum - probs) < top_p)
-    last = jnp.max(jnp.where(in_k & in_p, pos, 0), axis=-1)
+    last = jnp.max(jnp.where(pre & in_p, pos, 0), axis=-1)
     v_last = jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0]
     in_p = in_p | (vals >= v_last[:, None])
     p_on = s.top_p < 1.0
     excl_p = p_on & norm_known & (cum.max(axis=-1) >= s.top_p) & (outside < v_last)
-    # min-p: probability at least min_p times the top one's.
-    mth = vals.max(axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
-    in_min = (s.min_p[:, None] <= 0) | (vals >= mth[:, None])
-    excl_min = (s.min_p > 0) & (outside < mth)
-    keep = in_k & in_p & in_min
-    covered = (excl_k | excl_p | excl_min) & (~p_on | norm_known)
+    keep = pre & in_p
+    covered = (excl_pre | excl_p) & (~p_on | norm_known)
     return vals, ids, keep, covered
 
 

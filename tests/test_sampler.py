@@ -57,6 +57,10 @@ def test_filter_top_k_top_p_min_p():
     assert kept(min_p=0.5) == [True, True, False, False, False]  # >= 0.2
     assert kept(top_k=3, top_p=0.6) == [True, True, False, False, False]
     assert kept() == [True] * 5
+    # Issue 13, defect 10: min-p comes first, as in vLLM V1, and top-p renormalises what it
+    # kept: min-p 0.3 keeps 0.4, 0.3, 0.15 (0.47, 0.35, 0.18 renormalised), and 0.47 + 0.35
+    # reaches top-p 0.8 (top-p first needed the third token: 0.4 + 0.3 < 0.8).
+    assert kept(min_p=0.3, top_p=0.8) == [True, True, False, False, False]
 
 
 def test_top_k_holds_with_blocked_ids():
@@ -104,9 +108,12 @@ def test_greedy_rows_and_logprobs():
 
 
 def _numpy_filter(x, top_k, top_p, min_p):
-    """The sort-based definition: top-k, then top-p on the renormalised rest, then min-p."""
+    """The sort-based definition, in vLLM V1's order: min-p, then top-k, then top-p on the
+    renormalised rest."""
     keep = np.ones_like(x, bool)
-    order = np.argsort(-x)
+    if min_p > 0:
+        keep &= x >= x.max() + np.log(min_p)
+    order = np.argsort(-np.where(keep, x, -np.inf), kind="stable")
     if top_k > 0:
         keep[order[top_k:]] = False
     z = np.where(keep, x, -np.inf)
@@ -116,8 +123,6 @@ def _numpy_filter(x, top_k, top_p, min_p):
         sp = p[order]
         n = int(np.searchsorted(np.cumsum(sp), top_p) + 1)  # smallest prefix reaching top_p
         keep[order[n:]] = False
-    if min_p > 0:
-        keep &= x >= x.max() + np.log(min_p)
     return keep
 
 
