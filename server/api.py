@@ -165,6 +165,12 @@ def build_app(
             obj = json.loads(body)
         except (ValueError, RecursionError):  # also integers past 4300 digits
             raise APIError.bad_request("the request body is not valid JSON") from None
+        try:  # JSON may escape a lone surrogate ("\ud800"): no tokenizer takes that
+            json.dumps(obj, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise APIError.bad_request(
+                "the request body holds a lone surrogate (\\ud800-\\udfff), which is not text"
+            ) from None
         try:
             return protocol.parse_request(model_cls, obj)
         except RecursionError:

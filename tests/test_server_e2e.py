@@ -388,6 +388,13 @@ def _raw_nan_body() -> bytes:
 # Python's 4300 digits, used to be 500s with a logged traceback.
 RAW = [
     ("/v1/completions", _raw_nan_body(), 400, None),
+    # A lone surrogate (found by tests/test_fuzz.py): the tokenizer raised, a 500.
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+        400,
+        None,
+    ),
     (
         "/v1/completions",
         b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
