@@ -134,3 +134,20 @@ def test_stop_strings_wait_for_min_tokens(tok):
     assert final.finish_reason == "length" and final.text == text
     _, final = _stream(tok, ids, SamplingParams(stop=["lazy"], min_tokens=3, max_tokens=None))
     assert final.finish_reason == "stop" and final.text == text[: text.index("lazy")]
+
+
+def test_a_snapshot_does_not_change_as_the_request_goes_on(tok):
+    """Found by benchmarks/soak.py: a snapshot shared its logprobs list with the live request,
+    so a stream read late saw more logprob entries than token ids (a 500 mid-stream)."""
+    from jaxllm import SamplingParams
+    from jaxllm.engine.output_processor import OutputProcessor
+    from jaxllm.engine.step_data import RequestUpdate, TokenLogprobs
+
+    proc = OutputProcessor(tok)
+    proc.add_request("r", 0, [5, 6], SamplingParams(logprobs=1, max_tokens=None))
+    first = None
+    for t in tok.encode("The quick brown fox")[:3]:
+        proc.process([RequestUpdate("r", [t], [TokenLogprobs(-0.5, 1, [t], [-0.5])])])
+        first = first or proc.output("r")
+    assert len(first.token_ids) == len(first.logprobs) == 1
+    assert len(proc.output("r").logprobs) == 3

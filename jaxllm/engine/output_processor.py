@@ -118,7 +118,7 @@ class OutputProcessor:
             text=text,
             token_ids=list(s.token_ids),
             cumulative_logprob=s.cumulative_logprob,
-            logprobs=s.logprobs,
+            logprobs=None if s.logprobs is None else list(s.logprobs),  # a snapshot
             finish_reason=s.finish_reason,
             stop_reason=s.stop_reason,
         )
