@@ -133,3 +133,41 @@ def test_a_failure_in_output_processing_fails_every_request(tiny_model_dir, prom
             await eng.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_failing_step_fails_only_its_requests(tiny_model_dir, tiny_llm, prompts, monkeypatch):
+    """Fault injection: a device step that raises fails the requests it held; the one waiting
+    for a seat runs afterwards, with the tokens it gets alone, and the core keeps serving."""
+    from jaxllm.engine.core import EngineCore
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = tiny_llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)
+    step = EngineCore.step
+
+    def faulty_step(self):
+        if any(r.request_id == "faulty" for r in self.scheduler.running):
+            raise RuntimeError("simulated device fault")
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "step", faulty_step)  # the core runs on a thread here
+
+    async def run():
+        engine = dict(ENGINE, max_num_seqs=1)  # one seat: "waiting" waits for it
+        eng = await AsyncLLM.create(str(tiny_model_dir), in_process=True, **engine)
+        try:
+
+            async def one(ids, rid):
+                return [o async for o in eng.generate(ids, params, request_id=rid)]
+
+            faulty = asyncio.create_task(one(prompts[0], "faulty"))
+            await asyncio.sleep(0)  # sent first
+            waiting = asyncio.create_task(one(prompts[1], "waiting"))
+            with pytest.raises(RequestFailedError):
+                await asyncio.wait_for(faulty, 60)
+            outs = await asyncio.wait_for(waiting, 60)
+            assert not eng.dead
+            return outs[-1].outputs[0].token_ids
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(run()) == expected[0].outputs[0].token_ids
