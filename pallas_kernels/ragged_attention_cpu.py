@@ -39,8 +39,12 @@ _SOURCE = Path(__file__).parent / "cpu" / "ragged_attention.cc"
 _TARGET = "jaxllm_ragged_paged_attention"
 _SYMBOL = "JaxllmRaggedPagedAttention"
 # -ffast-math lets the compiler vectorize the sums and exp; the kernel never relies on inf or
-# NaN (masked scores are a finite -1e30, and unused slots are never read).
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+# NaN (masked scores are a finite -1e30, and unused slots are never read). It is a compile
+# flag only: linked with it, GCC (before 13) adds crtfastmath.o, whose constructor turns on
+# flush-to-zero and denormals-are-zero for the whole process the moment the library loads
+# (every numpy and XLA computation then loses its subnormals).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-fopenmp", "-fPIC"]
 
 
 def _cache_dir() -> Path:
@@ -78,7 +82,7 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(
-        source + " ".join([cxx, *_FLAGS]).encode() + _cpu_signature().encode()
+        source + " ".join([cxx, *_FLAGS, *_LINK_FLAGS]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"ragged_attention_{key}.so"
     if out.exists():
@@ -86,10 +90,17 @@ def _build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the CPU attention kernel failed:\n{proc.stderr[-2000:]}")
+        obj = Path(tmp) / "ragged_attention.o"
+        include = f"-I{jax.ffi.include_dir()}"
+        for cmd in (
+            [cxx, *_FLAGS, include, "-c", str(_SOURCE), "-o", str(obj)],
+            [cxx, *_LINK_FLAGS, str(obj), "-o", str(tmp_out)],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"building the CPU attention kernel failed:\n{proc.stderr[-2000:]}"
+                )
         os.replace(tmp_out, out)  # atomic: concurrent builders each write their own temp file
     logger.info("built the CPU attention kernel: %s", out)
     return out

@@ -136,3 +136,22 @@ def test_bad_shapes_are_named():
             q, jnp.zeros((4, 16, 4, 64)), 0, *args,
             jnp.zeros(9, jnp.int32), jnp.zeros(1, jnp.int32), sm_scale=1.0,
         )  # fmt: skip
+
+
+def test_loading_the_cpu_kernel_keeps_subnormals():
+    """Built with -ffast-math at link time, the native kernel's library turned on flush-to-zero
+    for the whole process when it loaded (found by the fuzz suite's float strategies), so
+    numpy and XLA silently lost their subnormal numbers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from pallas_kernels import ragged_attention_cpu as k\n"
+        "if not k.available(): raise SystemExit(3)\n"
+        "assert np.float32(1e-40) * np.float32(1.0) != 0, 'subnormals flushed to zero'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode == 3:
+        pytest.skip("no C++ compiler builds the native CPU kernel here")
+    assert proc.returncode == 0, proc.stderr[-2000:]

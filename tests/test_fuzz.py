@@ -8,8 +8,8 @@ Invariants: no 5xx (nor a 5xx error event inside a stream), every error in OpenA
 with its status as `code`, and after the run the engine is idle (no running or waiting request,
 no KV block held) and still serves.
 
-The default suite runs 300 derandomized cases (the same ones every run); `pytest -m slow
-tests/test_fuzz.py` runs 10,000 random ones.
+The default suite runs 300 derandomized cases (the same ones every run); `pytest -m "slow or
+not slow" tests/test_fuzz.py` runs 10,000 random ones too, then the idle check.
 """
 
 from __future__ import annotations
@@ -207,10 +207,18 @@ def test_fuzzed_bodies_get_no_5xx(server, case):
     _send(server, *case)
 
 
+@pytest.fixture(scope="module")
+def slow_selected(request) -> bool:
+    # Nothing in the suite deselects `slow` tests (see tests/test_deploy.py): ask for them.
+    return "slow" in (request.config.getoption("markexpr") or "")
+
+
 @pytest.mark.slow
 @settings(max_examples=10_000, **FUZZ_SETTINGS)
 @given(case=requests())
-def test_fuzzed_bodies_get_no_5xx_10000(server, case):
+def test_fuzzed_bodies_get_no_5xx_10000(server, slow_selected, case):
+    if not slow_selected:
+        pytest.skip("10,000 cases (about 3 minutes): pytest -m slow tests/test_fuzz.py")
     _send(server, *case)
 
 
