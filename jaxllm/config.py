@@ -194,7 +194,7 @@ ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu",
 def _check_types(config: Any) -> None:
     """A clear error naming the parameter for a value of the wrong type (a string where a
     number belongs, a bool for an int, ...), before any comparison trips over it."""
-    hints = typing.get_type_hints(type(config))
+    hints = _hints(type(config))
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
         allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
@@ -392,8 +392,7 @@ class EngineConfig:
         kwargs["model"] = model
         for name, value in kwargs.items():
             sections[fields[name][0]][name] = value
-        hints = typing.get_type_hints(cls)
-        return cls(**{s: hints[s](**values) for s, values in sections.items()})
+        return cls(**{s: _hints(cls)[s](**values) for s, values in sections.items()})
 
     def flat(self) -> dict[str, Any]:
         """The inverse of `create`: every field by name."""
@@ -414,8 +413,14 @@ class EngineConfig:
 
 
 @functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A class's annotations, resolved (this module postpones them), once per class."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
 def _flat_fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    hints = typing.get_type_hints(EngineConfig)
+    hints = _hints(EngineConfig)
     out: dict[str, tuple[str, dataclasses.Field]] = {}
     for section in dataclasses.fields(EngineConfig):
         for f in dataclasses.fields(hints[section.name]):
@@ -459,32 +464,19 @@ def _cli_value(hint: Any):
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Adds a flag per engine field (`--max-num-seqs`; bools as `--x/--no-x`; vLLM's names
     as aliases), the model positional, each with the field's docstring as help."""
-    hints = {}
     for name, (section, f) in _flat_fields().items():
-        cls = typing.get_type_hints(EngineConfig)[section]
-        hints.setdefault(cls, typing.get_type_hints(cls))
-        hint, doc = hints[cls][name], field_docs(cls).get(name, "")
+        cls = _hints(EngineConfig)[section]
+        hint, doc = _hints(cls)[name], field_docs(cls).get(name, "")
         if name == "model":
             parser.add_argument("model", help=doc)
             continue
         flags = ["--" + name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default
-        help_text = doc if default is None else f"{doc} (default: {default})"
-        help_text = help_text.replace("%", "%%")
         if hint is bool:
-            on_off = "on" if default else "off"
-            parser.add_argument(
-                *flags,
-                action=argparse.BooleanOptionalAction,
-                default=default,
-                help=f"{doc} (default: {on_off})",
-            )
+            shown = "on" if default else "off"
+            kind = {"action": argparse.BooleanOptionalAction}
         else:
-            parser.add_argument(
-                *flags,
-                dest=name,
-                type=_cli_value(hint),
-                default=default,
-                choices=f.metadata.get("choices"),
-                help=help_text,
-            )
+            shown = default
+            kind = {"dest": name, "type": _cli_value(hint), "choices": f.metadata.get("choices")}
+        help_text = doc if default is None else f"{doc} (default: {shown})"
+        parser.add_argument(*flags, default=default, help=help_text.replace("%", "%%"), **kind)

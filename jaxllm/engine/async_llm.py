@@ -136,11 +136,12 @@ class AsyncLLM:
         priority: int = 0,
         prefix_parent: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields a `RequestOutput` when new tokens came, its one completion a snapshot so
-        far (tokens that came while the caller was not reading arrive together) (the last one has a finish_reason) and its prompt_logprobs complete from the first
-        on, when asked for. Leaving the loop early aborts the request in the core. `index` is the
-        completion's place among the n of one prompt (it picks the seed); the siblings pass
-        the first one's id as `prefix_parent` to share its cached prompt."""
+        """Yields a `RequestOutput` when new tokens came: its one completion is a snapshot of
+        everything so far (tokens that came while the caller was not reading arrive together;
+        the last snapshot has a finish_reason), its prompt_logprobs complete from the first
+        on, when asked for. Leaving the loop early aborts the request in the core. `index` is
+        the completion's place among the n of one prompt (it picks the seed); the siblings
+        pass the first one's id as `prefix_parent` to share its cached prompt."""
         if self.dead:
             raise EngineDeadError("engine core is not running")
         # The server checked already (answering 400s); this guards library callers.
