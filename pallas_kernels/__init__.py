@@ -13,11 +13,18 @@ The engine's `attention_backend` is one of `ATTENTION_BACKENDS`: "auto" picks th
 platform (`cpu` on CPU, or `xla` without a compiler), "pallas" the platform's Pallas kernel (the
 TPU kernel in interpret mode on CPU, for checking it there). Off their platform the Pallas
 kernels run only in interpret mode, which `interpret=None` turns on by itself.
+
+The sliding window is data, not a compile-time constant: `ragged_paged_attention` turns
+`sliding_window` (None, an int, or an i32 scalar that may be traced) into one i32[] operand,
+0 for none, and every backend reads it at run time. So a layer scan can carry each layer's
+window (Gemma 3 mixes windowed and global layers), and one compiled step serves them all.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import ragged_attention_cpu
 from pallas_kernels.kv_cache import get_kv_cache_shape, write_kv
@@ -31,6 +38,29 @@ from pallas_kernels.tuning import BlockSizes, get_block_sizes
 BACKENDS = ("reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 ATTENTION_BACKENDS = ("auto", "pallas", *BACKENDS)
 _NATIVE_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
+_MAX_WINDOW = np.iinfo(np.int32).max  # a longer static window is the same as this one
+
+
+def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:  # i32[]
+    """`sliding_window` as the i32[] every backend takes: the window (>= 1), or <= 0 for none.
+    A static int must be >= 1; an array (possibly traced) may hold any value."""
+    if sliding_window is None:
+        return jnp.zeros((), jnp.int32)
+    if isinstance(sliding_window, int | np.integer) and not isinstance(sliding_window, bool):
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        return jnp.int32(min(int(sliding_window), _MAX_WINDOW))
+    if not isinstance(sliding_window, jax.Array | np.ndarray):
+        raise ValueError(
+            f"sliding_window must be None, an int or an integer scalar array, got "
+            f"{type(sliding_window).__name__}"
+        )
+    if sliding_window.shape != () or not jnp.issubdtype(sliding_window.dtype, jnp.integer):
+        raise ValueError(
+            f"sliding_window must be an integer scalar array, got {sliding_window.dtype}"
+            f"{list(sliding_window.shape)}"
+        )
+    return jnp.asarray(sliding_window).astype(jnp.int32)
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
@@ -63,7 +93,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     backend: str = "reference",
     block_sizes: BlockSizes | None = None,
@@ -74,7 +104,10 @@ def ragged_paged_attention(
     Request r's queries are rows `cu_q_lens[r]:cu_q_lens[r + 1]` of `q`, the last of its
     `seq_lens[r]` tokens, whose K/V are already in the cache (`write_kv` first). Requests from
     `num_seqs[0]` on are padding, as are rows past `cu_q_lens[num_seqs[0]]`: they read nothing
-    and return zeros. `block_sizes` overrides the tuning table for the Pallas backends;
+    and return zeros. A query at position q sees key position k iff k <= q and, with a
+    `sliding_window` w, k > q - w. The window is None (full attention), an int >= 1, or an
+    integer scalar array, possibly traced (a layer scan's per-layer window), in which a value
+    <= 0 means full attention. `block_sizes` overrides the tuning table for the Pallas backends;
     `interpret=None` interprets them when the platform is not theirs (e.g. on CPU).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -94,12 +127,11 @@ def ragged_paged_attention(
         )
     if num_seqs.shape != (1,):
         raise ValueError(f"num_seqs must be [1], got {num_seqs.shape}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    window = _window_operand(sliding_window)
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     args = (q, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":

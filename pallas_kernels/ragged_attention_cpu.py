@@ -14,6 +14,10 @@ XLA's CPU backend runs slowly at these shapes (see the .cc file's header). JAX's
 supported way to add such an op; the call is a custom call inside the same jitted step, reads
 the KV cache in place (no copy: checked by the runner's in-place test), and runs on the
 step's own threads (OpenMP inside the call).
+
+The sliding window is an operand of the call (i32[1], <= 0: none), not an attribute, so a
+traced window (a layer scan's) works; the kernel still reads no token before a work item's
+window.
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ def ragged_paged_attention_cpu(
     num_seqs: jax.Array,  # i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, N, H]
     if q.dtype != kv_cache.dtype or q.dtype not in (jnp.float32, jnp.bfloat16):
@@ -156,7 +160,7 @@ def ragged_paged_attention_cpu(
         block_tables.astype(i32),
         cu_q_lens.astype(i32),
         num_seqs.astype(i32),
+        jnp.asarray(sliding_window, i32).reshape(1),
         sm_scale=np.float32(sm_scale),
-        sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     )

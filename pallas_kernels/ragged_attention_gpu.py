@@ -16,6 +16,12 @@ Query rows are laid out head-major with the group padded to a power of two (Trit
 power-of-two block shapes): `[K, T' * Gp, H]`, row t * Gp + g being token t, head k * G + g.
 KV loads are masked by the request's length, so pages past it are never read, and stores are
 masked to the program's own rows.
+
+The sliding window is an input ref, so it may be traced (a layer scan's per-layer window). The
+wrapper turns it into a span, the number of keys a row sees back from itself (`_NO_WINDOW`,
+more than any sequence, for full attention), so the kernel has one code path: a row at
+position q sees keys q - span < k <= q, and a program's KV loop starts at the block holding its
+first row's first visible key, never loading the pages before the window.
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The window span of full attention: longer than any sequence, and small enough that
+# `position - span` cannot overflow i32.
+_NO_WINDOW = 1 << 30
 
 
 def _kernel(
     layer_ref,  # i32[1]
+    window_ref,  # i32[1]            window span: keys a row sees back from itself (>= 1)
     seq_lens_ref,  # i32[R]
     tables_ref,  # i32[R, P']        P' = P padded to a multiple of kv_pages
     cu_q_lens_ref,  # i32[R + 1]
@@ -45,7 +55,6 @@ def _kernel(
     group_padded: int,
     kv_pages: int,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
 ):
     j, h = pl.program_id(0), pl.program_id(1)
@@ -56,16 +65,14 @@ def _kernel(
 
     @pl.when(r >= 0)
     def _():
-        layer = layer_ref[0]
+        layer, window = layer_ref[0], window_ref[0]
         tok0 = prog_tok_ref[j]
         q_start, q_end, seq_len = cu_q_lens_ref[r], cu_q_lens_ref[r + 1], seq_lens_ref[r]
         row_tok = tok0 + jax.lax.div(jnp.arange(rows, dtype=jnp.int32), group_padded)
         row_ok = row_tok < q_end  # [rows]
         row_pos = seq_len - (q_end - q_start) + (row_tok - q_start)  # [rows]
         kv_end = seq_len - (q_end - jnp.minimum(q_end, tok0 + q_block))
-        kv_begin = 0
-        if sliding_window is not None:
-            kv_begin = jnp.maximum(seq_len - (q_end - tok0) - sliding_window + 1, 0)
+        kv_begin = jnp.maximum(seq_len - (q_end - tok0) - window + 1, 0)
 
         q = q_ref[h, pl.ds(tok0 * group_padded, rows), :]  # [rows, H]
         offsets = jnp.arange(page_size, dtype=jnp.int32)
@@ -89,8 +96,7 @@ def _kernel(
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             mask = row_ok[:, None] & (kv_pos[None, :] <= row_pos[:, None])
-            if sliding_window is not None:
-                mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+            mask &= kv_pos[None, :] > row_pos[:, None] - window
             s = jnp.where(mask, s, _MASK_VALUE)
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -121,7 +127,7 @@ def ragged_paged_attention_gpu(
     num_seqs: jax.Array,  # i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
     q_block: int,
     kv_pages: int,
@@ -168,6 +174,8 @@ def ragged_paged_attention_gpu(
     padded_pages = -(-pages_per_seq // kv_pages) * kv_pages
     tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
     tables = jnp.clip(tables, 0, num_pages - 1).astype(jnp.int32)
+    window = jnp.asarray(sliding_window, jnp.int32)
+    span = jnp.where(window > 0, jnp.minimum(window, _NO_WINDOW), _NO_WINDOW)
 
     kernel = functools.partial(
         _kernel,
@@ -175,7 +183,6 @@ def ragged_paged_attention_gpu(
         group_padded=group_padded,
         kv_pages=kv_pages,
         sm_scale=sm_scale,
-        sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
     out = pl.pallas_call(
@@ -187,6 +194,7 @@ def ragged_paged_attention_gpu(
         name="ragged_paged_attention_gpu",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
+        span.reshape(1),
         seq_lens.astype(jnp.int32),
         tables,
         cu_q_lens.astype(jnp.int32),

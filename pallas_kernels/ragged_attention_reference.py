@@ -15,6 +15,10 @@ Each query row attends to two parts of its sequence, merged by one online softma
   block table is wide.
 Masked keys and values are zeroed before use, so garbage or NaN in unused pages can never leak
 into the result.
+
+The mask is causal and, where `sliding_window` (an i32[] operand, possibly traced) is w >= 1,
+limited to the last w positions: a query at position q sees key k iff q - w < k <= q. A window
+<= 0 is full attention; a constant one folds away under jit.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def ragged_paged_attention_reference(
     num_seqs: jax.Array,  # i32[1]      valid requests; the rest of R is padding
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array,  # i32[]      keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
@@ -70,7 +74,7 @@ def ragged_paged_attention_reference(
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
     def in_window(kv_pos, q_pos):
-        return True if sliding_window is None else kv_pos > q_pos - sliding_window
+        return (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
 
     # The self part: the step's tokens, read back from the slots they were written to.
     page = block_tables[req, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]

@@ -14,6 +14,13 @@ copied with a traced size) and VMEM refs are never reshaped after a DMA (only lo
 are). Garbage in the cache can never leak in: scores outside the causal/sliding-window mask are
 replaced, and value rows past the request's length are zeroed, before they are used.
 
+The sliding window is a scalar-prefetch operand (SMEM), so it may be traced (a layer scan's
+per-layer window). The wrapper turns it into a span, the number of keys a row sees back from
+itself, `_NO_WINDOW` (more than any sequence) for full attention, so the kernel has one code
+path: a row at position q sees keys q - span < k <= q, and each request's walk over its KV
+blocks starts at the block holding its first row's first visible key, skipping the pages before
+the window.
+
 The queries are laid out head-major by the wrapper, `[K, T * G, H]` (G = query heads per kv
 head), so each kv head's block is one plain `[rows, H] x [H, kv]` matmul with no reshape of a
 ref inside the kernel.
@@ -30,6 +37,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 # Scores outside the mask. Finite, so (masked - masked) is 0 and never NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The window span of full attention: longer than any sequence, and small enough that
+# `position - span` cannot overflow i32.
+_NO_WINDOW = 1 << 30
 
 
 def _div(x, d: int):
@@ -41,6 +51,7 @@ def _div(x, d: int):
 def _kernel(
     # Scalar prefetch (SMEM).
     layer_ref,  # i32[1]
+    window_ref,  # i32[1]         window span: keys a row sees back from itself (>= 1)
     seq_lens_ref,  # i32[R]       tokens in the cache per request, this step's included
     tables_ref,  # i32[R * P]     block tables, flattened
     cu_q_lens_ref,  # i32[R + 1]
@@ -62,7 +73,6 @@ def _kernel(
     kv_pages: int,
     pages_per_seq: int,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
 ):
     num_kv_heads, rows, _ = q_ref.shape
@@ -71,7 +81,7 @@ def _kernel(
     b = pl.program_id(0)
     block_start = b * q_block
     block_end = block_start + q_block
-    layer = layer_ref[0]
+    layer, window = layer_ref[0], window_ref[0]
 
     m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -82,7 +92,7 @@ def _kernel(
         q_start, q_end, seq_len = cu_q_lens_ref[r], cu_q_lens_ref[r + 1], seq_lens_ref[r]
         first_pos = seq_len - (q_end - q_start) + (jnp.maximum(q_start, block_start) - q_start)
         kv_end = seq_len - (q_end - jnp.minimum(q_end, block_end))  # last row's position + 1
-        kv_begin = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+        kv_begin = jnp.maximum(first_pos - window + 1, 0)
         return q_start, q_end, seq_len, kv_begin, kv_end
 
     def kv_block_range(r):
@@ -114,8 +124,7 @@ def _kernel(
         row_pos = seq_len - (q_end - q_start) + (row_tok - q_start)  # [rows, 1]
         kv_pos = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, kv_tokens), 1)
         mask = (row_tok >= q_start) & (row_tok < q_end) & (kv_pos <= row_pos)
-        if sliding_window is not None:
-            mask &= kv_pos > row_pos - sliding_window
+        mask &= kv_pos > row_pos - window
         # Value rows past the request's data may hold anything (stale or never written).
         v_ok = (kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0)) < kv_end
         kv = kv_buf[slot]  # [kv_pages, page_size, 2K, H]
@@ -183,7 +192,7 @@ def ragged_paged_attention_tpu(
     num_seqs: jax.Array,  # i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
     q_block: int,
     kv_pages: int,
@@ -214,6 +223,8 @@ def ragged_paged_attention_tpu(
     starts = jnp.arange(num_q_blocks, dtype=jnp.int32) * q_block
     req_lo = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], starts, side="right"), n)
     req_end = jnp.minimum(jnp.searchsorted(cu_q_lens[:-1], starts + q_block, side="left"), n)
+    window = jnp.asarray(sliding_window, jnp.int32)
+    span = jnp.where(window > 0, jnp.minimum(window, _NO_WINDOW), _NO_WINDOW)
 
     rows = q_block * group
     kernel = functools.partial(
@@ -223,14 +234,13 @@ def ragged_paged_attention_tpu(
         kv_pages=kv_pages,
         pages_per_seq=pages_per_seq,
         sm_scale=sm_scale,
-        sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda b, *_: (0, b, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=7,
             grid=(num_q_blocks,),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
@@ -248,6 +258,7 @@ def ragged_paged_attention_tpu(
         name="ragged_paged_attention_tpu",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
+        span.reshape(1),
         seq_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),

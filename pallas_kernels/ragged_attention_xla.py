@@ -24,6 +24,9 @@ gathered 400 MB per layer):
 - Loop trip counts are traced: each pass runs only as far as its longest sequence (the packed
   stream: its total length), so a pass with nothing to do costs a few setup ops.
 - Masked K/V are zeroed before use, so NaN or garbage in unused pages never reaches the output.
+- The sliding window is an i32[] operand (<= 0: none), possibly traced, applied as a mask like
+  the reference's; a constant one folds away under jit. Neither pass skips the pages before
+  the window: both only mask them.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def ragged_paged_attention_xla(
     num_seqs: jax.Array,  # i32[1]
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, N, H]
     num_tokens, num_heads, head_dim = q.shape
@@ -91,7 +94,7 @@ def ragged_paged_attention_xla(
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
     def in_window(kv_pos, q_pos):
-        return True if sliding_window is None else kv_pos > q_pos - sliding_window
+        return (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
 
     def split_kv(kv, mask):
         """Gathered pages [..., C, 2K, H] -> zeroed where masked, then K and V [..., C, K, H]."""

@@ -22,9 +22,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import (
+    BACKENDS,
     BlockSizes,
     get_block_sizes,
     get_kv_cache_shape,
+    ragged_attention_cpu,
     ragged_paged_attention,
     resolve_backend,
 )
@@ -259,6 +261,117 @@ def test_bad_kernel_shapes_are_named():
         ragged_paged_attention(args[0], cache, *args[2:], sm_scale=0.1, backend="pallas_tpu")
     with pytest.raises(ValueError, match="sliding_window"):
         ragged_paged_attention(*args, sm_scale=0.1, sliding_window=0, backend="pallas_tpu")
+
+
+# The window as data: a prefill longer than the window, a chunked prefill whose rows cross the
+# position where the window starts to cut keys off (14..29), one whose context reaches back
+# past the window, and decodes, one of them longer than the window. Small blocks (one page of
+# KV) so the Pallas kernels have pages to skip before the window.
+WINDOW = 20
+WINDOW_SEQS = [(40, 40), (16, 30), (12, 60), (1, 100), (1, 5)]
+WINDOW_BLOCKS = BlockSizes(q_block=16, kv_pages=1)
+
+
+def _window_case(num_layers_filled: int = 1):
+    """Args for `WINDOW_SEQS` (f32, 4 q heads over 2 kv heads of 32 dims, 16-token pages) and
+    the number of real rows. With `num_layers_filled=2`, layer 0 holds data too (half of
+    layer 1's), for per-layer calls."""
+    q, cache, seq_lens, bt, cu, _, _, _, total = make_case(
+        np.random.default_rng(8),
+        WINDOW_SEQS,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        max_reqs=8,
+        t_pad=80,
+        dtype=jnp.float32,
+    )
+    if num_layers_filled == 2:
+        cache = np.stack([cache[1] * 0.5, cache[1]])
+    args = (
+        jnp.asarray(q),
+        jnp.asarray(cache),
+        jnp.int32(1),
+        jnp.asarray(seq_lens),
+        jnp.asarray(bt),
+        jnp.asarray(cu),
+        jnp.asarray([len(WINDOW_SEQS)], jnp.int32),
+    )
+    return args, bt, total
+
+
+def _window_kernels(backend):
+    """`backend` (with `WINDOW_BLOCKS`) jitted twice: `static(*args, sliding_window=w)` with the
+    window a static argument, and `traced(args, w)` with it a traced one."""
+    if backend == "cpu" and not ragged_attention_cpu.available():
+        pytest.skip("the native CPU kernel could not be built here")
+    kernel = functools.partial(
+        ragged_paged_attention, sm_scale=0.125, backend=backend, block_sizes=WINDOW_BLOCKS
+    )
+    static = jax.jit(kernel, static_argnames="sliding_window")
+    traced = jax.jit(lambda args, window: kernel(*args, sliding_window=window))
+    return static, traced
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traced_window_matches_static(backend):
+    """A window passed as a jit argument gives what the same static int gives, and a traced 0
+    (or less) what `sliding_window=None` gives. The decode of 100 tokens has its pages before
+    the window filled with NaN: the reference and xla mask them, and the Pallas kernels must
+    still skip them when the window is traced (their KV loop starts at the window), or the NaN
+    reaches the output. (The cpu kernel would mask them even if it read them.)"""
+    static, traced = _window_kernels(backend)
+    args, bt, total = _window_case()
+    ref = np.asarray(_window_kernels("reference")[0](*args, sliding_window=WINDOW))
+
+    # Request 3 is a decode at position 99: its positions 0..79 are all before its window.
+    poisoned_pages = bt[3, : (100 - WINDOW) // 16]
+    poisoned = (args[0], args[1].at[1, poisoned_pages].set(jnp.nan), *args[2:])
+    static_out = np.asarray(static(*poisoned, sliding_window=WINDOW))
+    traced_out = np.asarray(traced(poisoned, jnp.int32(WINDOW)))
+    assert not np.isnan(traced_out).any(), "a page before the window was read"
+    np.testing.assert_allclose(static_out[:total], ref[:total], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(traced_out, static_out, atol=1e-5, rtol=1e-5)
+    assert np.all(traced_out[total:] == 0)
+
+    full = np.asarray(static(*args, sliding_window=None))
+    for no_window in (0, -3):
+        out = np.asarray(traced(args, jnp.int32(no_window)))
+        np.testing.assert_allclose(out, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_scan_carries_each_layers_window(backend):
+    """One jitted scan over two layers, a windowed one and a global one (Gemma 3's mix), with
+    the windows an i32[L] scanned beside the layer index, matches per-layer calls with static
+    windows."""
+    static, traced = _window_kernels(backend)
+    args, _, total = _window_case(num_layers_filled=2)
+    q, cache, _, *metadata = args
+
+    @jax.jit
+    def layers(windows):  # i32[L]
+        def layer(_, xs):
+            index, window = xs
+            return None, traced((q, cache, index, *metadata), window)
+
+        return jax.lax.scan(layer, None, (jnp.arange(2, dtype=jnp.int32), windows))[1]
+
+    out = np.asarray(layers(jnp.array([WINDOW, 0], jnp.int32)))
+    for index, window in ((0, WINDOW), (1, None)):
+        expect = static(q, cache, jnp.int32(index), *metadata, sliding_window=window)
+        np.testing.assert_allclose(out[index], np.asarray(expect), atol=1e-5, rtol=1e-5)
+    # The windowed layer differs from full attention, so the window was really applied.
+    full = np.asarray(static(q, cache, jnp.int32(0), *metadata, sliding_window=None))
+    assert not np.allclose(out[0, :total], full[:total], atol=1e-3)
+
+
+def test_bad_sliding_window_is_named():
+    args, _, _ = _window_case()
+    for bad in (0, -1, True, 2.0, jnp.zeros(2, jnp.int32), jnp.float32(4.0), np.array([3])):
+        with pytest.raises(ValueError, match="sliding_window"):
+            ragged_paged_attention(*args, sm_scale=0.1, sliding_window=bad)
 
 
 @pytest.mark.parametrize("backend", ["pallas", "pallas_gpu"])

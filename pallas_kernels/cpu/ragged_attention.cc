@@ -2,9 +2,11 @@
 //
 // The contract is the one of every backend in pallas_kernels (see __init__.py): q [T, N, H],
 // the paged cache [L, num_pages, page_size, 2K, H] with K and V interleaved on the head axis,
-// seq_lens [R], block_tables [R, P], cu_q_lens [R + 1], num_seqs [1]; request r's queries are
-// rows cu_q_lens[r]:cu_q_lens[r + 1], the last of its seq_lens[r] tokens, whose K/V are already
-// in the cache. Rows of padding requests (r >= num_seqs) are zero.
+// seq_lens [R], block_tables [R, P], cu_q_lens [R + 1], num_seqs [1], sliding_window [1];
+// request r's queries are rows cu_q_lens[r]:cu_q_lens[r + 1], the last of its seq_lens[r]
+// tokens, whose K/V are already in the cache. Rows of padding requests (r >= num_seqs) are
+// zero. The window is an operand, not an attribute, so a layer scan can pass each layer's own
+// (w >= 1: a query at position q sees keys q - w < k <= q; <= 0: no window).
 //
 // Why a kernel of our own: in XLA on the CPU, attention over a paged cache means gathering the
 // pages into a copy, then transposing it for batched matmuls whose "M" is the GQA group (3 for
@@ -12,8 +14,9 @@
 // layer for 25 MB of K/V. Here each page is read in place, once per work item.
 //
 // Work items: (request, block of up to kQueryBlock query rows, kv head), spread over OpenMP
-// threads. An item walks the tokens its rows can see (causal, and the sliding window) in tiles
-// of kTile tokens, each token's row found through the block table (any page size):
+// threads. An item walks the tokens its rows can see (causal, and the sliding window: no token
+// before its first row's window is read) in tiles of kTile tokens, each token's row found
+// through the block table (any page size):
 //   - the tile's K and V rows for the item's kv head are read once into f32 buffers;
 //   - scores: a decode item has few query vectors (the GQA group of one row), so each score is
 //     a dot product over H; a prefill item has many, so the keys are transposed to [H][kTile]
@@ -71,7 +74,7 @@ struct Item {
 
 struct Params {
   float sm_scale;
-  int64_t sliding_window;  // 0: none
+  int64_t sliding_window;  // <= 0: none
   float soft_cap;          // 0: none
 };
 
@@ -252,15 +255,16 @@ void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, int64_t l
 
 ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
-                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
-                int64_t sliding_window, float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                ffi::Buffer<ffi::S32> sliding_window, float sm_scale, float soft_cap,
+                ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions();
   auto cd = kv_cache.dimensions();
   auto bd = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || bd.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: bad ranks");
   Shape s{qd[0], qd[1], qd[2], cd[1], cd[2], cd[3] / 2, qd[1] / (cd[3] / 2), bd[0], bd[1]};
-  Params prm{sm_scale, sliding_window, soft_cap};
+  Params prm{sm_scale, sliding_window.typed_data()[0], soft_cap};
   const int64_t lay = layer.typed_data()[0];
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], s.max_reqs);
   const int32_t* sl = seq_lens.typed_data();
@@ -303,7 +307,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::AnyBuffer>());
