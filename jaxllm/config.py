@@ -23,8 +23,26 @@ import types
 import typing
 from typing import Any
 
-# Hugging Face `architectures` entries we can run; the model registry maps them to classes.
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Hugging Face `architectures` entries we can run, with the features each family turns on
+# beyond the Llama decoder (ModelConfig fields; values read from the HF config win). Every one
+# runs on the same decoder class (`jaxllm.models`): a new family that the shared layers
+# already cover is one line here.
+_GEMMA = {
+    "norm_offset": 1.0,
+    "sandwich_norms": True,
+    "scale_embeddings": True,
+    "hidden_act": "gelu_pytorch_tanh",
+}
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"attention_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": {**_GEMMA, "qk_norm": True},
+    "MixtralForCausalLM": {"moe_renormalize": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe_renormalize": False},
+}
 
 _DTYPES = {
     "float32": "float32",
@@ -55,17 +73,43 @@ def resolve_dtype(dtype: Any):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+    """RoPE frequency scaling: "llama3" (Llama 3.1's smooth low-frequency scaling) or "linear"
+    (every frequency divided by `factor`, as Gemma 3's global layers)."""
 
+    rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any] | None) -> RopeScaling | None:
+        """From a Hugging Face `rope_scaling` / `rope_parameters` dict; None for plain RoPE."""
+        if not isinstance(params, dict):
+            return None
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind == "default":
+            return None
+        if kind == "linear":
+            return cls("linear", float(params["factor"]))
+        if kind == "llama3":
+            return cls(
+                "llama3",
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """The shape of a decoder-only transformer: the Llama layout plus the switches other
+    families need (`ARCHITECTURES` says which each family turns on)."""
 
     architecture: str
     """The Hugging Face architecture name, e.g. "LlamaForCausalLM"."""
@@ -73,25 +117,63 @@ class ModelConfig:
     hidden_size: int
     """D: the width of the residual stream."""
     intermediate_size: int
-    """F: the width of the gated MLP."""
+    """F: the width of the gated MLP (of the dense layers, in a mixture of experts)."""
     num_layers: int
     num_heads: int
     """N: query heads."""
     num_kv_heads: int
     """K: key/value heads (GQA when K < N)."""
     head_dim: int
-    """H: the width of one head."""
+    """H: the width of one head (not always hidden / heads: Gemma, Qwen3)."""
     max_position_embeddings: int
     """The context the model was trained for; `max_model_len` defaults to it."""
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
+    """llama.cpp's `rope_freqs` (Llama 3.1 GGUF files): the inverse frequencies are divided
+    by these instead of applying `rope_scaling`."""
     attention_bias: bool = False
     """Bias on the q/k/v projections (Qwen2)."""
     tie_word_embeddings: bool = False
     """The output head reuses the token embedding (no `lm_head.weight`)."""
     sliding_window: int | None = None
-    """Attention looks back at most this many tokens (Mistral); None for full attention."""
+    """How far the sliding-window layers look back (Mistral: all layers; Gemma: the layers
+    `layer_types` marks "sliding_attention"); None for full attention everywhere."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, "full_attention" or "sliding_attention"; empty: every layer slides when
+    `sliding_window` is set."""
+    rope_local_theta: float | None = None
+    """The RoPE base of the sliding-window layers, without scaling (Gemma 3: 10,000 while
+    the global layers use 1,000,000); None: the same RoPE as every other layer."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Gemma 3, Qwen3)."""
+    sandwich_norms: bool = False
+    """Norms before and after both attention and MLP (Gemma 2/3) instead of before only."""
+    norm_offset: float = 0.0
+    """RMSNorm scales by (offset + weight): 1 for Gemma, whose weights are stored as w - 1."""
+    scale_embeddings: bool = False
+    """Token embeddings are multiplied by sqrt(hidden_size) (Gemma)."""
+    hidden_act: str = "silu"
+    """The gate's activation: "silu" or "gelu_pytorch_tanh" (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become cap * tanh(score / cap) (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Output logits become cap * tanh(logit / cap) (Gemma 2)."""
+    num_experts: int = 0
+    """E: experts of each mixture-of-experts layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """How many experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """The MLP width of one expert."""
+    moe_renormalize: bool = True
+    """Routing weights of the chosen experts are renormalised to sum to 1 (Mixtral; Qwen3-MoE
+    per its `norm_topk_prob`)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a mixture-of-experts model that keep a dense MLP (Qwen3-MoE's
+    `mlp_only_layers` and `decoder_sparse_step`)."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     kv_head_replicas: int = 1
@@ -116,62 +198,134 @@ class ModelConfig:
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"model config: sliding_window must be >= 1, got {self.sliding_window}"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"model config: layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_layers} layers"
+            )
+        bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if bad:
+            raise ValueError(f"model config: unsupported layer_types {sorted(bad)}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"model config: hidden_act must be silu or gelu_pytorch_tanh, got "
+                f"{self.hidden_act!r}"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model config: num_experts_per_tok must be in [1, {self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError("model config: moe_intermediate_size must be >= 1")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of `layer`; None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    def layer_uses_local_rope(self, layer: int) -> bool:
+        return self.rope_local_theta is not None and self.layer_window(layer) is not None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | Any) -> ModelConfig:
-        """Builds the config from a Hugging Face `config.json` (a dict or a PretrainedConfig)."""
+        """Builds the config from a Hugging Face `config.json` (a dict or a PretrainedConfig).
+        GGUF metadata arrives here too, as the same keys (plus `rope_freq_factors`)."""
         if not isinstance(config, dict):
             config = config.to_dict()
         archs = config.get("architectures") or []
-        arch = next((a for a in archs if a in LLAMA_FAMILY), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or config.get('model_type')!r}; "
-                f"supported: {', '.join(LLAMA_FAMILY)}"
+                f"supported: {', '.join(ARCHITECTURES)}"
             )
+        features = dict(ARCHITECTURES[arch])
         num_heads = config["num_attention_heads"]
+        num_layers = config["num_hidden_layers"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-        scaling = config.get("rope_scaling") or config.get("rope_parameters")
-        rope_theta = config.get("rope_theta")
-        if isinstance(scaling, dict) and rope_theta is None:
-            rope_theta = scaling.get("rope_theta")
-        rope_scaling = None
-        if isinstance(scaling, dict):
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind == "llama3":
-                rope_scaling = RopeScaling(
-                    factor=float(scaling["factor"]),
-                    low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(
-                        scaling["original_max_position_embeddings"]
-                    ),
-                )
-            elif kind != "default":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+
+        # RoPE: transformers 5 writes `rope_parameters` (per layer type for Gemma 3), older
+        # configs `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`).
+        rope = config.get("rope_parameters") or {}
+        local_rope = rope.get(SLIDING_ATTENTION) if isinstance(rope, dict) else None
+        if isinstance(rope, dict) and FULL_ATTENTION in rope:
+            rope = rope[FULL_ATTENTION]
+        rope_theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        rope_scaling = RopeScaling.from_hf(config.get("rope_scaling") or rope)
+        rope_local_theta = config.get("rope_local_base_freq")
+        if local_rope is not None:
+            if RopeScaling.from_hf(local_rope) is not None:
+                raise ValueError("model config: scaled RoPE on sliding layers is not supported")
+            rope_local_theta = local_rope.get("rope_theta", rope_local_theta)
+
+        sliding_window = config.get("sliding_window")
+        if "use_sliding_window" in config and not config["use_sliding_window"]:
+            sliding_window = None  # Qwen2/3 carry a window they do not use
+        layer_types = tuple(config.get("layer_types") or ())
+        if arch == "Gemma2ForCausalLM" and not layer_types:  # older configs: even layers slide
+            layer_types = tuple(
+                SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+            )
+
+        num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
+        dense_layers: tuple[int, ...] = ()
+        if num_experts:
+            step = config.get("decoder_sparse_step") or 1
+            only = set(config.get("mlp_only_layers") or ())
+            dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+            if "norm_topk_prob" in config:
+                features["moe_renormalize"] = bool(config["norm_topk_prob"])
+        if config.get("attention_bias") is not None:
+            features["attention_bias"] = bool(config["attention_bias"])
+        activation = config.get("hidden_activation") or config.get("hidden_act")
+        if activation:
+            features["hidden_act"] = activation
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        sliding_window = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
-            sliding_window = None
+        factors = config.get("rope_freq_factors")
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             rms_norm_eps=config.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            attention_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            rope_freq_factors=tuple(float(f) for f in factors) if factors else None,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             sliding_window=sliding_window,
+            layer_types=layer_types,
+            rope_local_theta=None if rope_local_theta is None else float(rope_local_theta),
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            num_experts=num_experts,
+            num_experts_per_tok=(config.get("num_experts_per_tok") or 0) if num_experts else 0,
+            moe_intermediate_size=(
+                (config.get("moe_intermediate_size") or config["intermediate_size"])
+                if num_experts
+                else 0
+            ),
+            dense_layers=dense_layers,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **features,
         )
 
 

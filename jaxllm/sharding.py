@@ -6,9 +6,12 @@ Every parameter declares logical axes where it is created (`layers.param(..., ax
   row-parallel (their head / mlp input axis on "model"), gate and up are column-parallel on
   "mlp"; XLA inserts the one all-reduce after each row-parallel matmul;
 - the embedding and the output head are split on the vocabulary;
+- mixture-of-experts weights `[E, D, F]` are split on the expert axis (expert parallelism), or
+  on each expert's MLP width when the mesh does not divide E (moe.py);
 - norms (and anything else) are replicated.
 An axis whose length the mesh axis does not divide stays replicated (a 403-token toy
-vocabulary, say); two axes of one array may not map to the same mesh axis.
+vocabulary, say); when two axes of one array map to the same mesh axis, the first that
+divides takes it and the others stay whole.
 
 The KV cache `[L, pages, page_size, 2K, H]` is split on its interleaved head axis, so each
 device holds whole (key, value) head pairs and attention runs per device on its own heads under
@@ -38,6 +41,8 @@ RULES: dict[str, str | None] = {
     "kv_heads": "model",
     "head_dim": None,
     "mlp": "model",
+    "expert": "model",
+    "expert_mlp": "model",
 }
 
 
@@ -67,10 +72,8 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -
     spec, used = [], set()
     for name, size in zip(axes, shape, strict=True):
         mesh_axis = RULES.get(name) if name is not None else None
-        if mesh_axis is not None and mesh_axis in used:
-            raise ValueError(f"logical axes {axes} map two dimensions onto mesh axis {mesh_axis}")
-        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
-            mesh_axis = None  # not evenly divisible: keep this dimension whole
+        if mesh_axis in used or (mesh_axis is not None and size % mesh.shape[mesh_axis]):
+            mesh_axis = None  # taken, or not evenly divisible: keep this dimension whole
         if mesh_axis is not None:
             used.add(mesh_axis)
         spec.append(mesh_axis)

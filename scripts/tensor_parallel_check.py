@@ -6,8 +6,9 @@ sizes of one model, on real devices or on fake CPU devices.
 
 For each size it builds the engine (warmup included), generates greedily for a fixed batch of
 prompts, and reports: the tokens (and whether they equal those of the first size), how many
-programs compiled after warmup (must be 0), and the bytes of parameters and KV cache on the
-busiest device next to the whole, from the arrays' own shardings. `--cpu-devices N` fakes N CPU
+programs compiled after warmup (must be 0), and the bytes of parameters, of the
+mixture-of-experts weights (if any) and of the KV cache on the busiest device next to the whole,
+from the arrays' own shardings. `--cpu-devices N` fakes N CPU
 devices (it must be set before JAX starts, so this script sets it itself).
 """
 
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
             + f" --xla_force_host_platform_device_count={args.cpu_devices}"
         )
         os.environ["JAX_PLATFORMS"] = "cpu"
+
+    from flax import nnx
 
     from jaxllm import LLM, SamplingParams
     from jaxllm.sharding import per_device_bytes
@@ -68,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         p_dev, p_all = per_device_bytes(llm.runner.state)
         k_dev, k_all = per_device_bytes(llm.runner.kv_cache)
+        experts = [
+            v.get_value()
+            for path, v in nnx.to_flat_state(llm.runner.state)
+            if path[-2:-1] == ("mlp",) and len(v.shape) == 3  # the stacked [E, ...] weights
+        ]
+        e_dev, e_all = per_device_bytes(experts)
         rows.append(
             {
                 "tp": tp,
@@ -75,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 "compiled_after_warmup": llm.runner.num_compilations - before,
                 "param_bytes_per_device": p_dev,
                 "param_bytes": p_all,
+                "expert_bytes_per_device": e_dev,
+                "expert_bytes": e_all,
                 "kv_bytes_per_device": k_dev,
                 "kv_bytes": k_all,
                 "kv_head_replicas": llm.model_config.kv_head_replicas,
@@ -85,11 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["same_tokens_as_first"] = row["tokens"] == rows[0]["tokens"]
     print(f"{'tp':>3} {'same':>5} {'compiled':>8} {'params/dev':>12} {'share':>6} "
-          f"{'kv/dev':>10} {'share':>6} {'kv x':>4}")  # fmt: skip
+          f"{'experts/dev':>12} {'share':>6} {'kv/dev':>10} {'share':>6} {'kv x':>4}")  # fmt: skip
     for r in rows:
+        expert_share = r["expert_bytes_per_device"] / max(rows[0]["expert_bytes"], 1)
         print(
             f"{r['tp']:>3} {str(r['same_tokens_as_first']):>5} {r['compiled_after_warmup']:>8} "
             f"{r['param_bytes_per_device']:>12} {r['param_bytes_per_device'] / rows[0]['param_bytes']:>6.3f} "
+            f"{r['expert_bytes_per_device']:>12} {expert_share:>6.3f} "
             f"{r['kv_bytes_per_device']:>10} {r['kv_bytes_per_device'] / rows[0]['kv_bytes']:>6.3f} "
             f"{r['kv_head_replicas']:>4}"
         )  # fmt: skip

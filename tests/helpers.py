@@ -3,6 +3,11 @@ ragged attention cases with a dense numpy ground truth."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -100,3 +105,23 @@ MIXES = {
     "chunked": [(16, 513), (3, 17), (17, 255)],
     "mixed": [(1, 513), (17, 17), (16, 255), (1, 1), (3, 16)],
 }
+
+
+TENSOR_PARALLEL_CHECK = Path(__file__).parent.parent / "scripts" / "tensor_parallel_check.py"
+
+
+def tensor_parallel_report(model, tp: str, tmp_path, *extra: str) -> list[dict]:
+    """Runs `scripts/tensor_parallel_check.py` on 8 fake CPU devices in a subprocess (the
+    device count must be set before JAX starts; the rest of the suite runs on one device) and
+    returns its rows, one per tensor-parallel size in `tp` ("1,2,4")."""
+    out = tmp_path / "report.json"
+    args = ["--tp", tp, "--cpu-devices", "8", "--json", str(out), *extra]
+    proc = subprocess.run(
+        [sys.executable, str(TENSOR_PARALLEL_CHECK), str(model), *args],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)  # the table, for the log
+    return json.loads(out.read_text())

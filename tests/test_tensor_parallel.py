@@ -7,30 +7,10 @@ be set before JAX starts, and the rest of the suite runs on one device.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from conftest import write_tiny_checkpoint
-
-SCRIPT = Path(__file__).parent.parent / "scripts" / "tensor_parallel_check.py"
-
-
-def _check(model, tp: str, tmp_path, *extra: str) -> list[dict]:
-    out = tmp_path / "report.json"
-    args = ["--tp", tp, "--cpu-devices", "8", "--json", str(out), *extra]
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), *args],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout)  # the table, for the log
-    return json.loads(out.read_text())
+from helpers import tensor_parallel_report
 
 
 def test_tiny_model_8_q_heads_2_kv_heads(tmp_path, tokenizer_dir):
@@ -39,7 +19,7 @@ def test_tiny_model_8_q_heads_2_kv_heads(tmp_path, tokenizer_dir):
     model = write_tiny_checkpoint(
         tmp_path / "tp8x2", tokenizer_dir, num_heads=8, num_kv_heads=2, vocab_size=512
     )
-    rows = _check(model, "1,2,4,8", tmp_path)
+    rows = tensor_parallel_report(model, "1,2,4,8", tmp_path)
     assert [r["same_tokens_as_first"] for r in rows] == [True] * 4
     assert [r["compiled_after_warmup"] for r in rows] == [0] * 4
     assert [r["kv_head_replicas"] for r in rows] == [1, 1, 2, 4]
@@ -58,7 +38,9 @@ def test_tiny_model_8_q_heads_2_kv_heads(tmp_path, tokenizer_dir):
 def test_pallas_kernel_under_shard_map(tmp_path, tiny_model_dir):
     """The TPU kernel (interpreted) per device on its own heads: TP 2 and 4 (kv heads
     repeated) give TP 1's tokens."""
-    rows = _check(tiny_model_dir, "1,2,4", tmp_path, "--attention-backend", "pallas")
+    rows = tensor_parallel_report(
+        tiny_model_dir, "1,2,4", tmp_path, "--attention-backend", "pallas"
+    )
     assert [r["same_tokens_as_first"] for r in rows] == [True] * 3
     assert [r["compiled_after_warmup"] for r in rows] == [0] * 3
 
@@ -66,7 +48,7 @@ def test_pallas_kernel_under_shard_map(tmp_path, tiny_model_dir):
 @pytest.mark.demo_model
 def test_demo_model_tp3_matches_tp1(tmp_path):
     """SmolLM2: 9 query heads and 3 kv heads split evenly over 3 devices."""
-    rows = _check("smollm2-135m", "1,3", tmp_path)
+    rows = tensor_parallel_report("smollm2-135m", "1,3", tmp_path)
     assert [r["same_tokens_as_first"] for r in rows] == [True, True]
     assert [r["compiled_after_warmup"] for r in rows] == [0, 0]
     assert rows[1]["param_bytes_per_device"] <= rows[0]["param_bytes"] / 3 * 1.01

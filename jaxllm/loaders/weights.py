@@ -35,9 +35,18 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
         w = w.reshape(*shape)
         return w if r == 1 else np.repeat(w, r, axis=len(shape) - 2)
 
-    return {
-        "input_layernorm.weight": (("input_layernorm", "weight"), same),
-        "post_attention_layernorm.weight": (("post_attention_layernorm", "weight"), same),
+    rules = {
+        f"{norm}.weight": ((norm, "weight"), same)
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
+    }
+    return rules | {
+        "self_attn.q_norm.weight": (("self_attn", "q_norm", "weight"), same),
+        "self_attn.k_norm.weight": (("self_attn", "k_norm", "weight"), same),
         "self_attn.q_proj.weight": (("self_attn", "q_proj"), lambda w: w.T.reshape(d, n, h)),
         "self_attn.k_proj.weight": (("self_attn", "k_proj"), lambda w: kv(w.T, d, k, h)),
         "self_attn.v_proj.weight": (("self_attn", "v_proj"), lambda w: kv(w.T, d, k, h)),
@@ -48,30 +57,51 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
         "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w: w.T),
         "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w: w.T),
         "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w: w.T),
+        # Mixture of experts: the router, and (below) each expert's slice of [E, ...] weights.
+        "mlp.gate.weight": (("mlp", "router"), lambda w: w.T),
+        "block_sparse_moe.gate.weight": (("mlp", "router"), lambda w: w.T),
     }
 
 
-def hf_to_path(
-    name: str, config: ModelConfig
-) -> tuple[tuple[str | int, ...], Callable[[np.ndarray], np.ndarray]] | None:
-    """(our parameter path, layout transform) for an HF tensor name; None to skip the
-    tensor."""
+# An expert's projection (Qwen3-MoE's names, Mixtral's w1/w3/w2) -> our stacked weight.
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_WEIGHTS = {
+    "gate_proj": "gate_proj",
+    "up_proj": "up_proj",
+    "down_proj": "down_proj",
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+}
+
+
+Target = tuple[tuple[str | int, ...], Callable[[np.ndarray], np.ndarray], int | None]
+
+
+def hf_to_path(name: str, config: ModelConfig) -> Target | None:
+    """(our parameter path, layout transform, index) for an HF tensor name, or None to skip
+    the tensor. `index` is an expert's row of a stacked [E, ...] weight; None: the whole
+    parameter."""
     same = lambda w: w  # noqa: E731
     if name == "model.embed_tokens.weight":
-        return ("embed_tokens",), same
+        return ("embed_tokens",), same, None
     if name == "model.norm.weight":
-        return ("norm", "weight"), same
+        return ("norm", "weight"), same, None
     if name == "lm_head.weight":
         # Some tied checkpoints still ship a copy of the embedding as lm_head: skip it.
-        return None if config.tie_word_embeddings else (("lm_head",), lambda w: w.T)
+        return None if config.tie_word_embeddings else (("lm_head",), lambda w: w.T, None)
     if name.endswith("rotary_emb.inv_freq"):
         return None  # a buffer in old checkpoints, recomputed from rope_theta
     m = _LAYER.match(name)
-    if m:
-        rule = _rules(config).get(m.group(2))
-        layer = int(m.group(1))
-        if rule is not None and layer < config.num_layers:
-            return ("layers", layer, *rule[0]), rule[1]
+    if m and int(m.group(1)) < config.num_layers:
+        layer, suffix = int(m.group(1)), m.group(2)
+        rule = _rules(config).get(suffix)
+        if rule is not None:
+            return ("layers", layer, *rule[0]), rule[1], None
+        e = _EXPERT.match(suffix)
+        if e and e.group(2) in _EXPERT_WEIGHTS and int(e.group(1)) < config.num_experts:
+            path = ("layers", layer, "mlp", _EXPERT_WEIGHTS[e.group(2)])
+            return path, lambda w: w.T, int(e.group(1))
     raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
 
 
@@ -98,23 +128,38 @@ def build_state(
         return jax.make_array_from_callback(value.shape, shardings[path], lambda i: value[i])
 
     filled: dict[tuple, nnx.Variable] = {}
+    # Stacked expert weights fill up on the host, one expert per tensor, and go to the
+    # device whole: {path: (host buffer, experts still missing)}.
+    stacking: dict[tuple, tuple[np.ndarray, set[int]]] = {}
     np_dtype = np.dtype(jnp.dtype(dtype))
     for name, tensor in tensors:
         target = hf_to_path(name, config)
         if target is None:
             continue
-        path, transform = target
+        path, transform, index = target
         if path not in expected:
             raise ValueError(f"tensor {name!r} has no place in the model (path {path})")
         var = expected[path]
         value = transform(_to_numpy(tensor))
-        if value.shape != var.shape:
+        shape = var.shape if index is None else var.shape[1:]
+        if value.shape != shape:
             raise ValueError(
                 f"tensor {name!r}: shape {value.shape} after conversion does not match the "
-                f"model's {var.shape} (from the config)"
+                f"model's {shape} (from the config)"
             )
         if path in filled:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+        if index is not None:
+            buffer, todo = stacking.setdefault(
+                path, (np.empty(var.shape, np_dtype), set(range(var.shape[0])))
+            )
+            if index not in todo:
+                raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+            buffer[index] = value
+            todo.discard(index)
+            if todo:
+                continue
+            value = stacking.pop(path)[0]
         filled[path] = var.replace(place(path, value))
     missing = [".".join(map(str, p)) for p in expected if p not in filled]
     if missing:

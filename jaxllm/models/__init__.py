@@ -1,18 +1,17 @@
-"""Model classes and the registry from Hugging Face `architectures` names to them."""
+"""Model classes and the registry from Hugging Face `architectures` names to them.
+
+Every family in `config.ARCHITECTURES` runs on the one config-driven decoder; a family whose
+layers the decoder cannot express gets a class of its own here."""
 
 from __future__ import annotations
 
 from flax import nnx
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ARCHITECTURES, ModelConfig
+from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.layers import AttentionMetadata
-from jaxllm.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nnx.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+MODEL_REGISTRY: dict[str, type[nnx.Module]] = dict.fromkeys(ARCHITECTURES, DecoderForCausalLM)
 
 
 def get_model_class(config: ModelConfig) -> type[nnx.Module]:
@@ -25,4 +24,4 @@ def get_model_class(config: ModelConfig) -> type[nnx.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "LlamaForCausalLM", "get_model_class"]
+__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "DecoderForCausalLM", "get_model_class"]

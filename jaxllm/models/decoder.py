@@ -1,6 +1,8 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2): one module whose
-config switches cover the differences (GQA ratio, qkv bias, tied head, rope scaling,
-sliding window).
+"""The one decoder every supported family runs on (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2,
+Gemma 2/3, Mixtral, Qwen3-MoE): a module whose `ModelConfig` switches cover the differences
+(GQA ratio, qkv bias, QK-norm, sandwich norms, Gemma's (1 + w) norms and scaled embeddings,
+GELU, tied head, RoPE scaling and per-layer RoPE bases, per-layer sliding windows, soft-capping,
+mixture-of-experts MLPs).
 
 The forward pass takes the flattened tokens of every scheduled request and the paged KV cache,
 writes the new keys and values into the cache, and returns the final hidden states plus the
@@ -10,7 +12,9 @@ The decoder layers are L separate modules, unrolled in Python: every layer's wei
 arrays of their own. Stacking them on a leading L axis under `lax.scan` compiles faster, but
 XLA on CPU then copies each layer's weights out of the stack (`dynamic-slice`) before using
 them: a decode step moved the weights three times instead of once (measured on the demo
-model: 165 ms per step vs the ~25 ms its matmuls need).
+model: 165 ms per step vs the ~25 ms its matmuls need). Unrolled, a layer's attention window
+and RoPE are static values of that layer (the kernels also take the window as data, for a
+scan).
 """
 
 from __future__ import annotations
@@ -32,28 +36,54 @@ from jaxllm.models.layers import (
     param,
     rope_inv_freq,
 )
+from jaxllm.models.moe import MoE
 
 
 class DecoderLayer(nnx.Module):
     def __init__(
-        self, config: ModelConfig, *, dtype, attention_backend: str, mesh, rngs: nnx.Rngs | None
+        self,
+        config: ModelConfig,
+        layer: int,
+        *,
+        dtype,
+        attention_backend: str,
+        mesh,
+        rngs: nnx.Rngs | None,
     ):
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, rngs=rngs)
+        def norm():
+            return RMSNorm(
+                config.hidden_size, config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
+            )
+
+        self.input_layernorm = norm()
         self.self_attn = Attention(
-            config, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
+            config, layer, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        # Llama: post_attention_layernorm is the norm before the MLP. Sandwich (Gemma): it
+        # normalises the attention output, and two more norms wrap the MLP.
+        self.post_attention_layernorm = norm()
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        if config.layer_is_moe(layer):
+            self.mlp = MoE(config, dtype=dtype, mesh=mesh, rngs=rngs)
+        else:
+            self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        self.local_rope = config.layer_uses_local_rope(layer)
 
-    def __call__(self, x, rope: Rope, kv_cache, layer: int, meta: AttentionMetadata):
+    def __call__(self, x, ropes: tuple[Rope, Rope], kv_cache, layer: int, meta):
+        rope = ropes[1] if self.local_rope else ropes[0]
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), rope, kv_cache, layer, meta)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn_out)
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(mlp_out), kv_cache
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-class LlamaForCausalLM(nnx.Module):
+class DecoderForCausalLM(nnx.Module):
     def __init__(
         self,
         config: ModelConfig,
@@ -69,18 +99,28 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = param(
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype
         )
-
+        self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
         self.layers = nnx.List(
             DecoderLayer(
-                config, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
+                config, i, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
             )
-            for _ in range(config.num_layers)
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-        # Static (part of the graph definition, not a parameter): a tuple, not an array.
-        self.inv_freq = tuple(
-            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).tolist()
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
         )
+        # Static (part of the graph definition, not parameters): tuples, not arrays.
+        h = config.head_dim
+        global_freq = rope_inv_freq(
+            h, config.rope_theta, config.rope_scaling, config.rope_freq_factors
+        )
+        local_freq = (
+            global_freq
+            if config.rope_local_theta is None
+            else rope_inv_freq(h, config.rope_local_theta)
+        )
+        self.inv_freq = (tuple(global_freq.tolist()), tuple(local_freq.tolist()))
+        self.final_logit_softcapping = config.final_logit_softcapping
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -96,10 +136,17 @@ class LlamaForCausalLM(nnx.Module):
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:  # [T, D], updated cache
         x = self.embed_tokens.get_value()[input_ids]
-        rope = Rope.at(positions, self.inv_freq)
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the dtype, as HF does
+        global_rope = Rope.at(positions, self.inv_freq[0])
+        local_rope = (
+            global_rope
+            if self.inv_freq[1] == self.inv_freq[0]
+            else Rope.at(positions, self.inv_freq[1])
+        )
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, kv_cache = layer(x, rope, kv_cache, i, meta)
+                x, kv_cache = layer(x, (global_rope, local_rope), kv_cache, i, meta)
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
@@ -107,4 +154,6 @@ class LlamaForCausalLM(nnx.Module):
             logits = matmul(hidden, self.embed_tokens.get_value(), w_transposed=True)
         else:
             logits = linear(hidden, self.lm_head.get_value())
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -11,6 +11,7 @@ the sharding rules table maps those names onto mesh axes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -34,23 +35,54 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs | None):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
+    """RMSNorm over the last axis, scaled by (offset + weight): offset 0 for Llama, 1 for
+    Gemma (whose weights start at zero)."""
+
+    def __init__(
+        self, dim: int, eps: float, *, offset: float = 0.0, axis: str = "embed", dtype, rngs=None
+    ):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype), axes=(axis,))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # Normalise in f32 and cast back before the scale, as Hugging Face does.
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            # Gemma scales in float32 and casts last; Llama casts back before the scale.
+            scale = self.offset + self.weight.get_value().astype(jnp.float32)
+            return (xf * scale).astype(x.dtype)
         return self.weight.get_value() * xf.astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies f32[H // 2], with Llama-3 style scaling when configured."""
+# The gate activations, by their Hugging Face names (torch's tanh GELU is JAX's approximate one).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    freq_factors: tuple[float, ...] | None = None,
+) -> np.ndarray:
+    """Inverse frequencies f32[H // 2]: scaled as `scaling` says ("linear" or "llama3"), or
+    divided by llama.cpp's per-frequency `freq_factors`."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
     inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if freq_factors is not None:
+        if len(freq_factors) != len(inv_freq):
+            raise ValueError(
+                f"rope_freq_factors has {len(freq_factors)} entries; head_dim {head_dim} needs "
+                f"{len(inv_freq)}"
+            )
+        return (inv_freq / np.asarray(freq_factors, np.float32)).astype(np.float32)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -148,6 +180,7 @@ class Attention(nnx.Module):
     def __init__(
         self,
         config: ModelConfig,
+        layer: int,
         *,
         dtype,
         attention_backend: str,
@@ -165,8 +198,17 @@ class Attention(nnx.Module):
             self.v_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
-        self.sm_scale = h**-0.5
-        self.sliding_window = config.sliding_window
+        if config.qk_norm:
+            kw = dict(offset=config.norm_offset, axis="head_dim", dtype=dtype)
+            self.q_norm = RMSNorm(h, config.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.sm_scale = (config.query_pre_attn_scalar or h) ** -0.5
+        self.soft_cap = config.attn_logit_softcapping
+        # Static per layer: the layers are unrolled (see decoder.py), so each layer's kernel
+        # call is its own, and a static window lets it skip the pages before the window.
+        self.sliding_window = config.layer_window(layer)
         self.attention_backend = attention_backend
         self.mesh = mesh  # static: tensor parallelism runs the cache ops per device
 
@@ -183,6 +225,8 @@ class Attention(nnx.Module):
             q = q + self.q_bias.get_value()
             k = k + self.k_bias.get_value()
             v = v + self.v_bias.get_value()
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
         return linear(out.reshape(out.shape[0], -1), self.o_proj.get_value()), kv_cache
@@ -203,6 +247,7 @@ class Attention(nnx.Module):
                 meta.num_seqs,
                 sm_scale=self.sm_scale,
                 sliding_window=self.sliding_window,
+                soft_cap=self.soft_cap,
                 backend=self.attention_backend,
             )
             return out.astype(q.dtype), kv_cache
@@ -226,8 +271,9 @@ class MLP(nnx.Module):
         self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), dtype)
         self.up_proj = param(rngs, (d, f), ("embed", "mlp"), dtype)
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), dtype)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jax.nn.silu(linear(x, self.gate_proj.get_value()))
+        gate = self.act(linear(x, self.gate_proj.get_value()))
         up = linear(x, self.up_proj.get_value())
         return linear(gate * up, self.down_proj.get_value())

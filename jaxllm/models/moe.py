@@ -1,0 +1,107 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE): top-k routing, experts as grouped matmuls, expert
+weights sharded over the mesh.
+
+Routing is data: each token's k (expert, weight) pairs are sorted by expert, and the experts
+run as three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, whose group sizes are
+counted per step. Shapes depend only on the token bucket, so no routing recompiles anything.
+
+Parallelism ("model" mesh axis, see sharding.py): the expert weights `[E, ...]` are split on
+the expert axis when the mesh divides E (expert parallelism: each device holds E / n whole
+experts), else on each expert's MLP width (tensor parallelism inside every expert). Either
+way a device computes a partial output for every token from the weights it holds (tokens
+routed elsewhere contribute nothing) and one `psum` adds the partials, as after any
+row-parallel matmul. The activations are replicated between layers anyway, so this needs no
+all-to-all.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.layers import ACTIVATIONS, matmul, param
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, mesh: Mesh | None, rngs: nnx.Rngs | None):
+        d, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        self.router = param(rngs, (d, e), ("embed", None), dtype)
+        self.gate_proj = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), dtype)
+        self.up_proj = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), dtype)
+        self.down_proj = param(rngs, (e, f, d), ("expert", "expert_mlp", "embed"), dtype)
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.moe_renormalize
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.mesh = mesh
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights [T, k] in x's dtype, expert ids i32[T, k]): softmax over all experts in
+        float32, the top k, renormalised to sum to 1 where the family does."""
+        probs = jax.nn.softmax(matmul(x, self.router.get_value()), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        weights, experts = self.route(x)
+        w = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
+        run = functools.partial(_experts, act=self.act)
+        spec = _weight_spec(self.gate_proj, self.mesh)
+        if spec is None:
+            return run(x, weights, experts, *w, expert_axis_sharded=False)
+        gate_spec, down_spec = spec, P(spec[0], spec[2], spec[1])
+
+        def partial_sum(x, weights, experts, gate, up, down):
+            out = run(x, weights, experts, gate, up, down, expert_axis_sharded=spec[0] is not None)
+            return jax.lax.psum(out, "model")
+
+        return jax.shard_map(
+            partial_sum,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(), gate_spec, gate_spec, down_spec),
+            out_specs=P(),
+            check_vma=False,
+        )(x, weights, experts, *w)
+
+
+def _weight_spec(var: nnx.Param, mesh: Mesh | None) -> P | None:
+    """The PartitionSpec of the [E, D, F] expert weights on `mesh`; None when they are whole
+    on every device (no mesh, or nothing divides)."""
+    if mesh is None:
+        return None
+    from jaxllm.sharding import spec_for
+
+    spec = spec_for(var.get_metadata()["axes"], var.shape, mesh)
+    return None if all(s is None for s in spec) else spec
+
+
+def _experts(x, weights, experts, gate, up, down, *, act, expert_axis_sharded: bool):
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the experts held here: `gate`,
+    `up` [E', D, F'] and `down` [E', F', D] are this device's slice (E' = E / n experts from
+    index device * E', or all experts with F' = F / n)."""
+    num_tokens, k = experts.shape
+    num_local = gate.shape[0]
+    first = jax.lax.axis_index("model") * num_local if expert_axis_sharded else 0
+    local = experts.reshape(-1) - first  # [T*k]
+    held = (local >= 0) & (local < num_local)
+    group = jnp.where(held, local, num_local)  # rows for other devices sort last
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
+    token = order // k
+    rows = x[token].astype(gate.dtype)  # [T*k, D], grouped by expert
+
+    def grouped(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+
+    h = act(grouped(rows, gate)) * grouped(rows, up)
+    y = grouped(h.astype(down.dtype), down)  # [T*k, D]; rows held elsewhere are zero
+    scale = jnp.where(held[order], weights.reshape(-1)[order], 0).astype(jnp.float32)
+    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token].add(y * scale[:, None])
+    return out.astype(x.dtype)
