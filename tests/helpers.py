@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models import AttentionMetadata
+from jaxllm.testing import write_tiny_tokenizer
 from pallas_kernels import get_kv_cache_shape
 
 
@@ -125,3 +126,99 @@ def tensor_parallel_report(model, tp: str, tmp_path, *extra: str) -> list[dict]:
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout)  # the table, for the log
     return json.loads(out.read_text())
+
+
+VOCAB = 400
+WINDOW = 24
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,  # not hidden / heads
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+SLIDING, FULL = "sliding_attention", "full_attention"
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=40)
+
+# Tiny random checkpoints of every family, written by transformers (tests that use them need
+# torch): {case: (transformers config class, model class, config overrides)}.
+FAMILIES = {
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, SLIDING, FULL, SLIDING],
+            query_pre_attn_scalar=32,
+            rope_parameters={
+                FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
+    "gemma2-softcap": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=32,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
+    "llama3.1-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=6, norm_topk_prob=True, mlp_only_layers=[1], **MOE),
+    ),
+    "qwen3-moe-sparse-step": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, norm_topk_prob=False, decoder_sparse_step=2, **MOE),
+    ),
+}
+
+
+def write_family_checkpoint(case: str, path, **overrides) -> object:
+    """Writes a tiny random checkpoint of `FAMILIES[case]` (and a tokenizer) to `path`;
+    returns the transformers model."""
+    import torch
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[case]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # norms start at 0 or 1 and biases at 0: make every weight count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.02))
+    model.save_pretrained(path, safe_serialization=True)
+    write_tiny_tokenizer(path, vocab_size=VOCAB)
+    return model

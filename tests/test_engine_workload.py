@@ -4,7 +4,8 @@ small for everything at once (so preemption happens). Asserts after every step t
 pool is consistent, that nothing compiles after warmup, and that every finished request's
 output equals the output of running it alone on a separate engine without prefix caching.
 Runs with async scheduling on and off (a share of the requests has penalties, under which
-the async engine steps synchronously, so it switches between the two)."""
+the async engine steps synchronously, so it switches between the two), and with 80 requests
+on a Gemma 3 (sliding-window and global layers) and a Qwen3-MoE checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.request import Request
+
+from helpers import write_family_checkpoint
 
 MAX_MODEL_LEN = 256
 
@@ -46,34 +49,57 @@ def _workload(rng: np.random.Generator, vocab: int, n: int = 240):
 
 
 @pytest.fixture(scope="module")
-def alone_outputs(tiny_model_dir):
-    """Each request's output when run alone, computed once for both runs of the test."""
-    alone = LLM(
-        tiny_model_dir,
-        max_model_len=MAX_MODEL_LEN,
-        num_pages=32,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        enable_prefix_caching=False,
-        skip_warmup=True,
-    )
-    cache: dict[str, list[int]] = {}
+def model_dirs(tiny_model_dir, tmp_path_factory):
+    """{name: checkpoint}; the transformers-written families are written on first use."""
+    dirs = {"llama": tiny_model_dir}
 
-    def get(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        if rid not in cache:
-            out = alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-            cache[rid] = out.outputs[0].token_ids
-        return cache[rid]
+    def get(name: str):
+        if name not in dirs:
+            pytest.importorskip("torch")
+            dirs[name] = tmp_path_factory.mktemp(name)
+            write_family_checkpoint(name, dirs[name])
+        return dirs[name]
 
     return get
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.fixture(scope="module")
+def alone_outputs():
+    """Each request's output when run alone, on an engine per model, computed once for every
+    run of the test."""
+    engines: dict = {}
+    cache: dict[tuple, list[int]] = {}
+
+    def get(model, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        if model not in engines:
+            engines[model] = LLM(
+                model,
+                max_model_len=MAX_MODEL_LEN,
+                num_pages=32,
+                max_num_seqs=8,
+                max_num_batched_tokens=256,
+                enable_prefix_caching=False,
+                skip_warmup=True,
+            )
+        if (model, rid) not in cache:
+            out = engines[model].generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+            cache[model, rid] = out[0].outputs[0].token_ids
+        return cache[model, rid]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "model,async_scheduling,num_requests",
+    [("llama", True, 240), ("llama", False, 240), ("gemma3", True, 80), ("qwen3-moe", True, 80)],
+    ids=["async", "sync", "gemma3", "qwen3-moe"],
+)
 def test_random_workload_no_recompilation_and_outputs_match_alone(
-    tiny_model_dir, alone_outputs, async_scheduling
+    model_dirs, alone_outputs, model, async_scheduling, num_requests
 ):
+    model = model_dirs(model)
     llm = LLM(
-        tiny_model_dir,
+        model,
         max_model_len=MAX_MODEL_LEN,
         num_pages=64,  # 1024 token slots for up to 16 running requests of up to 256 tokens
         max_num_seqs=16,
@@ -83,7 +109,7 @@ def test_random_workload_no_recompilation_and_outputs_match_alone(
     runner, core, kv = llm.runner, llm.engine, llm.kv_cache_manager
     compiles_after_warmup = runner.num_compilations
     rng = np.random.default_rng(0)
-    work = _workload(rng, llm.model_config.vocab_size)
+    work = _workload(rng, llm.model_config.vocab_size, num_requests)
     outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in work}
     finished: set[str] = set()
     aborted: set[str] = set()
@@ -129,7 +155,7 @@ def test_random_workload_no_recompilation_and_outputs_match_alone(
     for rid, prompt, params in work:
         if rid in aborted:
             continue
-        ref = alone_outputs(rid, prompt, params)
+        ref = alone_outputs(model, rid, prompt, params)
         if ref != outputs[rid]:
             mismatches.append(f"{rid} (prompt {len(prompt)} tokens): {outputs[rid]} != alone {ref}")
     assert not mismatches, "\n".join(mismatches[:10])

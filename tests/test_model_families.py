@@ -14,114 +14,30 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.loaders import load_model
-from jaxllm.testing import write_tiny_tokenizer
 
-from helpers import prefill_logits, tensor_parallel_report
+from helpers import (
+    FAMILIES,
+    VOCAB,
+    WINDOW,
+    prefill_logits,
+    tensor_parallel_report,
+    write_family_checkpoint,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 400
-WINDOW = 24
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=24,  # not hidden / heads
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-SLIDING, FULL = "sliding_attention", "full_attention"
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=40)
 
-CASES = {
-    "gemma3": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        dict(
-            sliding_window=WINDOW,
-            layer_types=[SLIDING, SLIDING, FULL, SLIDING],
-            query_pre_attn_scalar=32,
-            rope_parameters={
-                FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
-                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-            },
-        ),
-    ),
-    "gemma2-softcap": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        dict(
-            sliding_window=WINDOW,
-            query_pre_attn_scalar=32,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=3.0,
-        ),
-    ),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
-    "llama3.1-rope": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500_000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            }
-        ),
-    ),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
-    ),
-    "qwen3-moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(num_experts=6, norm_topk_prob=True, mlp_only_layers=[1], **MOE),
-    ),
-    "qwen3-moe-sparse-step": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(num_experts=4, norm_topk_prob=False, decoder_sparse_step=2, **MOE),
-    ),
-}
-
-
-def write_checkpoint(case: str, path, **overrides) -> object:
-    """Writes a tiny random checkpoint of `case` (and a tokenizer) to `path`; returns the
-    transformers model."""
-    config_name, model_name, extra = CASES[case]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # norms start at 0 or 1 and biases at 0: make every weight count
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.02))
-    model.save_pretrained(path, safe_serialization=True)
-    write_tiny_tokenizer(path, vocab_size=VOCAB)
-    return model
-
-
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    return request.param, path, write_checkpoint(request.param, path)
+    return request.param, path, write_family_checkpoint(request.param, path)
 
 
 def test_logits_match_transformers(family):
     case, path, hf_model = family
     loaded = load_model(path, dtype=jnp.float32, load_tokenizer=False)
-    assert loaded.config.architecture == CASES[case][1]
+    assert loaded.config.architecture == FAMILIES[case][1]
     ids = np.random.default_rng(0).integers(3, VOCAB, size=3 * WINDOW + 5).tolist()
     ours = prefill_logits(loaded.model, loaded.config, ids)
     with torch.no_grad():
@@ -183,7 +99,7 @@ def test_greedy_tokens_match_transformers(family):
 def test_moe_under_tensor_and_expert_parallelism(case, extra, expert_parallel, tmp_path):
     """1, 2 and 4 fake CPU devices: the same greedy tokens, no compilation after warmup, and
     each device holding 1/tp of the expert weights."""
-    write_checkpoint(case, tmp_path / "ckpt", **extra)
+    write_family_checkpoint(case, tmp_path / "ckpt", **extra)
     rows = tensor_parallel_report(tmp_path / "ckpt", "1,2,4", tmp_path)
     for r in rows:
         print(f"tp {r['tp']}: expert bytes per device {r['expert_bytes_per_device']:,} of "
