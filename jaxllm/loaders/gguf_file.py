@@ -2,8 +2,9 @@
 
 `gguf.GGUFReader` decodes every metadata string eagerly; for a 49k-token vocabulary with 49k
 merges that is ~6 s per open, paid on every start. This reader skips string arrays unless
-asked for them (only the tokenizer conversion needs the vocabulary, and its result is cached),
-so opening the demo model takes milliseconds. Dequantization stays with the `gguf` package.
+asked for them (only the tokenizer conversion needs the vocabulary, and its result is cached;
+`string_index` finds one token, like Gemma's <end_of_turn>, without decoding the rest), so
+opening the demo model takes milliseconds. Dequantization stays with the `gguf` package.
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64 metadata
 count, the metadata key/values, the tensor table (name, dims, type, offset), then the tensor
@@ -110,15 +111,32 @@ class GGUFFile:
             if etype == _STRING:
                 if string_arrays:
                     return [self._string() for _ in range(count)]
+                start = self.pos
                 for _ in range(count):  # skip: read only the lengths
                     (n,) = struct.unpack_from("<Q", self._buf, self.pos)
                     self.pos += 8 + n
-                return _Skipped(count)
+                return _Skipped(count, start)
             return [self._value(etype, string_arrays) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {vtype}")
 
     def field(self, key: str, default=None):
         return self.metadata.get(key, default)
+
+    def string_index(self, key: str, text: str) -> int | None:
+        """Where `text` is in the string array `key` (None if absent), without decoding the
+        array when it was skipped: a walk over the lengths that stops at the first match."""
+        value = self.metadata.get(key)
+        if isinstance(value, list):
+            return value.index(text) if text in value else None
+        if not isinstance(value, _Skipped):
+            return None
+        needle, pos = text.encode("utf-8"), value.offset
+        for i in range(value.count):
+            (n,) = struct.unpack_from("<Q", self._buf, pos)
+            if n == len(needle) and self._buf[pos + 8 : pos + 8 + n] == needle:
+                return i
+            pos += 8 + n
+        return None
 
     def raw(self, t: TensorInfo) -> np.ndarray:
         """The tensor's bytes, memory-mapped, shaped [rows, bytes per row]."""
@@ -139,8 +157,9 @@ class GGUFFile:
 class _Skipped:
     """Stands for a string array that was not decoded; len() still works."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, offset: int):
         self.count = count
+        self.offset = offset  # of the first element (u64 length, then the UTF-8 bytes)
 
     def __len__(self) -> int:
         return self.count

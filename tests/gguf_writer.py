@@ -1,0 +1,210 @@
+"""A small stand-in for llama.cpp's `convert_hf_to_gguf.py`, so the GGUF loader is tested on
+files laid out like real ones without a download.
+
+`write_gguf` writes a Hugging Face checkpoint directory (config.json, model.safetensors and,
+if present, a byte-level BPE tokenizer.json) as GGUF with the `gguf` package, doing what
+llama.cpp's converter does per architecture: tensor names from the `gguf` package's own
+name map (the one the converter uses), Q/K rows permuted for llama, norm weights stored as
+1 + w for gemma3, Llama 3.1's rope scaling written as a `rope_freqs` tensor, 1-D tensors kept
+in F32 and the rest in the type asked for. It returns what a correct loader must give back:
+the stored (dequantized) tensors, in Hugging Face layout, under their Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+from conftest import CHATML
+
+Q = gguf.GGMLQuantizationType
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    arch: gguf.MODEL_ARCH
+    permute_qk: bool = False  # llama.cpp's LlamaModel permutes the Q/K rows
+    norm_shift: float = 0.0  # Gemma3Model stores every "*norm.weight" as w + 1
+
+
+LAYOUTS = {
+    "LlamaForCausalLM": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "Qwen3ForCausalLM": Layout(gguf.MODEL_ARCH.QWEN3),
+    "Gemma3ForCausalLM": Layout(gguf.MODEL_ARCH.GEMMA3, norm_shift=1.0),
+}
+
+# A sentencepiece-style vocabulary for checkpoints without tokenizer.json, Gemma's specials
+# first in Gemma's order (pad 0, eos 1, bos 2, unk 3).
+SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's permute of Q/K rows."""
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def llama_cpp_permute_inverse(w: np.ndarray, num_heads: int) -> np.ndarray:
+    return (
+        w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def rope_parameters(config: dict) -> dict:
+    """The (global) RoPE parameters of a config.json, in either transformers spelling."""
+    rope = dict(config.get("rope_parameters") or {})
+    rope = dict(rope.get("full_attention", rope))
+    rope.update(config.get("rope_scaling") or {})
+    if "rope_theta" in config:
+        rope["rope_theta"] = config["rope_theta"]
+    return rope
+
+
+def llama3_rope_factors(config: dict) -> np.ndarray:
+    """llama.cpp's `LlamaModel.generate_extra_tensors`: Llama 3.1's scaling as divisors."""
+    rope = rope_parameters(config)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    linear_type: Q = Q.F32,
+    *,
+    arch: str | None = None,
+    norm_type: Q = Q.F32,
+    embed_type: Q = Q.Q8_0,
+    edit: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Converts a tiny HF checkpoint to GGUF; returns the expected dequantized HF tensors.
+
+    `arch` overrides the `general.architecture` written (the layout stays the checkpoint's);
+    `edit` may add metadata before the tensors are written."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    layout = LAYOUTS[config["architectures"][0]]
+    name = gguf.MODEL_ARCH_NAMES[layout.arch]
+    n, k = config["num_attention_heads"], config.get("num_key_value_heads") or 0
+    rope = rope_parameters(config)
+    w = gguf.GGUFWriter(str(out), arch or name)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n)
+    w.add_head_count_kv(k or n)
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("head_dim"):  # TextModel.set_gguf_parameters
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    if layout.arch == gguf.MODEL_ARCH.GEMMA3:
+        w.add_sliding_window(config["sliding_window"])  # and no vocab_size, as llama.cpp
+    else:
+        w.add_vocab_size(config["vocab_size"])
+    _add_tokenizer(w, hf_dir, config["vocab_size"])
+    if edit is not None:
+        edit(w)
+
+    expected = {}
+    names = gguf.get_tensor_name_map(layout.arch, config["num_hidden_layers"])
+
+    def put(gguf_name: str, arr: np.ndarray, qtype: Q, heads: int | None = None) -> np.ndarray:
+        stored = llama_cpp_permute(arr, heads) if heads else arr
+        if qtype == Q.F32:
+            data = stored.astype(np.float32)
+            w.add_tensor(gguf_name, data)
+            deq = data
+        else:
+            data = gguf.quants.quantize(stored.astype(np.float32), qtype)
+            w.add_tensor(gguf_name, data, raw_dtype=qtype)
+            deq = gguf.quants.dequantize(data, qtype).reshape(stored.shape)
+        return llama_cpp_permute_inverse(deq, heads) if heads else deq
+
+    if rope.get("rope_type") == "llama3":
+        put("rope_freqs.weight", llama3_rope_factors(config), Q.F32)
+    for hf_name, arr in tensors.items():
+        base, suffix = hf_name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        arr = arr.astype(np.float32)
+        is_norm = hf_name.endswith("norm.weight")
+        if is_norm:
+            arr = arr + layout.norm_shift
+        if "embed_tokens" in hf_name or hf_name == "lm_head.weight":
+            qtype = embed_type
+        else:
+            qtype = norm_type if arr.ndim == 1 else linear_type
+        heads = None
+        if layout.permute_qk and "q_proj.weight" in hf_name:
+            heads = n
+        elif layout.permute_qk and "k_proj.weight" in hf_name:
+            heads = k or n
+        deq = put(gguf_name, arr, qtype, heads)
+        expected[hf_name] = deq - layout.norm_shift if is_norm else deq
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
+    """The checkpoint's byte-level BPE tokenizer.json with ChatML, or a sentencepiece-style
+    vocabulary of `vocab_size` made-up pieces (no chat template) when there is none."""
+    if (hf_dir / "tokenizer.json").is_file():
+        tok = json.loads((hf_dir / "tokenizer.json").read_text())
+        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+        tokens = [t for t, _ in vocab]
+        tokens += [f"<unused{i}>" for i in range(vocab_size - len(vocab))]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHATML)
+        return
+    pieces = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = SPM_SPECIALS + pieces
+    tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0 if i < len(SPM_SPECIALS) else -float(i) for i in range(len(tokens))])
+    w.add_token_types([3 if t.startswith("<") else 1 for t in tokens])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
