@@ -32,11 +32,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
+def _start_server(model_dir, *extra: str, name: str = "tiny") -> tuple[subprocess.Popen, str]:
+    """Starts `jaxllm serve` (flags in `extra` override the defaults here) and waits for
+    /health to say 200."""
     port = _free_port()
     cmd = [
         sys.executable, "-m", "jaxllm.cli", "serve", str(model_dir),
-        "--port", str(port), "--served-model-name", "tiny",
+        "--port", str(port), "--served-model-name", name,
         "--max-model-len", "256", "--num-pages", "128",
         "--max-num-seqs", "16", "--max-num-batched-tokens", "128", *extra,
     ]  # fmt: skip
