@@ -39,7 +39,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Gemma2ForCausalLM": _GEMMA,
-    "Gemma3ForCausalLM": {**_GEMMA, "qk_norm": True},
+    "Gemma3ForCausalLM": {
+        **_GEMMA,
+        "qk_norm": True,
+        "rope_theta": 1_000_000.0,  # transformers' defaults, for configs that omit them
+        "rope_local_theta": 10_000.0,
+    },
     "MixtralForCausalLM": {"moe_renormalize": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe_renormalize": False},
 }
@@ -134,7 +139,9 @@ class ModelConfig:
     """llama.cpp's `rope_freqs` (Llama 3.1 GGUF files): the inverse frequencies are divided
     by these instead of applying `rope_scaling`."""
     attention_bias: bool = False
-    """Bias on the q/k/v projections (Qwen2)."""
+    """Bias on the q/k/v projections (Qwen2; others where their config says so)."""
+    attention_out_bias: bool = False
+    """Bias on the output projection (HF's `attention_bias` outside Qwen2)."""
     tie_word_embeddings: bool = False
     """The output head reuses the token embedding (no `lm_head.weight`)."""
     sliding_window: int | None = None
@@ -261,9 +268,11 @@ class ModelConfig:
         local_rope = rope.get(SLIDING_ATTENTION) if isinstance(rope, dict) else None
         if isinstance(rope, dict) and FULL_ATTENTION in rope:
             rope = rope[FULL_ATTENTION]
-        rope_theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        default_theta = features.pop("rope_theta", 10000.0)
+        default_local_theta = features.pop("rope_local_theta", None)
+        rope_theta = config.get("rope_theta") or rope.get("rope_theta") or default_theta
         rope_scaling = RopeScaling.from_hf(config.get("rope_scaling") or rope)
-        rope_local_theta = config.get("rope_local_base_freq")
+        rope_local_theta = config.get("rope_local_base_freq") or default_local_theta
         if local_rope is not None:
             if RopeScaling.from_hf(local_rope) is not None:
                 raise ValueError("model config: scaled RoPE on sliding layers is not supported")
@@ -273,10 +282,19 @@ class ModelConfig:
         if "use_sliding_window" in config and not config["use_sliding_window"]:
             sliding_window = None  # Qwen2/3 carry a window they do not use
         layer_types = tuple(config.get("layer_types") or ())
-        if arch == "Gemma2ForCausalLM" and not layer_types:  # older configs: even layers slide
-            layer_types = tuple(
-                SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
-            )
+        if not layer_types and sliding_window is not None:
+            # Older configs name no layer types: derive them as transformers does.
+            if arch == "Gemma2ForCausalLM":  # even layers slide
+                slides = [i % 2 == 0 for i in range(num_layers)]
+            elif arch == "Gemma3ForCausalLM":  # all but every `sliding_window_pattern`-th
+                period = config.get("sliding_window_pattern") or 6
+                slides = [(i + 1) % period != 0 for i in range(num_layers)]
+            elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # from max_window_layers on
+                first = config.get("max_window_layers") or 0
+                slides = [i >= first for i in range(num_layers)]
+            else:  # Mistral, Mixtral, Qwen3-MoE: every layer
+                slides = [True] * num_layers
+            layer_types = tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in slides)
 
         num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
         dense_layers: tuple[int, ...] = ()
@@ -284,10 +302,14 @@ class ModelConfig:
             step = config.get("decoder_sparse_step") or 1
             only = set(config.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
-            if "norm_topk_prob" in config:
-                features["moe_renormalize"] = bool(config["norm_topk_prob"])
-        if config.get("attention_bias") is not None:
-            features["attention_bias"] = bool(config["attention_bias"])
+            if arch == "Qwen3MoeForCausalLM" and "norm_topk_prob" in config:
+                features["moe_renormalize"] = bool(config["norm_topk_prob"])  # Mixtral: always
+        # HF's `attention_bias` puts biases on q, k, v and o; Qwen2 has q/k/v biases and none
+        # on o whatever its config says (transformers ignores the key there).
+        if arch != "Qwen2ForCausalLM" and config.get("attention_bias") is not None:
+            features["attention_bias"] = features["attention_out_bias"] = bool(
+                config["attention_bias"]
+            )
         activation = config.get("hidden_activation") or config.get("hidden_act")
         if activation:
             features["hidden_act"] = activation

@@ -4,7 +4,7 @@ The parity test calls `hf_greedy` directly when torch is installed; otherwise it
 fixture this script writes per demo model:
 
     .venv/bin/python scripts/parity_reference.py              # every demo model
-    .venv/bin/python scripts/parity_reference.py gemma3-270m  # -> tests/fixtures/gemma3-270m_greedy.json
+    .venv/bin/python scripts/parity_reference.py gemma3-270m  # -> tests/fixtures/gemma3_greedy.json
 
 transformers loads the same GGUF file and dequantizes it itself, so both sides start from the
 same weights. The loop records, at every step, the gap between the top two logits, so a

@@ -42,6 +42,12 @@ CASES = {
             },
         ),
     ),
+    # attention_bias: biases on q, k, v and o.
+    "llama-attention-bias": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(attention_bias=True),
+    ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1000000.0)),
     "qwen2-tied-mha": (
         transformers.Qwen2Config,

@@ -109,3 +109,47 @@ def test_moe_under_tensor_and_expert_parallelism(case, extra, expert_parallel, t
     whole = rows[0]["expert_bytes"]
     assert whole > 0
     assert [r["expert_bytes_per_device"] for r in rows] == [whole, whole // 2, whole // 4]
+
+
+@pytest.mark.parametrize(
+    "config_name,extra",
+    [
+        # Gemma 3 1B's config.json as published: no layer_types, no rope_parameters.
+        ("Gemma3TextConfig", dict(sliding_window=512, sliding_window_pattern=6)),
+        ("Gemma3TextConfig", dict(sliding_window=512, sliding_window_pattern=3)),
+        ("Qwen2Config", dict(sliding_window=64, use_sliding_window=True, max_window_layers=5)),
+        ("Qwen3Config", dict(sliding_window=64, use_sliding_window=False)),
+        ("MistralConfig", dict(sliding_window=64)),
+    ],
+)
+def test_configs_without_layer_types_derive_them_as_transformers_does(config_name, extra):
+    """Older config.json files name no layer types (and Gemma 3's omit its RoPE bases): the
+    windows and RoPE of every layer come out as transformers derives them."""
+    from jaxllm.config import ModelConfig
+
+    arch = config_name.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")
+    raw = {**COMMON_LEGACY, **extra, "architectures": [arch]}
+    ours = ModelConfig.from_hf_config(raw)
+    hf = getattr(transformers, config_name)(**raw)
+    # Mistral's config has no layer types: its window applies to every layer.
+    types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    windows = [
+        hf.sliding_window if t == "sliding_attention" and hf.sliding_window else None
+        for t in types
+    ]
+    assert [ours.layer_window(i) for i in range(ours.num_layers)] == windows
+    if config_name == "Gemma3TextConfig":
+        assert ours.rope_theta == hf.rope_parameters["full_attention"]["rope_theta"] == 1e6
+        local = hf.rope_parameters["sliding_attention"]["rope_theta"]
+        assert ours.rope_local_theta == local == 1e4
+
+
+COMMON_LEGACY = dict(
+    vocab_size=400,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=12,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+)

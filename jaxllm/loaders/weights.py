@@ -54,6 +54,7 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
         "self_attn.q_proj.bias": (("self_attn", "q_bias"), lambda w: w.reshape(n, h)),
         "self_attn.k_proj.bias": (("self_attn", "k_bias"), lambda w: kv(w, k, h)),
         "self_attn.v_proj.bias": (("self_attn", "v_bias"), lambda w: kv(w, k, h)),
+        "self_attn.o_proj.bias": (("self_attn", "o_bias"), same),
         "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w: w.T),
         "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w: w.T),
         "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w: w.T),

@@ -198,6 +198,7 @@ class Attention(nnx.Module):
             self.v_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = param(rngs, (d,), ("embed",), dtype) if config.attention_out_bias else None
         if config.qk_norm:
             kw = dict(offset=config.norm_offset, axis="head_dim", dtype=dtype)
             self.q_norm = RMSNorm(h, config.rms_norm_eps, **kw)
@@ -207,7 +208,7 @@ class Attention(nnx.Module):
         self.sm_scale = (config.query_pre_attn_scalar or h) ** -0.5
         self.soft_cap = config.attn_logit_softcapping
         # Static per layer: the layers are unrolled (see decoder.py), so each layer's kernel
-        # call is its own, and a static window lets it skip the pages before the window.
+        # call is its own; the kernels take it as data either way.
         self.sliding_window = config.layer_window(layer)
         self.attention_backend = attention_backend
         self.mesh = mesh  # static: tensor parallelism runs the cache ops per device
@@ -229,7 +230,10 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
-        return linear(out.reshape(out.shape[0], -1), self.o_proj.get_value()), kv_cache
+        out = linear(out.reshape(out.shape[0], -1), self.o_proj.get_value())
+        if self.o_bias is not None:
+            out = out + self.o_bias.get_value()
+        return out, kv_cache
 
     def _paged_attention(self, q, k, v, kv_cache, layer, meta: AttentionMetadata):
         """Writes the new K/V into the cache and attends; with a mesh, per device on its own

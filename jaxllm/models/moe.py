@@ -41,13 +41,15 @@ class MoE(nnx.Module):
         self.mesh = mesh
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(weights [T, k] in x's dtype, expert ids i32[T, k]): softmax over all experts in
-        float32, the top k, renormalised to sum to 1 where the family does."""
-        probs = jax.nn.softmax(matmul(x, self.router.get_value()), axis=-1)
+        """(weights f32[T, k], expert ids i32[T, k]): the router logits in x's dtype (as
+        transformers rounds them), a float32 softmax over all experts, the top k, renormalised
+        to sum to 1 where the family does."""
+        logits = matmul(x, self.router.get_value()).astype(x.dtype)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        return weights.astype(x.dtype), experts.astype(jnp.int32)
+        return weights, experts.astype(jnp.int32)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
         weights, experts = self.route(x)
@@ -55,12 +57,12 @@ class MoE(nnx.Module):
         run = functools.partial(_experts, act=self.act)
         spec = _weight_spec(self.gate_proj, self.mesh)
         if spec is None:
-            return run(x, weights, experts, *w, expert_axis_sharded=False)
+            return run(x, weights, experts, *w, expert_axis_sharded=False).astype(x.dtype)
         gate_spec, down_spec = spec, P(spec[0], spec[2], spec[1])
 
         def partial_sum(x, weights, experts, gate, up, down):
             out = run(x, weights, experts, gate, up, down, expert_axis_sharded=spec[0] is not None)
-            return jax.lax.psum(out, "model")
+            return jax.lax.psum(out, "model").astype(x.dtype)  # partials summed in float32
 
         return jax.shard_map(
             partial_sum,
@@ -83,9 +85,10 @@ def _weight_spec(var: nnx.Param, mesh: Mesh | None) -> P | None:
 
 
 def _experts(x, weights, experts, gate, up, down, *, act, expert_axis_sharded: bool):
-    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the experts held here: `gate`,
-    `up` [E', D, F'] and `down` [E', F', D] are this device's slice (E' = E / n experts from
-    index device * E', or all experts with F' = F / n)."""
+    """f32[T, D]: sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the experts held
+    here: `gate`, `up` [E', D, F'] and `down` [E', F', D] are this device's slice (E' = E / n
+    experts from index device * E', or all experts with F' = F / n). Each matmul's output is
+    rounded to x's dtype, as in the dense MLP."""
     num_tokens, k = experts.shape
     num_local = gate.shape[0]
     first = jax.lax.axis_index("model") * num_local if expert_axis_sharded else 0
@@ -98,10 +101,11 @@ def _experts(x, weights, experts, gate, up, down, *, act, expert_axis_sharded: b
     rows = x[token].astype(gate.dtype)  # [T*k, D], grouped by expert
 
     def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+        out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+        return out.astype(x.dtype)
 
     h = act(grouped(rows, gate)) * grouped(rows, up)
-    y = grouped(h.astype(down.dtype), down)  # [T*k, D]; rows held elsewhere are zero
-    scale = jnp.where(held[order], weights.reshape(-1)[order], 0).astype(jnp.float32)
-    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token].add(y * scale[:, None])
-    return out.astype(x.dtype)
+    y = grouped(h.astype(down.dtype), down).astype(jnp.float32)  # [T*k, D]
+    # Rows held elsewhere fall outside every group: drop them whatever ragged_dot left there.
+    y = jnp.where(held[order][:, None], y * weights.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token].add(y)
