@@ -33,7 +33,7 @@ _GEMMA = {
     "scale_embeddings": True,
     "hidden_act": "gelu_pytorch_tanh",
 }
-ARCHITECTURES: dict[str, dict[str, Any]] = {
+ARCHITECTURES: dict[str, dict[str, Any] | str] = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
@@ -45,6 +45,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "rope_theta": 1_000_000.0,  # transformers' defaults, for configs that omit them
         "rope_local_theta": 10_000.0,
     },
+    # Gemma 3 4B/12B/27B are published as image-text models: we serve their text part (its
+    # config is `text_config`, its weights `language_model.*`; the vision tower is skipped).
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "MixtralForCausalLM": {"moe_renormalize": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe_renormalize": False},
 }
@@ -257,6 +260,9 @@ class ModelConfig:
                 f"unsupported architecture {archs or config.get('model_type')!r}; "
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
+        if isinstance(ARCHITECTURES[arch], str):  # a multimodal model: its text decoder
+            arch = ARCHITECTURES[arch]
+            config = {**config, **config.get("text_config", {})}
         features = dict(ARCHITECTURES[arch])
         num_heads = config["num_attention_heads"]
         num_layers = config["num_hidden_layers"]

@@ -130,7 +130,7 @@ def tensor_parallel_report(model, tp: str, tmp_path, *extra: str) -> list[dict]:
 
 VOCAB = 400
 WINDOW = 24
-COMMON = dict(
+FAMILY_COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
@@ -214,7 +214,7 @@ def write_family_checkpoint(case: str, path, **overrides) -> object:
 
     config_name, model_name, extra = FAMILIES[case]
     torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    config = getattr(transformers, config_name)(**{**FAMILY_COMMON, **extra, **overrides})
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():  # norms start at 0 or 1 and biases at 0: make every weight count
         for p in model.parameters():

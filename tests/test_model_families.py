@@ -17,6 +17,7 @@ from jaxllm.loaders import load_model
 
 from helpers import (
     FAMILIES,
+    FAMILY_COMMON,
     VOCAB,
     WINDOW,
     prefill_logits,
@@ -134,8 +135,7 @@ def test_configs_without_layer_types_derive_them_as_transformers_does(config_nam
     # Mistral's config has no layer types: its window applies to every layer.
     types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
     windows = [
-        hf.sliding_window if t == "sliding_attention" and hf.sliding_window else None
-        for t in types
+        hf.sliding_window if t == "sliding_attention" and hf.sliding_window else None for t in types
     ]
     assert [ours.layer_window(i) for i in range(ours.num_layers)] == windows
     if config_name == "Gemma3TextConfig":
@@ -153,3 +153,34 @@ COMMON_LEGACY = dict(
     num_key_value_heads=1,
     head_dim=16,
 )
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_decoder(tmp_path):
+    """Gemma 3 4B and up ship as `Gemma3ForConditionalGeneration`: the text decoder loads from
+    `text_config` and the `language_model.*` tensors, the vision tower is skipped, and text-only
+    logits equal transformers'."""
+    text = {**FAMILY_COMMON, **FAMILIES["gemma3"][2]}
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4
+    )
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.02))
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(tmp_path, dtype=jnp.float32, load_tokenizer=False)
+    assert loaded.config.layer_window(2) is None and loaded.config.layer_window(0) == WINDOW
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=2 * WINDOW + 5).tolist()
+    ours = prefill_logits(loaded.model, loaded.config, ids)
+    with torch.no_grad():
+        ref = hf_model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    assert np.abs(ours - ref).max() < 1e-4

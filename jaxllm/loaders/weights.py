@@ -79,11 +79,28 @@ _EXPERT_WEIGHTS = {
 Target = tuple[tuple[str | int, ...], Callable[[np.ndarray], np.ndarray], int | None]
 
 
+# Image-text checkpoints (Gemma 3 4B and up): the text decoder's tensors under a prefix, which
+# comes off, and the vision tower's, which are skipped.
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
 def hf_to_path(name: str, config: ModelConfig) -> Target | None:
     """(our parameter path, layout transform, index) for an HF tensor name, or None to skip
     the tensor. `index` is an expert's row of a stacked [E, ...] weight; None: the whole
     parameter."""
     same = lambda w: w  # noqa: E731
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    if name.startswith(_TEXT_PREFIXES):
+        name = "model." + name.split(".", 2)[2]
+    elif name == "language_model.lm_head.weight":
+        name = "lm_head.weight"
     if name == "model.embed_tokens.weight":
         return ("embed_tokens",), same, None
     if name == "model.norm.weight":

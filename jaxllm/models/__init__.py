@@ -11,7 +11,11 @@ from jaxllm.config import ARCHITECTURES, ModelConfig
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.layers import AttentionMetadata
 
-MODEL_REGISTRY: dict[str, type[nnx.Module]] = dict.fromkeys(ARCHITECTURES, DecoderForCausalLM)
+MODEL_REGISTRY: dict[str, type[nnx.Module]] = {
+    arch: DecoderForCausalLM
+    for arch, features in ARCHITECTURES.items()
+    if isinstance(features, dict)
+}
 
 
 def get_model_class(config: ModelConfig) -> type[nnx.Module]:
