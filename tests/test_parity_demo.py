@@ -42,7 +42,9 @@ def test_greedy_parity_with_transformers(name):
     assert max(map(len, prompts)) <= 1024 - demo.max_new_tokens
     ref_tokens, ref_gaps = _reference(name, demo, prompts)
     params = SamplingParams(temperature=0, max_tokens=demo.max_new_tokens, ignore_eos=True)
+    compiled = llm.runner.num_compilations
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.runner.num_compilations == compiled, "a program compiled after warmup"
     report, ties = [], []
     for i, (out, ref, gaps) in enumerate(zip(outputs, ref_tokens, ref_gaps, strict=True)):
         ours = out.outputs[0].token_ids
