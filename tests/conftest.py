@@ -28,9 +28,10 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
-    """One engine shared by the engine tests (each test must leave it idle)."""
+    """One engine shared by a module's engine tests (each test must leave it idle). Per module,
+    not per session: built after `_fresh_jax_caches`, its warmed-up programs stay cached."""
     from jaxllm import LLM
 
     return LLM(
@@ -40,3 +41,15 @@ def tiny_llm(tiny_model_dir):
         max_num_seqs=16,
         max_num_batched_tokens=128,
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_jax_caches():
+    """Each test module starts with JAX's in-memory caches empty. The suite compiles thousands
+    of programs in one process, and JAX's lowering and compilation caches are LRUs of 1-4k
+    entries: past that, a module-scoped engine's warmed-up programs can be evicted by other
+    modules' and compile again, which the no-compilation-after-warmup checks then count (a
+    serving process compiles a few dozen programs and never gets near)."""
+    import jax
+
+    jax.clear_caches()
