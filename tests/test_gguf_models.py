@@ -289,6 +289,18 @@ def test_string_index_without_decoding(tmp_path):
     assert lazy.string_index("general.architecture", "gemma3") is None  # not an array
 
 
+def test_mixture_of_experts_gguf_is_refused_clearly(tmp_path):
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="mixture-of-experts GGUF"):
+        gguf_hf_config(GGUFFile(path))
+
+
 # --- The Gemma 3 270M demo file (Q4_K_M), when fetched ---------------------------------------
 
 TEXTS = [

@@ -144,6 +144,11 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in reader.tensors}
+    if any(".ffn_gate_inp." in name for name in tensors):
+        raise ValueError(
+            f"{reader.path} is a mixture-of-experts GGUF file (ffn_gate_inp), which we cannot "
+            "load yet; load the model's Hugging Face checkpoint instead"
+        )
     heads = reader.field(f"{arch}.attention.head_count")
     hidden = reader.field(f"{arch}.embedding_length")
     head_dim = reader.field(f"{arch}.attention.key_length", hidden // heads)
