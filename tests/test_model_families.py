@@ -8,6 +8,8 @@ the window boundary and a second run served from the prefix cache.
 
 from __future__ import annotations
 
+import copy
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,6 +48,22 @@ def test_logits_match_transformers(family):
     diff = np.abs(ours - ref).max()
     print(f"{case}: max abs logit diff {diff:.2e} (logit scale {np.abs(ref).max():.2f})")
     assert diff < 1e-4, diff
+
+
+def test_bfloat16_error_is_no_worse_than_transformers(family):
+    """In bfloat16 our logits stray from the float32 truth no more than transformers' own
+    bfloat16 run does (twice its error, plus slack for a different summation order)."""
+    case, path, hf_model = family
+    loaded = load_model(path, dtype=jnp.bfloat16, load_tokenizer=False)
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=2 * WINDOW + 5).tolist()
+    ours = prefill_logits(loaded.model, loaded.config, ids)
+    with torch.no_grad():
+        truth = hf_model(torch.tensor([ids])).logits[0].float().numpy()
+        hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+        theirs = hf_bf16(torch.tensor([ids])).logits[0].float().numpy()
+    ours_err, theirs_err = np.abs(ours - truth).max(), np.abs(theirs - truth).max()
+    print(f"{case} bfloat16: max abs error ours {ours_err:.3g}, transformers {theirs_err:.3g}")
+    assert ours_err <= 2 * theirs_err + 1e-2, (ours_err, theirs_err)
 
 
 def test_greedy_tokens_match_transformers(family):
