@@ -11,6 +11,7 @@ its own, so nothing waits for the other layers).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable
 
@@ -24,6 +25,7 @@ from jaxllm.config import ModelConfig
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+@functools.cache  # one table per model, not per tensor
 def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndarray], np.ndarray]]]:
     """Per-layer HF suffix -> (our path inside the layer, transform from the HF layout)."""
     d, n, h = c.hidden_size, c.num_heads, c.head_dim

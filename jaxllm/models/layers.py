@@ -38,9 +38,7 @@ class RMSNorm(nnx.Module):
     """RMSNorm over the last axis, scaled by (offset + weight): offset 0 for Llama, 1 for
     Gemma (whose weights start at zero)."""
 
-    def __init__(
-        self, dim: int, eps: float, *, offset: float = 0.0, axis: str = "embed", dtype, rngs=None
-    ):
+    def __init__(self, dim: int, eps: float, *, offset: float = 0.0, axis: str = "embed", dtype):
         self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype), axes=(axis,))
         self.eps = eps
         self.offset = offset

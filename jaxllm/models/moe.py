@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import ACTIVATIONS, matmul, param
+from jaxllm.sharding import spec_for
 
 
 class MoE(nnx.Module):
@@ -78,8 +79,6 @@ def _weight_spec(var: nnx.Param, mesh: Mesh | None) -> P | None:
     on every device (no mesh, or nothing divides)."""
     if mesh is None:
         return None
-    from jaxllm.sharding import spec_for
-
     spec = spec_for(var.get_metadata()["axes"], var.shape, mesh)
     return None if all(s is None for s in spec) else spec
 
