@@ -478,12 +478,17 @@ def main(argv: list[str] | None = None) -> dict:
     res = asyncio.run(run_benchmark(args))
     print(format_table(res))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, res)
     return res
+
+
+def write_json(path: str, res: dict) -> None:
+    """Writes a result as indented JSON to `path`, creating its directory (soak.py too)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from serve import write_json  # benchmarks/serve.py, beside this script
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_PAGES = 128
@@ -623,11 +624,7 @@ def main(argv: list[str] | None = None) -> int:
            "args": cfg, "passed": not res["failures"], **res}  # fmt: skip
     print(format_table(res))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, res)
     return 0 if res["passed"] else 1
 
 
