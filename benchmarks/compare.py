@@ -20,6 +20,11 @@ transformers in float32); llama-cpp-python runs the GGUF file itself (its own qu
 model, so it reads ~5x fewer bytes a token than f32) with `n_threads` = the CPU count, batch 1
 only (its Python API decodes one sequence at a time).
 
+`jaxllm:<quantization>` in `--engines` runs jaxllm with that `quantization` (float, gguf, int8,
+int4, fp8; plain `jaxllm` is the default, which keeps a GGUF file's quantized tensors): e.g.
+`--engines jaxllm:float,jaxllm:int8,jaxllm:int4,transformers`. Every jaxllm engine is compared
+with every peer, and with `jaxllm:float` when that runs too.
+
 Each engine runs in a process of its own (sharing one, they slowed each other: idle threads of
 one engine spin on the cores the other needs). They take turns for each measurement (jaxllm,
 then each peer), `--repeats` times after one warm-up call, and each
@@ -46,13 +51,15 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 class Jaxllm:
     name = "jaxllm"
 
-    def __init__(self, args):
+    def __init__(self, args, quantization: str | None = None):
         from jaxllm import LLM
 
         start = time.perf_counter()
+        self.quantization = quantization
         self.llm = LLM(
             args.model,
             dtype=args.dtype,
+            quantization=quantization,
             max_model_len=max(args.ttft_lens + [args.input_len]) + args.output_len,
             max_num_seqs=max(args.batches),
         )
@@ -76,6 +83,7 @@ class Jaxllm:
         import jax
 
         return {
+            "quantization": self.quantization,
             "startup_s": round(self.startup_s, 1),
             "compiled_programs": self.llm.runner.num_programs,
             "compilations_after_warmup": self.llm.runner.num_compilations - self.compiled,
@@ -173,7 +181,8 @@ ENGINES["llama_cpp"] = ("llama_cpp", LlamaCpp)
 
 def _worker(name: str, args, conn) -> None:
     """One engine in a process of its own, running the generate calls the parent sends."""
-    engine = ENGINES[name][1](args)
+    base, _, variant = name.partition(":")
+    engine = ENGINES[base][1](args, *([variant] if variant else []))
     conn.send(("ready", getattr(engine, "max_batch", None)))
     while (job := conn.recv()) is not None:
         conn.send(engine.generate(*job))
@@ -233,9 +242,10 @@ def main() -> None:
 
     engines, skipped = [], {}
     for name in wanted:
-        if name not in ENGINES:
+        base, _, variant = name.partition(":")
+        if base not in ENGINES or (variant and base != "jaxllm"):
             raise SystemExit(f"--engines: unknown engine {name!r}, pick from {list(ENGINES)}")
-        module = ENGINES[name][0]
+        module = ENGINES[base][0]
         if importlib.util.find_spec(module) is None:
             skipped[name] = f"{module} is not installed"
             continue
@@ -274,22 +284,27 @@ def main() -> None:
             print(f"{'ttft_' + str(n):<16} {e.name:<13} {ttft:.4f} s", flush=True)
 
     ratios = {}
-    if "jaxllm" in results:
-        ours = results["jaxllm"]
-        for peer in results:
-            if peer == "jaxllm":
+    ours_names = [n for n in results if n.partition(":")[0] == "jaxllm"]
+    peers = [n for n in results if n not in ours_names]
+    if "jaxllm:float" in results:
+        peers.append("jaxllm:float")
+    for name in ours_names:
+        ours = results[name]
+        for peer in peers:
+            if peer == name:
                 continue
+            tag = f"{'' if name == 'jaxllm' else name.partition(':')[2] + '_'}vs_{peer.replace('jaxllm:', '')}"
             for key, row in results[peer].items():
                 if key not in ours:
                     continue
                 if "output_tok_per_s" in row:
                     r = ours[key]["output_tok_per_s"] / row["output_tok_per_s"]
-                    ratios[f"{key}_tok_per_s_vs_{peer}"] = round(r, 2)
+                    ratios[f"{key}_tok_per_s_{tag}"] = round(r, 2)
                 if "decode_tok_per_s" in row:
                     r = ours[key]["decode_tok_per_s"] / row["decode_tok_per_s"]
-                    ratios[f"{key}_decode_vs_{peer}"] = round(r, 2)
+                    ratios[f"{key}_decode_{tag}"] = round(r, 2)
                 if "ttft_s" in row:  # > 1: jaxllm's first token comes sooner
-                    ratios[f"{key}_ttft_speedup_vs_{peer}"] = round(
+                    ratios[f"{key}_ttft_speedup_{tag}"] = round(
                         row["ttft_s"] / ours[key]["ttft_s"], 2
                     )
     infos = {e.name: e.close() for e in engines}

@@ -370,6 +370,8 @@ def _opt(default: Any, *aliases: str, choices: tuple[str, ...] | None = None) ->
 
 # pallas_kernels.ATTENTION_BACKENDS, spelled out here so the command line need not import JAX
 # (tests/test_cli_and_cache.py checks that they agree).
+# jaxllm.quantization.QUANTIZATIONS, restated for the same reason (checked by the same test).
+QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 
 
@@ -405,6 +407,12 @@ class LoadConfig:
     on accelerators."""
     seed: int = 0
     """Seeds the seeds of requests that give none, so a run repeats."""
+    quantization: str | None = _opt(None, "-q", choices=QUANTIZATIONS)
+    """Weight quantization: int8 (per channel), int4 (groups of 128, with zero points) or fp8
+    (e4m3, per channel) quantize the linear layers and embedding at load; gguf keeps a GGUF
+    file's quantized tensors as they are (none: on accelerators; on CPU none dequantizes
+    them), as gptq, awq and compressed-tensors (or none) do a checkpoint's of that method;
+    float dequantizes them at load (see jaxllm/quantization.py)."""
 
     def __post_init__(self) -> None:
         if hasattr(self.model, "__fspath__"):  # a Path is welcome
@@ -414,6 +422,10 @@ class LoadConfig:
             raise ValueError("model must not be empty")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

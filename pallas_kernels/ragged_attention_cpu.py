@@ -1,12 +1,8 @@
 """Ragged paged attention as a native CPU kernel (`cpu/ragged_attention.cc`), through the XLA FFI.
 
-The kernel is C++ compiled on first use with the machine's compiler, for its own CPU
-(`-march=native`), and cached under `$JAXLLM_CACHE_DIR/kernels` (default
-`~/.cache/jaxllm/kernels`), keyed by the source, the flags, jaxlib's version and the CPU's
-feature flags, so a cache shared between different machines never hands one a binary built
-for another. Building takes a few seconds, once. Where no C++ compiler is found, or the build
-fails, `available()` is False (the reason is logged) and `resolve_backend("auto")` uses the
-`xla` backend instead.
+The kernel is C++ compiled on first use (see `native.py`). Where it cannot be built,
+`available()` is False (the reason is logged) and `resolve_backend("auto")` uses the `xla`
+backend instead.
 
 Why C++ here when the accelerators get Pallas: Pallas runs on a CPU only in interpret mode,
 and attention written with XLA ops copies and transposes the gathered pages for matmuls that
@@ -22,107 +18,17 @@ window.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from pallas_kernels import native
 
-_SOURCE = Path(__file__).parent / "cpu" / "ragged_attention.cc"
 _TARGET = "jaxllm_ragged_paged_attention"
-_SYMBOL = "JaxllmRaggedPagedAttention"
-# -ffast-math lets the compiler vectorize the sums and exp; the kernel never relies on inf or
-# NaN (masked scores are a finite -1e30, and unused slots are never read). It is a compile
-# flag only: linked with it, GCC (before 13) adds crtfastmath.o, whose constructor turns on
-# flush-to-zero and denormals-are-zero for the whole process the moment the library loads
-# (every numpy and XLA computation then loses its subnormals).
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
-_LINK_FLAGS = ["-shared", "-fopenmp", "-fPIC"]
 
 
-def _cache_dir() -> Path:
-    # The rule of jaxllm.model_cache.cache_dir, restated: pallas_kernels does not import jaxllm.
-    base = os.environ.get("JAXLLM_CACHE_DIR") or Path.home() / ".cache" / "jaxllm"
-    return Path(base) / "kernels"
-
-
-def _cpu_signature() -> str:
-    """What the binary depends on besides its source: the CPU's features and the ABI."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    import jaxlib
-
-    return f"{platform.machine()}|{flags}|jaxlib {jaxlib.__version__}"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _build() -> Path:
-    """The compiled kernel library, building it if it is not cached yet."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source + " ".join([cxx, *_FLAGS, *_LINK_FLAGS]).encode() + _cpu_signature().encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"ragged_attention_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        obj = Path(tmp) / "ragged_attention.o"
-        include = f"-I{jax.ffi.include_dir()}"
-        for cmd in (
-            [cxx, *_FLAGS, include, "-c", str(_SOURCE), "-o", str(obj)],
-            [cxx, *_LINK_FLAGS, str(obj), "-o", str(tmp_out)],
-        ):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"building the CPU attention kernel failed:\n{proc.stderr[-2000:]}"
-                )
-        os.replace(tmp_out, out)  # atomic: concurrent builders each write their own temp file
-    logger.info("built the CPU attention kernel: %s", out)
-    return out
-
-
-@functools.cache
 def _load() -> str | None:
-    """Builds, loads and registers the kernel once per process; None (and a logged reason)
-    when it cannot be had."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(
-            _TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu"
-        )
-    except Exception as e:  # no compiler, a failed build, a library that will not load
-        logger.warning("the native CPU attention kernel is unavailable (%s); using `xla`", e)
-        return str(e)
-    return None
+    return native.load("ragged_attention", "JaxllmRaggedPagedAttention", _TARGET)
 
 
 def available() -> bool:

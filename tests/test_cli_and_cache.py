@@ -118,6 +118,12 @@ def test_every_engine_field_has_a_flag_a_docstring_and_a_keyword():
     )
     assert config.cache.enable_prefix_caching is False
     assert ATTENTION_BACKENDS == pallas_kernels.ATTENTION_BACKENDS
+    args = build_parser().parse_args(["serve", "m", "-q", "int8"])
+    assert EngineConfig.from_cli(args).load.quantization == "int8"
+    from jaxllm import config as config_module
+    from jaxllm import quantization
+
+    assert config_module.QUANTIZATIONS == quantization.QUANTIZATIONS
 
 
 @pytest.mark.parametrize(

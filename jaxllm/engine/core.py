@@ -106,6 +106,7 @@ class EngineCore:
             attention_backend=backend,
             mesh=mesh,
             load_tokenizer=False,
+            quantization=config.load.quantization,
         )
         # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend
         # computes bfloat16 in float32, and converting the cache for the K/V write made every

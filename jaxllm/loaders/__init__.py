@@ -5,12 +5,14 @@ demo short name (resolved to its GGUF file)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
@@ -19,9 +21,11 @@ from jaxllm.config import ModelConfig
 from jaxllm.loaders import gguf as gguf_loader
 from jaxllm.loaders import hf as hf_loader
 from jaxllm.loaders import orbax as orbax_loader
+from jaxllm.loaders import quantized_hf
 from jaxllm.loaders.weights import build_state
 from jaxllm.model_cache import cache_dir, resolve_model
 from jaxllm.models import get_model_class
+from jaxllm.quantization import QUANTIZATIONS
 from jaxllm.sharding import param_shardings, shard_config
 
 logger = logging.getLogger(__name__)
@@ -65,12 +69,35 @@ def load_model(
     attention_backend: str = "reference",
     load_tokenizer: bool = True,
     mesh: Mesh | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """With a `mesh`, the model is built for tensor parallelism over its "model" axis (see
     `jaxllm.sharding`) and each device receives only its shard of each parameter. A converted
     orbax checkpoint (a directory with a `jaxllm_orbax.json` marker) is restored straight
-    into that layout, each device reading its own shard."""
+    into that layout, each device reading its own shard. `quantization`: see
+    `jaxllm.quantization` (None: as the checkpoint is stored; a GGUF file's tensors are
+    dequantized on the CPU, kept quantized on accelerators)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
     path = resolve_model(model)
+    method = None  # the checkpoint's own quantization
+    if path.suffix == ".gguf":
+        method = "gguf"
+    elif (path / "config.json").is_file():
+        hf_config = json.loads((path / "config.json").read_text())
+        method = quantized_hf.checkpoint_method(hf_config)
+    if quantization in ("gguf", *quantized_hf.METHODS) and quantization != method:
+        raise ValueError(
+            f"quantization {quantization} does not match the checkpoint {path} "
+            f"({method or 'not quantized'})"
+        )
+    if quantization is None and method == "gguf" and jax.default_backend() == "cpu":
+        # On the CPU a GGUF file's weights are dequantized unless asked otherwise: there the
+        # float32 step is still the faster one past batch 1 (benchmarks/results/README.md);
+        # `quantization="gguf"` keeps them quantized (0.21x the bytes of the demo model).
+        quantization = "float"
     start = time.perf_counter()
     config = load_config(path)
     if mesh is not None:
@@ -88,16 +115,24 @@ def load_model(
     graphdef, abstract_state = nnx.split(abstract)
     shardings = None if mesh is None else param_shardings(abstract_state, mesh)
     if orbax_loader.is_orbax_checkpoint(path):
+        if quantization is not None:
+            raise ValueError(
+                f"quantization {quantization} is not supported for orbax checkpoints; load the "
+                "original checkpoint (HF directory or GGUF file) with it instead"
+            )
         state = orbax_loader.restore_state(path, abstract_state, config, dtype, shardings)
         generation_config = hf_loader.load_generation_config(path)
     else:
         if path.is_dir():
             tensors = hf_loader.iter_safetensors(path)
+            if method is not None:
+                qc = hf_config.get("quantization_config") or hf_config["compression_config"]
+                tensors = quantized_hf.group_quantized(tensors, method, qc)
             generation_config = hf_loader.load_generation_config(path)
         else:
-            tensors = gguf_loader.iter_gguf(path)
+            tensors = gguf_loader.iter_gguf(path, keep_quantized=True)
             generation_config = {}
-        state = build_state(abstract_state, tensors, config, dtype, shardings)
+        state = build_state(abstract_state, tensors, config, dtype, shardings, quantization)
     tokenizer = None
     if load_tokenizer:
         if path.is_dir():

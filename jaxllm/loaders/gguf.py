@@ -13,6 +13,14 @@ float32 and renamed to its Hugging Face name (`iter_gguf`), undoing what llama.c
 - Llama 3.1: the llama3 RoPE scaling is stored as a `rope_freqs` tensor of per-frequency
   divisors instead of metadata; it becomes the config's `rope_freq_factors`, not a weight.
 
+With `keep_quantized` (the default of `load_model`: see jaxllm.quantization), tensors of
+the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are not dequantized: their
+integers are unpacked into a `QArray` (int4 for the 4-bit types, int8 for the 5-, 6- and 8-bit
+ones) with one float32 scale (and offset) per block or sub-block, computed from the block's
+half-precision factors exactly as the `gguf` package does, so the weights are bit for bit
+those of its dequantization (tests/test_quantization.py; only a Q4_0 zero can differ in
+sign). Other types are dequantized.
+
 What llama.cpp hard-codes instead of storing (Gemma 3's local RoPE base and its 5:1 pattern
 of sliding-window and global layers) is filled in here the same way. The tokenizer and chat
 template come from the metadata through transformers' converters; the converted tokenizer is
@@ -31,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm import quantization
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.gguf_file import GGUFFile, TensorInfo
 
@@ -282,8 +291,104 @@ def _dequantize(reader: GGUFFile, t: TensorInfo) -> np.ndarray:
     return np.asarray(w, dtype=np.float32).reshape(t.shape)
 
 
-def iter_gguf(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 tensor in HF layout) pairs, dequantized one at a time."""
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian half-precision factors (2 bytes each on the last axis) as float32."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]
+
+
+def _compact(scale: np.ndarray, offset: np.ndarray | None):
+    """Scale and offset as float16 when that holds every value exactly (the 4-, 5- and 8-bit
+    block types store their factors as halves), else float32 (K-quants' products)."""
+    pair = [scale] if offset is None else [scale, offset]
+    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in pair):
+        pair = [a.astype(np.float16) for a in pair]
+    return pair[0], (None if offset is None else pair[1])
+
+
+def _nibbles(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return b & np.uint8(15), b >> np.uint8(4)
+
+
+def _quantized(reader: GGUFFile, t: TensorInfo) -> quantization.QArray | None:
+    """A 2-D tensor of a block type we keep as a QArray (rows: [O, I]); None for others."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(t.ggml_type)
+    T = gguf.GGMLQuantizationType
+    if len(t.shape) != 2 or kind not in (
+        T.Q8_0,
+        T.Q4_0,
+        T.Q4_1,
+        T.Q5_0,
+        T.Q5_1,
+        T.Q4_K,
+        T.Q5_K,
+        T.Q6_K,
+    ):
+        return None
+    raw = reader.raw(t)
+    rows, cols = t.shape
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    b = raw.reshape(rows, cols // block_size, type_size)
+    offset = None
+    if kind == T.Q8_0:
+        scale, q, fmt = _f16(b[..., :2]), b[..., 2:].view(np.int8).reshape(rows, cols), "int8"
+    elif kind in (T.Q4_0, T.Q4_1):
+        scale = _f16(b[..., :2])
+        start = 2 if kind == T.Q4_0 else 4
+        offset = -8 * scale if kind == T.Q4_0 else _f16(b[..., 2:4])
+        q, fmt = np.ascontiguousarray(b[..., start:]).reshape(rows, cols // 2), "int4"
+    elif kind in (T.Q5_0, T.Q5_1):
+        scale = _f16(b[..., :2])
+        start = 2 if kind == T.Q5_0 else 4
+        high = np.ascontiguousarray(b[..., start : start + 4]).view(np.uint32)  # bit i: element i
+        high = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = np.concatenate(_nibbles(b[..., start + 4 :]), axis=-1) | (high << 4)
+        q = q.astype(np.int8)
+        if kind == T.Q5_0:
+            q = q - np.int8(16)
+        else:
+            offset = _f16(b[..., 2:4])
+        q, fmt = q.reshape(rows, cols), "int8"
+    elif kind in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+        sc, mn = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+        sc, mn = sc.reshape(rows, -1, 8), mn.reshape(rows, -1, 8)
+        scale = (d * sc.astype(np.float32)).reshape(rows, -1)
+        offset = -(dmin * mn.astype(np.float32)).reshape(rows, -1)
+        qs = b[..., 16:] if kind == T.Q4_K else b[..., 48:]
+        # 32 bytes per pair of sub-blocks: low nibbles the first 32 elements, high the next.
+        lo, hi = _nibbles(qs.reshape(rows, -1, 4, 32))
+        q = np.stack([lo, hi], axis=-2).reshape(rows, cols)
+        if kind == T.Q4_K:
+            q, fmt = quantization.pack_int4(q), "int4"
+        else:
+            qh = b[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+            q = q | ((qh & 1).reshape(rows, cols) << 4)
+            q, fmt = q.astype(np.int8), "int8"
+    else:  # Q6_K: ql 128 bytes, qh 64, scales 16 (int8, one per 16 elements), d
+        ql, qh = b[..., :128], b[..., 128:192]
+        lo, hi = _nibbles(ql.reshape(rows, -1, 2, 1, 64))
+        low = np.concatenate([lo, hi], axis=-2).reshape(rows, -1, 2, 4, 32)
+        high = (qh.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(rows, cols)
+        d = _f16(b[..., 208:210])[..., None]
+        scale = (d * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1)
+        fmt = "int8"
+    scale, offset = _compact(scale, offset)
+    return quantization.QArray(
+        q,
+        scale.reshape(rows, -1),
+        None if offset is None else offset.reshape(rows, -1),
+        fmt,
+        (rows,),
+        np.dtype(np.float32),
+    )
+
+
+def iter_gguf(path: Path, *, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, tensor in HF layout) pairs, one at a time: float32 arrays, or with
+    `keep_quantized` a QArray for each tensor of a block type we keep (see above)."""
     reader = GGUFFile(path)
     config = gguf_hf_config(reader)
     arch = _ARCHITECTURES[reader.field("general.architecture")]
@@ -297,6 +402,13 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, np.ndarray]]:
             if len(parts) != 3 or parts[0] != "blk" or parts[2] not in arch.layer_names:
                 raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
             name = f"model.layers.{parts[1]}.{arch.layer_names[parts[2]]}"
+        w = _quantized(reader, t) if keep_quantized else None
+        if w is not None:
+            if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+                w = w.map_rows(lambda a, heads=heads: _unpermute(a, heads))
+            yield name, w
+            continue
         w = _dequantize(reader, t)
         if arch.norm_shift and t.name.endswith("norm.weight"):
             w = w - arch.norm_shift

@@ -4,9 +4,11 @@ sharded index), tokenizer files and chat template, generation_config.json."""
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -40,12 +42,40 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+# Dtypes safetensors' numpy reader does not know (it looks them up on numpy itself), read
+# here from the file's own header: fp8 weights of compressed-tensors checkpoints.
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _raw_tensors(f: Path) -> dict[str, np.ndarray]:
+    """{name: array} for the tensors of `_RAW_DTYPES` in safetensors file `f` (memory-mapped)."""
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    data = np.memmap(f, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name != "__metadata__" and info["dtype"] in _RAW_DTYPES:
+            start, end = info["data_offsets"]
+            dtype = _RAW_DTYPES[info["dtype"]]
+            out[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return out
+
+
 def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, tensor) pairs, read lazily from the memory-mapped files."""
     for f in safetensors_files(path):
+        raw = None
         with safe_open(f, framework="numpy") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, st.get_tensor(name)
+                try:
+                    tensor = st.get_tensor(name)
+                except AttributeError:  # a dtype numpy lacks
+                    raw = _raw_tensors(f) if raw is None else raw
+                    if name not in raw:
+                        raise
+                    tensor = raw[name]
+                yield name, tensor
 
 
 def load_hf_tokenizer(path: Path):

@@ -37,6 +37,7 @@ from jaxllm.models.layers import (
     rope_inv_freq,
 )
 from jaxllm.models.moe import MoE
+from jaxllm.quantization import QArray, qmatmul, take_rows
 
 
 class DecoderLayer(nnx.Module):
@@ -135,7 +136,8 @@ class DecoderForCausalLM(nnx.Module):
         kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:  # [T, D], updated cache
-        x = self.embed_tokens.get_value()[input_ids]
+        table = self.embed_tokens.get_value()
+        x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the dtype, as HF does
         global_rope = Rope.at(positions, self.inv_freq[0])
@@ -151,7 +153,11 @@ class DecoderForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         if self.lm_head is None:
-            logits = matmul(hidden, self.embed_tokens.get_value(), w_transposed=True)
+            table = self.embed_tokens.get_value()
+            if isinstance(table, QArray):  # [V, D] is already the head's [O, I]
+                logits = qmatmul(hidden, table)
+            else:
+                logits = matmul(hidden, table, w_transposed=True)
         else:
             logits = linear(hidden, self.lm_head.get_value())
         logits = logits.astype(jnp.float32)

@@ -1,0 +1,198 @@
+"""Pre-quantized Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors) read into QArrays
+(jaxllm/quantization.py) without a float round trip.
+
+A quantized linear layer is several tensors under one module name (`...q_proj.qweight`,
+`.qzeros`, `.scales`, ...). `group_quantized` collects them and yields one
+`(module + ".weight", QArray)` in their place; every other tensor passes through. The formats,
+as their writers pack them:
+
+- GPTQ (AutoGPTQ / GPTQModel, `quant_method: gptq`): `qweight` int32 [I / 8, O], eight 4-bit
+  values of consecutive input rows per int32, lowest bits first (bits 8: four per int32);
+  `qzeros` int32 [G, O / 8], packed the same way along the outputs; `scales` float16 [G, O];
+  `g_idx` int32 [I], each input row's group (act-order: not i // group_size). The original
+  checkpoint format ("gptq", v1) stores each zero point minus one: w = s * (q - (z + 1));
+  "gptq_v2" stores it as is. Act-order rows are sorted by group here, so that groups are
+  contiguous as a QArray needs, and the QArray carries the permutation for its inputs.
+- AWQ (AutoAWQ GEMM, `quant_method: awq`): `qweight` int32 [I, O / 8] packed along the
+  outputs in the order [0, 2, 4, 6, 1, 3, 5, 7] (output column 8c + order[k] in nibble k);
+  `qzeros` int32 [G, O / 8] the same; `scales` float16 [G, O]; w = s * (q - z).
+- compressed-tensors (`quant_method: compressed-tensors`): int8 (`int-quantized`,
+  `naive-quantized`) or float8 e4m3 (`float-quantized`) `weight` [O, I] with `weight_scale` per
+  tensor, channel or group (and `weight_zero_point` when asymmetric); `pack-quantized` 4-bit
+  `weight_packed` int32 [O, I / 8] (values stored + 8) with `weight_scale` [O, G]. Activation
+  scales (`input_scale`, W8A8 checkpoints) are not used: layers run weight-only, with float
+  activations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import ml_dtypes
+import numpy as np
+
+from jaxllm.quantization import QArray, pack_int4
+
+logger = logging.getLogger(__name__)
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k holds output column order[k]
+_PARTS = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "compressed-tensors": (
+        "weight",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_packed",
+        "weight_shape",
+        "weight_g_idx",
+        "input_scale",
+        "input_zero_point",
+    ),
+}
+METHODS = tuple(_PARTS)
+
+
+def checkpoint_method(hf_config: dict) -> str | None:
+    """The checkpoint's quantization method (None for a float checkpoint); a clear error for
+    one we cannot load."""
+    qc = hf_config.get("quantization_config") or hf_config.get("compression_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in METHODS:
+        raise ValueError(
+            f"checkpoint quantization {method!r} is not supported; supported: "
+            f"{', '.join(METHODS)} (and GGUF files)"
+        )
+    return method
+
+
+def unpack_rows(packed: np.ndarray, bits: int) -> np.ndarray:
+    """int32 [R, C] holding 32 / bits values per element along the rows -> [R * 32 / bits, C]."""
+    per = 32 // bits
+    shifts = (bits * np.arange(per, dtype=np.uint32))[None, :, None]
+    values = (packed.astype(np.uint32)[:, None, :] >> shifts) & np.uint32((1 << bits) - 1)
+    return values.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def unpack_cols(packed: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """int32 [R, C] holding 32 / bits values per element along the columns -> [R, C * 32 / bits];
+    `order[k]` is the column (within each element's run) of the k-th value from the lowest bits."""
+    per = 32 // bits
+    shifts = bits * np.arange(per, dtype=np.uint32)
+    values = (packed.astype(np.uint32)[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
+    if order is not None:
+        values = values[:, :, np.argsort(order)]
+    return values.reshape(packed.shape[0], packed.shape[1] * per)
+
+
+def _factors(scale: np.ndarray, offset: np.ndarray | None):
+    """Float32 scale and offset, as float16 when that holds every value exactly."""
+    pair = [np.asarray(scale, np.float32)]
+    if offset is not None:
+        pair.append(np.asarray(offset, np.float32))
+    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in pair):
+        pair = [a.astype(np.float16) for a in pair]
+    return pair[0], (pair[1] if offset is not None else None)
+
+
+def _from_levels(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int, perm=None):
+    """QArray for w[o, i] = scale[o, g] * (values[o, i] - zero[o, g]), unsigned `values`
+    [O, I] of `bits` bits, contiguous groups along I."""
+    o = values.shape[0]
+    if bits == 4:
+        scale, offset = _factors(scale, -(zero * scale))
+        q, fmt = pack_int4(values.astype(np.uint8)), "int4"
+    elif bits == 8:  # shifted into int8: s * (q - z) = s * ((q - 128) - (z - 128))
+        scale, offset = _factors(scale, -((zero - 128) * scale))
+        q, fmt = (values.astype(np.int16) - 128).astype(np.int8), "int8"
+    else:
+        raise ValueError(f"{bits}-bit weights are not supported (4 and 8 are)")
+    return QArray(q, scale, offset, fmt, (o,), np.dtype(np.float32), perm)
+
+
+def gptq(parts: dict[str, np.ndarray], qc: dict) -> QArray:
+    bits = int(qc.get("bits", 4))
+    q = unpack_rows(parts["qweight"], bits)  # [I, O]
+    zeros = unpack_cols(parts["qzeros"], bits)  # [G, O]
+    if qc.get("checkpoint_format", "gptq") != "gptq_v2":
+        zeros = zeros + 1
+    scales = parts["scales"].astype(np.float32)  # [G, O]
+    num_in, groups = q.shape[0], scales.shape[0]
+    g_idx = parts.get("g_idx")
+    g_idx = np.arange(num_in) // (num_in // groups) if g_idx is None else g_idx.astype(np.int64)
+    perm = np.argsort(g_idx, kind="stable")
+    if np.bincount(g_idx, minlength=groups).tolist() != [num_in // groups] * groups:
+        raise ValueError("GPTQ g_idx does not give every group the same number of rows")
+    perm = None if (perm == np.arange(num_in)).all() else perm.astype(np.int32)
+    if perm is not None:
+        q = q[perm]
+    return _from_levels(q.T, scales.T, zeros.T.astype(np.float32), bits, perm)
+
+
+def awq(parts: dict[str, np.ndarray], qc: dict) -> QArray:
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    if bits != 4:
+        raise ValueError(f"AWQ with {bits} bits is not supported (4 is)")
+    q = unpack_cols(parts["qweight"], bits, _AWQ_ORDER)  # [I, O]
+    zeros = unpack_cols(parts["qzeros"], bits, _AWQ_ORDER)  # [G, O]
+    scales = parts["scales"].astype(np.float32)
+    return _from_levels(q.T, scales.T, zeros.T.astype(np.float32), bits)
+
+
+def compressed_tensors(parts: dict[str, np.ndarray], qc: dict) -> QArray | np.ndarray:
+    if "weight_scale" not in parts:
+        return parts["weight"]  # a layer the checkpoint left in float ("ignore")
+    if "weight_g_idx" in parts:
+        raise ValueError("compressed-tensors act-order (weight_g_idx) is not supported yet")
+    scale = np.asarray(parts["weight_scale"], np.float32)
+    zero = parts.get("weight_zero_point")
+    if "weight_packed" in parts:
+        o, i = (int(v) for v in np.asarray(parts["weight_shape"]).reshape(-1))
+        values = unpack_rows(parts["weight_packed"].T, 4)[:i].T  # [O, I], stored q + 8
+        scale = np.broadcast_to(scale.reshape(o, -1), (o, scale.size // o))
+        z = 8 + (0 if zero is None else np.asarray(zero, np.float32).reshape(o, -1))
+        return _from_levels(values, scale, np.broadcast_to(z, scale.shape).astype(np.float32), 4)
+    w = parts["weight"]
+    o = w.shape[0]
+    scale = scale.reshape(1, 1) if scale.size == 1 else scale.reshape(o, -1)
+    scale = np.ascontiguousarray(np.broadcast_to(scale, (o, scale.shape[1])))
+    if w.dtype == ml_dtypes.float8_e4m3fn:
+        if zero is not None:
+            raise ValueError("compressed-tensors fp8 with zero points is not supported")
+        return QArray(w, scale, None, "fp8", (o,), np.dtype(np.float32))
+    if w.dtype != np.int8:
+        raise ValueError(f"compressed-tensors weight of dtype {w.dtype} is not supported")
+    offset = None
+    if zero is not None:
+        offset = -np.asarray(zero, np.float32).reshape(o, -1) * scale
+    scale, offset = _factors(scale, offset)
+    return QArray(w, scale, offset, "int8", (o,), np.dtype(np.float32))
+
+
+def group_quantized(
+    tensors: Iterable[tuple[str, np.ndarray]], method: str, qc: dict
+) -> Iterator[tuple[str, np.ndarray | QArray]]:
+    """(name, tensor) pairs with each quantized module's tensors replaced by one
+    (module.weight, QArray). Parts are collected to the end (a module's tensors may sit in
+    different shards); the host then holds the quantized weights once, their final size."""
+    parts_of = _PARTS[method]
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensor in tensors:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in parts_of:
+            modules.setdefault(prefix, {})[suffix] = np.asarray(tensor)
+        else:
+            yield name, tensor
+    convert = {"gptq": gptq, "awq": awq, "compressed-tensors": compressed_tensors}[method]
+    for prefix, parts in modules.items():
+        parts = {k: v for k, v in parts.items() if k not in ("input_scale", "input_zero_point")}
+        needed = {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales")}
+        missing = [p for p in needed.get(method, ()) if p not in parts]
+        if method == "compressed-tensors" and not ({"weight", "weight_packed"} & set(parts)):
+            missing = ["weight or weight_packed"]
+        if missing:
+            raise ValueError(f"{method} module {prefix!r} lacks {', '.join(missing)}")
+        yield f"{prefix}.weight", convert(parts, qc)

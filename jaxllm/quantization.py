@@ -1,0 +1,271 @@
+"""Quantized weights: one representation for every format, and the matmul that uses it.
+
+A quantized weight is a `QArray`: the integers (or fp8 values) `q` of a matrix in torch's
+output-major layout [O, I], with a `scale` and an optional `offset` per group of
+`group_size` consecutive inputs (float16 where that holds them exactly, else float32):
+
+    w[o, i] = float(q[o, i]) * scale[o, i // group_size] + offset[o, i // group_size]
+
+- "int8": q int8 [O, I]; per-channel (one group per row) when quantized here, or GGUF's
+  blocks (Q8_0, Q5_x and Q6_K values fit in int8).
+- "int4": q uint8 [O, I / 2] holding values 0..15, two per byte in blocks of 32 along I:
+  byte j of a block holds element j (low nibble) and element j + 16 (high nibble), GGUF's
+  Q4_0 order. Group-wise scale and offset (the zero point times the scale, negated).
+- "fp8": q float8_e4m3fn [O, I], per-channel scale.
+
+The output-major layout keeps every format's blocks along the rows as their files store them
+(GGUF, GPTQ and AWQ all group along the input), keeps an embedding's rows whole for the
+lookup, and makes a tied output head the same matmul as any other layer.
+
+The float32 formula above reproduces the `gguf` package's dequantization bit for bit for
+every GGUF type we keep (see `loaders/gguf.py`): each product is exact or rounded once, as
+there.
+
+`quantization` (engine argument, vLLM's names): None keeps a checkpoint as it is stored (GPTQ,
+AWQ and compressed-tensors checkpoints and, on accelerators, a GGUF file's quantized tensors
+stay quantized; float checkpoints stay float; on the CPU a GGUF file is dequantized, since its
+float32 step is still faster there past batch 1); "int8", "int4" or
+"fp8" quantize every linear layer and the embedding at load (from the float weights, or from
+a GGUF file's dequantized ones); "gguf", "gptq", "awq" and "compressed-tensors" are None,
+spelled as vLLM does, and checked against the checkpoint (loaders/quantized_hf.py reads the
+last three);
+"float" dequantizes a GGUF file's tensors at load (float weights, as transformers loads a
+GGUF file: for exact comparisons with it).
+Norms, biases, routers and mixture-of-experts weights stay float.
+
+The matmul (`qmatmul`): on the CPU a native kernel (`pallas_kernels/quant_matmul_cpu.py`)
+reads each weight once as stored (XLA's CPU backend would write the whole float weight to
+memory first: 12x slower than float32 at batch 1). Elsewhere the weight is dequantized by XLA
+ops inside the jitted step, where TPU and GPU compilers fuse the conversion into the dot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pallas_kernels import quant_matmul_cpu
+
+QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
+FORMATS = ("int8", "int4", "fp8")
+INT4_BLOCK = 32  # elements per packed int4 block (16 bytes)
+# Elements per scale when quantizing to int4 here: llama.cpp's Q4 granularity. With float16
+# scales and offsets that is 5 bits a weight. Measured on the demo model (held-out text,
+# scripts/quant_quality.py): perplexity +0.1% at 32, +40% at AWQ's and GPTQ's 128.
+INT4_GROUP = 32
+_INT4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+
+# The parameters that may be quantized, by name (the last element of their path); mixture-of-
+# experts weights share the names but have an "expert" axis, and stay float.
+QUANTIZABLE = frozenset(
+    (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "lm_head",
+        "embed_tokens",
+    )
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """A quantized matrix [O, I] that stands for a float parameter whose output axes are
+    `out_shape` (see the module docstring). Leaves are jax or numpy arrays."""
+
+    q: jax.Array | np.ndarray
+    scale: jax.Array | np.ndarray  # [O, G] float16 or float32
+    offset: jax.Array | np.ndarray | None  # [O, G], scale's dtype
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))  # of the float it replaces
+    # i32[I]: the inputs in the order of q's columns, where a checkpoint's groups are not
+    # contiguous (GPTQ act-order): x[:, perm] @ w.T. None: in order.
+    perm: jax.Array | np.ndarray | None = None
+
+    @property
+    def num_out(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_in(self) -> int:
+        return self.q.shape[1] * (2 if self.fmt == "int4" else 1)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_in // self.scale.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[O, I]: the matrix it stands for, in its own (output-major) layout."""
+        return (self.num_out, self.num_in)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
+
+    def map_rows(self, fn) -> QArray:
+        """The same weight with `fn` applied to the rows (axis 0) of q, scale and offset: a
+        permutation or repetition of output channels."""
+        return dataclasses.replace(
+            self,
+            q=fn(self.q),
+            scale=fn(self.scale),
+            offset=None if self.offset is None else fn(self.offset),
+        )
+
+    def with_output(self, out_shape: tuple[int, ...], dtype) -> QArray:
+        if int(np.prod(out_shape)) != self.num_out:
+            raise ValueError(f"{self.num_out} output rows cannot take the shape {out_shape}")
+        return dataclasses.replace(self, out_shape=tuple(out_shape), dtype=np.dtype(dtype))
+
+
+# ---- packing ------------------------------------------------------------------------------
+
+
+def pack_int4(values: np.ndarray) -> np.ndarray:
+    """uint8 [O, I] of 0..15 -> uint8 [O, I / 2] in the block layout (I a multiple of 32)."""
+    o, i = values.shape
+    if i % INT4_BLOCK:
+        raise ValueError(f"int4 needs an input width that is a multiple of 32, got {i}")
+    blocks = values.astype(np.uint8).reshape(o, i // INT4_BLOCK, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(o, i // 2)
+
+
+def unpack_int4(packed):
+    """The inverse of `pack_int4`, for numpy or jax arrays: [O, I / 2] -> [O, I] of 0..15."""
+    xp = jnp if isinstance(packed, jax.Array) else np
+    o, half = packed.shape
+    blocks = packed.reshape(o, half // 16, 16)
+    return xp.concatenate([blocks & 15, blocks >> 4], axis=-1).reshape(o, half * 2)
+
+
+# ---- quantizing float weights (on the host, at load) ---------------------------------------
+
+
+def quantize(w: np.ndarray, fmt: str, *, group_size: int | None = None) -> QArray:
+    """A float matrix [O, I] (torch layout) quantized to `fmt`: int8 and fp8 per output
+    channel (symmetric), int4 asymmetric per group of `group_size` inputs (default 32)."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize takes a matrix [O, I], got shape {w.shape}")
+    o, i = w.shape
+    if fmt == "int8":
+        scale = np.abs(w).max(axis=1, keepdims=True) / 127.0
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        return QArray(q, scale, None, "int8", (o,), np.dtype(np.float32))
+    if fmt == "fp8":
+        scale = np.abs(w).max(axis=1, keepdims=True) / FP8_MAX
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        q = (w / scale).astype(ml_dtypes.float8_e4m3fn)
+        return QArray(q, scale, None, "fp8", (o,), np.dtype(np.float32))
+    if fmt != "int4":
+        raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if group_size is None:
+        group_size = INT4_GROUP
+    if i % group_size or group_size % INT4_BLOCK:
+        raise ValueError(
+            f"int4 group_size must be a multiple of 32 dividing the input width {i}, "
+            f"got {group_size}"
+        )
+    g = w.reshape(o, i // group_size, group_size)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    # Each group's range is also tried shrunk (clipping its outliers), keeping whichever
+    # reconstructs the group best in squared error: AWQ's clip search, on the range.
+    best_err = np.full(lo.shape, np.inf, np.float32)
+    best_lo, best_scale = lo, lo
+    for shrink in _INT4_SHRINK:
+        # Scales and offsets are stored as float16: round them first, fit the values to those.
+        lo_s = (lo * shrink).astype(np.float16).astype(np.float32)
+        scale = ((hi * shrink - lo_s) / 15.0).astype(np.float16).astype(np.float32)
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        values = np.clip(np.rint((g - lo_s[..., None]) / scale[..., None]), 0, 15)
+        err = np.square(values * scale[..., None] + lo_s[..., None] - g).sum(axis=-1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_lo = np.where(better, lo_s, best_lo)
+        best_scale = np.where(better, scale, best_scale)
+    lo, scale = best_lo, best_scale
+    values = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15)
+    q = pack_int4(values.reshape(o, i).astype(np.uint8))
+    return QArray(
+        q, scale.astype(np.float16), lo.astype(np.float16), "int4", (o,), np.dtype(np.float32)
+    )
+
+
+def dequantize_np(w: QArray) -> np.ndarray:
+    """f32[O, I] on the host, by the formula of the module docstring."""
+    q = unpack_int4(np.asarray(w.q)) if w.fmt == "int4" else np.asarray(w.q)
+    o, i = w.shape
+    groups = w.scale.shape[1]
+    scale = np.asarray(w.scale).astype(np.float32)
+    out = q.astype(np.float32).reshape(o, groups, i // groups) * scale[..., None]
+    if w.offset is not None:
+        out = out + np.asarray(w.offset).astype(np.float32)[..., None]
+    out = out.reshape(o, i)
+    if w.perm is not None:  # back in input order
+        ordered = np.empty_like(out)
+        ordered[:, np.asarray(w.perm)] = out
+        out = ordered
+    return out
+
+
+# ---- using them (inside the jitted step) ---------------------------------------------------
+
+
+def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
+    """[O, I] in `dtype` (inputs in order), by XLA ops (float32 arithmetic, rounded to
+    `dtype` last)."""
+    q = unpack_int4(w.q) if w.fmt == "int4" else w.q
+    o, i = w.shape
+    groups = w.scale.shape[1]
+    scale = w.scale.astype(jnp.float32)
+    out = q.astype(jnp.float32).reshape(o, groups, i // groups) * scale[..., None]
+    if w.offset is not None:
+        out = out + w.offset.astype(jnp.float32)[..., None]
+    out = out.reshape(o, i)
+    if w.perm is not None:
+        out = jnp.zeros_like(out).at[:, w.perm].set(out)
+    return out.astype(dtype)
+
+
+def _use_native() -> bool:
+    return jax.default_backend() == "cpu" and quant_matmul_cpu.available()
+
+
+def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
+    """x [T, I] @ w.T -> f32[T, O]."""
+    if _use_native():
+        if w.perm is not None:  # the kernel reads q's columns in order
+            x = jnp.take(x, w.perm, axis=1)
+        return quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt)
+    return jax.lax.dot_general(
+        x,
+        dequantize(w, x.dtype),
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def take_rows(w: QArray, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of the dequantized matrix, in w.dtype: an embedding lookup."""
+    q = w.q[ids]
+    if w.fmt == "int4":
+        q = unpack_int4(q)
+    groups = w.scale.shape[1]
+    scale = w.scale[ids].astype(jnp.float32)
+    out = q.astype(jnp.float32).reshape(len(ids), groups, -1) * scale[..., None]
+    if w.offset is not None:
+        out = out + w.offset[ids].astype(jnp.float32)[..., None]
+    return out.reshape(len(ids), w.num_in).astype(w.dtype)

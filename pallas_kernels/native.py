@@ -1,0 +1,106 @@
+"""Native CPU kernels: C++ sources under `cpu/`, compiled on first use with the machine's
+compiler for its own CPU (`-march=native`) and called from jitted steps through the XLA FFI.
+
+Each library is cached under `$JAXLLM_CACHE_DIR/kernels` (default `~/.cache/jaxllm/kernels`),
+keyed by the source, the flags, jaxlib's version and the CPU's feature flags, so a cache shared
+between different machines never hands one a binary built for another. Building takes a few
+seconds, once. Where no C++ compiler is found, or the build fails, `load` returns the reason
+(and logs it) and callers fall back to plain XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).parent / "cpu"
+# -ffast-math lets the compiler vectorize the sums and exp; the kernels never rely on inf or
+# NaN (masked scores are a finite -1e30, and unused slots are never read). It is a compile
+# flag only: linked with it, GCC (before 13) adds crtfastmath.o, whose constructor turns on
+# flush-to-zero and denormals-are-zero for the whole process the moment the library loads
+# (every numpy and XLA computation then loses its subnormals).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-fopenmp", "-fPIC"]
+
+
+def _cache_dir() -> Path:
+    # The rule of jaxllm.model_cache.cache_dir, restated: pallas_kernels does not import jaxllm.
+    base = os.environ.get("JAXLLM_CACHE_DIR") or Path.home() / ".cache" / "jaxllm"
+    return Path(base) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What a binary depends on besides its source: the CPU's features and the ABI."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    import jaxlib
+
+    return f"{platform.machine()}|{flags}|jaxlib {jaxlib.__version__}"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(name: str) -> Path:
+    """The compiled library of `cpu/<name>.cc`, building it if it is not cached yet."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    source_path = _SOURCES / f"{name}.cc"
+    source = source_path.read_bytes()
+    key = hashlib.sha256(
+        source + " ".join([cxx, *_FLAGS, *_LINK_FLAGS]).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"{name}_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        obj = Path(tmp) / f"{name}.o"
+        include = f"-I{jax.ffi.include_dir()}"
+        for cmd in (
+            [cxx, *_FLAGS, include, "-c", str(source_path), "-o", str(obj)],
+            [cxx, *_LINK_FLAGS, str(obj), "-o", str(tmp_out)],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {source_path.name} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders each write their own temp file
+    logger.info("built the CPU kernel %s: %s", name, out)
+    return out
+
+
+@functools.cache
+def load(name: str, symbol: str, target: str) -> str | None:
+    """Builds `cpu/<name>.cc`, loads it and registers its handler `symbol` as the FFI target
+    `target`, once per process; None when that worked, else the reason (also logged)."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build(name)))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # no compiler, a failed build, a library that will not load
+        logger.warning("the native CPU kernel %s is unavailable (%s); using XLA", name, e)
+        return str(e)
+    return None

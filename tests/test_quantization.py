@@ -1,0 +1,243 @@
+"""Quantized weights (jaxllm/quantization.py): the native CPU matmul against XLA's
+dequantization, GGUF block types kept as integers bit for bit, the demo model's bytes and
+logits, and the engine with int8 / int4 / fp8 weights (no compilation after warmup, tensor
+parallel splits giving the same tokens)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxllm.quantization import (
+    QArray,
+    dequantize,
+    dequantize_np,
+    pack_int4,
+    qmatmul,
+    quantize,
+    take_rows,
+    unpack_int4,
+)
+from pallas_kernels import quant_matmul_cpu
+
+from helpers import prefill_logits, tensor_parallel_report
+
+
+def _random_qarray(rng, fmt: str, o: int, i: int, groups: int, offset: bool, scale_dtype):
+    if fmt == "int8":
+        q = rng.integers(-128, 128, (o, i)).astype(np.int8)
+    elif fmt == "fp8":
+        q = rng.standard_normal((o, i)).astype(ml_dtypes.float8_e4m3fn)
+    else:
+        q = pack_int4(rng.integers(0, 16, (o, i)).astype(np.uint8))
+    scale = rng.uniform(0.01, 0.1, (o, groups)).astype(scale_dtype)
+    off = rng.standard_normal((o, groups)).astype(scale_dtype) if offset else None
+    return QArray(q, scale, off, fmt, (o,), np.dtype(np.float32))
+
+
+@pytest.mark.skipif(not quant_matmul_cpu.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize(
+    "groups,offset,scale_dtype", [(1, False, np.float32), (4, True, np.float16)]
+)
+def test_native_matmul_matches_xla_dequantization(fmt, groups, offset, scale_dtype):
+    """Every row count the micro-kernel special-cases (1-3 leftovers, blocks of 4), output
+    rows that do not fill a block (O = 70), float16 and float32 factors."""
+    rng = np.random.default_rng(0)
+    w = _random_qarray(rng, fmt, 70, 256, groups, offset, scale_dtype)
+    dense = dequantize_np(w)
+    for t in (1, 2, 3, 4, 7):
+        x = rng.standard_normal((t, 256)).astype(np.float32)
+        got = jax.jit(
+            lambda x, w: quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt)
+        )(x, jax.tree.map(jnp.asarray, w))
+        xla = x @ np.asarray(dequantize(jax.tree.map(jnp.asarray, w))).T
+        np.testing.assert_allclose(got, x @ dense.T, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(xla, x @ dense.T, rtol=1e-4, atol=1e-3)
+
+
+def test_int4_packing_is_gguf_q4_order_and_inverts():
+    values = np.arange(64, dtype=np.uint8).reshape(1, 64) % 16
+    packed = pack_int4(values)
+    assert packed.shape == (1, 32)
+    assert packed[0, 0] == values[0, 0] | (values[0, 16] << 4)  # element j and j + 16
+    np.testing.assert_array_equal(unpack_int4(packed), values)
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed))), values)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_quantize_error_is_bounded(fmt):
+    """Rounding error at most half a step (int8: per channel; int4: per group, its range
+    possibly clipped where that reconstructs better); fp8 within its 3-bit mantissa."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    qa = quantize(w, fmt)
+    err = np.abs(dequantize_np(qa) - w)
+    rel = np.linalg.norm(dequantize_np(qa) - w) / np.linalg.norm(w)
+    if fmt == "int8":
+        assert (err <= qa.scale / 2 + 1e-6).all()
+        assert rel < 0.01
+    elif fmt == "int4":
+        assert qa.group_size == 32 and qa.scale.dtype == np.float16
+        assert rel < 0.1
+    else:
+        assert rel < 0.04
+    # Lookup rows and the matmul agree with the dequantized matrix.
+    dev = jax.tree.map(jnp.asarray, qa)
+    ids = jnp.asarray([0, 5, 47])
+    np.testing.assert_allclose(take_rows(dev, ids), dequantize_np(qa)[[0, 5, 47]], rtol=1e-6)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    np.testing.assert_allclose(qmatmul(x, dev), x @ dequantize_np(qa).T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    from jaxllm.model_cache import fetch_demo_model
+
+    return fetch_demo_model("smollm2-135m")
+
+
+class _FakeReader:
+    def __init__(self, raw):
+        self._raw = raw
+
+    def raw(self, t):
+        return self._raw
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_block_types_are_bit_exact(kind):
+    """Random blocks of each type we keep: our integers times our factors are, bit for bit,
+    the `gguf` package's dequantization (a Q4_0 zero may come out +0 where gguf's is -0:
+    q * d - 8 * d against d * (q - 8); equal as numbers)."""
+    import gguf
+
+    from jaxllm.loaders import gguf as gguf_loader
+    from jaxllm.loaders.gguf_file import TensorInfo
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 6, 512
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    # Half-precision factors: finite values (random bytes could be inf or NaN).
+    halves = {"Q6_K": [208], "Q8_0": [0], "Q4_0": [0], "Q5_0": [0]}.get(kind, [0, 2])
+    for at in halves:
+        h = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(np.float16)
+        raw[..., at : at + 2] = h.view(np.uint8).reshape(rows, cols // block, 2)
+    raw = raw.reshape(rows, -1)
+    info = TensorInfo(name="w", shape=(rows, cols), ggml_type=int(qtype), offset=0)
+    w = gguf_loader._quantized(_FakeReader(raw), info)
+    ref = np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(rows, cols)
+    got = dequantize_np(w)
+    assert w.fmt == ("int4" if kind in ("Q4_0", "Q4_1", "Q4_K") else "int8")
+    np.testing.assert_array_equal(
+        np.where(got == 0, 0, got).view(np.uint32), np.where(ref == 0, 0, ref).view(np.uint32)
+    )
+
+
+@pytest.mark.demo_model
+def test_demo_gguf_kept_quantized(smollm2_path):
+    """SmolLM2's Q4_1 / Q8_0 tensors stay integers: bit-exact to the float loader's (which
+    dequantizes with the gguf package, Q/K rows un-permuted), the model holds 0.21x the
+    float32 bytes, and its logits match the float model's."""
+    from jaxllm.loaders import load_model
+    from jaxllm.loaders.gguf import iter_gguf
+    from jaxllm.sharding import per_device_bytes
+
+    floats = dict(iter_gguf(smollm2_path))
+    kept = 0
+    for name, w in iter_gguf(smollm2_path, keep_quantized=True):
+        if isinstance(w, QArray):
+            kept += 1
+            got = dequantize_np(w)
+            np.testing.assert_array_equal(got.view(np.uint32), floats[name].view(np.uint32))
+    assert kept == 1 + 30 * 7
+
+    quant = load_model(smollm2_path, load_tokenizer=False, quantization="gguf")
+    dense = load_model(smollm2_path, load_tokenizer=False)  # dequantized: the CPU's default
+    from flax import nnx
+
+    q_bytes = per_device_bytes(nnx.state(quant.model))[1]
+    f_bytes = per_device_bytes(nnx.state(dense.model))[1]
+    assert q_bytes / f_bytes < 0.21, (q_bytes, f_bytes)
+    tokens = list(range(100, 164))
+    got = prefill_logits(quant.model, quant.config, tokens)
+    want = prefill_logits(dense.model, dense.config, tokens)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.demo_model
+@pytest.mark.parametrize("fmt,limit", [("int8", 0.27), ("int4", 0.18), ("fp8", 0.27)])
+def test_demo_weight_bytes(smollm2_path, fmt, limit):
+    """Bytes of weights, scales included, against float32. int4 keeps the embedding (the
+    tied head) at int8; all int4 would be 0.156x but costs 7% perplexity (see
+    jaxllm/loaders/weights.py)."""
+    from flax import nnx
+
+    from jaxllm.loaders import load_model
+    from jaxllm.sharding import per_device_bytes
+
+    float_bytes = 134_515_008 * 4  # the demo model's parameters in float32
+    model = load_model(smollm2_path, load_tokenizer=False, quantization=fmt).model
+    assert per_device_bytes(nnx.state(model))[1] <= limit * float_bytes
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_tiny_model_logits_close_to_float(tiny_model_dir, fmt):
+    from jaxllm.loaders import load_model
+
+    dense = load_model(tiny_model_dir, load_tokenizer=False)
+    quant = load_model(tiny_model_dir, load_tokenizer=False, quantization=fmt)
+    tokens = list(range(3, 40))
+    want = prefill_logits(dense.model, dense.config, tokens)
+    got = prefill_logits(quant.model, quant.config, tokens)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < {"int8": 0.03, "int4": 0.15, "fp8": 0.1}[fmt], rel
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_engine_runs_quantized_without_compiling(tiny_model_dir, fmt):
+    """Warmup compiles every program; a mixed batch (prefill chunks, decodes) then compiles
+    nothing, and gives each request the tokens it gets alone: the native kernel sums every
+    output in the same order whatever the number of rows."""
+    from jaxllm import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * k} for k in (1, 3, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(
+        tiny_model_dir,
+        quantization=fmt,
+        max_model_len=128,
+        num_pages=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
+    before = llm.runner.num_compilations
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert llm.runner.num_compilations == before
+    assert batched == alone
+
+
+@pytest.mark.parametrize("fmt", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
+def test_tensor_parallel_same_tokens(request, tmp_path, tokenizer_dir, fmt):
+    """Quantized weights and their scales split together: TP 1, 2, 4 give the same tokens,
+    with nothing compiled after warmup and each device holding about 1/TP of them. (int8 is
+    `slow`: the same code paths as int4 but the groups and packing, 40 s.)"""
+    from conftest import write_tiny_checkpoint
+
+    if fmt == "int8" and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("pytest -m slow tests/test_quantization.py")
+
+    model = write_tiny_checkpoint(
+        tmp_path / "tp", tokenizer_dir, num_heads=8, num_kv_heads=2, vocab_size=512
+    )
+    rows = tensor_parallel_report(model, "1,2,4", tmp_path, "--quantization", fmt)
+    assert [r["same_tokens_as_first"] for r in rows] == [True] * 3
+    assert [r["compiled_after_warmup"] for r in rows] == [0] * 3
+    assert rows[2]["param_bytes_per_device"] < 0.4 * rows[0]["param_bytes"]
