@@ -408,7 +408,7 @@ class LoadConfig:
     seed: int = 0
     """Seeds the seeds of requests that give none, so a run repeats."""
     quantization: str | None = _opt(None, "-q", choices=QUANTIZATIONS)
-    """Weight quantization: int8 (per channel), int4 (groups of 128, with zero points) or fp8
+    """Weight quantization: int8 (per channel), int4 (groups of 32, with offsets) or fp8
     (e4m3, per channel) quantize the linear layers and embedding at load; gguf keeps a GGUF
     file's quantized tensors as they are (none: on accelerators; on CPU none dequantizes
     them), as gptq, awq and compressed-tensors (or none) do a checkpoint's of that method;

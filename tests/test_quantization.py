@@ -41,16 +41,26 @@ def _random_qarray(rng, fmt: str, o: int, i: int, groups: int, offset: bool, sca
 @pytest.mark.skipif(not quant_matmul_cpu.available(), reason="no C++ compiler")
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize(
-    "groups,offset,scale_dtype", [(1, False, np.float32), (4, True, np.float16)]
+    "num_in,group,offset,scale_dtype",
+    [
+        (256, 256, False, np.float32),  # per channel
+        (256, 64, True, np.float16),  # a group size known only at run time
+        (256, 32, True, np.float16),  # GGUF's and our int4's, unrolled
+        (256, 16, False, np.float32),  # Q6_K's (not int4: its blocks are 32)
+        (48, 48, False, np.float32),  # I not a multiple of the vector width
+    ],
 )
-def test_native_matmul_matches_xla_dequantization(fmt, groups, offset, scale_dtype):
+def test_native_matmul_matches_xla_dequantization(fmt, num_in, group, offset, scale_dtype):
     """Every row count the micro-kernel special-cases (1-3 leftovers, blocks of 4), output
-    rows that do not fill a block (O = 70), float16 and float32 factors."""
+    rows that do not fill a block (O = 70), each dequantization loop, float16 and float32
+    factors."""
+    if fmt == "int4" and (group % 32 or num_in % 32):
+        pytest.skip("int4 groups are whole 32-blocks")
     rng = np.random.default_rng(0)
-    w = _random_qarray(rng, fmt, 70, 256, groups, offset, scale_dtype)
+    w = _random_qarray(rng, fmt, 70, num_in, num_in // group, offset, scale_dtype)
     dense = dequantize_np(w)
     for t in (1, 2, 3, 4, 7):
-        x = rng.standard_normal((t, 256)).astype(np.float32)
+        x = rng.standard_normal((t, num_in)).astype(np.float32)
         got = jax.jit(
             lambda x, w: quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt)
         )(x, jax.tree.map(jnp.asarray, w))
@@ -134,9 +144,12 @@ def test_gguf_block_types_are_bit_exact(kind):
     ref = np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(rows, cols)
     got = dequantize_np(w)
     assert w.fmt == ("int4" if kind in ("Q4_0", "Q4_1", "Q4_K") else "int8")
-    np.testing.assert_array_equal(
-        np.where(got == 0, 0, got).view(np.uint32), np.where(ref == 0, 0, ref).view(np.uint32)
-    )
+    on_device = np.asarray(dequantize(jax.tree.map(jnp.asarray, w)))  # the XLA path's
+    for values in (got, on_device):
+        np.testing.assert_array_equal(
+            np.where(values == 0, 0, values).view(np.uint32),
+            np.where(ref == 0, 0, ref).view(np.uint32),
+        )
 
 
 @pytest.mark.demo_model

@@ -140,6 +140,7 @@ CASES = {
     "gptq-act-order": dict(method="gptq", act_order=True),
     "gptq-sym": dict(method="gptq", sym=True, group=64),
     "gptq-8bit": dict(method="gptq", bits=8),
+    "gptq-groups-of-16": dict(method="gptq", group=16),  # finer than int4's blocks: int8
     "awq": dict(method="awq"),
     "compressed-int8": dict(method="compressed-int8"),
     "compressed-fp8": dict(method="compressed-fp8"),
@@ -187,3 +188,9 @@ def test_wrong_or_unknown_quantization_is_a_clear_error(tiny_model_dir, tmp_path
     )
     with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
         load_model(bnb, load_tokenizer=False)
+    q_dir, _, _ = _convert(tiny_model_dir, tmp_path, "awq")
+    config = json.loads((q_dir / "config.json").read_text())
+    config["quantization_config"]["version"] = "gemv"
+    (q_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported"):
+        load_model(q_dir, load_tokenizer=False)

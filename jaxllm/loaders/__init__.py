@@ -115,7 +115,7 @@ def load_model(
     graphdef, abstract_state = nnx.split(abstract)
     shardings = None if mesh is None else param_shardings(abstract_state, mesh)
     if orbax_loader.is_orbax_checkpoint(path):
-        if quantization is not None:
+        if quantization not in (None, "float"):
             raise ValueError(
                 f"quantization {quantization} is not supported for orbax checkpoints; load the "
                 "original checkpoint (HF directory or GGUF file) with it instead"

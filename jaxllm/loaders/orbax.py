@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import ModelConfig
+from jaxllm.quantization import QArray
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,11 @@ def save(
     flat, args, dtypes = {}, {}, set()
     for path, var in nnx.to_flat_state(state):
         value = var.get_value()
+        if isinstance(value, QArray):
+            raise ValueError(
+                f"parameter {'.'.join(map(str, path))} is quantized; converted checkpoints hold "
+                "float weights (load the model with quantization='float' to save it)"
+            )
         axis = _kv_axis(var)
         if r > 1 and axis is not None:
             value = jax.lax.slice_in_dim(value, 0, value.shape[axis], r, axis=axis)
@@ -213,7 +219,8 @@ def save(
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype=jnp.float32) -> Path:
-    """Loads a Hugging Face directory, a GGUF file (dequantized) or a converted checkpoint in
+    """Loads a Hugging Face directory (quantized ones dequantized), a GGUF file (dequantized)
+    or a converted checkpoint in
     `dtype`, on the host CPU (host memory is usually larger than one accelerator's), and
     saves it as a converted checkpoint at `dst`."""
     from jaxllm.loaders import load_model
@@ -224,8 +231,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype=jnp.float32
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst} already exists and is not an empty directory")
     hf_config = source_hf_config(path)
+    # Saved dequantized (GGUF, GPTQ, AWQ, compressed-tensors): the config says so no more.
+    hf_config.pop("quantization_config", None)
+    hf_config.pop("compression_config", None)
     with jax.default_device(jax.devices("cpu")[0]):
-        loaded = load_model(path, dtype=dtype, load_tokenizer=True)
+        loaded = load_model(path, dtype=dtype, load_tokenizer=True, quantization="float")
         return save(
             loaded,
             hf_config,

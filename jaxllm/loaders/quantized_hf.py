@@ -101,7 +101,10 @@ def _factors(scale: np.ndarray, offset: np.ndarray | None):
 def _from_levels(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int, perm=None):
     """QArray for w[o, i] = scale[o, g] * (values[o, i] - zero[o, g]), unsigned `values`
     [O, I] of `bits` bits, contiguous groups along I."""
-    o = values.shape[0]
+    o, i = values.shape
+    if bits == 4 and (i // scale.shape[1]) % 32:  # groups finer than int4's 32-blocks
+        scale, offset = _factors(scale, -(zero * scale))
+        return QArray(values.astype(np.int8), scale, offset, "int8", (o,), np.float32, perm)
     if bits == 4:
         scale, offset = _factors(scale, -(zero * scale))
         q, fmt = pack_int4(values.astype(np.uint8)), "int4"
@@ -115,6 +118,11 @@ def _from_levels(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: 
 
 def gptq(parts: dict[str, np.ndarray], qc: dict) -> QArray:
     bits = int(qc.get("bits", 4))
+    if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+        raise ValueError(
+            f"GPTQ checkpoint_format {qc['checkpoint_format']!r} is not supported (gptq and "
+            "gptq_v2 are)"
+        )
     q = unpack_rows(parts["qweight"], bits)  # [I, O]
     zeros = unpack_cols(parts["qzeros"], bits)  # [G, O]
     if qc.get("checkpoint_format", "gptq") != "gptq_v2":
@@ -134,12 +142,24 @@ def gptq(parts: dict[str, np.ndarray], qc: dict) -> QArray:
 
 def awq(parts: dict[str, np.ndarray], qc: dict) -> QArray:
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r} is not supported (gemm is)")
     if bits != 4:
         raise ValueError(f"AWQ with {bits} bits is not supported (4 is)")
     q = unpack_cols(parts["qweight"], bits, _AWQ_ORDER)  # [I, O]
     zeros = unpack_cols(parts["qzeros"], bits, _AWQ_ORDER)  # [G, O]
     scales = parts["scales"].astype(np.float32)
     return _from_levels(q.T, scales.T, zeros.T.astype(np.float32), bits)
+
+
+def _num_bits(qc: dict) -> int:
+    """The weights' bit width of a compressed-tensors config (its first config group)."""
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if "num_bits" in weights:
+            return int(weights["num_bits"])
+    return 4
 
 
 def compressed_tensors(parts: dict[str, np.ndarray], qc: dict) -> QArray | np.ndarray:
@@ -150,11 +170,17 @@ def compressed_tensors(parts: dict[str, np.ndarray], qc: dict) -> QArray | np.nd
     scale = np.asarray(parts["weight_scale"], np.float32)
     zero = parts.get("weight_zero_point")
     if "weight_packed" in parts:
+        bits = _num_bits(qc)
+        if bits != 4 or zero is not None:
+            raise ValueError(
+                f"compressed-tensors pack-quantized weights of {bits} bits"
+                f"{' with zero points' if zero is not None else ''} are not supported (4-bit "
+                "symmetric is)"
+            )
         o, i = (int(v) for v in np.asarray(parts["weight_shape"]).reshape(-1))
         values = unpack_rows(parts["weight_packed"].T, 4)[:i].T  # [O, I], stored q + 8
         scale = np.broadcast_to(scale.reshape(o, -1), (o, scale.size // o))
-        z = 8 + (0 if zero is None else np.asarray(zero, np.float32).reshape(o, -1))
-        return _from_levels(values, scale, np.broadcast_to(z, scale.shape).astype(np.float32), 4)
+        return _from_levels(values, scale, np.full(scale.shape, 8, np.float32), 4)
     w = parts["weight"]
     o = w.shape[0]
     scale = scale.reshape(1, 1) if scale.size == 1 else scale.reshape(o, -1)
@@ -167,7 +193,9 @@ def compressed_tensors(parts: dict[str, np.ndarray], qc: dict) -> QArray | np.nd
         raise ValueError(f"compressed-tensors weight of dtype {w.dtype} is not supported")
     offset = None
     if zero is not None:
-        offset = -np.asarray(zero, np.float32).reshape(o, -1) * scale
+        zero = np.asarray(zero, np.float32)
+        zero = zero.reshape(1, 1) if zero.size == 1 else zero.reshape(o, -1)
+        offset = -zero * scale
     scale, offset = _factors(scale, offset)
     return QArray(w, scale, offset, "int8", (o,), np.dtype(np.float32))
 
@@ -195,4 +223,7 @@ def group_quantized(
             missing = ["weight or weight_packed"]
         if missing:
             raise ValueError(f"{method} module {prefix!r} lacks {', '.join(missing)}")
-        yield f"{prefix}.weight", convert(parts, qc)
+        try:
+            yield f"{prefix}.weight", convert(parts, qc)
+        except ValueError as e:
+            raise ValueError(f"{method} module {prefix!r}: {e}") from e

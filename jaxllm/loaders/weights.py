@@ -139,7 +139,17 @@ def _to_numpy(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else np.asarray(x)
 
 
-def _quantized(
+def _quantized(name: str, *args) -> QArray | None:
+    """`_quantize_tensor`, its errors naming the tensor."""
+    try:
+        return _quantize_tensor(name, *args)
+    except ValueError as e:
+        if str(e).startswith("tensor "):
+            raise
+        raise ValueError(f"tensor {name!r}: {e}") from e
+
+
+def _quantize_tensor(
     name: str,
     tensor,
     path: tuple,
