@@ -155,8 +155,8 @@ def test_gguf_block_types_are_bit_exact(kind):
 @pytest.mark.demo_model
 def test_demo_gguf_kept_quantized(smollm2_path):
     """SmolLM2's Q4_1 / Q8_0 tensors stay integers: bit-exact to the float loader's (which
-    dequantizes with the gguf package, Q/K rows un-permuted), the model holds 0.21x the
-    float32 bytes, and its logits match the float model's."""
+    dequantizes with the gguf package, Q/K rows un-permuted), the model holds 0.18x the
+    float32 bytes (float16 block factors), and its logits match the float model's."""
     from jaxllm.loaders import load_model
     from jaxllm.loaders.gguf import iter_gguf
     from jaxllm.sharding import per_device_bytes
@@ -176,7 +176,7 @@ def test_demo_gguf_kept_quantized(smollm2_path):
 
     q_bytes = per_device_bytes(nnx.state(quant.model))[1]
     f_bytes = per_device_bytes(nnx.state(dense.model))[1]
-    assert q_bytes / f_bytes < 0.21, (q_bytes, f_bytes)
+    assert q_bytes / f_bytes < 0.18, (q_bytes, f_bytes)
     tokens = list(range(100, 164))
     got = prefill_logits(quant.model, quant.config, tokens)
     want = prefill_logits(dense.model, dense.config, tokens)
@@ -254,3 +254,27 @@ def test_tensor_parallel_same_tokens(request, tmp_path, tokenizer_dir, fmt):
     assert [r["same_tokens_as_first"] for r in rows] == [True] * 3
     assert [r["compiled_after_warmup"] for r in rows] == [0] * 3
     assert rows[2]["param_bytes_per_device"] < 0.4 * rows[0]["param_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.demo_model
+def test_demo_perplexity_and_greedy_agreement(request):
+    """The issue's quality bar on the committed held-out text (2,768 tokens): perplexity
+    within 1% of float for int8, 5% for int4 (3 minutes: `pytest -m slow`). The greedy
+    divergence per prompt is printed, for the record (scripts/quant_quality.py)."""
+    import sys
+    from pathlib import Path
+
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("pytest -m slow tests/test_quantization.py")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import quant_quality
+
+    rows = quant_quality.compare(
+        [quant_quality.measure("smollm2-135m", q) for q in ("float", "int8", "int4")]
+    )
+    for r in rows:
+        print(r["quantization"], r["perplexity"], r["first_divergence"])
+    assert rows[0]["text_tokens"] >= 2000
+    assert rows[1]["perplexity_ratio"] <= 1.01
+    assert rows[2]["perplexity_ratio"] <= 1.05
