@@ -36,13 +36,12 @@ def test_tiny_model_8_q_heads_2_kv_heads(tmp_path, tokenizer_dir):
 
 
 def test_pallas_kernel_under_shard_map(tmp_path, tiny_model_dir):
-    """The TPU kernel (interpreted) per device on its own heads: TP 2 and 4 (kv heads
-    repeated) give TP 1's tokens."""
-    rows = tensor_parallel_report(
-        tiny_model_dir, "1,2,4", tmp_path, "--attention-backend", "pallas"
-    )
-    assert [r["same_tokens_as_first"] for r in rows] == [True] * 3
-    assert [r["compiled_after_warmup"] for r in rows] == [0] * 3
+    """The TPU kernel (interpreted) per device on its own heads: TP 4 (kv heads repeated, the
+    case that covers TP 2's split too) gives TP 1's tokens. (TP 2 as well took 35 s more of
+    the default suite's budget.)"""
+    rows = tensor_parallel_report(tiny_model_dir, "1,4", tmp_path, "--attention-backend", "pallas")
+    assert [r["same_tokens_as_first"] for r in rows] == [True] * 2
+    assert [r["compiled_after_warmup"] for r in rows] == [0] * 2
 
 
 @pytest.mark.demo_model
