@@ -150,6 +150,18 @@ def unpack_int4(packed):
     return xp.concatenate([blocks & 15, blocks >> 4], axis=-1).reshape(o, half * 2)
 
 
+def compact_factors(scale: np.ndarray, offset: np.ndarray | None):
+    """A QArray's scale and offset on the host: float16 when that holds every value of both
+    exactly (GGUF's and GPTQ's half-precision factors), else float32 (products such as
+    K-quants' d * sc). Both always share one dtype, as the kernels require."""
+    pair = [np.asarray(scale, np.float32)]
+    if offset is not None:
+        pair.append(np.asarray(offset, np.float32))
+    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in pair):
+        pair = [a.astype(np.float16) for a in pair]
+    return pair[0], (pair[1] if offset is not None else None)
+
+
 # ---- quantizing float weights (on the host, at load) ---------------------------------------
 
 

@@ -296,15 +296,6 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]
 
 
-def _compact(scale: np.ndarray, offset: np.ndarray | None):
-    """Scale and offset as float16 when that holds every value exactly (the 4-, 5- and 8-bit
-    block types store their factors as halves), else float32 (K-quants' products)."""
-    pair = [scale] if offset is None else [scale, offset]
-    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in pair):
-        pair = [a.astype(np.float16) for a in pair]
-    return pair[0], (None if offset is None else pair[1])
-
-
 def _nibbles(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return b & np.uint8(15), b >> np.uint8(4)
 
@@ -375,7 +366,7 @@ def _quantized(reader: GGUFFile, t: TensorInfo) -> quantization.QArray | None:
         d = _f16(b[..., 208:210])[..., None]
         scale = (d * b[..., 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1)
         fmt = "int8"
-    scale, offset = _compact(scale, offset)
+    scale, offset = quantization.compact_factors(scale, offset)
     return quantization.QArray(
         q,
         scale.reshape(rows, -1),

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
-from jaxllm.quantization import QArray, pack_int4
+from jaxllm.quantization import QArray, compact_factors, pack_int4
 
 logger = logging.getLogger(__name__)
 
@@ -88,28 +88,18 @@ def unpack_cols(packed: np.ndarray, bits: int, order: tuple[int, ...] | None = N
     return values.reshape(packed.shape[0], packed.shape[1] * per)
 
 
-def _factors(scale: np.ndarray, offset: np.ndarray | None):
-    """Float32 scale and offset, as float16 when that holds every value exactly."""
-    pair = [np.asarray(scale, np.float32)]
-    if offset is not None:
-        pair.append(np.asarray(offset, np.float32))
-    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in pair):
-        pair = [a.astype(np.float16) for a in pair]
-    return pair[0], (pair[1] if offset is not None else None)
-
-
 def _from_levels(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int, perm=None):
     """QArray for w[o, i] = scale[o, g] * (values[o, i] - zero[o, g]), unsigned `values`
     [O, I] of `bits` bits, contiguous groups along I."""
     o, i = values.shape
     if bits == 4 and (i // scale.shape[1]) % 32:  # groups finer than int4's 32-blocks
-        scale, offset = _factors(scale, -(zero * scale))
+        scale, offset = compact_factors(scale, -(zero * scale))
         return QArray(values.astype(np.int8), scale, offset, "int8", (o,), np.float32, perm)
     if bits == 4:
-        scale, offset = _factors(scale, -(zero * scale))
+        scale, offset = compact_factors(scale, -(zero * scale))
         q, fmt = pack_int4(values.astype(np.uint8)), "int4"
     elif bits == 8:  # shifted into int8: s * (q - z) = s * ((q - 128) - (z - 128))
-        scale, offset = _factors(scale, -((zero - 128) * scale))
+        scale, offset = compact_factors(scale, -((zero - 128) * scale))
         q, fmt = (values.astype(np.int16) - 128).astype(np.int8), "int8"
     else:
         raise ValueError(f"{bits}-bit weights are not supported (4 and 8 are)")
@@ -196,7 +186,7 @@ def compressed_tensors(parts: dict[str, np.ndarray], qc: dict) -> QArray | np.nd
         zero = np.asarray(zero, np.float32)
         zero = zero.reshape(1, 1) if zero.size == 1 else zero.reshape(o, -1)
         offset = -zero * scale
-    scale, offset = _factors(scale, offset)
+    scale, offset = compact_factors(scale, offset)
     return QArray(w, scale, offset, "int8", (o,), np.dtype(np.float32))
 
 
