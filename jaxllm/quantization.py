@@ -217,20 +217,24 @@ def quantize(w: np.ndarray, fmt: str, *, group_size: int | None = None) -> QArra
 
 
 def dequantize_np(w: QArray) -> np.ndarray:
-    """f32[O, I] on the host, by the formula of the module docstring."""
-    q = unpack_int4(np.asarray(w.q)) if w.fmt == "int4" else np.asarray(w.q)
+    """f32[O, I] on the host (inputs in order), by the formula of the module docstring."""
+    return _dequantize(jax.tree.map(np.asarray, w), np, np.float32)
+
+
+def _dequantize(w: QArray, xp, dtype):
+    """The formula of the module docstring with numpy or jax.numpy (`xp`), in float32,
+    rounded to `dtype` last; columns back in input order where `perm` reordered them."""
+    q = unpack_int4(w.q) if w.fmt == "int4" else w.q
     o, i = w.shape
     groups = w.scale.shape[1]
-    scale = np.asarray(w.scale).astype(np.float32)
-    out = q.astype(np.float32).reshape(o, groups, i // groups) * scale[..., None]
+    out = q.astype(xp.float32).reshape(o, groups, i // groups)
+    out = out * w.scale.astype(xp.float32)[..., None]
     if w.offset is not None:
-        out = out + np.asarray(w.offset).astype(np.float32)[..., None]
+        out = out + w.offset.astype(xp.float32)[..., None]
     out = out.reshape(o, i)
-    if w.perm is not None:  # back in input order
-        ordered = np.empty_like(out)
-        ordered[:, np.asarray(w.perm)] = out
-        out = ordered
-    return out
+    if w.perm is not None:
+        out = out[:, xp.argsort(w.perm)]
+    return out.astype(dtype)
 
 
 # ---- using them (inside the jitted step) ---------------------------------------------------
@@ -239,17 +243,7 @@ def dequantize_np(w: QArray) -> np.ndarray:
 def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     """[O, I] in `dtype` (inputs in order), by XLA ops (float32 arithmetic, rounded to
     `dtype` last)."""
-    q = unpack_int4(w.q) if w.fmt == "int4" else w.q
-    o, i = w.shape
-    groups = w.scale.shape[1]
-    scale = w.scale.astype(jnp.float32)
-    out = q.astype(jnp.float32).reshape(o, groups, i // groups) * scale[..., None]
-    if w.offset is not None:
-        out = out + w.offset.astype(jnp.float32)[..., None]
-    out = out.reshape(o, i)
-    if w.perm is not None:
-        out = jnp.zeros_like(out).at[:, w.perm].set(out)
-    return out.astype(dtype)
+    return _dequantize(w, jnp, dtype)
 
 
 def _use_native() -> bool:
@@ -271,13 +265,6 @@ def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
 
 
 def take_rows(w: QArray, ids: jax.Array) -> jax.Array:
-    """Rows `ids` of the dequantized matrix, in w.dtype: an embedding lookup."""
-    q = w.q[ids]
-    if w.fmt == "int4":
-        q = unpack_int4(q)
-    groups = w.scale.shape[1]
-    scale = w.scale[ids].astype(jnp.float32)
-    out = q.astype(jnp.float32).reshape(len(ids), groups, -1) * scale[..., None]
-    if w.offset is not None:
-        out = out + w.offset[ids].astype(jnp.float32)[..., None]
-    return out.reshape(len(ids), w.num_in).astype(w.dtype)
+    """Rows `ids` of the dequantized matrix, in w.dtype: an embedding lookup (only the rows
+    asked for are dequantized)."""
+    return dequantize(w.map_rows(lambda a: a[ids]), w.dtype)

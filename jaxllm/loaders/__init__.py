@@ -96,7 +96,7 @@ def load_model(
     if quantization is None and method == "gguf" and jax.default_backend() == "cpu":
         # On the CPU a GGUF file's weights are dequantized unless asked otherwise: there the
         # float32 step is still the faster one past batch 1 (benchmarks/results/README.md);
-        # `quantization="gguf"` keeps them quantized (0.21x the bytes of the demo model).
+        # `quantization="gguf"` keeps them quantized (0.18x the bytes of the demo model).
         quantization = "float"
     start = time.perf_counter()
     config = load_config(path)

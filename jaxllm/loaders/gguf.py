@@ -16,8 +16,9 @@ float32 and renamed to its Hugging Face name (`iter_gguf`), undoing what llama.c
 With `keep_quantized` (the default of `load_model`: see jaxllm.quantization), tensors of
 the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are not dequantized: their
 integers are unpacked into a `QArray` (int4 for the 4-bit types, int8 for the 5-, 6- and 8-bit
-ones) with one float32 scale (and offset) per block or sub-block, computed from the block's
-half-precision factors exactly as the `gguf` package does, so the weights are bit for bit
+ones) with one scale (and offset) per block or sub-block, computed from the block's
+half-precision factors exactly as the `gguf` package does (kept in float16 where exact, else
+float32: `quantization.compact_factors`), so the weights are bit for bit
 those of its dequantization (tests/test_quantization.py; only a Q4_0 zero can differ in
 sign). Other types are dequantized.
 
@@ -394,19 +395,16 @@ def iter_gguf(path: Path, *, keep_quantized: bool = False) -> Iterator[tuple[str
                 raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
             name = f"model.layers.{parts[1]}.{arch.layer_names[parts[2]]}"
         w = _quantized(reader, t) if keep_quantized else None
-        if w is not None:
-            if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+        if w is None:
+            w = _dequantize(reader, t)
+            if arch.norm_shift and t.name.endswith("norm.weight"):
+                w = w - arch.norm_shift
+        if arch.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            if isinstance(w, quantization.QArray):  # the same rows, of q and its factors
                 w = w.map_rows(lambda a, heads=heads: _unpermute(a, heads))
-            yield name, w
-            continue
-        w = _dequantize(reader, t)
-        if arch.norm_shift and t.name.endswith("norm.weight"):
-            w = w - arch.norm_shift
-        if arch.permuted_qk and name.endswith("q_proj.weight"):
-            w = _unpermute(w, config["num_attention_heads"])
-        elif arch.permuted_qk and name.endswith("k_proj.weight"):
-            w = _unpermute(w, config["num_key_value_heads"])
+            else:
+                w = _unpermute(w, heads)
         yield name, w
 
 

@@ -219,10 +219,9 @@ def save(
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype=jnp.float32) -> Path:
-    """Loads a Hugging Face directory (quantized ones dequantized), a GGUF file (dequantized)
-    or a converted checkpoint in
-    `dtype`, on the host CPU (host memory is usually larger than one accelerator's), and
-    saves it as a converted checkpoint at `dst`."""
+    """Loads a Hugging Face directory, a GGUF file or a converted checkpoint in `dtype`
+    (quantized weights dequantized), on the host CPU (host memory is usually larger than one
+    accelerator's), and saves it as a converted checkpoint at `dst`."""
     from jaxllm.loaders import load_model
     from jaxllm.model_cache import resolve_model
 

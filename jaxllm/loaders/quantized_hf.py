@@ -92,30 +92,29 @@ def _from_levels(values: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: 
     """QArray for w[o, i] = scale[o, g] * (values[o, i] - zero[o, g]), unsigned `values`
     [O, I] of `bits` bits, contiguous groups along I."""
     o, i = values.shape
-    if bits == 4 and (i // scale.shape[1]) % 32:  # groups finer than int4's 32-blocks
-        scale, offset = compact_factors(scale, -(zero * scale))
-        return QArray(values.astype(np.int8), scale, offset, "int8", (o,), np.float32, perm)
-    if bits == 4:
+    if bits not in (4, 8):
+        raise ValueError(f"{bits}-bit weights are not supported (4 and 8 are)")
+    if bits == 4 and (i // scale.shape[1]) % 32 == 0:
         scale, offset = compact_factors(scale, -(zero * scale))
         q, fmt = pack_int4(values.astype(np.uint8)), "int4"
-    elif bits == 8:  # shifted into int8: s * (q - z) = s * ((q - 128) - (z - 128))
-        scale, offset = compact_factors(scale, -((zero - 128) * scale))
-        q, fmt = (values.astype(np.int16) - 128).astype(np.int8), "int8"
-    else:
-        raise ValueError(f"{bits}-bit weights are not supported (4 and 8 are)")
+    else:  # in int8, shifted for 8 bits: s * (q - z) = s * ((q - 128) - (z - 128)); 4-bit
+        # values in groups finer than int4's 32-blocks are stored as they are
+        shift = 128 if bits == 8 else 0
+        scale, offset = compact_factors(scale, -((zero - shift) * scale))
+        q, fmt = (values.astype(np.int16) - shift).astype(np.int8), "int8"
     return QArray(q, scale, offset, fmt, (o,), np.dtype(np.float32), perm)
 
 
 def gptq(parts: dict[str, np.ndarray], qc: dict) -> QArray:
     bits = int(qc.get("bits", 4))
-    if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+    checkpoint_format = qc.get("checkpoint_format", "gptq")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(
-            f"GPTQ checkpoint_format {qc['checkpoint_format']!r} is not supported (gptq and "
-            "gptq_v2 are)"
+            f"GPTQ checkpoint_format {checkpoint_format!r} is not supported (gptq and gptq_v2 are)"
         )
     q = unpack_rows(parts["qweight"], bits)  # [I, O]
     zeros = unpack_cols(parts["qzeros"], bits)  # [G, O]
-    if qc.get("checkpoint_format", "gptq") != "gptq_v2":
+    if checkpoint_format == "gptq":  # v1 stores each zero point minus one
         zeros = zeros + 1
     scales = parts["scales"].astype(np.float32)  # [G, O]
     num_in, groups = q.shape[0], scales.shape[0]

@@ -144,8 +144,6 @@ def _quantized(name: str, *args) -> QArray | None:
     try:
         return _quantize_tensor(name, *args)
     except ValueError as e:
-        if str(e).startswith("tensor "):
-            raise
         raise ValueError(f"tensor {name!r}: {e}") from e
 
 
@@ -190,8 +188,8 @@ def _quantize_tensor(
         )
     if w.shape != (num_out, num_in):
         raise ValueError(
-            f"tensor {name!r}: quantized shape {w.shape} does not match the model's "
-            f"{(num_out, num_in)} (from the config)"
+            f"quantized shape {w.shape} does not match the model's {(num_out, num_in)} (from "
+            "the config)"
         )
     return w.with_output(out_shape, dtype)
 
@@ -205,10 +203,10 @@ def _qarray_shardings(w: QArray, sharding: jax.sharding.NamedSharding, var_shape
 
     mesh = sharding.mesh
     spec = tuple(sharding.spec) + (None,) * (len(var_shape) - len(sharding.spec))
-    num_in_axes = 1 if embed else len(var_shape) - len(w.out_shape)
-    if embed:
+    if embed:  # [V, D]: output-major already
         out_axes, in_axes = spec[:1], spec[1:]
-    else:
+    else:  # [*in, *out]
+        num_in_axes = len(var_shape) - len(w.out_shape)
         out_axes, in_axes = spec[num_in_axes:], spec[:num_in_axes]
     out_axis = next((a for a in out_axes if a is not None), None)
     in_axis = next((a for a in in_axes if a is not None), None)
@@ -284,8 +282,6 @@ def build_state(
                 f"tensor {name!r}: shape {value.shape} after conversion does not match the "
                 f"model's {shape} (from the config)"
             )
-        if path in filled:
-            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
         if index is not None:
             buffer, todo = stacking.setdefault(
                 path, (np.empty(var.shape, np_dtype), set(range(var.shape[0])))
