@@ -21,8 +21,9 @@ model, so it reads ~5x fewer bytes a token than f32) with `n_threads` = the CPU 
 only (its Python API decodes one sequence at a time).
 
 `jaxllm:<quantization>` in `--engines` runs jaxllm with that `quantization` (float, gguf, int8,
-int4, fp8; plain `jaxllm` is the default, which keeps a GGUF file's quantized tensors): e.g.
-`--engines jaxllm:float,jaxllm:int8,jaxllm:int4,transformers`. Every jaxllm engine is compared
+int4, fp8; plain `jaxllm` is the default, which keeps a GGUF file's quantized tensors), and
+`jaxllm:<quantization>/<kv_cache_dtype>` with that KV cache too: e.g.
+`--engines jaxllm:float,jaxllm:int8,jaxllm:int4,jaxllm:float/int8,transformers`. Every jaxllm engine is compared
 with every peer, and with `jaxllm:float` when that runs too.
 
 Each engine runs in a process of its own (sharing one, they slowed each other: idle threads of
@@ -51,15 +52,18 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 class Jaxllm:
     name = "jaxllm"
 
-    def __init__(self, args, quantization: str | None = None):
+    def __init__(self, args, variant: str | None = None):
         from jaxllm import LLM
 
         start = time.perf_counter()
-        self.quantization = quantization
+        quantization, _, kv_cache_dtype = (variant or "").partition("/")
+        self.quantization = quantization or None
+        self.kv_cache_dtype = kv_cache_dtype or "auto"
         self.llm = LLM(
             args.model,
             dtype=args.dtype,
-            quantization=quantization,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_model_len=max(args.ttft_lens + [args.input_len]) + args.output_len,
             max_num_seqs=max(args.batches),
         )
@@ -84,6 +88,7 @@ class Jaxllm:
 
         return {
             "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "startup_s": round(self.startup_s, 1),
             "compiled_programs": self.llm.runner.num_programs,
             "compilations_after_warmup": self.llm.runner.num_compilations - self.compiled,

@@ -373,6 +373,10 @@ def _opt(default: Any, *aliases: str, choices: tuple[str, ...] | None = None) ->
 # jaxllm.quantization.QUANTIZATIONS, restated for the same reason (checked by the same test).
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
+# The KV cache's formats: the float dtypes, and pallas_kernels.QUANTIZED_KV_DTYPES (plus vLLM's
+# alias fp8_e4m3), checked against it by the same test.
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8")
+KV_CACHE_DTYPES = ("auto", *_DTYPES, *QUANTIZED_KV_CACHE_DTYPES, "fp8_e4m3")
 
 
 def _check_types(config: Any) -> None:
@@ -443,9 +447,18 @@ class CacheConfig:
     """The KV cache's size on CPU, in GiB."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes."""
+    kv_cache_dtype: str = _opt("auto", choices=KV_CACHE_DTYPES)
+    """The KV cache's format: auto is the model's dtype (float32 on CPU); int8 and fp8 (e4m3,
+    alias fp8_e4m3) store 8 bits per value with a float32 scale per token and head, for
+    about 2x the pages of bfloat16 (4x float32) in the same memory."""
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:

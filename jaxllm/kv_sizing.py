@@ -13,14 +13,30 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import CacheConfig, ModelConfig
+from jaxllm.config import CacheConfig, ModelConfig, resolve_dtype
+from pallas_kernels import QUANTIZED_KV_DTYPES, kv_bytes_per_token_head
 
 logger = logging.getLogger(__name__)
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> jnp.dtype:
+    """The cache's dtype for `kv_cache_dtype` (see `CacheConfig`) and the weights' `dtype`."""
+    if kv_cache_dtype in ("fp8", "fp8_e4m3", "int8"):
+        return jnp.dtype(QUANTIZED_KV_DTYPES["int8" if kv_cache_dtype == "int8" else "fp8"])
+    if kv_cache_dtype != "auto":
+        return jnp.dtype(resolve_dtype(kv_cache_dtype))
+    # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend
+    # computes bfloat16 in float32, and converting the cache for the K/V write made every
+    # forward program copy it, every step (found by the runner's in-place check).
+    if jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(resolve_dtype(model_dtype))
+
+
 def bytes_per_page(config: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
-    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
-    return per_token * page_size * jnp.dtype(dtype).itemsize
+    """Bytes of one page of every layer, an 8-bit cache's scales included."""
+    heads = config.num_layers * 2 * config.num_kv_heads
+    return heads * page_size * kv_bytes_per_token_head(config.head_dim, dtype)
 
 
 def kv_budget_bytes(cache: CacheConfig) -> int:
@@ -74,10 +90,11 @@ def plan_kv_cache(
             f"pages but the KV cache has {num_pages}; lower max_model_len or raise num_pages"
         )
     logger.info(
-        "KV cache: %d pages x %d tokens (%.1f MiB), max_model_len %d",
+        "KV cache: %d pages x %d tokens (%.1f MiB, %s), max_model_len %d",
         num_pages,
         cache.page_size,
         num_pages * page_bytes / 2**20,
+        jnp.dtype(dtype).name,
         max_model_len,
     )
     return num_pages, max_model_len

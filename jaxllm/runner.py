@@ -47,7 +47,7 @@ from jaxllm.input_batch import MAX_BLOCKED_IDS, InputBatch
 from jaxllm.models import AttentionMetadata
 from jaxllm.sampler import SamplingInputs, sample, token_logprobs
 from jaxllm.sampling_params import MAX_LOGIT_BIAS
-from pallas_kernels import get_kv_cache_shape
+from pallas_kernels import KVCache, get_kv_cache_shape, is_quantized_dtype, zeros_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -286,12 +286,14 @@ class ModelRunner:
 
     def updates_in_place(self, memory: dict[str, int]) -> bool:
         """Whether a step program with this memory analysis writes the donated KV cache in
-        place: its output aliases the cache, and no temporary could hold a copy of it (XLA
-        has copied it when a one-token write became a dynamic-update-slice, see `write_kv`)."""
-        cache = self.kv_cache.nbytes
+        place: its output aliases the cache, and no temporary could hold a copy of its data
+        (XLA has copied it when a one-token write became a dynamic-update-slice, see
+        `write_kv`, and when it widened a float8 cache for the scatter)."""
+        cache, data = self.kv_cache.nbytes, self.kv_cache.data.nbytes
         if self.mesh is not None:  # the analysis is per device
             cache //= self.mesh.shape["model"]
-        return memory["alias_bytes"] >= cache and memory["temp_bytes"] < cache
+            data //= self.mesh.shape["model"]
+        return memory["alias_bytes"] >= cache and memory["temp_bytes"] < data
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -381,12 +383,12 @@ class ModelRunner:
     def _zeros_last_tokens(self) -> jax.Array:
         return jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._replicated)
 
-    def _zeros_cache(self, shape, dtype) -> jax.Array:
+    def _zeros_cache(self, shape, dtype) -> KVCache:
         """A zero cache, created in place on its devices (split on kv heads under a mesh)."""
         if self.mesh is None:
-            return jnp.zeros(shape, dtype)
-        out = sharding.kv_cache_sharding(self.mesh)
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out)()
+            return zeros_kv_cache(shape, dtype)
+        out = sharding.kv_cache_sharding(self.mesh, is_quantized_dtype(dtype))
+        return jax.jit(lambda: zeros_kv_cache(shape, dtype), out_shardings=out)()
 
     def update_batch(self, out: SchedulerOutput) -> np.ndarray:
         """Applies the step's diffs to the persistent batch: rows of finished and preempted
@@ -530,7 +532,7 @@ class ModelRunner:
         try:
             yield
         except BaseException:
-            if self.kv_cache.is_deleted():
+            if any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
                 self.kv_cache = self._zeros_cache(self.kv_cache.shape, self.kv_cache.dtype)
                 self.kv_cache_lost = True
             if self.last_tokens.is_deleted():

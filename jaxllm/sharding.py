@@ -31,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
+from pallas_kernels.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,18 @@ def param_shardings(abstract_state, mesh: Mesh) -> dict[tuple, NamedSharding]:
     return out
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    """The paged cache `[L, pages, page_size, 2K, H]`: whole (K, V) head pairs per device."""
-    return NamedSharding(mesh, P(None, None, None, "model", None))
+def kv_cache_specs(quantized: bool) -> KVCache:
+    """The paged cache `[L, pages, page_size, 2K, H]`: whole (K, V) head pairs per device; an
+    8-bit cache's scales `[L, pages, 2K, page_size]` split with their heads."""
+    data = P(None, None, None, "model", None)
+    return KVCache(data, P(None, None, "model", None) if quantized else None)
+
+
+def kv_cache_sharding(mesh: Mesh, quantized: bool = False) -> KVCache:
+    data, scales = kv_cache_specs(quantized)
+    return KVCache(
+        NamedSharding(mesh, data), None if scales is None else NamedSharding(mesh, scales)
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

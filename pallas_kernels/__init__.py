@@ -1,7 +1,8 @@
 """Attention and KV-cache kernels with their pure-JAX references.
 
 `ragged_paged_attention` is the one entry point the model calls; `backend` picks the
-implementation, all behind one signature and one cache layout (`kv_cache.py`):
+implementation, all behind one signature and one cache layout (`kv_cache.py`: float, or 8-bit
+with a scale per token and head, which every backend reads):
 - `reference`: plain JAX (`ragged_attention_reference.py`), the ground truth;
 - `cpu`: a native C++ kernel for the CPU through the XLA FFI (`ragged_attention_cpu.py`, built on
   first use), the CPU default;
@@ -27,7 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_attention_cpu
-from pallas_kernels.kv_cache import get_kv_cache_shape, write_kv
+from pallas_kernels.kv_cache import (
+    QUANTIZED_KV_DTYPES,
+    KVCache,
+    as_kv_cache,
+    get_kv_cache_shape,
+    is_quantized_dtype,
+    kv_bytes_per_token_head,
+    write_kv,
+    zeros_kv_cache,
+)
 from pallas_kernels.ragged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
@@ -85,7 +95,7 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    kv_cache: jax.Array | KVCache,  # [L, num_pages, page_size, 2K, H]
     layer: jax.Array | int,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
@@ -109,7 +119,11 @@ def ragged_paged_attention(
     integer scalar array, possibly traced (a layer scan's per-layer window), in which a value
     <= 0 means full attention. `block_sizes` overrides the tuning table for the Pallas backends;
     `interpret=None` interprets them when the platform is not theirs (e.g. on CPU).
+
+    The cache is a float array or a `KVCache`, whose 8-bit data every backend dequantizes
+    as it reads (`kv_cache.py`); the output has q's dtype.
     """
+    kv_cache, kv_scales = as_kv_cache(kv_cache)
     num_tokens, num_heads, head_dim = q.shape
     if kv_cache.ndim != 5 or kv_cache.shape[4] != head_dim or kv_cache.shape[3] % 2:
         raise ValueError(
@@ -130,8 +144,10 @@ def ragged_paged_attention(
     window = _window_operand(sliding_window)
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be a float array, got {q.dtype}")
     args = (q, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, kv_scales=kv_scales)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -185,9 +201,14 @@ def ragged_paged_attention(
 __all__ = [
     "ATTENTION_BACKENDS",
     "BACKENDS",
+    "QUANTIZED_KV_DTYPES",
     "BlockSizes",
+    "KVCache",
+    "as_kv_cache",
     "get_block_sizes",
     "get_kv_cache_shape",
+    "is_quantized_dtype",
+    "kv_bytes_per_token_head",
     "ragged_paged_attention",
     "ragged_paged_attention_cpu",
     "ragged_paged_attention_gpu",
@@ -196,4 +217,5 @@ __all__ = [
     "ragged_paged_attention_xla",
     "resolve_backend",
     "write_kv",
+    "zeros_kv_cache",
 ]

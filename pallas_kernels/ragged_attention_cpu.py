@@ -48,8 +48,12 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
 ) -> jax.Array:  # [T, N, H]
-    if q.dtype != kv_cache.dtype or q.dtype not in (jnp.float32, jnp.bfloat16):
+    out_dtype = q.dtype
+    if kv_scales is not None:  # an 8-bit cache: the kernel widens it to float32 as it reads
+        q = q.astype(jnp.float32)
+    elif q.dtype != kv_cache.dtype or q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(
             f"the cpu backend needs q and kv_cache both float32 or both bfloat16, got {q.dtype} "
             f"and {kv_cache.dtype}"
@@ -58,9 +62,11 @@ def ragged_paged_attention_cpu(
     if error is not None:
         raise RuntimeError(f"the cpu attention backend is unavailable: {error}")
     i32 = jnp.int32
-    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    scales = jnp.zeros(1, jnp.float32) if kv_scales is None else kv_scales
+    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q,
         kv_cache,
+        scales,
         jnp.asarray(layer, i32).reshape(1),
         seq_lens.astype(i32),
         block_tables.astype(i32),
@@ -70,3 +76,4 @@ def ragged_paged_attention_cpu(
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
     )
+    return out.astype(out_dtype)

@@ -22,6 +22,9 @@ wrapper turns it into a span, the number of keys a row sees back from itself (`_
 more than any sequence, for full attention), so the kernel has one code path: a row at
 position q sees keys q - span < k <= q, and a program's KV loop starts at the block holding its
 first row's first visible key, never loading the pages before the window.
+
+An 8-bit cache (`kv_cache.py`): its block is widened to q's dtype before the matmuls and its
+per-key scales, gathered like the pages, multiply the scores (K) and probabilities (V).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.kv_cache import widen_kv
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The window span of full attention: longer than any sequence, and small enough that
@@ -49,14 +54,14 @@ def _kernel(
     prog_tok_ref,  # i32[B]           first token of each query block
     q_ref,  # [K, T' * Gp, H]
     kv_ref,  # [L, num_pages, page_size, 2K, H]
-    o_ref,  # [K, T' * Gp, H]
-    *,
+    *refs,  # with an 8-bit cache scales_ref f32[L, num_pages, 2K, page_size]; o_ref [K, T' * Gp, H]
     q_block: int,
     group_padded: int,
     kv_pages: int,
     sm_scale: float,
     soft_cap: float | None,
 ):
+    scales_ref, o_ref = refs if len(refs) == 2 else (None, *refs)
     j, h = pl.program_id(0), pl.program_id(1)
     page_size, head_dim = kv_ref.shape[2], kv_ref.shape[4]
     kv_tokens = kv_pages * page_size
@@ -86,13 +91,29 @@ def _kernel(
             # A gather of whole pages, indexed with arrays on every axis (the interpreter
             # cannot mix array indices with slices).
             idx = (layer, pages[:, None, None], offsets[None, :, None])
-            k = pltriton.load(kv_ref.at[(*idx, 2 * h, dims[None, None, :])], mask=load_ok, other=0)
-            v = pltriton.load(
-                kv_ref.at[(*idx, 2 * h + 1, dims[None, None, :])], mask=load_ok, other=0
+            k, v = (
+                pltriton.load(
+                    kv_ref.at[(*idx, head, dims[None, None, :])], mask=load_ok, other=0
+                ).reshape(kv_tokens, head_dim)
+                for head in (2 * h, 2 * h + 1)
             )
-            k = k.reshape(kv_tokens, head_dim)
-            v = v.reshape(kv_tokens, head_dim)
-            s = pltriton.dot(q.astype(k.dtype), k, trans_b=True).astype(jnp.float32) * sm_scale
+            if scales_ref is not None:
+                # An 8-bit cache: the matmuls take q's dtype (int8 and e4m3 are exact in
+                # bfloat16), and the per-key scales go onto the scores and probabilities.
+                k, v = widen_kv(k, q.dtype), widen_kv(v, q.dtype)
+                page_ok = load_ok.reshape(kv_pages, page_size)
+                k_scale, v_scale = (
+                    pltriton.load(
+                        scales_ref.at[layer, pages[:, None], head, offsets[None, :]],
+                        mask=page_ok,
+                        other=0,
+                    ).reshape(kv_tokens)
+                    for head in (2 * h, 2 * h + 1)
+                )
+            s = pltriton.dot(q.astype(k.dtype), k, trans_b=True).astype(jnp.float32)
+            if scales_ref is not None:
+                s = s * k_scale[None, :]
+            s = s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             mask = row_ok[:, None] & (kv_pos[None, :] <= row_pos[:, None])
@@ -102,6 +123,8 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + p.sum(axis=1)
+            if scales_ref is not None:
+                p = p * v_scale[None, :]
             acc = alpha[:, None] * acc + pltriton.dot(p.astype(v.dtype), v).astype(jnp.float32)
             return m_new, l, acc
 
@@ -133,6 +156,7 @@ def ragged_paged_attention_gpu(
     kv_pages: int,
     num_warps: int = 4,
     num_stages: int = 2,
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """The Triton kernel behind `ragged_paged_attention(..., backend="pallas_gpu")`.
@@ -202,6 +226,7 @@ def ragged_paged_attention_gpu(
         prog_tok,
         qh,
         kv_cache,
+        *([] if kv_scales is None else [kv_scales]),
     )
     out = out.reshape(num_kv_heads, padded_tokens, group_padded, head_dim)[:, :num_tokens, :group]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)

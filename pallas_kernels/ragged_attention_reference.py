@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_cache import KVCache, read_kv
+
 # The chunk length C: at most _CHUNK_TOKENS kv tokens (so a short context costs little even
 # when its block table is wide) and at most _CHUNK_BYTES of K/V gathered for all T rows.
 _CHUNK_TOKENS = 32
@@ -51,7 +53,9 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: jax.Array,  # i32[]      keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
 ) -> jax.Array:  # [T, N, H]
+    cache = KVCache(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, kh2, _ = kv_cache.shape
     num_kv_heads = kh2 // 2
@@ -78,8 +82,8 @@ def ragged_paged_attention_reference(
 
     # The self part: the step's tokens, read back from the slots they were written to.
     page = block_tables[req, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
-    new_kv = kv_cache[layer, page, pos % page_size]  # [T, 2K, H]
-    new_kv = jnp.where(valid[:, None, None], new_kv.astype(jnp.float32), 0.0)
+    new_kv = read_kv(cache, layer, page, pos % page_size)  # [T, 2K, H]
+    new_kv = jnp.where(valid[:, None, None], new_kv, 0.0)
     new_kv = new_kv.reshape(num_tokens, num_kv_heads, 2, head_dim)
     k_new, v_new = new_kv[:, :, 0], new_kv[:, :, 1]  # [T, K, H]
     self_mask = (req[:, None] == req[None, :]) & (t[None, :] <= t[:, None])
@@ -104,10 +108,10 @@ def ragged_paged_attention_reference(
     def body(c, carry):
         m, l, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
-        kv = kv_cache[layer, pages].reshape(num_tokens, chunk, num_kv_heads, 2, head_dim)
+        kv = read_kv(cache, layer, pages).reshape(num_tokens, chunk, num_kv_heads, 2, head_dim)
         s_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         mask = (s_pos[None, :] < context_len[:, None]) & in_window(s_pos[None, :], pos[:, None])
-        kv = jnp.where(mask[:, :, None, None, None], kv.astype(jnp.float32), 0.0)
+        kv = jnp.where(mask[:, :, None, None, None], kv, 0.0)
         k, v = kv[..., 0, :], kv[..., 1, :]  # [T, C, K, H]
         s = softcap(jnp.einsum("tkgh,tckh->tkgc", qg, k))
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)

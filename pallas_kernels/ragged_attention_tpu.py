@@ -24,6 +24,11 @@ the window.
 The queries are laid out head-major by the wrapper, `[K, T * G, H]` (G = query heads per kv
 head), so each kv head's block is one plain `[rows, H] x [H, kv]` matmul with no reshape of a
 ref inside the kernel.
+
+An 8-bit cache's scales (`kv_cache.py`) come in a second HBM ref: each page's `[2K, page_size]`
+of scales is copied with the page, under the same semaphore. The 8-bit block is widened to q's
+dtype for the matmuls (int8 and e4m3 values are exact in bfloat16), and the scales multiply
+the scores (K) and the probabilities (V) per key, a [1, kv] row each, rather than the blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kv_cache import widen_kv
 
 # Scores outside the mask. Finite, so (masked - masked) is 0 and never NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -60,21 +67,25 @@ def _kernel(
     # Blocks.
     q_ref,  # [K, bq * G, H]      this q block's queries, head-major
     kv_hbm_ref,  # [L, num_pages, page_size, 2K, H]  the whole cache, left in HBM
-    o_ref,  # [K, bq * G, H]
-    # Scratch.
-    kv_buf,  # [2, kv_pages, page_size, 2K, H]  double buffer
-    sems,  # DMA semaphores [2], one per buffer slot
-    m_ref,  # f32[K, bq * G, 1]   running max
-    l_ref,  # f32[K, bq * G, 1]   running sum
-    acc_ref,  # f32[K, bq * G, H] running numerator
-    *,
+    *refs,
     q_block: int,
     group: int,
     kv_pages: int,
     pages_per_seq: int,
     sm_scale: float,
     soft_cap: float | None,
+    quantized: bool,
 ):
+    """`refs`, with an 8-bit cache: scales_hbm_ref f32[L, num_pages, 2K, page_size] (in HBM),
+    then always: o_ref [K, bq * G, H]; scratch kv_buf [2, kv_pages, page_size, 2K, H] (double
+    buffer), with an 8-bit cache scale_buf f32[2, kv_pages, 2K, page_size], sems (DMA
+    semaphores [2], one per buffer slot), m_ref, l_ref f32[K, bq * G, 1] (running max and sum)
+    and acc_ref f32[K, bq * G, H] (running numerator)."""
+    if quantized:
+        scales_hbm_ref, o_ref, kv_buf, scale_buf, sems, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, kv_buf, sems, m_ref, l_ref, acc_ref = refs
+        scales_hbm_ref = scale_buf = None
     num_kv_heads, rows, _ = q_ref.shape
     page_size = kv_buf.shape[2]
     kv_tokens = kv_pages * page_size
@@ -105,10 +116,20 @@ def _kernel(
         for i in range(kv_pages):
             p = kb * kv_pages + i
             page = tables_ref[r * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
-            copy = pltpu.make_async_copy(
-                kv_hbm_ref.at[layer, page], kv_buf.at[slot, i], sems.at[slot]
+            needed = p * page_size < kv_end
+            yield (
+                needed,
+                pltpu.make_async_copy(
+                    kv_hbm_ref.at[layer, page], kv_buf.at[slot, i], sems.at[slot]
+                ),
             )
-            yield p * page_size < kv_end, copy
+            if quantized:
+                yield (
+                    needed,
+                    pltpu.make_async_copy(
+                        scales_hbm_ref.at[layer, page], scale_buf.at[slot, i], sems.at[slot]
+                    ),
+                )
 
     def start_fetch(r, kb, slot):
         for needed, copy in page_copies(r, kb, slot):
@@ -128,14 +149,25 @@ def _kernel(
         # Value rows past the request's data may hold anything (stale or never written).
         v_ok = (kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0)) < kv_end
         kv = kv_buf[slot]  # [kv_pages, page_size, 2K, H]
+        # The dtype the matmuls take: the cache's, or q's when the cache is 8-bit (int8 and
+        # e4m3 values are exact in bfloat16); the scales are applied to scores and
+        # probabilities, per key, rather than to the [kv, H] blocks.
+        dtype = q_ref.dtype if quantized else kv.dtype  # (fp8 is stored as its bytes)
+        if quantized:
+            ok = (kv_pos < kv_end).reshape(1, kv_tokens)
+            scales = scale_buf[slot]  # [kv_pages, 2K, page_size]
         for h in range(num_kv_heads):
-            q = q_ref[h].astype(kv.dtype)  # [rows, H]
-            k = kv[:, :, 2 * h, :].reshape(kv_tokens, -1)  # [kv, H]
-            v = kv[:, :, 2 * h + 1, :].reshape(kv_tokens, -1)  # [kv, H]
+            q = q_ref[h].astype(dtype)  # [rows, H]
+            k = widen_kv(kv[:, :, 2 * h, :].reshape(kv_tokens, -1), dtype)  # [kv, H]
+            v = widen_kv(kv[:, :, 2 * h + 1, :].reshape(kv_tokens, -1), dtype)  # [kv, H]
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )  # [rows, kv]
+            if quantized:
+                k_scale = jnp.where(ok, scales[:, 2 * h, :].reshape(1, kv_tokens), 0.0)
+                v_scale = jnp.where(ok, scales[:, 2 * h + 1, :].reshape(1, kv_tokens), 0.0)
+                s = s * k_scale
             s = s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -146,6 +178,8 @@ def _kernel(
             alpha = jnp.exp(m_prev - m_new)
             m_ref[h] = m_new
             l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
+            if quantized:
+                p = p * v_scale
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             acc_ref[h] = alpha * acc_ref[h] + pv
 
@@ -196,6 +230,7 @@ def ragged_paged_attention_tpu(
     soft_cap: float | None = None,
     q_block: int,
     kv_pages: int,
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # [T, N, H]
     """The Mosaic TPU kernel behind `ragged_paged_attention(..., backend="pallas_tpu")`.
@@ -235,17 +270,25 @@ def ragged_paged_attention_tpu(
         pages_per_seq=pages_per_seq,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
+        quantized=kv_scales is not None,
     )
     q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda b, *_: (0, b, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    kv_buf = pltpu.VMEM((2, kv_pages, page_size, kh2, head_dim), kv_cache.dtype)
+    if kv_scales is None:
+        extra_in, extra_args, buffers = [], [], [kv_buf]
+    else:
+        scale_buf = pltpu.VMEM((2, kv_pages, kh2, page_size), jnp.float32)
+        extra_in, extra_args, buffers = [hbm], [kv_scales], [kv_buf, scale_buf]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(num_q_blocks,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, hbm, *extra_in],
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, kv_pages, page_size, kh2, head_dim), kv_cache.dtype),
+                *buffers,
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
@@ -266,6 +309,7 @@ def ragged_paged_attention_tpu(
         req_end.astype(jnp.int32),
         qh,
         kv_cache,
+        *extra_args,
     )
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded_tokens, num_heads, head_dim)[:num_tokens]

@@ -34,6 +34,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_cache import KVCache, read_kv
+
 # Bytes of K/V (as f32) one decode chunk may gather for all R rows, and the chunk lengths:
 # short contexts take the short chunk (fewer bytes gathered and copied), longer ones the long
 # chunk (fewer loop iterations); `lax.cond` picks per step, so both are in the program.
@@ -76,7 +78,9 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
 ) -> jax.Array:  # [T, N, H]
+    cache = KVCache(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, kh2, _ = kv_cache.shape
     num_kv_heads = kh2 // 2
@@ -98,7 +102,7 @@ def ragged_paged_attention_xla(
 
     def split_kv(kv, mask):
         """Gathered pages [..., C, 2K, H] -> zeroed where masked, then K and V [..., C, K, H]."""
-        kv = jnp.where(mask[..., None, None], kv.astype(f32), 0.0)
+        kv = jnp.where(mask[..., None, None], kv, 0.0)
         kv = kv.reshape(*kv.shape[:-2], num_kv_heads, 2, head_dim)
         return kv[..., 0, :], kv[..., 1, :]
 
@@ -116,7 +120,7 @@ def ragged_paged_attention_xla(
 
         def body(c, carry):
             pages = jax.lax.dynamic_slice_in_dim(table, c * cp, cp, axis=1)  # [R, cp]
-            kv = kv_cache[layer, pages].reshape(max_reqs, chunk, kh2, head_dim)
+            kv = read_kv(cache, layer, pages).reshape(max_reqs, chunk, kh2, head_dim)
             kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
             mask = (kpos[None, :] < dec_len[:, None]) & in_window(
                 kpos[None, :], dec_len[:, None] - 1
@@ -179,7 +183,7 @@ def ragged_paged_attention_xla(
         in_req = slot - page_start[sreq]  # the page's index in its request
         live = slot < page_end[-1]
         page = block_tables[sreq, jnp.clip(in_req, 0, pages_per_seq - 1)]
-        kv = kv_cache[layer, page].reshape(pchunk, kh2, head_dim)
+        kv = read_kv(cache, layer, page).reshape(pchunk, kh2, head_dim)
         kreq = jnp.repeat(sreq, page_size)  # [C]
         kpos = (in_req[:, None] * page_size + jnp.arange(page_size)).reshape(-1)  # [C]
         kvalid = jnp.repeat(live, page_size) & (kpos < seq[kreq])

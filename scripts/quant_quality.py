@@ -1,9 +1,16 @@
-"""Quality of each weight quantization against float32 on the same model: perplexity of a
-held-out text (from `prompt_logprobs`), greedy agreement on a few prompts (first diverging
-token), and the bytes of weights on the device.
+"""Quality of each weight and KV-cache quantization against float32 on the same model:
+perplexity of a held-out text (from `prompt_logprobs`), greedy agreement on a few prompts
+(first diverging token), and the bytes of weights and of KV cache per token on the device.
 
     python scripts/quant_quality.py smollm2-135m --quantization float,int8,int4,fp8,gguf \
         --json benchmarks/results/quant_quality_cpu.json
+    python scripts/quant_quality.py smollm2-135m --quantization float,float:int8,float:fp8 \
+        --json benchmarks/results/kv_cache_quality_cpu.json
+
+Each entry is a weight quantization, optionally with `:` and a `kv_cache_dtype`. The text is
+scored in chunks of 512 tokens, so all but the first chunk's tokens attend to the cached
+(and, with an 8-bit cache, quantized) K/V of the text before them, and each chunk to its own
+K/V read back from the cache.
 
 The text (tests/fixtures/heldout_python_docs.txt, 2,768 tokens for the demo model) is from
 Python's own documentation (the "Exceptions", "Execution model" and "Naming" topics that ship
@@ -28,14 +35,16 @@ PROMPTS = [
 ]
 
 
-def measure(model: str, quantization: str | None, max_tokens: int = 32) -> dict:
+def measure(model: str, entry: str, max_tokens: int = 32) -> dict:
     from jaxllm import LLM, SamplingParams
     from jaxllm.sharding import per_device_bytes
 
+    quantization, _, kv_cache_dtype = entry.partition(":")
     start = time.perf_counter()
     llm = LLM(
         model,
-        quantization=quantization,
+        quantization=quantization or None,
+        kv_cache_dtype=kv_cache_dtype or "auto",
         max_model_len=4096,
         max_num_seqs=4,
         max_num_batched_tokens=512,
@@ -54,8 +63,11 @@ def measure(model: str, quantization: str | None, max_tokens: int = 32) -> dict:
         use_tqdm=False,
     )
     _, weight_bytes = per_device_bytes(llm.runner.state)
+    cache = llm.runner.kv_cache
     return {
         "quantization": quantization or "none",
+        "kv_cache_dtype": str(cache.dtype),
+        "kv_cache_bytes_per_token": cache.nbytes // (cache.shape[1] * cache.shape[2]),
         "text_tokens": len(ids),
         "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
         "weight_bytes": weight_bytes,
@@ -74,6 +86,7 @@ def compare(rows: list[dict]) -> list[dict]:
     for r in rows:
         r["perplexity_ratio"] = r["perplexity"] / ref["perplexity"]
         r["weight_bytes_ratio"] = r["weight_bytes"] / ref["weight_bytes"]
+        r["kv_cache_bytes_ratio"] = r["kv_cache_bytes_per_token"] / ref["kv_cache_bytes_per_token"]
         r["first_divergence"] = [
             first_divergence(a, b)
             for a, b in zip(r["greedy_tokens"], ref["greedy_tokens"], strict=True)
@@ -88,11 +101,16 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = compare([measure(args.model, q) for q in args.quantization.split(",")])
-    print(f"{'quantization':>12} {'ppl':>8} {'ratio':>6} {'bytes':>11} {'ratio':>6}  divergence")
+    print(
+        f"{'quantization':>12} {'kv cache':>13} {'ppl':>8} {'ratio':>6} {'bytes':>11} "
+        f"{'ratio':>6} {'kv B/tok':>8} {'ratio':>6}  divergence"
+    )
     for r in rows:
         print(
-            f"{r['quantization']:>12} {r['perplexity']:8.3f} {r['perplexity_ratio']:6.3f} "
-            f"{r['weight_bytes']:>11} {r['weight_bytes_ratio']:6.3f}  {r['first_divergence']}"
+            f"{r['quantization']:>12} {r['kv_cache_dtype']:>13} {r['perplexity']:8.3f} "
+            f"{r['perplexity_ratio']:6.3f} {r['weight_bytes']:>11} {r['weight_bytes_ratio']:6.3f} "
+            f"{r['kv_cache_bytes_per_token']:>8} {r['kv_cache_bytes_ratio']:6.3f}  "
+            f"{r['first_divergence']}"
         )
     if args.json:
         import jax

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     if args.cpu_devices:
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=tp,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         before = llm.runner.num_compilations
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

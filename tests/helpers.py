@@ -13,7 +13,8 @@ import numpy as np
 
 from jaxllm.models import AttentionMetadata
 from jaxllm.testing import write_tiny_tokenizer
-from pallas_kernels import get_kv_cache_shape
+from pallas_kernels import KVCache, get_kv_cache_shape
+from pallas_kernels.kv_cache import quantize_kv
 
 
 def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> np.ndarray:
@@ -34,6 +35,18 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     ids = jnp.asarray(token_ids, jnp.int32)
     hidden, _ = model(ids, jnp.arange(num_tokens, dtype=jnp.int32), cache, meta)
     return np.asarray(model.compute_logits(hidden))
+
+
+def quantize_case_cache(cache: np.ndarray, dtype) -> KVCache:
+    """`make_case`'s NaN-filled float cache as an 8-bit `KVCache` of `dtype`: the written
+    tokens quantized as `write_kv` does, every unused slot's scales NaN (and, for fp8, its
+    data NaN too), so reading one still poisons the output."""
+    unused = np.isnan(cache).any(-1)  # [L, P, S, 2K]
+    data, scales = quantize_kv(jnp.asarray(np.nan_to_num(cache)), dtype)
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:  # stored as bytes; 0x7f is e4m3's NaN
+        data = jnp.where(jnp.asarray(unused)[..., None], jnp.uint8(0x7F), data)
+    scales = np.where(unused, np.nan, np.asarray(scales)).transpose(0, 1, 3, 2)
+    return KVCache(data, jnp.asarray(scales, jnp.float32))
 
 
 def dense_attention(q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None):

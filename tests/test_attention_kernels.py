@@ -32,7 +32,7 @@ from pallas_kernels import (
 )
 from pallas_kernels.tuning import device_family
 
-from helpers import MIXES, dense_attention, make_case
+from helpers import MIXES, dense_attention, make_case, quantize_case_cache
 
 # (num_heads, num_kv_heads, head_dim, page_size, dtype): GQA ratios 1, 3 and 8, head_dim 64
 # and 128, page sizes 16 and 128, f32 and bf16, each appearing with every mix below.
@@ -123,6 +123,30 @@ class KernelCases:
             out = np.asarray(self.run(args, sm_scale=0.1, block_sizes=sizes))
             np.testing.assert_allclose(out[:total], ref[:total], atol=1e-5, rtol=1e-5)
 
+    @pytest.mark.parametrize(
+        "kv_dtype,config",
+        [(jnp.int8, CONFIGS[1]), (jnp.float8_e4m3fn, CONFIGS[2])],
+        ids=["int8-gqa3-p16", "fp8-gqa8-p128"],
+    )
+    def test_quantized_cache_matches_reference(self, kv_dtype, config):
+        """An 8-bit cache (scales NaN in unused slots): the kernel widens it in q's dtype and
+        applies the scales to scores and probabilities; the reference dequantizes pages."""
+        *shape, dtype = config
+        args, (_, _, _, _, total) = _case(np.random.default_rng(4), "mixed", *shape, jnp.float32)
+        args = (
+            args[0].astype(dtype),
+            quantize_case_cache(np.asarray(args[1]), kv_dtype),
+            *args[2:],
+        )
+        out = self.run(args, sm_scale=0.1)
+        ref = ragged_paged_attention(*args, sm_scale=0.1, backend="reference")
+        assert out.dtype == dtype
+        out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+        assert not np.isnan(out).any()
+        tol = _tolerance(dtype)
+        np.testing.assert_allclose(out[:total], ref[:total], atol=tol, rtol=tol)
+        assert np.all(out[total:] == 0)
+
     def test_no_valid_requests(self):
         """An all-padding batch (num_seqs = 0) returns zeros and reads nothing."""
         args, _ = _case(np.random.default_rng(3), "decode", 2, 2, 128, 16, jnp.float32)
@@ -182,15 +206,24 @@ def test_tpu_kernel_under_the_tpu_simulator(mix):
     "backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")], ids=["mosaic", "triton"]
 )
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,page_size,dtype",
-    [(9, 3, 64, 16, jnp.bfloat16), (32, 8, 128, 128, jnp.bfloat16), (8, 8, 128, 16, jnp.float32)],
+    "num_heads,num_kv_heads,head_dim,page_size,dtype,kv_dtype",
+    [
+        (9, 3, 64, 16, jnp.bfloat16, None),
+        (32, 8, 128, 128, jnp.bfloat16, None),
+        (8, 8, 128, 16, jnp.float32, None),
+        (32, 8, 128, 16, jnp.bfloat16, jnp.int8),
+        (9, 3, 64, 128, jnp.bfloat16, jnp.float8_e4m3fn),
+    ],
 )
 def test_kernel_lowers_for_its_platform(
-    backend, platform, num_heads, num_kv_heads, head_dim, page_size, dtype
+    backend, platform, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype
 ):
     args, _ = _case(
         np.random.default_rng(5), "mixed", num_heads, num_kv_heads, head_dim, page_size, dtype
     )
+    if kv_dtype is not None:  # an 8-bit cache with its scales
+        cache = np.asarray(args[1].astype(jnp.float32))
+        args = (args[0], quantize_case_cache(cache, kv_dtype), *args[2:])
     sizes = get_block_sizes(
         backend,
         head_dim=head_dim,

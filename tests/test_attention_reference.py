@@ -6,13 +6,21 @@ poisons the output and fails the comparison."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import get_kv_cache_shape, ragged_paged_attention, write_kv
+from pallas_kernels import (
+    KVCache,
+    get_kv_cache_shape,
+    ragged_paged_attention,
+    write_kv,
+    zeros_kv_cache,
+)
+from pallas_kernels.kv_cache import read_kv
 
-from helpers import MIXES, dense_attention, make_case
+from helpers import MIXES, dense_attention, make_case, quantize_case_cache
 
 XLA_BACKENDS = ("reference", "xla", "cpu")
 
@@ -118,9 +126,100 @@ def test_write_kv_writes_only_its_slots():
     assert np.all(others == 0)
 
 
+# The largest error an 8-bit cache adds to the attention output of `make_case`'s unit-normal
+# K/V, against float: int8 keeps 8 bits of each token's range, e4m3 3 mantissa bits.
+KV_QUANT_TOL = {"int8": 3e-2, "fp8": 0.25}
+
+
+@pytest.mark.parametrize("backend", XLA_BACKENDS)
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("mix", ["mixed"])
+def test_quantized_cache_matches_dequantized(backend, kv_dtype, mix):
+    """An 8-bit cache gives the attention of its dequantized values, exactly up to float
+    rounding (reference: the dequantized float cache; unused slots still NaN), and that stays
+    close to the float K/V it was made from."""
+    rng = np.random.default_rng(5)
+    seqs = MIXES[mix]
+    q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
+        rng,
+        seqs,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        max_reqs=8,
+        t_pad=64,
+        dtype=jnp.float32,
+    )
+    dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_dtype]
+    quant = quantize_case_cache(cache, dtype)
+    dequant = read_kv(quant, slice(None), slice(None))
+    meta = (jnp.int32(1), jnp.asarray(seq_lens), jnp.asarray(bt), jnp.asarray(cu))
+    meta = (*meta, jnp.asarray([len(seqs)], jnp.int32))
+    out = np.asarray(
+        ragged_paged_attention(jnp.asarray(q), quant, *meta, sm_scale=0.125, backend=backend)
+    )
+    want = np.asarray(
+        ragged_paged_attention(jnp.asarray(q), dequant, *meta, sm_scale=0.125, backend="reference")
+    )
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out[:total], want[:total], atol=2e-5, rtol=2e-5)
+    assert np.all(out[total:] == 0)
+    for r, (q_len, _) in enumerate(seqs):
+        expect = dense_attention(q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.125)
+        err = np.abs(out[cu[r] : cu[r + 1]] - expect).max()
+        assert err < KV_QUANT_TOL[kv_dtype], (r, err)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_write_kv_quantizes_per_token_and_head(kv_dtype):
+    """Each written K or V head of a token gets its own scale (its absolute maximum over the
+    format's largest value, so that element is exact) and lands in its slot; padding slots and
+    other layers stay untouched."""
+    num_slots = 4 * 8
+    cache = zeros_kv_cache(get_kv_cache_shape(3, 4, 8, 2, 16), kv_dtype)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((5, 2, 16)).astype(np.float32) * np.array([1, 100])[None, :, None]
+    v = rng.standard_normal((5, 2, 16)).astype(np.float32) * 1e-3
+    slots = jnp.array([0, 9, 31, num_slots, num_slots + 7], jnp.int32)  # two padding tokens
+    out = write_kv(cache, 1, jnp.asarray(k), jnp.asarray(v), slots)
+    assert isinstance(out, KVCache) and out.dtype == kv_dtype
+    data, scales = np.asarray(out.data.astype(jnp.float32)), np.asarray(out.scales)
+    assert not data[[0, 2]].any() and not scales[[0, 2]].any(), "other layers are untouched"
+    got = np.asarray(read_kv(out, 1, jnp.arange(4))).reshape(num_slots, 4, 16)
+    tol = {jnp.int8: 0.5 / 127, jnp.float8_e4m3fn: 1 / 16}[kv_dtype]
+    for i, s in enumerate((0, 9, 31)):
+        want = np.stack([k[i], v[i]], axis=1).reshape(4, 16)
+        amax = np.abs(want).max(-1, keepdims=True)
+        assert np.all(np.abs(got[s] - want) <= tol * amax + 1e-12), s
+        assert np.allclose(np.abs(got[s]).max(-1), amax[:, 0], rtol=1e-6)  # the max is exact
+    # In place under jit with the cache donated: no temporary could hold a copy of the data (a
+    # float8 array would be widened for the scatter on CPU; it is stored as bytes instead).
+    write = jax.jit(write_kv, static_argnums=1, donate_argnums=0)
+    memory = write.lower(cache, 1, jnp.asarray(k), jnp.asarray(v), slots).compile()
+    memory = memory.memory_analysis()
+    assert memory.alias_size_in_bytes == cache.nbytes
+    assert memory.temp_size_in_bytes < cache.data.nbytes // 2, memory
+    written = np.zeros(num_slots, bool)
+    written[[0, 9, 31]] = True
+    assert (
+        not got[~written].any() and not scales[1].transpose(0, 2, 1).reshape(32, 4)[~written].any()
+    )
+
+
 def test_bad_shapes_are_named():
     q = jnp.zeros((16, 4, 64))
     args = (jnp.zeros(8, jnp.int32), jnp.zeros((8, 4), jnp.int32))
+    with pytest.raises(ValueError, match="needs float32 scales"):
+        ragged_paged_attention(
+            q,
+            KVCache(jnp.zeros((1, 4, 16, 8, 64), jnp.int8)),
+            0,
+            *args,
+            jnp.zeros(9, jnp.int32),
+            jnp.ones(1, jnp.int32),
+            sm_scale=1.0,
+        )
     with pytest.raises(ValueError, match="kv heads"):
         ragged_paged_attention(
             q, jnp.zeros(get_kv_cache_shape(1, 4, 16, 3, 64)), 0, *args,

@@ -124,6 +124,9 @@ def test_every_engine_field_has_a_flag_a_docstring_and_a_keyword():
     from jaxllm import quantization
 
     assert config_module.QUANTIZATIONS == quantization.QUANTIZATIONS
+    assert config_module.QUANTIZED_KV_CACHE_DTYPES == tuple(pallas_kernels.QUANTIZED_KV_DTYPES)
+    args = build_parser().parse_args(["serve", "m", "--kv-cache-dtype", "fp8_e4m3"])
+    assert EngineConfig.from_cli(args).cache.kv_cache_dtype == "fp8_e4m3"
 
 
 @pytest.mark.parametrize(
@@ -132,6 +135,7 @@ def test_every_engine_field_has_a_flag_a_docstring_and_a_keyword():
         ({"max_num_seqs": "8"}, "max_num_seqs must be int"),
         ({"enable_prefix_caching": 1}, "enable_prefix_caching must be bool"),
         ({"page_size": 24}, "page_size must be a power of two"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
         ({"memory_utilization": 1.5}, "memory_utilization must be in"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy must be fcfs or priority"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),

@@ -366,7 +366,7 @@ def test_engine_recovers_from_a_failed_step(tiny_llm):
     step = runner._forward
 
     def failing_step(state, kv_cache, *args, **kwargs):
-        kv_cache.delete()  # as a device fault after donation would leave it
+        kv_cache.data.delete()  # as a device fault after donation would leave it
         raise RuntimeError("simulated device fault")
 
     runner._forward = failing_step
@@ -376,7 +376,7 @@ def test_engine_recovers_from_a_failed_step(tiny_llm):
     finally:
         runner._forward = step
     _assert_idle(tiny_llm)
-    assert not runner.kv_cache.is_deleted() and not tiny_llm.kv_cache_manager.cached
+    assert not runner.kv_cache.data.is_deleted() and not tiny_llm.kv_cache_manager.cached
     assert tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
 
 

@@ -213,11 +213,15 @@ def test_tiny_model_logits_close_to_float(tiny_model_dir, fmt):
     assert rel < {"int8": 0.03, "int4": 0.15, "fp8": 0.1}[fmt], rel
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
-def test_engine_runs_quantized_without_compiling(tiny_model_dir, fmt):
-    """Warmup compiles every program; a mixed batch (prefill chunks, decodes) then compiles
-    nothing, and gives each request the tokens it gets alone: the native kernel sums every
-    output in the same order whatever the number of rows."""
+@pytest.mark.parametrize(
+    "fmt,kv_cache_dtype",
+    [("int8", "auto"), ("int4", "auto"), ("fp8", "auto"), (None, "int8"), ("int4", "fp8")],
+)
+def test_engine_runs_quantized_without_compiling(tiny_model_dir, fmt, kv_cache_dtype):
+    """Warmup compiles every program, each updating the (8-bit or float) KV cache in place; a
+    mixed batch (prefill chunks, decodes) then compiles nothing, and gives each request the
+    tokens it gets alone: the native kernels sum every output in the same order whatever the
+    number of rows."""
     from jaxllm import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": [5, 6, 7, 8] * k} for k in (1, 3, 9)]
@@ -225,6 +229,7 @@ def test_engine_runs_quantized_without_compiling(tiny_model_dir, fmt):
     llm = LLM(
         tiny_model_dir,
         quantization=fmt,
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=128,
         num_pages=32,
         max_num_seqs=4,
@@ -235,13 +240,39 @@ def test_engine_runs_quantized_without_compiling(tiny_model_dir, fmt):
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert llm.runner.num_compilations == before
     assert batched == alone
+    memory = llm.runner.program_memory
+    assert memory and all(llm.runner.updates_in_place(m) for m in memory.values())
+    if kv_cache_dtype != "auto":
+        assert llm.runner.kv_cache.scales is not None
+
+
+def test_8bit_kv_cache_pages_at_equal_memory():
+    """The pool gets the pages the saved bytes allow: an 8-bit cache (with its float32 scale
+    per token and head) holds (4 * 64) / (64 + 4) = 3.8x the pages of float32 and 1.9x those of
+    bfloat16 at head size 64, in the same budget."""
+    from jaxllm.config import CacheConfig, ModelConfig
+    from jaxllm.kv_sizing import plan_kv_cache, resolve_kv_cache_dtype
+
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=576, intermediate_size=64, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+    )  # fmt: skip
+    cache = CacheConfig(cpu_kv_cache_gib=0.5)
+    pages = {
+        name: plan_kv_cache(config, cache, resolve_kv_cache_dtype(name, "float32"), None)[0]
+        for name in ("float32", "bfloat16", "int8", "fp8")
+    }
+    assert pages["int8"] == pages["fp8"]
+    assert pages["int8"] / pages["float32"] == pytest.approx(256 / 68, rel=1e-3)
+    assert pages["int8"] / pages["bfloat16"] == pytest.approx(128 / 68, rel=1e-3)
 
 
 @pytest.mark.parametrize("fmt", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_tensor_parallel_same_tokens(request, tmp_path, tokenizer_dir, fmt):
     """Quantized weights and their scales split together: TP 1, 2, 4 give the same tokens,
-    with nothing compiled after warmup and each device holding about 1/TP of them. (int8 is
-    `slow`: the same code paths as int4 but the groups and packing, 40 s.)"""
+    with nothing compiled after warmup and each device holding about 1/TP of them; so do an
+    8-bit KV cache's data and scales (the int4 case runs with one). (int8 is `slow`: the same
+    code paths as int4 but the groups and packing, 40 s.)"""
     from conftest import write_tiny_checkpoint
 
     if fmt == "int8" and "slow" not in (request.config.getoption("markexpr") or ""):
@@ -250,10 +281,14 @@ def test_tensor_parallel_same_tokens(request, tmp_path, tokenizer_dir, fmt):
     model = write_tiny_checkpoint(
         tmp_path / "tp", tokenizer_dir, num_heads=8, num_kv_heads=2, vocab_size=512
     )
-    rows = tensor_parallel_report(model, "1,2,4", tmp_path, "--quantization", fmt)
+    kv = ["--kv-cache-dtype", "int8"] if fmt == "int4" else []
+    rows = tensor_parallel_report(model, "1,2,4", tmp_path, "--quantization", fmt, *kv)
     assert [r["same_tokens_as_first"] for r in rows] == [True] * 3
     assert [r["compiled_after_warmup"] for r in rows] == [0] * 3
     assert rows[2]["param_bytes_per_device"] < 0.4 * rows[0]["param_bytes"]
+    if kv:  # 2 kv heads: one per device at TP 2, and at TP 4 (each repeated twice)
+        whole = rows[0]["kv_bytes"]  # int8 data and f32 scales
+        assert [r["kv_bytes_per_device"] for r in rows] == [whole, whole // 2, whole // 2]
 
 
 @pytest.mark.slow
@@ -270,11 +305,11 @@ def test_demo_perplexity_and_greedy_agreement(request):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     import quant_quality
 
-    rows = quant_quality.compare(
-        [quant_quality.measure("smollm2-135m", q) for q in ("float", "int8", "int4")]
-    )
-    for r in rows:
-        print(r["quantization"], r["perplexity"], r["first_divergence"])
+    entries = ("float", "int8", "int4", "float:int8")
+    rows = quant_quality.compare([quant_quality.measure("smollm2-135m", q) for q in entries])
+    for e, r in zip(entries, rows, strict=True):
+        print(e, r["perplexity"], r["first_divergence"])
     assert rows[0]["text_tokens"] >= 2000
     assert rows[1]["perplexity_ratio"] <= 1.01
     assert rows[2]["perplexity_ratio"] <= 1.05
+    assert rows[3]["perplexity_ratio"] <= 1.01  # an int8 KV cache

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/kernels/ragged_attention.py [--backend reference,pallas_gpu] \
         [--batch 8,16,32,64,128,256] [--context 1024,2048,4096,8192] [--q-len 1] \
         [--num-q-heads 32] [--num-kv-heads 8] [--head-dim 128] [--page-size 16] \
-        [--dtype bfloat16] [--iters 20] [--warmup 3] [--check] [--json PATH]
+        [--dtype bfloat16] [--kv-cache-dtype int8|fp8] [--iters 20] [--warmup 3] [--check] \
+        [--json PATH]
     .venv/bin/python benchmarks/kernels/ragged_attention.py --quick --interpret  # CPU, seconds
 
 For each (batch, context) it builds one layer of a random paged KV cache (fixed seed) with
@@ -13,8 +14,9 @@ tokens; its last `q_len` are this step's queries (q_len 1 is decode). Each backe
 call is compiled (the time is reported), run `--warmup` times, then timed `--iters` times, one
 call with `block_until_ready` each; the median and min are reported.
 
-Bytes = K/V of every sequence (batch * context * 2K * H * itemsize) + q + output: what an
-ideal kernel moves through HBM once. GB/s = bytes / median time, with its share of the
+Bytes = K/V of every sequence (batch * context * 2K * H * itemsize, an 8-bit cache's scales
+included) + q + output: what an ideal kernel moves through HBM once. `--kv-cache-dtype`
+quantizes the random cache to int8 or fp8 (`pallas_kernels/kv_cache.py`); q stays `--dtype`. GB/s = bytes / median time, with its share of the
 device's peak HBM bandwidth ("n/a" on a device not in `PEAK_HBM_GB_S`, such as CPU). "vs ref"
 is the backend's median over the reference's on the same config. The time of an empty jitted
 call is printed as the host dispatch floor: a config timed near it measures the host, not the
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from pallas_kernels.kv_cache import quantize_kv
 from pallas_kernels.tuning import device_family
 
 # Peak HBM bandwidth (GB/s) by device family, as `pallas_kernels.tuning.device_family` names
@@ -114,6 +117,10 @@ def make_inputs(args, batch: int, context: int) -> tuple:
     )
     key_cache, key_q = jax.random.split(jax.random.key(SEED))
     kv_cache = jax.random.normal(key_cache, shape, args.dtype)  # [1, pages, page_size, 2K, H]
+    if args.kv_cache_dtype is not None:
+        dtype = pallas_kernels.QUANTIZED_KV_DTYPES[args.kv_cache_dtype]
+        data, scales = quantize_kv(kv_cache, dtype)
+        kv_cache = pallas_kernels.KVCache(data, jnp.swapaxes(scales, -1, -2))
     q = jax.random.normal(key_q, (batch * args.q_len, args.num_q_heads, args.head_dim), args.dtype)
     rng = np.random.default_rng(SEED)
     block_tables = rng.permutation(num_pages)[: batch * pages_per_seq]
@@ -186,11 +193,15 @@ def run_config(args, batch: int, context: int, peak: float | None) -> list[dict]
     """All backends on one (batch, context); the reference runs first so others compare to it."""
     base = {"batch": batch, "context": context, "q_len": args.q_len}
     itemsize = jnp.dtype(args.dtype).itemsize
+    head_bytes = pallas_kernels.kv_bytes_per_token_head(
+        args.head_dim,
+        pallas_kernels.QUANTIZED_KV_DTYPES.get(args.kv_cache_dtype, args.dtype),
+    )
     num_tokens = batch * args.q_len
-    kv_bytes = batch * context * 2 * args.num_kv_heads * args.head_dim * itemsize
+    kv_bytes = batch * context * 2 * args.num_kv_heads * head_bytes
     q_bytes = num_tokens * args.num_q_heads * args.head_dim * itemsize
     pages = batch * -(-context // args.page_size) + SPARE_PAGES
-    cache_bytes = pages * args.page_size * 2 * args.num_kv_heads * args.head_dim * itemsize
+    cache_bytes = pages * args.page_size * 2 * args.num_kv_heads * head_bytes
     free = free_bytes()
     if free is not None and cache_bytes + 2 * q_bytes > free:
         reason = f"needs {(cache_bytes + 2 * q_bytes) / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
@@ -265,6 +276,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--kv-cache-dtype", choices=list(pallas_kernels.QUANTIZED_KV_DTYPES))
     p.add_argument("--iters", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--check", action="store_true", help="max abs error against the reference")

@@ -76,14 +76,13 @@ class EngineCore:
         every program (unless `skip_warmup`), and on host 0 of a multi-host run waits for the
         other hosts to join the lockstep channel."""
         import jax
-        import jax.numpy as jnp
 
         import pallas_kernels
         from jaxllm.compilation_cache import setup_compilation_cache
         from jaxllm.config import resolve_dtype
         from jaxllm.engine import multihost
         from jaxllm.engine.kv_cache_manager import KVCacheManager
-        from jaxllm.kv_sizing import plan_kv_cache
+        from jaxllm.kv_sizing import plan_kv_cache, resolve_kv_cache_dtype
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
         from jaxllm.runner import ModelRunner
@@ -108,12 +107,7 @@ class EngineCore:
             load_tokenizer=False,
             quantization=config.load.quantization,
         )
-        # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend
-        # computes bfloat16 in float32, and converting the cache for the K/V write made every
-        # forward program copy it, every step (found by the runner's in-place check).
-        kv_dtype = (
-            jnp.float32 if jax.default_backend() == "cpu" else resolve_dtype(config.load.dtype)
-        )
+        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
         num_pages, max_model_len = plan_kv_cache(
             loaded.config, config.cache, kv_dtype, config.scheduler.max_model_len, tp
         )

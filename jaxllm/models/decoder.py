@@ -38,6 +38,7 @@ from jaxllm.models.layers import (
 )
 from jaxllm.models.moe import MoE
 from jaxllm.quantization import QArray, qmatmul, take_rows
+from pallas_kernels import KVCache, as_kv_cache
 
 
 class DecoderLayer(nnx.Module):
@@ -133,9 +134,10 @@ class DecoderForCausalLM(nnx.Module):
         self,
         input_ids: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]
-        kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+        kv_cache: KVCache | jax.Array,  # [L, num_pages, page_size, 2K, H]; an array: float
         meta: AttentionMetadata,
-    ) -> tuple[jax.Array, jax.Array]:  # [T, D], updated cache
+    ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
+        kv_cache = as_kv_cache(kv_cache)
         table = self.embed_tokens.get_value()
         x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
         if self.embed_scale is not None:

@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from jaxllm.config import ModelConfig, RopeScaling
 from jaxllm.quantization import QArray, qmatmul
+from jaxllm.sharding import kv_cache_specs
+from pallas_kernels import KVCache
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype, scale=0.02):
@@ -219,7 +221,7 @@ class Attention(nnx.Module):
         self,
         x: jax.Array,  # [T, D]
         rope: Rope,  # of this step's positions
-        kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+        kv_cache: KVCache,  # [L, num_pages, page_size, 2K, H]
         layer: int,  # this layer's index into the cache
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
@@ -244,7 +246,9 @@ class Attention(nnx.Module):
         def run(q, k, v, kv_cache, layer, meta):
             kv_cache = pallas_kernels.write_kv(kv_cache, layer, k, v, meta.slot_mapping)
             out = pallas_kernels.ragged_paged_attention(
-                q.astype(kv_cache.dtype),  # the cache may be wider than the model (see llm.py)
+                # A float cache may be wider than the model (see kv_sizing.py); an 8-bit one
+                # is widened to q's dtype by the kernel.
+                q if kv_cache.quantized else q.astype(kv_cache.dtype),
                 kv_cache,
                 layer,
                 meta.seq_lens,
@@ -261,7 +265,7 @@ class Attention(nnx.Module):
         if self.mesh is None:
             return run(q, k, v, kv_cache, layer, meta)
         heads = P(None, "model", None)
-        cache = P(None, None, None, "model", None)
+        cache = kv_cache_specs(kv_cache.quantized)
         return jax.shard_map(
             run,
             mesh=self.mesh,

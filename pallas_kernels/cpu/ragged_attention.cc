@@ -27,8 +27,14 @@
 // The head size is a template parameter for the usual sizes, so those loops unroll.
 // Only tokens below a request's length are read, so whatever unused slots hold (stale data, or
 // NaN in the tests) never reaches a result.
+//
+// An 8-bit cache (int8, or float8_e4m3fn stored as its bytes, uint8, and read through a 256-entry
+// table) comes with its scales
+// f32[L, num_pages, 2K, page_size]: each token's K and V rows are widened and scaled as the tile
+// is read, so the rest of the item is the float code. A float cache passes a dummy f32[1].
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -44,6 +50,25 @@ namespace {
 constexpr int kQueryBlock = 32;     // query rows per work item
 constexpr float kMasked = -1e30f;   // a score that exp() turns into 0; finite on purpose
 
+struct E4M3 {  // float8_e4m3fn, as stored
+  uint8_t bits;
+};
+
+// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff NaN.
+std::array<float, 256> MakeE4M3Table() {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    float v = e == 0 ? std::ldexp(m / 8.f, -6) : std::ldexp(1.f + m / 8.f, e - 7);
+    if (e == 15 && m == 7) v = NAN;
+    t[b] = (b & 128) ? -v : v;
+  }
+  return t;
+}
+const std::array<float, 256> kE4M3 = MakeE4M3Table();
+
+inline float to_float(E4M3 x) { return kE4M3[x.bits]; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bf16) {
   uint32_t bits = static_cast<uint32_t>(bf16) << 16;
@@ -83,10 +108,11 @@ constexpr int kDirectVecs = 4;   // up to this many query vectors: dot products,
 
 // One work item. HD is the head size when known at compile time (0: use s.head_dim), so the
 // loops over it unroll and vectorize.
+// `layer_scales`: this layer's [num_pages, 2K, page_size] scales of an 8-bit cache, else null.
 template <int HD, typename QT, typename CT>
 void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, const CT* layer_kv,
-             const int32_t* seq_lens, const int32_t* block_tables, const int32_t* cu,
-             QT* out) {
+             const float* layer_scales, const int32_t* seq_lens, const int32_t* block_tables,
+             const int32_t* cu, QT* out) {
   const int64_t H = HD > 0 ? HD : s.head_dim;
   const int64_t G = s.group, PS = s.page_size;
   const int64_t token_stride = 2 * s.num_kv_heads * H;  // elements between tokens of a page
@@ -112,13 +138,19 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
       prm.sliding_window > 0 ? std::max<int64_t>(0, first_pos - prm.sliding_window + 1) : 0;
   const int32_t* table = block_tables + item.req * s.pages_per_seq;
   const CT* rows[kTile];
+  float k_scale[kTile], v_scale[kTile];
 
   for (int64_t t0 = lo - lo % kTile; t0 < hi; t0 += kTile) {
     // The tile's valid tokens [j0, j1) (relative to t0), their K and V rows as f32.
     const int64_t j0 = std::max<int64_t>(lo - t0, 0), j1 = std::min<int64_t>(hi - t0, kTile);
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t t = t0 + j;
-      rows[j] = layer_kv + (table[t / PS] * PS + t % PS) * token_stride + 2 * item.kv_head * H;
+      const int64_t t = t0 + j, page = table[t / PS];
+      rows[j] = layer_kv + (page * PS + t % PS) * token_stride + 2 * item.kv_head * H;
+      if (layer_scales != nullptr) {
+        const float* sp = layer_scales + (page * 2 * s.num_kv_heads + 2 * item.kv_head) * PS;
+        k_scale[j] = sp[t % PS];
+        v_scale[j] = sp[PS + t % PS];
+      }
     }
     for (int64_t j = 0; j < kTile; ++j) {
       float* kd = &kf[j * H];
@@ -128,6 +160,12 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
         continue;
       }
       const CT* kr = rows[j];
+      if (layer_scales != nullptr) {
+        const float ks = k_scale[j], vs = v_scale[j];
+        for (int64_t h = 0; h < H; ++h) kd[h] = to_float(kr[h]) * ks;
+        for (int64_t h = 0; h < H; ++h) vd[h] = to_float(kr[H + h]) * vs;
+        continue;
+      }
       for (int64_t h = 0; h < H; ++h) kd[h] = to_float(kr[h]);
       for (int64_t h = 0; h < H; ++h) vd[h] = to_float(kr[H + h]);
     }
@@ -224,8 +262,8 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
 }
 
 template <typename QT, typename CT>
-void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, int64_t layer,
-         const int32_t* seq_lens, const int32_t* block_tables, const int32_t* cu,
+void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, const float* scales,
+         int64_t layer, const int32_t* seq_lens, const int32_t* block_tables, const int32_t* cu,
          int64_t num_seqs, QT* out) {
   std::memset(out, 0, sizeof(QT) * s.num_tokens * s.num_heads * s.head_dim);
   std::vector<Item> items;
@@ -235,13 +273,16 @@ void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, int64_t l
       for (int32_t k = 0; k < s.num_kv_heads; ++k) items.push_back({r, row, n, k});
     }
   }
-  const CT* layer_kv = kv + layer * s.num_pages * s.page_size * 2 * s.num_kv_heads * s.head_dim;
+  const int64_t layer_tokens = layer * s.num_pages * s.page_size * 2 * s.num_kv_heads;
+  const CT* layer_kv = kv + layer_tokens * s.head_dim;
+  const float* layer_scales = scales == nullptr ? nullptr : scales + layer_tokens;
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto run = [&](auto head_dim) {
     constexpr int HD = decltype(head_dim)::value;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i)
-      RunItem<HD, QT, CT>(items[i], s, prm, q, layer_kv, seq_lens, block_tables, cu, out);
+      RunItem<HD, QT, CT>(items[i], s, prm, q, layer_kv, layer_scales, seq_lens, block_tables,
+                          cu, out);
   };
   switch (s.head_dim) {
     case 16: run(std::integral_constant<int, 16>()); break;
@@ -253,7 +294,8 @@ void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, int64_t l
   }
 }
 
-ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
+ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32> kv_scales,
+                ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                 ffi::Buffer<ffi::S32> sliding_window, float sm_scale, float soft_cap,
@@ -282,16 +324,36 @@ ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32>
         return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: page id out of range");
   }
   const auto qt = q.element_type(), ct = kv_cache.element_type();
+  const bool quantized = ct == ffi::S8 || ct == ffi::U8;
+  if (quantized) {
+    auto sd = kv_scales.dimensions();
+    if (sd.size() != 4 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != cd[3] || sd[3] != cd[2])
+      return ffi::Error::InvalidArgument(
+          "ragged_paged_attention_cpu: an 8-bit cache needs scales [L, num_pages, 2K, page_size]");
+    if (qt != ffi::F32)
+      return ffi::Error::InvalidArgument(
+          "ragged_paged_attention_cpu: q must be float32 with an 8-bit cache");
+  }
+  const float* scales = quantized ? kv_scales.typed_data() : nullptr;
   if (qt == ffi::F32 && ct == ffi::F32) {
-    Run<float, float>(s, prm, q.typed_data<float>(), kv_cache.typed_data<float>(), lay, sl, bt, cu,
-                      n, out->typed_data<float>());
+    Run<float, float>(s, prm, q.typed_data<float>(), kv_cache.typed_data<float>(), nullptr, lay,
+                      sl, bt, cu, n, out->typed_data<float>());
   } else if (qt == ffi::BF16 && ct == ffi::BF16) {
     Run<uint16_t, uint16_t>(s, prm, reinterpret_cast<const uint16_t*>(q.untyped_data()),
-                            reinterpret_cast<const uint16_t*>(kv_cache.untyped_data()), lay, sl,
-                            bt, cu, n, reinterpret_cast<uint16_t*>(out->untyped_data()));
+                            reinterpret_cast<const uint16_t*>(kv_cache.untyped_data()), nullptr,
+                            lay, sl, bt, cu, n, reinterpret_cast<uint16_t*>(out->untyped_data()));
+  } else if (ct == ffi::S8) {
+    Run<float, int8_t>(s, prm, q.typed_data<float>(),
+                       reinterpret_cast<const int8_t*>(kv_cache.untyped_data()), scales, lay, sl,
+                       bt, cu, n, out->typed_data<float>());
+  } else if (ct == ffi::U8) {  // float8_e4m3fn, as its bytes
+    Run<float, E4M3>(s, prm, q.typed_data<float>(),
+                     reinterpret_cast<const E4M3*>(kv_cache.untyped_data()), scales, lay, sl, bt,
+                     cu, n, out->typed_data<float>());
   } else {
     return ffi::Error::InvalidArgument(
-        "ragged_paged_attention_cpu: q and the cache must both be float32 or both bfloat16");
+        "ragged_paged_attention_cpu: q and the cache must both be float32 or both bfloat16, or "
+        "the cache int8 / uint8 (float8_e4m3fn bytes) with its scales");
   }
   return ffi::Error::Success();
 }
@@ -302,6 +364,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()          // q
                                   .Arg<ffi::AnyBuffer>()          // kv_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kv_scales (or a dummy [1])
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
