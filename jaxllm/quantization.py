@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import pallas_kernels
 from pallas_kernels import quant_matmul_cpu
 
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
@@ -247,7 +248,7 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
 
 
 def _use_native() -> bool:
-    return jax.default_backend() == "cpu" and quant_matmul_cpu.available()
+    return pallas_kernels.current_platform() == "cpu" and quant_matmul_cpu.available()
 
 
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:

@@ -23,6 +23,9 @@ window (Gemma 3 mixes windowed and global layers), and one compiled step serves 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +74,30 @@ def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:  # i32
             f"{list(sliding_window.shape)}"
         )
     return jnp.asarray(sliding_window).astype(jnp.int32)
+
+
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxllm_target_platform", default=None
+)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+    """Within it, kernels are traced for `platform` ("cpu", "gpu" / "cuda", "tpu") instead of
+    JAX's default backend: the Pallas kernels lower natively (not interpreted) and the native
+    CPU kernels (FFI) stay out. For lowering a program for another platform than this
+    machine's, `jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`: that is how the
+    CPU suite checks the whole step lowers for TPU and CUDA."""
+    token = _TARGET_PLATFORM.set("gpu" if platform in ("cuda", "rocm") else platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
+def current_platform() -> str:
+    """The platform kernels are traced for: `target_platform`'s, else JAX's default backend."""
+    return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
@@ -159,7 +186,7 @@ def ragged_paged_attention(
 
     page_size = kv_cache.shape[2]
     if interpret is None:
-        interpret = jax.default_backend() != _NATIVE_PLATFORM[backend]
+        interpret = current_platform() != _NATIVE_PLATFORM[backend]
     if block_sizes is None:
         block_sizes = get_block_sizes(
             backend,
@@ -205,6 +232,7 @@ __all__ = [
     "BlockSizes",
     "KVCache",
     "as_kv_cache",
+    "current_platform",
     "get_block_sizes",
     "get_kv_cache_shape",
     "is_quantized_dtype",
@@ -216,6 +244,7 @@ __all__ = [
     "ragged_paged_attention_tpu",
     "ragged_paged_attention_xla",
     "resolve_backend",
+    "target_platform",
     "write_kv",
     "zeros_kv_cache",
 ]

@@ -3,6 +3,8 @@ place."""
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from jaxllm.runner import make_buckets, pick_shape
@@ -50,3 +52,45 @@ def test_every_program_updates_the_kv_cache_in_place(tiny_model_dir, attention_b
     assert set(runner.program_memory) == set(runner.shapes)
     for shape, memory in runner.program_memory.items():
         assert runner.updates_in_place(memory), (shape, memory, runner.kv_cache.nbytes)
+
+
+@pytest.mark.parametrize(
+    "platform,quantization,kv_cache_dtype",
+    [
+        ("tpu", None, "auto"),
+        ("cuda", None, "auto"),
+        ("tpu", "int4", "int8"),
+        ("cuda", "int8", "fp8"),
+    ],
+)
+def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantization, kv_cache_dtype):
+    """The engine's step programs (forward pass with the platform's Pallas attention kernel,
+    head and sampler), not only the kernel, lower for TPU and CUDA from this CPU: a change that
+    breaks either shows here without a device. Quantized weights and an 8-bit cache too."""
+    import pallas_kernels
+    from jaxllm import LLM
+
+    llm = LLM(
+        tiny_model_dir,
+        dtype="bfloat16",
+        max_model_len=128,
+        num_pages=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu",
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        skip_warmup=True,
+    )
+    runner = llm.runner
+    batch, sampling = runner._padding_batch(*runner.shapes[-1])
+    with pallas_kernels.target_platform(platform):
+        forward = runner._forward.trace(runner._params, runner.kv_cache, runner.last_tokens, batch)
+        text = forward.lower(lowering_platforms=(platform,)).as_text()
+        _, hidden, _ = forward.out_info
+        rows = jax.ShapeDtypeStruct((runner.shapes[-1][1], *hidden.shape[1:]), hidden.dtype)
+        sample_rows = np.zeros(runner.shapes[-1][1], np.int32)
+        head = runner._sample.trace(runner._params, rows, sampling, sample_rows, runner.last_tokens)
+        head.lower(lowering_platforms=(platform,))
+    assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
+    assert "jaxllm_" not in text, "a native CPU kernel was traced into an accelerator program"
