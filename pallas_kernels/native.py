@@ -69,7 +69,10 @@ def _build(name: str) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     source_path = _SOURCES / f"{name}.cc"
-    source = source_path.read_bytes()
+    # The key covers the headers beside the sources too (shared code such as e4m3.h).
+    source = source_path.read_bytes() + b"".join(
+        h.read_bytes() for h in sorted(_SOURCES.glob("*.h"))
+    )
     key = hashlib.sha256(
         source + " ".join([cxx, *_FLAGS, *_LINK_FLAGS]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]

@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "e4m3.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -54,18 +55,7 @@ struct E4M3 {  // float8_e4m3fn, as stored
   uint8_t bits;
 };
 
-// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff NaN.
-std::array<float, 256> MakeE4M3Table() {
-  std::array<float, 256> t{};
-  for (int b = 0; b < 256; ++b) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    float v = e == 0 ? std::ldexp(m / 8.f, -6) : std::ldexp(1.f + m / 8.f, e - 7);
-    if (e == 15 && m == 7) v = NAN;
-    t[b] = (b & 128) ? -v : v;
-  }
-  return t;
-}
-const std::array<float, 256> kE4M3 = MakeE4M3Table();
+using jaxllm::kE4M3;  // e4m3.h
 
 inline float to_float(E4M3 x) { return kE4M3[x.bits]; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
