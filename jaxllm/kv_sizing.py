@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> jnp.dtype:
     """The cache's dtype for `kv_cache_dtype` (see `CacheConfig`) and the weights' `dtype`."""
-    if kv_cache_dtype in ("fp8", "fp8_e4m3", "int8"):
-        return jnp.dtype(QUANTIZED_KV_DTYPES["int8" if kv_cache_dtype == "int8" else "fp8"])
+    name = "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype  # vLLM's alias
+    if name in QUANTIZED_KV_DTYPES:
+        return jnp.dtype(QUANTIZED_KV_DTYPES[name])
     if kv_cache_dtype != "auto":
         return jnp.dtype(resolve_dtype(kv_cache_dtype))
     # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend

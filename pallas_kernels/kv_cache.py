@@ -14,15 +14,15 @@ A token's slot is `page * page_size + offset`. Writes go through `write_kv`, a s
 the donated cache, so no step copies the cache.
 
 An 8-bit cache (`int8`, or `fp8` = float8 e4m3) is a `KVCache`: the 8-bit data in the same
-layout (fp8 kept as its bytes, uint8, see `_STORAGE`) plus one float32 scale per (layer, page, K or V head, token), `scales[L, num_pages, 2K,
-page_size]`, so that `value = data * scale`. The scale is the token's absolute maximum over the
-head divided by the format's largest value (127 or 448), set when the token is written: a
-symmetric per-token, per-head quantization that needs no calibration and is exact for the
-token's largest element. Page-major like the data, so a page's data and scales move together;
-heads before tokens, so a TPU kernel loads one head's scales of a page as a lane vector. A
-page costs (H + 4) bytes per token and head instead of 4H (float32) or 2H (bfloat16): 3.8x
-and 1.9x the pages at head size 64, 3.9x and 1.9x at 128. Every backend reads the 8-bit data
-and scales in place and widens only what it computes with.
+layout (fp8 kept as its bytes, see `_STORAGE`) plus one float32 scale per (layer, page, K or V
+head, token), `scales[L, num_pages, 2K, page_size]`, so that `value = data * scale`. The scale
+is the token's absolute maximum over the head divided by the format's largest value (127 or
+448), set when the token is written: a symmetric per-token, per-head quantization that needs
+no calibration and is exact for the token's largest element. Page-major like the data, so a
+page's data and scales move together; heads before tokens, so a TPU kernel loads one head's
+scales of a page as a lane vector. A page costs (H + 4) bytes per token and head instead of 4H
+(float32) or 2H (bfloat16): 3.8x and 1.9x the pages at head size 64, 3.9x and 1.9x at 128.
+Every backend reads the 8-bit data and scales in place and widens only what it computes with.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ _STORAGE = {
 _FORMAT = {v: k for k, v in _STORAGE.items()}  # storage dtype -> format
 
 
+def _format(dtype) -> jnp.dtype:
+    """The format a dtype names: itself, or the 8-bit format stored as it."""
+    return _FORMAT.get(jnp.dtype(dtype), jnp.dtype(dtype))
+
+
 class KVCache(NamedTuple):
     """The paged cache of all layers; `scales` is None for a float cache (see the module doc)."""
 
@@ -59,7 +64,7 @@ class KVCache(NamedTuple):
     @property
     def dtype(self) -> jnp.dtype:
         """The format: the float dtype, int8, or float8_e4m3fn (stored as uint8)."""
-        return _FORMAT.get(jnp.dtype(self.data.dtype), jnp.dtype(self.data.dtype))
+        return _format(self.data.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +77,7 @@ class KVCache(NamedTuple):
 
 def is_quantized_dtype(dtype) -> bool:
     """Whether `dtype` is an 8-bit format, or the array dtype one is stored as."""
-    return jnp.dtype(dtype) in _QMAX or jnp.dtype(dtype) in _FORMAT
+    return _format(dtype) in _QMAX
 
 
 def widen_kv(x: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -105,7 +110,7 @@ def zeros_kv_cache(shape: tuple[int, ...], dtype) -> KVCache:
     """An empty cache of `shape` (`get_kv_cache_shape`) and `dtype` (float or 8-bit)."""
     if not is_quantized_dtype(dtype):
         return KVCache(jnp.zeros(shape, dtype))
-    data = jnp.zeros(shape, _STORAGE[_FORMAT.get(jnp.dtype(dtype), jnp.dtype(dtype))])
+    data = jnp.zeros(shape, _STORAGE[_format(dtype)])
     num_layers, num_pages, page_size, kh2, _ = shape
     return KVCache(data, jnp.zeros((num_layers, num_pages, kh2, page_size), jnp.float32))
 

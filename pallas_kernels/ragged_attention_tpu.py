@@ -154,7 +154,7 @@ def _kernel(
         # probabilities, per key, rather than to the [kv, H] blocks.
         dtype = q_ref.dtype if quantized else kv.dtype  # (fp8 is stored as its bytes)
         if quantized:
-            ok = (kv_pos < kv_end).reshape(1, kv_tokens)
+            ok = kv_pos < kv_end  # [1, kv]
             scales = scale_buf[slot]  # [kv_pages, 2K, page_size]
         for h in range(num_kv_heads):
             q = q_ref[h].astype(dtype)  # [rows, H]
