@@ -2,8 +2,8 @@
 
 `ModelConfig` describes the network (built from a Hugging Face `config.json` or from GGUF
 metadata). `EngineConfig` describes how it is served, one section per concern: `LoadConfig`
-(the model source and overrides), `CacheConfig`, `SchedulerConfig`, `ParallelConfig` and
-`CompilationConfig`. Each of their fields is declared once, with its default and a docstring;
+(the model source and overrides), `CacheConfig`, `SchedulerConfig`, `ParallelConfig`,
+`CompilationConfig` and `SpeculativeConfig`. Each of their fields is declared once, with its default and a docstring;
 the `LLM(...)` keyword arguments, the command line's flags (`add_cli_args`, vLLM's names as
 aliases where vLLM has the concept) and their `--help` all come from those declarations.
 
@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import textwrap
 import types
 import typing
@@ -392,6 +393,7 @@ def _check_types(config: Any) -> None:
             or (t is int and isinstance(value, int) and not isinstance(value, bool))
             or (t is float and isinstance(value, int | float) and not isinstance(value, bool))
             or (t is str and isinstance(value, str))
+            or (t is dict and isinstance(value, dict))
             for t in allowed
         )
         if not ok:
@@ -570,6 +572,96 @@ class CompilationConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecMethod:
+    """A validated speculative decoding setup (`SpeculativeConfig.method`)."""
+
+    method: str  # "ngram" or "draft_model"
+    num_speculative_tokens: int  # k: the most draft tokens verified per request and step
+    prompt_lookup_min: int = 0  # ngram: the shortest and longest suffix n-gram looked up
+    prompt_lookup_max: int = 0
+    model: str | None = None  # draft_model: its checkpoint (any `model` this engine loads)
+
+
+MAX_SPECULATIVE_TOKENS = 16
+_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding."""
+
+    speculative_config: dict | None = None
+    """vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    "prompt_lookup_min": m} proposes the k tokens that followed the latest earlier occurrence
+    of the sequence's last n..m tokens; {"model": PATH, "num_speculative_tokens": k} runs a
+    draft model with the target's vocabulary. The target verifies the drafts in its next step:
+    the output is the one without speculation (each step runs synchronously)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, str):  # JSON text, as the flag takes it
+            try:
+                parsed = json.loads(self.speculative_config)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+            object.__setattr__(self, "speculative_config", parsed)
+        _check_types(self)
+        _ = self.method  # validates the setup now, naming what is wrong
+
+    @functools.cached_property
+    def method(self) -> SpecMethod | None:
+        """The setup, validated; None when speculative decoding is off."""
+        c = self.speculative_config
+        if c is None:
+            return None
+        unknown = sorted(set(c) - _SPEC_KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)} (known: "
+                f"{', '.join(sorted(_SPEC_KEYS))})"
+            )
+
+        def integer(key: str, default: int | None, low: int, high: int) -> int:
+            value = c.get(key, default)
+            if value is None:
+                raise ValueError(f"speculative_config: {key} is required")
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(
+                    f"speculative_config: {key} must be an integer in [{low}, {high}], got "
+                    f"{value!r}"
+                )
+            return value
+
+        k = integer("num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        model = c.get("model")
+        method = c.get("method", "draft_model" if model is not None else None)
+        if method == "ngram":
+            if model is not None:
+                raise ValueError("speculative_config: method ngram takes no model")
+            # vLLM's defaults: 5 and 5 when neither is given, else the one given for both.
+            lo, hi = c.get("prompt_lookup_min"), c.get("prompt_lookup_max")
+            lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+            lo = integer("prompt_lookup_min", lo, 1, 1024)
+            hi = integer("prompt_lookup_max", hi, 1, 1024)
+            if lo > hi:
+                raise ValueError(
+                    f"speculative_config: prompt_lookup_min ({lo}) must be <= "
+                    f"prompt_lookup_max ({hi})"
+                )
+            return SpecMethod("ngram", k, lo, hi)
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: a draft model needs model (its path)")
+            extra = {"prompt_lookup_min", "prompt_lookup_max"} & set(c)
+            if extra:
+                raise ValueError(f"speculative_config: {', '.join(sorted(extra))} is for ngram")
+            return SpecMethod("draft_model", k, model=model)
+        raise ValueError(
+            f"speculative_config: method must be ngram or draft_model (or give a model), got "
+            f"{method!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how an engine is built, one section per concern.
 
@@ -582,6 +674,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
 
     @staticmethod
     def fields() -> dict[str, tuple[str, dataclasses.Field]]:
@@ -658,6 +751,8 @@ def _cli_value(hint: Any):
     """argparse's `type` for a field: its type, with "none" for None where None is allowed."""
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     base = next(t for t in allowed if t is not type(None))
+    if base is dict:  # JSON text, parsed by the section
+        base = str
     if type(None) not in allowed:
         return base
 

@@ -101,11 +101,15 @@ class InputBatch:
             self.num_blocks[row] = start + len(block_ids)
 
     def apply(self, requests: list[ScheduledRequest]) -> np.ndarray:
-        """Appends each scheduled request's new blocks; returns the rows, in batch order."""
+        """Appends each scheduled request's new blocks and writes its draft tokens after its
+        last token (not counted in num_tokens); returns the rows, in batch order."""
         rows = np.fromiter((self.row_of[s.request_id] for s in requests), np.int32, len(requests))
         for row, s in zip(rows, requests, strict=True):
             if s.new_block_ids:
                 self.append_blocks(row, s.new_block_ids)
+            if s.spec_token_ids:
+                n = self.num_tokens[row]
+                self.token_ids[row, n : n + len(s.spec_token_ids)] = s.spec_token_ids
         return rows
 
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:

@@ -61,9 +61,11 @@ def plan_kv_cache(
     dtype: jnp.dtype,
     max_model_len: int | None,
     tensor_parallel_size: int = 1,
+    draft_config: ModelConfig | None = None,
 ) -> tuple[int, int]:
     """Returns (num_pages, max_model_len), checked against each other and the model. Under
-    tensor parallelism each device holds 1/tp of every page (its kv heads)."""
+    tensor parallelism each device holds 1/tp of every page (its kv heads). A draft model
+    (speculative decoding) keeps a cache of the same pages: each page costs both."""
     if max_model_len is not None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -73,6 +75,8 @@ def plan_kv_cache(
                 f"({config.max_position_embeddings})"
             )
     page_bytes = bytes_per_page(config, cache.page_size, dtype)
+    if draft_config is not None:
+        page_bytes += bytes_per_page(draft_config, cache.page_size, dtype)
     if cache.num_pages is not None:
         num_pages = cache.num_pages
     else:

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxllm import sharding
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, SpecMethod
 from jaxllm.engine.step_data import (
     PromptTokenLogprobs,
     RunnerOutput,
@@ -47,6 +47,7 @@ from jaxllm.input_batch import MAX_BLOCKED_IDS, InputBatch
 from jaxllm.models import AttentionMetadata
 from jaxllm.sampler import SamplingInputs, sample, token_logprobs
 from jaxllm.sampling_params import MAX_LOGIT_BIAS
+from jaxllm.spec_decode import NgramProposer
 from pallas_kernels import KVCache, get_kv_cache_shape, is_quantized_dtype, zeros_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -76,18 +77,29 @@ _REQUEST_SPAN = 4
 
 
 def make_buckets(
-    max_num_batched_tokens: int, max_num_seqs: int
+    max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int = 0
 ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """(token buckets, request buckets, compiled shapes): both bucket lists follow `_ladder` up
     to their maximum, so a one-request decode is a (1, 1) program (no 16-token, 8-row floor);
     the shapes are the (token bucket, request bucket) pairs a batch can pad to, at most three
-    request buckets per token bucket (see `_REQUEST_SPAN`)."""
+    request buckets per token bucket (see `_REQUEST_SPAN`). With speculative decoding of k
+    tokens, r requests verifying k drafts each fill a token bucket of r * (1 + k)."""
     tokens, requests = _ladder(max_num_batched_tokens), _ladder(max_num_seqs)
+    if num_speculative_tokens:
+        spec = (r * (1 + num_speculative_tokens) for r in requests)
+        tokens = sorted({*tokens, *(t for t in spec if t < max_num_batched_tokens)})
     shapes = []
     for t in tokens:
         limit = min(t, max_num_seqs)
         shapes += [(t, r) for r in requests if r <= limit and r * _REQUEST_SPAN >= limit]
     return tokens, requests, shapes
+
+
+def logit_rows(shape: tuple[int, int], num_speculative_tokens: int) -> int:
+    """Rows of hidden states a step of this shape samples from: one per request, and with
+    speculative decoding one more per draft token (never more than its tokens)."""
+    t, r = shape
+    return min(t, r * (1 + num_speculative_tokens))
 
 
 def pick_shape(num_tokens: int, num_reqs: int, shapes: list[tuple[int, int]]) -> tuple[int, int]:
@@ -102,12 +114,14 @@ def pick_shape(num_tokens: int, num_reqs: int, shapes: list[tuple[int, int]]) ->
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BatchInputs:
-    input_ids: jax.Array  # i32[T]  flattened tokens of all scheduled requests
+    input_ids: jax.Array  # i32[T]  flattened tokens of all scheduled requests (drafts included)
     # i32[T]  -1, or the batch row whose token sampled by the previous step (still on the
     # device, see `ModelRunner.last_tokens`) is this input: async scheduling's decode inputs
     token_src: jax.Array
     positions: jax.Array  # i32[T]
-    logits_indices: jax.Array  # i32[R]  row of each request's last token
+    # i32[L]  the tokens to sample after: each request's last token (with speculative decoding,
+    # also its draft tokens: L = `logit_rows`)
+    logits_indices: jax.Array
     attn: AttentionMetadata
 
 
@@ -161,18 +175,30 @@ class ModelRunner:
         max_num_batched_tokens: int,
         dtype: jnp.dtype,  # the KV cache's
         mesh: Mesh | None = None,
+        speculative: SpecMethod | None = None,
+        draft_model: tuple[nnx.Module, ModelConfig] | None = None,
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
-        over its kv heads the same way); None for one device."""
+        over its kv heads the same way); None for one device. `speculative`: how draft tokens
+        are proposed (see `jaxllm.spec_decode`), with `draft_model` (loaded onto the same
+        mesh) for the draft_model method."""
         _CompileCounter.install()
+        self.num_speculative_tokens = k = speculative.num_speculative_tokens if speculative else 0
+        self.proposer = None
+        if speculative is not None and speculative.method == "ngram":
+            self.proposer = NgramProposer(
+                k, speculative.prompt_lookup_min, speculative.prompt_lookup_max
+            )
         self.config = config
         self.page_size = page_size
         self.num_pages = num_pages
         self.pages_per_seq = -(-max_model_len // page_size)
         self.max_model_len = max_model_len  # the width of the penalties' history_ids
         self.token_buckets, self.request_buckets, self.shapes = make_buckets(
-            max_num_batched_tokens, max_num_seqs
+            max_num_batched_tokens, max_num_seqs, k
         )
+        # The head-and-sampler programs, by rows sampled (`logit_rows` of each shape).
+        self.logit_buckets = sorted({logit_rows(shape, k) for shape in self.shapes})
         # The parameters travel as a flat list of arrays: a call flattens a list in C++, while
         # an nnx.State flattens through Python per variable (about 1 ms a step on the demo model).
         self.graphdef, state = nnx.split(model)
@@ -207,6 +233,13 @@ class ModelRunner:
             functools.partial(_head_and_sample, self.graphdef, self._params_def, mesh)
         )
         self._score = jax.jit(functools.partial(_score_prompt, self.graphdef, self._params_def))
+        self.drafter = None
+        if speculative is not None and speculative.method == "draft_model":
+            from jaxllm.draft_runner import DraftRunner
+
+            if draft_model is None:
+                raise ValueError("speculative_config: the draft_model method needs the draft")
+            self.drafter = DraftRunner(*draft_model, runner=self)
 
     @property
     def state(self) -> nnx.State:
@@ -221,8 +254,10 @@ class ModelRunner:
     @property
     def num_programs(self) -> int:
         """The bound on compiled programs: a forward pass per shape, the head and sampler per
-        request bucket, and one prompt scorer (prompt_logprobs) per token bucket."""
-        return len(self.shapes) + len(self.request_buckets) + len(self.token_buckets)
+        logit bucket (the request buckets, without speculative decoding), and one prompt
+        scorer (prompt_logprobs) per token bucket."""
+        drafts = len(self.shapes) if self.drafter is not None else 0  # see `DraftRunner`
+        return len(self.shapes) + len(self.logit_buckets) + len(self.token_buckets) + drafts
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles (or loads from the persistent cache) every program a batch can need, so
@@ -234,7 +269,7 @@ class ModelRunner:
             self._params,
             self.kv_cache,
             self.last_tokens,
-            self._padding_batch(*self.shapes[0])[0],
+            self._padding_batch(*self.shapes[0]),
         )
 
         def rows(n: int) -> jax.ShapeDtypeStruct:  # hidden states shaped as the forward makes them
@@ -245,25 +280,24 @@ class ModelRunner:
         # Ahead-of-time: compile (or load) without running. The jitted functions reuse these
         # executables when real batches arrive.
         def forward(shape):
-            batch = self._padding_batch(*shape)[0]
+            batch = self._padding_batch(*shape)
             compiled = self._forward.lower(
                 self._params, self.kv_cache, self.last_tokens, batch
             ).compile()
             self.program_memory[shape] = _memory(compiled)
 
-        def head(r):
-            sampling = self._padding_batch(self.shapes[-1][0], r)[1]
-            sample_rows = np.full(r, self.max_num_seqs, np.int32)
-            self._sample.lower(
-                self._params, rows(r), sampling, sample_rows, self.last_tokens
-            ).compile()
+        def head(n):
+            sampling, verify = self._padding_sampling(n)
+            self._sample.lower(self._params, rows(n), sampling, verify, self.last_tokens).compile()
 
         def scorer(t):
             self._score.lower(self._params, rows(t), np.zeros(t, np.int32)).compile()
 
         jobs = [functools.partial(forward, shape) for shape in self.shapes]
-        jobs += [functools.partial(head, r) for r in self.request_buckets]
+        jobs += [functools.partial(head, n) for n in self.logit_buckets]
         jobs += [functools.partial(scorer, t) for t in self.token_buckets]
+        if self.drafter is not None:
+            jobs += self.drafter.warmup_jobs()
         # Several processes (multi-host) compile one at a time: compiling a program that spans
         # them exchanges messages between them, which must come in the same order on each.
         workers = 1 if jax.process_count() > 1 else max(1, min(os.cpu_count() or 1, 8))
@@ -295,39 +329,44 @@ class ModelRunner:
             data //= self.mesh.shape["model"]
         return memory["alias_bytes"] >= cache and memory["temp_bytes"] < data
 
-    def _padding_batch(self, t_pad: int, r_pad: int) -> tuple[BatchInputs, SamplingInputs]:
+    def _padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
-        nothing. The one place padding values are defined (those of logit bias and penalties in
-        `_penalty_padding`); `prepare` fills requests in."""
-
-        def ints(*shape: int, fill: int = 0) -> np.ndarray:
-            return np.full(shape, fill, np.int32)
-
-        batch = BatchInputs(
-            input_ids=ints(t_pad),
-            token_src=ints(t_pad, fill=-1),
-            positions=ints(t_pad),
-            logits_indices=ints(r_pad),
+        nothing. With `_padding_sampling`, the one place padding values are defined (those of
+        logit bias and penalties in `_penalty_padding`); `prepare` fills requests in."""
+        num_logits = logit_rows((t_pad, r_pad), self.num_speculative_tokens)
+        return BatchInputs(
+            input_ids=_ints(t_pad),
+            token_src=_ints(t_pad, fill=-1),
+            positions=_ints(t_pad),
+            logits_indices=_ints(num_logits),
             attn=AttentionMetadata(
-                slot_mapping=ints(t_pad, fill=self.num_pages * self.page_size),  # dropped
-                seq_lens=ints(r_pad),
-                block_tables=ints(r_pad, self.pages_per_seq),
-                cu_q_lens=ints(r_pad + 1),
-                num_seqs=ints(1),
+                slot_mapping=_ints(t_pad, fill=self.num_pages * self.page_size),  # dropped
+                seq_lens=_ints(r_pad),
+                block_tables=_ints(r_pad, self.pages_per_seq),
+                cu_q_lens=_ints(r_pad + 1),
+                num_seqs=_ints(1),
             ),
         )
+
+    def _padding_sampling(self, n: int) -> tuple[SamplingInputs, VerifyInputs]:
+        """Sampler and verification inputs for `n` rows that sample nothing anyone reads."""
         sampling = SamplingInputs(
-            temperature=np.zeros(r_pad, np.float32),
-            top_k=ints(r_pad),
-            top_p=np.ones(r_pad, np.float32),
-            min_p=np.zeros(r_pad, np.float32),
-            seeds=np.zeros((r_pad, 2), np.uint32),
-            counters=ints(r_pad),
-            logprobs=np.zeros(r_pad, np.bool_),
-            blocked_ids=ints(r_pad, MAX_BLOCKED_IDS, fill=self.config.vocab_size),  # dropped
-            **self._penalty_inputs(r_pad),
+            temperature=np.zeros(n, np.float32),
+            top_k=_ints(n),
+            top_p=np.ones(n, np.float32),
+            min_p=np.zeros(n, np.float32),
+            seeds=np.zeros((n, 2), np.uint32),
+            counters=_ints(n),
+            logprobs=np.zeros(n, np.bool_),
+            blocked_ids=_ints(n, MAX_BLOCKED_IDS, fill=self.config.vocab_size),  # dropped
+            **self._penalty_inputs(n),
         )
-        return batch, sampling
+        verify = VerifyInputs(
+            sample_rows=_ints(n, fill=self.max_num_seqs),  # dropped
+            drafts=_ints(n, fill=-1),
+            first_rows=np.arange(n, dtype=np.int32),
+        )
+        return sampling, verify
 
     def _penalty_padding(self, r_pad: int) -> dict[str, np.ndarray]:
         """Logit-bias and penalty arrays holding no bias and no penalty."""
@@ -352,10 +391,11 @@ class ModelRunner:
         return self._idle_penalty_inputs[r_pad]
 
     def _fill_penalty_inputs(
-        self, sampling: SamplingInputs, rows: np.ndarray, samples: np.ndarray
+        self, sampling: SamplingInputs, rows: np.ndarray, samples: np.ndarray, lens: np.ndarray
     ) -> SamplingInputs:
         """Host arrays for logit bias and penalties, filled from the rows that sample with
-        them; `sampling` unchanged (the device-resident padding) when none does."""
+        them (batch rows `rows`, each sampling after its first `lens` tokens); `sampling`
+        unchanged (the device-resident padding) when none does."""
         ib = self.input_batch
         biased = ib.has_logit_bias[rows] & samples
         penalized = ib.uses_penalties[rows] & samples
@@ -374,7 +414,8 @@ class ModelRunner:
             host["presence_penalty"][:n] = np.where(penalized, ib.presence_penalty[rows], 0.0)
             host["frequency_penalty"][:n] = np.where(penalized, ib.frequency_penalty[rows], 0.0)
             host["repetition_penalty"][:n] = np.where(penalized, ib.repetition_penalty[rows], 1.0)
-            host["history_ids"][:n] = ib.token_ids[rows]
+            seen = np.arange(ib.token_ids.shape[1])[None, :] < lens[:, None]
+            host["history_ids"][:n] = np.where(seen, ib.token_ids[rows], self.config.vocab_size)
             host["num_prompt_tokens"][:n] = ib.num_prompt_tokens[rows]
         if self.mesh is not None:  # placed like the device-resident padding warmup saw
             host = jax.device_put(host, self._replicated)
@@ -403,18 +444,21 @@ class ModelRunner:
             ib.add(new)
         return ib.apply(out.requests)
 
-    def prepare(
-        self, out: SchedulerOutput, rows: np.ndarray
-    ) -> tuple[BatchInputs, SamplingInputs, np.ndarray]:
+    def prepare(self, out: SchedulerOutput, rows: np.ndarray) -> PreparedStep:
         """The step's padded inputs, gathered from the batch rows, and which requests sample
-        (their chunk reaches the end of their sequence)."""
+        (their chunk reaches the end of their sequence, not counting draft tokens).
+
+        Sampling happens per logit row: one per request, after its last scheduled token, and
+        with draft tokens one more per draft (row j samples the token after j drafts, with the
+        request's parameters, counter and history as they would be at that token)."""
         ib = self.input_batch
         num_reqs = len(out.requests)
         computed = np.fromiter((s.num_computed_tokens for s in out.requests), np.int32, num_reqs)
         lens = np.fromiter((s.num_scheduled_tokens for s in out.requests), np.int32, num_reqs)
+        num_drafts = np.fromiter((len(s.spec_token_ids) for s in out.requests), np.int32, num_reqs)
         num_tokens = int(lens.sum())
         t_pad, r_pad = pick_shape(num_tokens, num_reqs, self.shapes)
-        batch, sampling = self._padding_batch(t_pad, r_pad)
+        batch = self._padding_batch(t_pad, r_pad)
         attn = batch.attn
 
         starts = np.zeros(num_reqs + 1, np.int32)
@@ -436,23 +480,44 @@ class ModelRunner:
         attn.cu_q_lens[num_reqs:] = num_tokens  # padding requests: empty, after the last token
         attn.seq_lens[:num_reqs] = computed + lens
         attn.block_tables[:num_reqs] = ib.block_table[rows]
-        batch.logits_indices[:num_reqs] = starts[1:] - 1
 
-        samples = computed + lens == ib.num_tokens[rows]
-        num_output = ib.num_tokens[rows] - ib.num_prompt_tokens[rows]
-        sampling.temperature[:num_reqs] = ib.temperature[rows]
-        sampling.top_k[:num_reqs] = ib.top_k[rows]
-        sampling.top_p[:num_reqs] = ib.top_p[rows]
-        sampling.min_p[:num_reqs] = ib.min_p[rows]
-        sampling.seeds[:num_reqs] = ib.seeds[rows]
-        sampling.counters[:num_reqs] = num_output
-        sampling.logprobs[:num_reqs] = ib.num_logprobs[rows] >= 0
-        blocked = num_output < ib.min_tokens[rows]  # EOS and stop ids wait for min_tokens
-        sampling.blocked_ids[:num_reqs] = np.where(
-            blocked[:, None], ib.blocked_ids[rows], self.config.vocab_size
+        # Logit rows: request i has 1 + num_drafts[i], from first_row[i]; row j of it is its
+        # token j + 1 from the end of the drafts' tail.
+        first_row = np.zeros(num_reqs + 1, np.int32)
+        np.cumsum(1 + num_drafts, out=first_row[1:])
+        num_logits = int(first_row[-1])
+        req = np.repeat(np.arange(num_reqs), 1 + num_drafts)  # the request of each logit row
+        j = np.arange(num_logits, dtype=np.int32) - first_row[req]
+        batch.logits_indices[:num_logits] = starts[req + 1] - 1 - num_drafts[req] + j
+
+        samples = computed + lens - num_drafts == ib.num_tokens[rows]
+        lrows = rows[req]
+        sampling, verify = self._padding_sampling(len(batch.logits_indices))
+        num_output = ib.num_tokens[lrows] - ib.num_prompt_tokens[lrows] + j
+        sampling.temperature[:num_logits] = ib.temperature[lrows]
+        sampling.top_k[:num_logits] = ib.top_k[lrows]
+        sampling.top_p[:num_logits] = ib.top_p[lrows]
+        sampling.min_p[:num_logits] = ib.min_p[lrows]
+        sampling.seeds[:num_logits] = ib.seeds[lrows]
+        sampling.counters[:num_logits] = num_output
+        sampling.logprobs[:num_logits] = ib.num_logprobs[lrows] >= 0
+        blocked = num_output < ib.min_tokens[lrows]  # EOS and stop ids wait for min_tokens
+        sampling.blocked_ids[:num_logits] = np.where(
+            blocked[:, None], ib.blocked_ids[lrows], self.config.vocab_size
         )
-        sampling = self._fill_penalty_inputs(sampling, rows, samples)
-        return batch, sampling, samples
+        sampling = self._fill_penalty_inputs(
+            sampling, lrows, samples[req], ib.num_tokens[lrows] + j
+        )
+        # Verification: row j is kept if rows 0..j-1 of its request sampled their drafts.
+        has_draft = j < num_drafts[req]
+        draft_pos = np.minimum(ib.num_tokens[lrows] + j, ib.token_ids.shape[1] - 1)
+        verify.drafts[:num_logits] = np.where(has_draft, ib.token_ids[lrows, draft_pos], -1)
+        verify.first_rows[:num_logits] = first_row[req]
+        # A decode without drafts leaves its token on the device for the next step to read
+        # (async scheduling; an engine with speculative decoding steps synchronously).
+        single = samples & (num_drafts == 0)
+        verify.sample_rows[first_row[:-1][single]] = rows[single]
+        return PreparedStep(batch, sampling, verify, samples, first_row, num_drafts)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Runs one step and waits for it: `fetch(launch(out))`."""
@@ -464,18 +529,19 @@ class ModelRunner:
         next step may already consume on the device (see `BatchInputs.token_src`)."""
         ib = self.input_batch
         rows = self.update_batch(out)
-        batch, sampling, samples = self.prepare(out, rows)
-        (sampling_reqs,) = np.nonzero(samples)
-        sample_rows = np.full(len(sampling.temperature), self.max_num_seqs, np.int32)  # dropped
-        sample_rows[sampling_reqs] = rows[sampling_reqs]
+        step = self.prepare(out, rows)
+        (sampling_reqs,) = np.nonzero(step.samples)
         with self._recovering():
             last, hidden, self.kv_cache = self._forward(
-                self._params, self.kv_cache, self.last_tokens, batch
+                self._params, self.kv_cache, self.last_tokens, step.batch
             )
             result, self.last_tokens = self._sample(
-                self._params, last, sampling, sample_rows, self.last_tokens
+                self._params, last, step.sampling, step.verify, self.last_tokens
             )
-            scoring = self._launch_scoring(out, hidden, len(batch.input_ids))
+            drafts = None
+            if self.drafter is not None:
+                drafts = self.drafter.launch(step, rows, result[0].sampled, result[1])
+            scoring = self._launch_scoring(out, hidden, len(step.batch.input_ids))
         sampling_rows = rows[sampling_reqs]
         positions = ib.num_tokens[sampling_rows]
         ib.token_ids[sampling_rows, positions] = -1
@@ -486,44 +552,80 @@ class ModelRunner:
             sampling_rows,
             positions,
             ib.num_logprobs[sampling_rows],
+            step.first_row[sampling_reqs],
+            step.num_drafts[sampling_reqs],
             result,
             scoring,
+            drafts,
         )
 
     def fetch(self, step: InflightStep) -> RunnerOutput:
         """Waits for a launched step: the tokens sampled for every request whose scheduled
-        chunk reached the end of its sequence (written over their placeholders), their
-        logprobs when asked, and the prompt tokens the chunks scored (prompt_logprobs)."""
+        chunk reached the end of its sequence (written over their placeholders; with draft
+        tokens, the accepted drafts and the token after them), their logprobs when asked, the
+        prompt tokens the chunks scored (prompt_logprobs), and the next step's drafts."""
         ib = self.input_batch
         reqs, rows, num_logprobs = step.sampling_reqs, step.rows, step.num_logprobs
         with self._recovering():
+            result, kept = step.result
             if (num_logprobs >= 0).any():
-                result = jax.device_get(step.result)
+                result, kept = jax.device_get((result, kept))
                 all_tokens = result.sampled
-            else:  # only the tokens cross (one transfer instead of five)
-                result, all_tokens = None, np.asarray(step.result.sampled)
+            elif not step.num_drafts.any():  # only the tokens cross (one transfer, not five)
+                result, kept, all_tokens = None, None, np.asarray(result.sampled)
+            else:
+                all_tokens, kept = jax.device_get((result.sampled, kept))
+                result = None
             prompt_logprobs = self._fetch_scoring(step.out, step.scoring)
-        ids = [s.request_id for s in step.out.requests]
-        tokens = all_tokens[reqs]
+            draft_tokens = None if step.drafts is None else np.asarray(step.drafts)[reqs]
+        ids = [step.out.requests[i].request_id for i in reqs]
+        first, num_drafts = step.first_rows, step.num_drafts
+        if num_drafts.any():  # the accepted drafts' rows, then the one after them
+            kept_rows = [
+                np.arange(f, f + 1 + k)[kept[f : f + 1 + k]]
+                for f, k in zip(first.tolist(), num_drafts.tolist(), strict=True)
+            ]
+            tokens = [all_tokens[r].tolist() for r in kept_rows]
+        else:
+            kept_rows = first[:, None]
+            tokens = [[t] for t in all_tokens[first].tolist()]
+        sampled = dict(zip(ids, tokens, strict=True))
+        logprobs = {}
+        for n in np.flatnonzero(num_logprobs >= 0).tolist():
+            top = int(num_logprobs[n])
+            logprobs[ids[n]] = [
+                TokenLogprobs(
+                    float(result.logprob[i]),
+                    int(result.rank[i]),
+                    result.top_ids[i, :top].tolist(),
+                    result.top_logprobs[i, :top].tolist(),
+                )
+                for i in kept_rows[n].tolist()
+            ]
         # Rows still held by their request (one finished or preempted since then may have
         # handed its row to another).
         held = np.fromiter(
-            (ib.row_of.get(ids[i]) == row for i, row in zip(reqs, rows, strict=True)),
+            (ib.row_of.get(rid) == row for rid, row in zip(ids, rows, strict=True)),
             np.bool_,
-            len(reqs),
+            len(ids),
         )
-        ib.token_ids[rows[held], step.positions[held]] = tokens[held]
-        sampled = dict(zip([ids[i] for i in reqs], tokens.tolist(), strict=True))
-        logprobs = {}
-        for j in np.flatnonzero(num_logprobs >= 0).tolist():
-            i, k = int(reqs[j]), int(num_logprobs[j])
-            logprobs[ids[i]] = TokenLogprobs(
-                float(result.logprob[i]),
-                int(result.rank[i]),
-                result.top_ids[i, :k].tolist(),
-                result.top_logprobs[i, :k].tolist(),
-            )
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        if not num_drafts.any():
+            ib.token_ids[rows[held], step.positions[held]] = all_tokens[first[held]]
+        else:
+            for n in np.flatnonzero(held).tolist():
+                row, pos, k = int(rows[n]), int(step.positions[n]), int(num_drafts[n])
+                end = pos + len(tokens[n])
+                ib.token_ids[row, pos:end] = tokens[n]
+                ib.token_ids[row, end : pos + k] = self.config.vocab_size  # rejected drafts
+                ib.num_tokens[row] = end
+        drafts = {}
+        if draft_tokens is not None:
+            drafts = {ids[n]: draft_tokens[n].tolist() for n in np.flatnonzero(held).tolist()}
+        if self.proposer is not None:
+            for n in np.flatnonzero(held).tolist():
+                row = int(rows[n])
+                drafts[ids[n]] = self.proposer.propose(ib.token_ids[row, : ib.num_tokens[row]])
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, drafts)
 
     @contextlib.contextmanager
     def _recovering(self):
@@ -534,6 +636,12 @@ class ModelRunner:
         except BaseException:
             if any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache)):
                 self.kv_cache = self._zeros_cache(self.kv_cache.shape, self.kv_cache.dtype)
+                self.kv_cache_lost = True
+            drafter = self.drafter
+            if drafter is not None and any(
+                a.is_deleted() for a in jax.tree.leaves(drafter.kv_cache)
+            ):
+                drafter.kv_cache = self._zeros_cache(drafter.kv_cache.shape, drafter.kv_cache.dtype)
                 self.kv_cache_lost = True
             if self.last_tokens.is_deleted():
                 self.last_tokens = self._zeros_last_tokens()
@@ -580,6 +688,18 @@ class ModelRunner:
 
 
 @dataclasses.dataclass
+class PreparedStep:
+    """A step's inputs, as `ModelRunner.prepare` builds them."""
+
+    batch: BatchInputs
+    sampling: SamplingInputs  # per logit row
+    verify: VerifyInputs  # per logit row
+    samples: np.ndarray  # bool[R]: the request's chunk reaches the end of its sequence
+    first_row: np.ndarray  # i32[R + 1]: each request's first logit row, then their number
+    num_drafts: np.ndarray  # i32[R]
+
+
+@dataclasses.dataclass
 class InflightStep:
     """A launched step: what `ModelRunner.fetch` needs to collect its results."""
 
@@ -588,8 +708,25 @@ class InflightStep:
     rows: np.ndarray  # their batch rows
     positions: np.ndarray  # where their sampled tokens go in their rows
     num_logprobs: np.ndarray  # the logprobs each asked for (-1: none), read at launch
-    result: Any  # the sampler's output, on the device
+    first_rows: np.ndarray  # their first logit rows
+    num_drafts: np.ndarray  # their draft tokens
+    result: Any  # (the sampler's output, the logit rows kept), on the device
     scoring: Any  # prompt_logprobs: (targets, device results), or None
+    drafts: Any  # a draft model's drafts, i32[R, k] on the device, or None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyInputs:
+    """Per logit row: where its token goes on the device, and which draft it verifies."""
+
+    sample_rows: jax.Array  # i32[L]  batch row whose `last_tokens` entry gets it, else dropped
+    drafts: jax.Array  # i32[L]  the draft the row's token must equal for the next row; -1: none
+    first_rows: jax.Array  # i32[L]  the first logit row of the row's request
+
+
+def _ints(*shape: int, fill: int = 0) -> np.ndarray:
+    return np.full(shape, fill, np.int32)
 
 
 def _memory(compiled) -> dict[str, int]:
@@ -621,18 +758,26 @@ def _head_and_sample(
     params_def,
     mesh,
     params,
-    last: jax.Array,
+    last: jax.Array,  # [L, D]
     sampling: SamplingInputs,
-    sample_rows: jax.Array,  # i32[R]  the batch row of each request that samples, else out of range
+    verify: VerifyInputs,
     last_tokens: jax.Array,  # i32[max_num_seqs]
 ):
-    """The sampler's output, and `last_tokens` with each sampled token at its batch row."""
+    """((the sampler's output, bool[L]: the rows whose tokens the step keeps), `last_tokens`
+    with each decode's token at its batch row).
+
+    A row is kept when every earlier row of its request sampled the draft it verifies (see
+    `jaxllm.spec_decode`): the accepted drafts' rows and the one after them."""
     model = _merge(graphdef, params_def, params)
     logits = model.compute_logits(last)
     if mesh is not None:  # split on the vocabulary by the head: gather it for the sampler
         logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
     result = sample(logits, sampling)
-    return result, last_tokens.at[sample_rows].set(result.sampled, mode="drop")
+    mismatch = (result.sampled != verify.drafts).astype(jnp.int32)
+    before = jnp.cumsum(mismatch) - mismatch  # mismatches in the rows before each row
+    kept = before == before[verify.first_rows]
+    last_tokens = last_tokens.at[verify.sample_rows].set(result.sampled, mode="drop")
+    return (result, kept), last_tokens
 
 
 def _score_prompt(graphdef, params_def, params, hidden: jax.Array, targets: jax.Array):

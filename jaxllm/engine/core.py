@@ -107,9 +107,27 @@ class EngineCore:
             load_tokenizer=False,
             quantization=config.load.quantization,
         )
+        spec = config.speculative.method
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from jaxllm.draft_runner import check_draft_config
+
+            draft = load_model(
+                spec.model,
+                dtype=resolve_dtype(config.load.dtype),
+                attention_backend=backend,
+                mesh=mesh,
+                load_tokenizer=False,
+            )
+            check_draft_config(loaded.config, draft.config)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
         num_pages, max_model_len = plan_kv_cache(
-            loaded.config, config.cache, kv_dtype, config.scheduler.max_model_len, tp
+            loaded.config,
+            config.cache,
+            kv_dtype,
+            config.scheduler.max_model_len,
+            tp,
+            draft_config=None if draft is None else draft.config,
         )
         config = config.replace(
             max_model_len=max_model_len,
@@ -128,11 +146,21 @@ class EngineCore:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             dtype=kv_dtype,
             mesh=mesh,
+            speculative=spec,
+            draft_model=None if draft is None else (draft.model, draft.config),
         )
         kv = KVCacheManager(
             num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
         )
-        core = cls(Scheduler(sched, kv), runner, async_scheduling=sched.async_scheduling)
+        lookahead = runner.num_speculative_tokens if draft is not None else 0
+        scheduler = Scheduler(sched, kv, num_lookahead_tokens=lookahead)
+        core = cls(scheduler, runner, async_scheduling=sched.async_scheduling)
+        if runner.num_speculative_tokens:
+            logger.info(
+                "speculative decoding (%s, %d tokens): each step runs synchronously",
+                spec.method,
+                runner.num_speculative_tokens,
+            )
         core.config = config
         core.model_config = loaded.config
         core.generation_config = loaded.generation_config
@@ -144,7 +172,7 @@ class EngineCore:
             runner.request_buckets,
             len(runner.shapes),
             runner.shapes,
-            len(runner.request_buckets),
+            len(runner.logit_buckets),
             len(runner.token_buckets),
             runner.num_programs,
         )
@@ -201,6 +229,10 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
             num_steps=self.num_steps,
+            spec_num_drafts=scheduler.spec_num_drafts,
+            spec_num_draft_tokens=scheduler.spec_num_draft_tokens,
+            spec_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
+            spec_num_accepted_per_pos=list(scheduler.spec_num_accepted_per_pos),
         )
 
     def step(self) -> list[RequestUpdate]:
@@ -255,5 +287,8 @@ class EngineCore:
 
     def _needs_sync(self) -> bool:
         """Penalties read a request's whole history from the host: with such a request
-        running, the next step waits for the previous one's tokens."""
-        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        running, the next step waits for the previous one's tokens. So do draft tokens
+        (speculative decoding): a step's grants depend on how many the previous one accepted."""
+        return self.runner.num_speculative_tokens > 0 or any(
+            r.sampling_params.uses_penalties for r in self.scheduler.running
+        )

@@ -96,7 +96,8 @@ class KVCacheManager:
         rid = request.request_id
         table = self.block_tables.get(rid, [])
         start = self._num_cached_blocks.get(rid, 0)
-        end = min(request.num_confirmed_tokens // self.page_size, len(table))
+        confirmed = min(request.num_confirmed_tokens, request.num_tokens)
+        end = min(confirmed // self.page_size, len(table))
         if end <= start:
             return
         hashes = self._block_hashes(request)
@@ -120,14 +121,20 @@ class KVCacheManager:
     # ---- allocation ------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        *,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Grows the request's block table to hold `num_computed_tokens + num_new_tokens`
-        tokens, starting with `computed_blocks` (prefix-cache hits) for a new request.
-        Returns False, changing nothing, when the pool has too few free blocks."""
+        tokens and `num_lookahead_tokens` more (a draft model's drafts), starting with
+        `computed_blocks` (prefix-cache hits) for a new request. Returns False, changing
+        nothing, when the pool has too few free blocks."""
         computed_blocks = computed_blocks or []
         table = self.block_tables.get(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
+        total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         needed = self.blocks_needed(total) - len(table) - len(computed_blocks)
         # Reviving a free cached block takes it out of the free queue.
         revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)

@@ -84,6 +84,9 @@ class Request:
         # (0 or 1), not yet appended.
         self.num_inflight_tokens = 0
         self.num_pending_tokens = 0
+        # Speculative decoding: draft tokens proposed to follow the sequence, verified in its
+        # next decode step (never part of all_token_ids unless accepted).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

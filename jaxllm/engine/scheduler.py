@@ -8,6 +8,12 @@ token; a prompt longer than the budget is prefilled in chunks over several steps
 requests keep decoding in the same batch (chunked prefill). Running requests are served
 first, then waiting ones in arrival order.
 
+With speculative decoding, a decoding request that has draft tokens (proposed by the runner
+after its previous step) is granted 1 + drafts tokens, as the budget and its length allow; a
+draft model also gets `num_lookahead_tokens` more slots, where it writes the KV of the drafts it
+proposes. After the step, `num_computed_tokens` is rolled back to the tokens accepted, so the
+next step rewrites the rejected positions; the prefix cache keys only accepted tokens.
+
 A new request first looks up its longest cached prefix (see `KVCacheManager`): a hit simply
 starts it with `num_computed_tokens > 0`.
 
@@ -41,11 +47,23 @@ from jaxllm.engine.step_data import (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        num_lookahead_tokens: int = 0,
+    ):
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config
         self.kv = kv_cache_manager
+        self.num_lookahead_tokens = num_lookahead_tokens
+        # Speculative decoding counters (see `Stats`).
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_num_accepted_per_pos: list[int] = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -93,6 +111,7 @@ class Scheduler:
         # A token an in-flight step samples for it is dropped: it is sampled again, the same
         # (same seed and counter), once the request is recomputed.
         request.num_inflight_tokens = request.num_pending_tokens = 0
+        request.spec_token_ids = []
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         preempted.append(request.request_id)
@@ -101,6 +120,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         granted: dict[Request, int] = {}  # in batch order
+        drafts: dict[Request, list[int]] = {}  # the draft tokens among a request's grant
         admitted: list[Request] = []  # entering the batch: the runner gets their full data
         preempted: list[str] = []
 
@@ -116,14 +136,19 @@ class Scheduler:
                 continue  # its in-flight step samples its last token
             n = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
             n = min(n, budget)
-            while not self.kv.allocate_slots(request, n):
+            spec = self._drafts(request, n, budget)
+            while not self.kv.allocate_slots(
+                request, n + len(spec), num_lookahead_tokens=self._lookahead(request, n + len(spec))
+            ):
                 victim = self._pick_victim(granted)
                 budget += self._preempt(victim, granted, preempted)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                granted[request] = n
-                budget -= n
+                granted[request] = n + len(spec)
+                budget -= n + len(spec)
+                if spec:
+                    drafts[request] = spec
 
         # Then waiting requests in arrival (or priority) order, while budget, seats and blocks
         # last. Nothing new is admitted in a step that had to preempt (memory is short), except
@@ -144,11 +169,15 @@ class Scheduler:
             )
             n = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
-            allocated = self.kv.allocate_slots(request, n, computed_blocks)
+            allocated = self.kv.allocate_slots(
+                request, n, computed_blocks, num_lookahead_tokens=self._lookahead(request, n)
+            )
             while not allocated and (victim := self._displaceable(request)) is not None:
                 budget += self._preempt(victim, granted, preempted)
                 n = min(request.num_tokens - num_cached, budget)
-                allocated = self.kv.allocate_slots(request, n, computed_blocks)
+                allocated = self.kv.allocate_slots(
+                    request, n, computed_blocks, num_lookahead_tokens=self._lookahead(request, n)
+                )
             if not allocated:
                 request.num_computed_tokens = 0
                 break
@@ -173,7 +202,10 @@ class Scheduler:
         new_requests = [self._new_request_data(r) for r in admitted if r in granted]
         out = SchedulerOutput(
             new_requests=new_requests,
-            requests=[self._scheduled(request, n) for request, n in granted.items()],
+            requests=[
+                self._scheduled(request, n, drafts.get(request, []))
+                for request, n in granted.items()
+            ],
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
@@ -183,9 +215,24 @@ class Scheduler:
         for request, n in granted.items():
             request.num_computed_tokens += n
             request.num_inflight_tokens += n
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            reached = request.num_computed_tokens - len(drafts.get(request, ()))
+            if reached == request.num_tokens + request.num_pending_tokens:
                 request.num_pending_tokens += 1  # this step samples its next token
         return out
+
+    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """The draft tokens to verify with a decode grant of `n`: the request's proposals, as
+        many as the budget holds and as could still be accepted before its end."""
+        if not request.spec_token_ids or n != 1 or request.num_pending_tokens:
+            return []
+        room = self._end(request) - request.num_tokens - 1  # the last token is sampled
+        return request.spec_token_ids[: max(0, min(room, budget - 1))]
+
+    def _lookahead(self, request: Request, n: int) -> int:
+        """Slots past a grant of `n` where a draft model writes its drafts' KV (none past the
+        request's end)."""
+        end = self._end(request) - request.num_computed_tokens - n
+        return max(0, min(self.num_lookahead_tokens, end))
 
     def _end(self, request: Request) -> int:
         """The sequence length a request may reach."""
@@ -248,7 +295,7 @@ class Scheduler:
             block_ids=block_ids,
         )
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, n: int, drafts: list[int]) -> ScheduledRequest:
         table = self.kv.get_block_table(request.request_id)
         new_block_ids = list(table[request.num_blocks_sent :])
         request.num_blocks_sent = len(table)
@@ -259,6 +306,7 @@ class Scheduler:
             num_scheduled_tokens=n,
             new_block_ids=new_block_ids,
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, n),
+            spec_token_ids=drafts,
         )
 
     @staticmethod
@@ -283,32 +331,53 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran
             request.num_inflight_tokens -= s.num_scheduled_tokens
-            self.kv.cache_full_blocks(request)
+            tokens = output.sampled.get(rid, [])
+            if s.spec_token_ids:  # roll back to the accepted drafts
+                accepted = len(tokens) - 1
+                request.num_computed_tokens -= len(s.spec_token_ids) - accepted
+                self._count_spec(len(s.spec_token_ids), accepted)
             scored = output.prompt_logprobs.get(rid)
             if scored:
                 request.next_prompt_logprob += len(scored)
-            if rid not in output.sampled:
+            if not tokens:
+                self.kv.cache_full_blocks(request)
                 if scored:  # a prefill chunk: only its prompt logprobs to report
                     updates.append(RequestUpdate(rid, [], new_prompt_logprobs=scored))
                 continue
-            token = output.sampled[rid]
             logprobs = output.logprobs.get(rid)
             request.num_pending_tokens -= 1
-            request.append_output_token(token)
-            status = self._check_stop(request, token)
+            status = None
+            for i, token in enumerate(tokens):
+                request.append_output_token(token)
+                status = self._check_stop(request, token)
+                if status is not None:  # the tokens after a stop are dropped
+                    tokens, logprobs = tokens[: i + 1], logprobs and logprobs[: i + 1]
+                    break
+            self.kv.cache_full_blocks(request)  # accepted drafts are keyed once appended
             if status is not None:
                 self._finish(request, status)
+            else:
+                request.spec_token_ids = output.draft_token_ids.get(rid, [])
             updates.append(
                 RequestUpdate(
                     request_id=rid,
-                    new_token_ids=[token],
-                    new_logprobs=None if logprobs is None else [logprobs],
+                    new_token_ids=tokens,
+                    new_logprobs=logprobs,
                     finish_reason=status.finish_reason if status else None,
                     stop_reason=request.stop_reason,
                     new_prompt_logprobs=scored,
                 )
             )
         return updates
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_num_accepted_per_pos
+        per_pos += [0] * (num_accepted - len(per_pos))
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # The sampler cannot pick EOS or a stop id among the first min_tokens tokens; this

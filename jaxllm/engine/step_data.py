@@ -51,6 +51,9 @@ class ScheduledRequest(msgspec.Struct):
     # prompt_logprobs: per scheduled token, the next prompt token to score it against, or -1;
     # None when the chunk scores nothing.
     prompt_logprob_targets: list[int] | None = None
+    # Speculative decoding: draft tokens, the last of num_scheduled_tokens (which counts them),
+    # to verify after the request's last token; the step's output keeps the accepted ones.
+    spec_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct):
@@ -89,9 +92,13 @@ class PromptTokenLogprobs(msgspec.Struct, array_like=True):
 class RunnerOutput(msgspec.Struct):
     """What one step computed, by request id."""
 
-    sampled: dict[str, int]  # requests whose chunk reached the end of their sequence
-    logprobs: dict[str, TokenLogprobs]  # those of them that asked for logprobs
+    # Requests whose chunk reached the end of their sequence: the token sampled after it, or
+    # with speculative decoding the accepted draft tokens and the token sampled after them.
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]  # those of them that asked: one per token
     prompt_logprobs: dict[str, list[PromptTokenLogprobs]]  # prompt tokens scored this step
+    # Speculative decoding: draft tokens proposed for each sampling request's next step.
+    draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class RequestUpdate(msgspec.Struct):
@@ -116,3 +123,10 @@ class Stats(msgspec.Struct):
     num_preemptions: int = 0
     num_compilations: int = 0
     num_steps: int = 0
+    # Speculative decoding, since start (vLLM's spec_decode counters): verifications (a
+    # request with drafts in a step), draft tokens verified, accepted ones, and accepted ones
+    # by their position among the drafts.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_per_pos: list[int] = msgspec.field(default_factory=list)

@@ -1,0 +1,200 @@
+"""The draft model of speculative decoding (`{"model": PATH, "num_speculative_tokens": k}`).
+
+The draft model keeps its own paged KV cache, with the target's pages: the same page ids, block
+tables and slot mapping (the pool's page count is sized for both, see `plan_kv_cache`), so it
+needs no block management of its own. Each step it runs one program, `_draft_step`, on the
+device right after the target's, without a host round trip in between:
+
+1. the draft model over the step's batch, exactly the target's inputs: its cache then holds
+   every scheduled token, as the target's does (rejected drafts included: the next step writes
+   their positions again, as it does the target's). A prefix-cache hit is therefore a hit for
+   both caches.
+2. per request that sampled: from the last token the step kept (the target's verification
+   output stays on the device), k greedy steps of the draft model, one token per request each,
+   in one `fori_loop`. Step j writes its input's KV at position `n + j`, in the
+   `num_lookahead_tokens` slots the scheduler reserved past the grant; positions past them (the
+   request's end) are dropped, and the drafts from there are cut by the scheduler.
+
+Programs: one per compiled shape of the target's, all compiled at warmup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm import sharding
+from jaxllm.config import ModelConfig
+from jaxllm.models import AttentionMetadata
+from pallas_kernels import get_kv_cache_shape
+
+if TYPE_CHECKING:
+    from jaxllm.runner import ModelRunner
+
+
+def check_draft_config(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft model must share the target's vocabulary: its ids are the target's ids."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft.vocab_size} ids) differs "
+            f"from the target's ({target.vocab_size}); a draft model must share it"
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProposeInputs:
+    """Per request row of the step (padded to its request bucket)."""
+
+    first_rows: jax.Array  # i32[R]  its first logit row
+    num_rows: jax.Array  # i32[R]  its logit rows (1 + its drafts)
+    positions: jax.Array  # i32[R]  its token count before the step: its first new token's position
+    num_slots: jax.Array  # i32[R]  slots its block table holds (past them: dropped)
+    active: jax.Array  # bool[R]  it sampled this step (padding and prefill chunks do not)
+
+
+class DraftRunner:
+    def __init__(self, model: nnx.Module, config: ModelConfig, runner: ModelRunner):
+        self.config = config
+        self.k = runner.num_speculative_tokens
+        self.runner = runner
+        self.graphdef, state = nnx.split(model)
+        self._params, self._params_def = jax.tree.flatten(state)
+        shape = get_kv_cache_shape(
+            config.num_layers,
+            runner.num_pages,
+            runner.page_size,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        self.kv_cache = runner._zeros_cache(shape, runner.kv_cache.dtype)
+        self._step = jax.jit(
+            functools.partial(
+                _draft_step,
+                self.graphdef,
+                self._params_def,
+                runner.mesh,
+                self.k,
+                runner.page_size,
+                runner.num_pages * runner.page_size,
+            ),
+            donate_argnums=(1,),
+        )
+
+    def warmup_jobs(self) -> list:
+        """One compile job per program."""
+        runner = self.runner
+
+        def compile_step(shape):
+            batch = runner._padding_batch(*shape)
+            n = len(batch.logits_indices)
+            sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=runner._replicated)
+            kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=runner._replicated)
+            inputs, tables = self._padding_inputs(shape[1])
+            self._step.lower(
+                self._params, self.kv_cache, runner.last_tokens, batch, sampled, kept, inputs,
+                tables,
+            ).compile()  # fmt: skip
+
+        return [functools.partial(compile_step, shape) for shape in runner.shapes]
+
+    def _padding_inputs(self, r: int) -> tuple[ProposeInputs, np.ndarray]:
+        inputs = ProposeInputs(
+            first_rows=np.zeros(r, np.int32),
+            num_rows=np.ones(r, np.int32),
+            positions=np.zeros(r, np.int32),
+            num_slots=np.zeros(r, np.int32),
+            active=np.zeros(r, np.bool_),
+        )
+        return inputs, np.zeros((r, self.runner.pages_per_seq), np.int32)
+
+    def launch(self, step, rows: np.ndarray, sampled: jax.Array, kept: jax.Array) -> jax.Array:
+        """Dispatches the draft's step: its cache gets the batch's tokens, and every request
+        that sampled gets k drafts, i32[R, k] on the device (junk in the other rows). `step`:
+        the runner's `PreparedStep`, launched; `sampled`, `kept`: its verification output."""
+        ib = self.runner.input_batch
+        r_pad = len(step.batch.attn.seq_lens)
+        num_reqs = len(rows)
+        inputs, tables = self._padding_inputs(r_pad)
+        inputs.first_rows[:num_reqs] = step.first_row[:-1]
+        inputs.num_rows[:num_reqs] = 1 + step.num_drafts
+        inputs.positions[:num_reqs] = ib.num_tokens[rows]
+        inputs.num_slots[:num_reqs] = ib.num_blocks[rows] * self.runner.page_size
+        inputs.active[:num_reqs] = step.samples
+        tables[:num_reqs] = ib.block_table[rows]
+        drafts, self.kv_cache = self._step(
+            self._params,
+            self.kv_cache,
+            self.runner.last_tokens,
+            step.batch,
+            sampled,
+            kept,
+            inputs,
+            tables,
+        )
+        return drafts
+
+
+def _draft_step(
+    graphdef,
+    params_def,
+    mesh,
+    k: int,
+    page_size: int,
+    dropped_slot: int,
+    params,
+    kv_cache,
+    last_tokens: jax.Array,
+    batch,  # the target's `BatchInputs`
+    sampled: jax.Array,  # i32[L]  the target's token per logit row
+    kept: jax.Array,  # bool[L]  the rows the step kept
+    inputs: ProposeInputs,
+    block_tables: jax.Array,  # i32[R, P]
+):
+    """The draft model over the batch, then k greedy draft tokens per request from the last
+    token the step kept: (i32[R, k], the draft's cache)."""
+    from jaxllm.runner import _forward, _merge
+    from jaxllm.sampler import _argmax
+
+    _, _, kv_cache = _forward(graphdef, params_def, mesh, params, kv_cache, last_tokens, batch)
+    model = _merge(graphdef, params_def, params)
+    num_reqs = inputs.first_rows.shape[0]
+    rows = jnp.arange(num_reqs)
+    counts = jnp.cumsum(kept.astype(jnp.int32))
+    before = counts[inputs.first_rows] - kept[inputs.first_rows].astype(jnp.int32)
+    num_kept = counts[inputs.first_rows + inputs.num_rows - 1] - before
+    last = jnp.maximum(inputs.first_rows + num_kept - 1, 0)
+    tokens = jnp.where(inputs.active, sampled[last], 0)
+    # The last kept token sits after the step's accepted tokens; rows that did not sample run
+    # at position 0 and write nothing.
+    positions = jnp.where(inputs.active, inputs.positions + num_kept - 1, 0)
+    max_page = block_tables.shape[1] - 1
+
+    def step(j, carry):
+        tokens, positions, cache, drafts = carry
+        page = block_tables[rows, jnp.minimum(positions // page_size, max_page)]
+        writes = inputs.active & (positions < inputs.num_slots)
+        slots = jnp.where(writes, page * page_size + positions % page_size, dropped_slot)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            seq_lens=positions + 1,
+            block_tables=block_tables,
+            cu_q_lens=jnp.arange(num_reqs + 1, dtype=jnp.int32),
+            num_seqs=jnp.full((1,), num_reqs, jnp.int32),
+        )
+        hidden, cache = model(tokens, positions, cache, meta)
+        logits = model.compute_logits(hidden)
+        if mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
+        nxt = _argmax(logits).astype(jnp.int32)
+        return nxt, positions + 1, cache, drafts.at[:, j].set(nxt)
+
+    drafts = jnp.zeros((num_reqs, k), jnp.int32)
+    _, _, kv_cache, drafts = jax.lax.fori_loop(0, k, step, (tokens, positions, kv_cache, drafts))
+    return drafts, kv_cache
