@@ -175,20 +175,24 @@ def _draft_step(
     # at position 0 and write nothing.
     positions = jnp.where(inputs.active, inputs.positions + num_kept - 1, 0)
     max_page = block_tables.shape[1] - 1
+    last_position = block_tables.shape[1] * page_size - 1
 
     def step(j, carry):
         tokens, positions, cache, drafts = carry
-        page = block_tables[rows, jnp.minimum(positions // page_size, max_page)]
+        # Past the block table's reach (drafts past max_model_len, cut by the scheduler) a row
+        # reads as if at its last position, writing nothing.
+        at = jnp.minimum(positions, last_position)
+        page = block_tables[rows, jnp.minimum(at // page_size, max_page)]
         writes = inputs.active & (positions < inputs.num_slots)
-        slots = jnp.where(writes, page * page_size + positions % page_size, dropped_slot)
+        slots = jnp.where(writes, page * page_size + at % page_size, dropped_slot)
         meta = AttentionMetadata(
             slot_mapping=slots,
-            seq_lens=positions + 1,
+            seq_lens=at + 1,
             block_tables=block_tables,
             cu_q_lens=jnp.arange(num_reqs + 1, dtype=jnp.int32),
             num_seqs=jnp.full((1,), num_reqs, jnp.int32),
         )
-        hidden, cache = model(tokens, positions, cache, meta)
+        hidden, cache = model(tokens, at, cache, meta)
         logits = model.compute_logits(hidden)
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))

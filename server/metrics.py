@@ -1,4 +1,5 @@
-"""Prometheus metrics under vLLM's names with a `jaxllm:` prefix.
+"""Prometheus metrics under vLLM's names with a `jaxllm:` prefix (speculative decoding's
+under vLLM's `vllm:` ones).
 
 Engine-side figures (running/waiting requests, KV usage, prefix cache, preemptions,
 compilations) are read from the core's latest `Stats` at scrape time; request-side ones
@@ -49,6 +50,24 @@ class _EngineCollector:
             "num_compilations", "XLA programs compiled or loaded from the cache.",
             stats.num_compilations,
         )  # fmt: skip
+        # Speculative decoding, under vLLM's own names (dashboards read these as they are).
+        for name, doc, value in (
+            ("num_drafts", "Verifications of draft tokens (a request's drafts in a step).",
+             stats.spec_num_drafts),
+            ("num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
+        ):  # fmt: skip
+            c = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a request's drafts.",
+            labels=[*labels, "position"],
+        )
+        for position, value in enumerate(stats.spec_num_accepted_per_pos):
+            per_pos.add_metric([*values, str(position)], value)
+        yield per_pos
 
 
 class Metrics:

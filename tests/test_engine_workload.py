@@ -89,15 +89,31 @@ def alone_outputs():
     return get
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
 @pytest.mark.parametrize(
-    "model,async_scheduling,num_requests",
-    [("llama", True, 240), ("llama", False, 240), ("gemma3", True, 80), ("qwen3-moe", True, 80)],
-    ids=["async", "sync", "gemma3", "qwen3-moe"],
+    "model,async_scheduling,num_requests,spec",
+    [
+        ("llama", True, 240, None),
+        ("llama", False, 240, None),
+        ("gemma3", True, 80, None),
+        ("qwen3-moe", True, 80, None),
+        ("llama", True, 240, NGRAM),
+        pytest.param("llama", True, 80, "draft", marks=pytest.mark.slow),
+    ],
+    ids=["async", "sync", "gemma3", "qwen3-moe", "spec-ngram", "spec-draft"],
 )
 def test_random_workload_no_recompilation_and_outputs_match_alone(
-    model_dirs, alone_outputs, model, async_scheduling, num_requests
+    model_dirs, alone_outputs, model, async_scheduling, num_requests, spec, request
 ):
+    """With speculative decoding (n-gram, or the model as its own draft) the outputs still
+    equal each request's alone without it."""
+    if spec == "draft" and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("slow: run with -m slow (test_spec_decode.py checks the draft model)")
     model = model_dirs(model)
+    if spec == "draft":
+        spec = {"model": str(model), "num_speculative_tokens": 2}
     llm = LLM(
         model,
         max_model_len=MAX_MODEL_LEN,
@@ -105,6 +121,7 @@ def test_random_workload_no_recompilation_and_outputs_match_alone(
         max_num_seqs=16,
         max_num_batched_tokens=128,
         async_scheduling=async_scheduling,
+        speculative_config=spec,
     )
     runner, core, kv = llm.runner, llm.engine, llm.kv_cache_manager
     compiles_after_warmup = runner.num_compilations
@@ -150,6 +167,9 @@ def test_random_workload_no_recompilation_and_outputs_match_alone(
     assert core.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert kv.prefix_cache_hits > 0, "the shared prefixes were meant to hit the cache"
     assert len(finished) + len(aborted) == len(work) and len(aborted) >= 5
+    if spec is not None:
+        stats = core.stats()
+        assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
 
     mismatches = []
     for rid, prompt, params in work:

@@ -115,6 +115,7 @@ class FakeRunner:
         self.request_buckets = [4]
         self.max_model_len = 32
         self.kv_cache_lost = False
+        self.num_speculative_tokens = 0
         self.tokens: dict[str, list[int]] = {}
 
     def launch(self, out: SchedulerOutput) -> tuple[int, RunnerOutput]:
@@ -130,7 +131,7 @@ class FakeRunner:
             tokens = self.tokens[s.request_id]
             if s.num_computed_tokens + s.num_scheduled_tokens == len(tokens):
                 tokens.append((tokens[-1] + 1) % 50)
-                sampled[s.request_id] = tokens[-1]
+                sampled[s.request_id] = [tokens[-1]]
         return len(self.executed), RunnerOutput(sampled, {}, {})
 
     def fetch(self, step: tuple[int, RunnerOutput]) -> RunnerOutput:

@@ -4,7 +4,6 @@ place."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 from jaxllm.runner import make_buckets, pick_shape
@@ -83,14 +82,15 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
         skip_warmup=True,
     )
     runner = llm.runner
-    batch, sampling = runner._padding_batch(*runner.shapes[-1])
+    batch = runner._padding_batch(*runner.shapes[-1])
+    num_logits = len(batch.logits_indices)
+    sampling, verify = runner._padding_sampling(num_logits)
     with pallas_kernels.target_platform(platform):
         forward = runner._forward.trace(runner._params, runner.kv_cache, runner.last_tokens, batch)
         text = forward.lower(lowering_platforms=(platform,)).as_text()
         _, hidden, _ = forward.out_info
-        rows = jax.ShapeDtypeStruct((runner.shapes[-1][1], *hidden.shape[1:]), hidden.dtype)
-        sample_rows = np.zeros(runner.shapes[-1][1], np.int32)
-        head = runner._sample.trace(runner._params, rows, sampling, sample_rows, runner.last_tokens)
+        rows = jax.ShapeDtypeStruct((num_logits, *hidden.shape[1:]), hidden.dtype)
+        head = runner._sample.trace(runner._params, rows, sampling, verify, runner.last_tokens)
         head.lower(lowering_platforms=(platform,))
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
     assert "jaxllm_" not in text, "a native CPU kernel was traced into an accelerator program"

@@ -47,7 +47,7 @@ def step(scheduler) -> list[str]:
     """One step; every request that reached the end of its sequence samples token 7."""
     out = scheduler.schedule()
     sampled = {
-        s.request_id: 7
+        s.request_id: [7]
         for s in out.requests
         if s.num_computed_tokens + s.num_scheduled_tokens
         == scheduler.requests[s.request_id].num_tokens
@@ -127,7 +127,7 @@ def test_full_request_data_crosses_once():
     assert [n.request_id for n in first.new_requests] == [a.request_id, b.request_id]
     assert first.new_requests[0].token_ids == a.prompt_token_ids
     assert [r.new_block_ids for r in first.requests] == [[], []]  # whole tables sent as new
-    s.update_from_output(first, RunnerOutput({a.request_id: 7, b.request_id: 7}, {}, {}))
+    s.update_from_output(first, RunnerOutput({a.request_id: [7], b.request_id: [7]}, {}, {}))
     second = s.schedule()
     assert second.new_requests == []
     # a's fifth token starts its second page: only that block crosses; b's fits its first.
@@ -147,7 +147,7 @@ def test_resumed_request_crosses_again_with_its_tokens():
     for _ in range(PAGE + 2):  # the sixth step preempts `second` (see the fcfs test)
         out = s.schedule()
         sampled = {
-            r.request_id: 7
+            r.request_id: [7]
             for r in out.requests
             if r.num_computed_tokens + r.num_scheduled_tokens == s.requests[r.request_id].num_tokens
         }

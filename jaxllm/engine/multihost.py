@@ -135,6 +135,7 @@ def engine_fingerprint(runner) -> dict[str, Any]:
         "token_buckets": list(runner.token_buckets),
         "request_buckets": list(runner.request_buckets),
         "max_model_len": runner.max_model_len,
+        "num_speculative_tokens": runner.num_speculative_tokens,
     }
 
 
