@@ -34,10 +34,20 @@ def _reference(name: str, demo, prompts):
     return data["tokens"], data["gaps"]
 
 
-@pytest.mark.parametrize("name", list(parity_reference.DEMOS))
-def test_greedy_parity_with_transformers(name):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,spec",
+    [(name, None) for name in parity_reference.DEMOS] + [("smollm2-135m", NGRAM)],
+    ids=[*parity_reference.DEMOS, "smollm2-135m-ngram"],
+)
+def test_greedy_parity_with_transformers(name, spec):
+    """With n-gram speculative decoding too: the same tokens."""
     demo = parity_reference.DEMOS[name]
-    llm = LLM(name, dtype="float32", max_model_len=1024, num_pages=128, max_num_seqs=8)
+    llm = LLM(name, dtype="float32", max_model_len=1024, num_pages=128, max_num_seqs=8,
+              speculative_config=spec)  # fmt: skip
     prompts = parity_reference.prompt_token_ids(llm.get_tokenizer(), demo)
     assert max(map(len, prompts)) <= 1024 - demo.max_new_tokens
     ref_tokens, ref_gaps = _reference(name, demo, prompts)
@@ -63,3 +73,5 @@ def test_greedy_parity_with_transformers(name):
         f"divergences: {ties or 'none'}"
     )
     assert not report, "\n".join(report)
+    if spec is not None:
+        assert llm.engine.stats().spec_num_accepted_tokens > 0

@@ -229,13 +229,13 @@ def test_draft_model(tiny_model_dir, draft_dir, plain):
             assert after.spec_num_accepted_tokens - greedy.spec_num_accepted_tokens == drafted
 
 
-@pytest.mark.parametrize("n", [4096, pytest.param(20_480, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [2048, pytest.param(20_480, marks=pytest.mark.slow)])
 def test_distribution_equals_the_targets(tiny_model_dir, plain, n, request):
     """n seeded samples of three tokens (top-k 3, so 27 outcomes) with the target as
     its own greedy draft, which makes the first and second drafts be accepted sometimes and
     rejected sometimes: the frequencies match the target's exact probabilities (a chi-square
     test at p = 0.001), and the acceptance rate matches the probability the draft is drawn."""
-    if n > 4096 and "slow" not in (request.config.getoption("markexpr") or ""):
+    if n > 2048 and "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("slow: run with -m slow")
     prompt = {"prompt_token_ids": [17, 99, 240, 61, 5, 133]}
     params = dict(temperature=1.3, top_k=3, max_tokens=3, ignore_eos=True)
