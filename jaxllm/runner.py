@@ -481,8 +481,8 @@ class ModelRunner:
         attn.seq_lens[:num_reqs] = computed + lens
         attn.block_tables[:num_reqs] = ib.block_table[rows]
 
-        # Logit rows: request i has 1 + num_drafts[i], from first_row[i]; row j of it is its
-        # token j + 1 from the end of the drafts' tail.
+        # Logit rows: request i has 1 + num_drafts[i], from first_row[i]; its row j samples
+        # the token after its last token and its first j drafts.
         first_row = np.zeros(num_reqs + 1, np.int32)
         np.cumsum(1 + num_drafts, out=first_row[1:])
         num_logits = int(first_row[-1])
@@ -492,8 +492,9 @@ class ModelRunner:
 
         samples = computed + lens - num_drafts == ib.num_tokens[rows]
         lrows = rows[req]
+        seq_len = ib.num_tokens[lrows] + j  # each row's sequence, its drafts included
         sampling, verify = self._padding_sampling(len(batch.logits_indices))
-        num_output = ib.num_tokens[lrows] - ib.num_prompt_tokens[lrows] + j
+        num_output = seq_len - ib.num_prompt_tokens[lrows]
         sampling.temperature[:num_logits] = ib.temperature[lrows]
         sampling.top_k[:num_logits] = ib.top_k[lrows]
         sampling.top_p[:num_logits] = ib.top_p[lrows]
@@ -505,12 +506,10 @@ class ModelRunner:
         sampling.blocked_ids[:num_logits] = np.where(
             blocked[:, None], ib.blocked_ids[lrows], self.config.vocab_size
         )
-        sampling = self._fill_penalty_inputs(
-            sampling, lrows, samples[req], ib.num_tokens[lrows] + j
-        )
+        sampling = self._fill_penalty_inputs(sampling, lrows, samples[req], seq_len)
         # Verification: row j is kept if rows 0..j-1 of its request sampled their drafts.
         has_draft = j < num_drafts[req]
-        draft_pos = np.minimum(ib.num_tokens[lrows] + j, ib.token_ids.shape[1] - 1)
+        draft_pos = np.minimum(seq_len, ib.token_ids.shape[1] - 1)
         verify.drafts[:num_logits] = np.where(has_draft, ib.token_ids[lrows, draft_pos], -1)
         verify.first_rows[:num_logits] = first_row[req]
         # A decode without drafts leaves its token on the device for the next step to read
@@ -569,13 +568,11 @@ class ModelRunner:
         with self._recovering():
             result, kept = step.result
             if (num_logprobs >= 0).any():
-                result, kept = jax.device_get((result, kept))
+                result = jax.device_get(result)
                 all_tokens = result.sampled
-            elif not step.num_drafts.any():  # only the tokens cross (one transfer, not five)
-                result, kept, all_tokens = None, None, np.asarray(result.sampled)
-            else:
-                all_tokens, kept = jax.device_get((result.sampled, kept))
-                result = None
+            else:  # only the tokens cross (one transfer instead of five)
+                result, all_tokens = None, np.asarray(result.sampled)
+            kept = np.asarray(kept) if step.num_drafts.any() else None
             prompt_logprobs = self._fetch_scoring(step.out, step.scoring)
             draft_tokens = None if step.drafts is None else np.asarray(step.drafts)[reqs]
         ids = [step.out.requests[i].request_id for i in reqs]

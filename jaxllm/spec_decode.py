@@ -1,4 +1,5 @@
-"""Speculative decoding: proposing draft tokens, and which of them a step accepts.
+"""Speculative decoding: how a step verifies draft tokens (done on the device by
+`runner._head_and_sample`), and the n-gram proposer (the draft model's is `draft_runner`).
 
 A request that decodes with drafts d_1..d_k is granted 1 + k tokens: its last token and the
 drafts, computed in one forward pass, whose logits give the target's distributions p_0..p_k
@@ -53,11 +54,3 @@ class NgramProposer:
         best = len(starts) - 1 - int(np.argmax(length[::-1]))
         follow = int(starts[best]) + self.min_n
         return tokens[follow : follow + self.k].tolist()
-
-
-def accepted_lengths(sampled: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-    """Per request, how many of its drafts were accepted: the longest prefix with
-    drafts[r, j] == sampled[r, j]. sampled, drafts: [R, K]; num_drafts: [R]."""
-    k = drafts.shape[1]
-    match = (sampled[:, :k] == drafts) & (np.arange(k)[None, :] < num_drafts[:, None])
-    return np.cumprod(match, axis=1).sum(axis=1)

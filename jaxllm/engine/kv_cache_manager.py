@@ -96,6 +96,8 @@ class KVCacheManager:
         rid = request.request_id
         table = self.block_tables.get(rid, [])
         start = self._num_cached_blocks.get(rid, 0)
+        # Speculative decoding: a stop inside accepted drafts leaves confirmed tokens that
+        # were never appended (the ones after the stop).
         confirmed = min(request.num_confirmed_tokens, request.num_tokens)
         end = min(confirmed // self.page_size, len(table))
         if end <= start:

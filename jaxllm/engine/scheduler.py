@@ -137,16 +137,15 @@ class Scheduler:
             n = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
             n = min(n, budget)
             spec = self._drafts(request, n, budget)
-            while not self.kv.allocate_slots(
-                request, n + len(spec), num_lookahead_tokens=self._lookahead(request, n + len(spec))
-            ):
+            n += len(spec)
+            while not self._allocate(request, n):
                 victim = self._pick_victim(granted)
                 budget += self._preempt(victim, granted, preempted)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                granted[request] = n + len(spec)
-                budget -= n + len(spec)
+                granted[request] = n
+                budget -= n
                 if spec:
                     drafts[request] = spec
 
@@ -169,15 +168,11 @@ class Scheduler:
             )
             n = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
-            allocated = self.kv.allocate_slots(
-                request, n, computed_blocks, num_lookahead_tokens=self._lookahead(request, n)
-            )
+            allocated = self._allocate(request, n, computed_blocks)
             while not allocated and (victim := self._displaceable(request)) is not None:
                 budget += self._preempt(victim, granted, preempted)
                 n = min(request.num_tokens - num_cached, budget)
-                allocated = self.kv.allocate_slots(
-                    request, n, computed_blocks, num_lookahead_tokens=self._lookahead(request, n)
-                )
+                allocated = self._allocate(request, n, computed_blocks)
             if not allocated:
                 request.num_computed_tokens = 0
                 break
@@ -228,11 +223,12 @@ class Scheduler:
         room = self._end(request) - request.num_tokens - 1  # the last token is sampled
         return request.spec_token_ids[: max(0, min(room, budget - 1))]
 
-    def _lookahead(self, request: Request, n: int) -> int:
-        """Slots past a grant of `n` where a draft model writes its drafts' KV (none past the
-        request's end)."""
+    def _allocate(self, request: Request, n: int, computed_blocks: list[int] | None = None) -> bool:
+        """Slots for a grant of `n` tokens and, past them, the `num_lookahead_tokens` where a
+        draft model writes its drafts' KV (none past the request's end)."""
         end = self._end(request) - request.num_computed_tokens - n
-        return max(0, min(self.num_lookahead_tokens, end))
+        lookahead = max(0, min(self.num_lookahead_tokens, end))
+        return self.kv.allocate_slots(request, n, computed_blocks, num_lookahead_tokens=lookahead)
 
     def _end(self, request: Request) -> int:
         """The sequence length a request may reach."""
