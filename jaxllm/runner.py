@@ -220,7 +220,8 @@ class ModelRunner:
         self.last_tokens = self._zeros_last_tokens()
         # Per compiled shape: the step program's memory analysis (filled by `warmup`).
         self.program_memory: dict[tuple[int, int], dict[str, int]] = {}
-        self._idle_penalty_inputs: dict[int, dict[str, jax.Array]] = {}  # by request bucket
+        self._idle_device_inputs: dict[int, dict[str, jax.Array]] = {}  # by logit bucket
+        self.bitmask_words = -(-config.vocab_size // 32)  # int32 words per grammar bitmask row
         # Two programs per step: the forward pass per (token, request) shape, and the output
         # head with the sampler per request bucket only (the sampler compiles about as long as
         # the 30 layers of the demo model; compiled into every shape it doubled startup).
@@ -359,7 +360,7 @@ class ModelRunner:
             counters=_ints(n),
             logprobs=np.zeros(n, np.bool_),
             blocked_ids=_ints(n, MAX_BLOCKED_IDS, fill=self.config.vocab_size),  # dropped
-            **self._penalty_inputs(n),
+            **self._idle_inputs(n),
         )
         verify = VerifyInputs(
             sample_rows=_ints(n, fill=self.max_num_seqs),  # dropped
@@ -381,14 +382,35 @@ class ModelRunner:
             "num_prompt_tokens": np.zeros(r_pad, np.int32),
         }
 
-    def _penalty_inputs(self, r_pad: int) -> dict[str, jax.Array]:
-        """The padding of `_penalty_padding`, kept on the device once per request bucket: a
-        batch without bias or penalties neither builds nor sends the [R, max_model_len]
-        history (`prepare` swaps in host arrays when some request needs them)."""
-        if r_pad not in self._idle_penalty_inputs:
+    def _idle_inputs(self, r_pad: int) -> dict[str, jax.Array]:
+        """The padding of `_penalty_padding` and an all-allowing grammar bitmask, kept on the
+        device once per logit bucket: a batch without bias, penalties or grammars neither
+        builds nor sends the [R, max_model_len] history or the [R, V / 32] bitmask (`prepare`
+        swaps in host arrays when some request needs them)."""
+        if r_pad not in self._idle_device_inputs:
             padding = self._penalty_padding(r_pad)
-            self._idle_penalty_inputs[r_pad] = jax.device_put(padding, self._replicated)
-        return self._idle_penalty_inputs[r_pad]
+            padding["token_bitmask"] = _ints(r_pad, self.bitmask_words, fill=-1)
+            self._idle_device_inputs[r_pad] = jax.device_put(padding, self._replicated)
+        return self._idle_device_inputs[r_pad]
+
+    def _fill_bitmask(
+        self, sampling: SamplingInputs, out: SchedulerOutput, first_row: np.ndarray
+    ) -> SamplingInputs:
+        """Structured outputs: the step's bitmask rows at their requests' logit rows."""
+        mask = out.grammar_bitmask
+        if mask is None:
+            return sampling
+        rows = np.frombuffer(mask.data, np.int32).reshape(-1, self.bitmask_words)
+        index = {s.request_id: i for i, s in enumerate(out.requests)}
+        host = _ints(len(sampling.temperature), self.bitmask_words, fill=-1)
+        start = 0
+        for rid in mask.request_ids:
+            i = index[rid]
+            n = 1 + len(out.requests[i].spec_token_ids)
+            host[first_row[i] : first_row[i] + n] = rows[start : start + n]
+            start += n
+        token_bitmask = host if self.mesh is None else jax.device_put(host, self._replicated)
+        return dataclasses.replace(sampling, token_bitmask=token_bitmask)
 
     def _fill_penalty_inputs(
         self, sampling: SamplingInputs, rows: np.ndarray, samples: np.ndarray, lens: np.ndarray
@@ -507,6 +529,7 @@ class ModelRunner:
             blocked[:, None], ib.blocked_ids[lrows], self.config.vocab_size
         )
         sampling = self._fill_penalty_inputs(sampling, lrows, samples[req], seq_len)
+        sampling = self._fill_bitmask(sampling, out, first_row)
         # Verification: row j is kept if rows 0..j-1 of its request sampled their drafts.
         has_draft = j < num_drafts[req]
         draft_pos = np.minimum(seq_len, ib.token_ids.shape[1] - 1)

@@ -6,13 +6,14 @@ number of tokens it has sampled so far, so the same seed gives the same text wha
 shares the batch. Logprobs are those of the model's raw distribution (before penalties, logit
 bias, temperature and top-k/p), as vLLM returns them by default.
 
-The order is vLLM's: blocked ids (min_tokens) and logit bias, then the repetition, frequency
+The order is vLLM's: the grammar's token bitmask (structured outputs: a token it does not allow
+is -inf), blocked ids (min_tokens) and logit bias, then the repetition, frequency
 and presence penalties, then greedy argmax or temperature, min-p, top-k, top-p and the draw
 (vLLM V1 applies min-p as a logits processor, before its top-k/top-p sampler). So
 a greedy request's argmax sees its penalties and bias.
 
-One program, work that follows the batch: every optional part (blocked ids, bias and
-penalties; the random draw; logprobs) runs under `lax.cond` only when some row of the batch
+One program, work that follows the batch: every optional part (the bitmask; blocked ids, bias
+and penalties; the random draw; logprobs) runs under `lax.cond` only when some row of the batch
 asks for it, so an all-greedy batch without logprobs pays for one argmax and three predicates,
 and no variant of the program is ever compiled.
 
@@ -70,6 +71,9 @@ class SamplingInputs:
     repetition_penalty: jax.Array  # f32[R]  1 = off
     history_ids: jax.Array  # i32[R, S]  prompt then output ids (rows with penalties); >= V pads
     num_prompt_tokens: jax.Array  # i32[R]  how many of history_ids are the prompt
+    # i32[R, ceil(V / 32)]  structured outputs: bit i of word w allows token 32 w + i; -1
+    # (every bit set) allows all
+    token_bitmask: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -265,8 +269,19 @@ def _any_penalty(s: SamplingInputs) -> jax.Array:
     )
 
 
+def _apply_bitmask(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """-inf for each token the row's bitmask does not allow."""
+    num_reqs, vocab = logits.shape
+    bits = (s.token_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
+    allowed = bits.reshape(num_reqs, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _modify(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Blocked ids, logit bias, then penalties (the last only if some row has one)."""
+    """The bitmask (if some row has one), blocked ids, logit bias, then penalties (if some
+    row has one)."""
+    constrained = jnp.any(s.token_bitmask != -1)
+    logits = jax.lax.cond(constrained, _apply_bitmask, lambda x, _: x, logits, s)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, s.blocked_ids].set(-jnp.inf, mode="drop")
     logits = logits.at[rows, s.logit_bias_ids].add(s.logit_bias, mode="drop")
@@ -299,7 +314,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f3
     vocab = logits.shape[-1]
     raw = logits
     modified = jnp.any(s.blocked_ids < vocab) | jnp.any(s.logit_bias_ids < vocab)
-    modified |= _any_penalty(s)
+    modified |= _any_penalty(s) | jnp.any(s.token_bitmask != -1)
     logits = jax.lax.cond(modified, _modify, lambda x, _: x, logits, s)
     greedy = _argmax(logits)
     random = s.temperature >= SAMPLING_EPS

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxllm.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (vLLM's default max_logprobs)
 MAX_N = 128
 MAX_STOP_TOKEN_IDS = 32  # stop_token_ids per request (they travel to the sampler as an array)
@@ -78,6 +80,9 @@ class SamplingParams:
     multiplied; 1 is off, above 1 discourages repetition."""
     logit_bias: dict[int, float] | None = None
     """Token id -> value added to that token's logit before sampling."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (a dict of
+    `StructuredOutputsParams` fields is taken too)."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -133,6 +138,15 @@ class SamplingParams:
                 _check_int("logit_bias token id", t, 0)
                 _check_float("logit_bias value", b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs: {e}") from None
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict")
 
     @property
     def uses_penalties(self) -> bool:

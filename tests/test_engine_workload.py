@@ -3,8 +3,8 @@ from 1 to near max_model_len, mixed max_tokens, shared long prefixes, mid-way ab
 small for everything at once (so preemption happens). Asserts after every step that the block
 pool is consistent, that nothing compiles after warmup, and that every finished request's
 output equals the output of running it alone on a separate engine without prefix caching.
-Runs with async scheduling on and off (a share of the requests has penalties, under which
-the async engine steps synchronously, so it switches between the two), and with 80 requests
+Runs with async scheduling on and off (a share of the requests has penalties or a grammar,
+under which the async engine steps synchronously, so it switches between the two), and with 80 requests
 on a Gemma 3 (sliding-window and global layers) and a Qwen3-MoE checkpoint."""
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ def _workload(rng: np.random.Generator, vocab: int, n: int = 240):
             params = SamplingParams(
                 temperature=0, max_tokens=max_tokens, repetition_penalty=1.3, ignore_eos=True
             )
-        else:  # seeded sampling: also reproducible alone
+        elif kind < 0.95:  # seeded sampling: also reproducible alone
             params = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=max_tokens)
+        else:  # structured outputs: a grammar's bitmask, synchronous steps
+            params = SamplingParams(
+                temperature=1.0, seed=i, max_tokens=max_tokens,
+                structured_outputs={"regex": r"[a-z]{1,6}( [a-z0-9]{1,6}){0,12}\."},
+            )  # fmt: skip
         work.append((f"req-{i}", prompt, params))
     return work
 

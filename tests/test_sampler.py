@@ -24,7 +24,7 @@ from jaxllm.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 def inputs(
     r, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0, seq_len=8,
-    logprobs=False,
+    logprobs=False, vocab=2**16,
 ):  # fmt: skip
     """Sampling inputs for r rows; no blocked ids, no bias, no penalties."""
     return SamplingInputs(
@@ -43,6 +43,7 @@ def inputs(
         repetition_penalty=jnp.ones((r,), jnp.float32),
         history_ids=jnp.full((r, seq_len), 10**6, jnp.int32),
         num_prompt_tokens=jnp.zeros((r,), jnp.int32),
+        token_bitmask=jnp.full((r, -(-vocab // 32)), -1, jnp.int32),
     )
 
 

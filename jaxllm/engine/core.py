@@ -153,7 +153,12 @@ class EngineCore:
             num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
         )
         lookahead = runner.num_speculative_tokens if draft is not None else 0
-        scheduler = Scheduler(sched, kv, num_lookahead_tokens=lookahead)
+        scheduler = Scheduler(
+            sched,
+            kv,
+            num_lookahead_tokens=lookahead,
+            structured_outputs=_structured_outputs(config.load.model, loaded.config),
+        )
         core = cls(scheduler, runner, async_scheduling=sched.async_scheduling)
         if runner.num_speculative_tokens:
             logger.info(
@@ -229,6 +234,8 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
             num_steps=self.num_steps,
+            grammar_bitmask_seconds=scheduler.grammar_bitmask_seconds,
+            grammar_bitmask_steps=scheduler.grammar_bitmask_steps,
             spec_num_drafts=scheduler.spec_num_drafts,
             spec_num_draft_tokens=scheduler.spec_num_draft_tokens,
             spec_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
@@ -239,11 +246,17 @@ class EngineCore:
         """Runs one step; returns the updates of the step that completed (with async
         scheduling, the one launched by the previous call). If it raises, no step is left in
         flight: the caller fails the running requests."""
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return failed + self._step()
+
+    def _step(self) -> list[RequestUpdate]:
         try:
             if not self.async_scheduling or self._needs_sync():
                 updates = self.drain()
                 scheduled = self.scheduler.schedule()
                 if scheduled.is_empty:
+                    if not updates:
+                        self.scheduler.wait_for_grammars(_GRAMMAR_POLL_S)
                     return updates
                 self._announce(scheduled, wait=True)
                 output = self.runner.execute(scheduled)
@@ -258,6 +271,8 @@ class EngineCore:
             if launched is not None:
                 self._inflight = (scheduled, launched)
                 self.num_steps += 1
+            elif not updates:
+                self.scheduler.wait_for_grammars(_GRAMMAR_POLL_S)
             return updates
         except BaseException:
             self._inflight = None
@@ -288,7 +303,27 @@ class EngineCore:
     def _needs_sync(self) -> bool:
         """Penalties read a request's whole history from the host: with such a request
         running, the next step waits for the previous one's tokens. So do draft tokens
-        (speculative decoding): a step's grants depend on how many the previous one accepted."""
+        (speculative decoding): a step's grants depend on how many the previous one accepted;
+        and grammars (structured outputs): a step's bitmask follows every token before it."""
         return self.runner.num_speculative_tokens > 0 or any(
-            r.sampling_params.uses_penalties for r in self.scheduler.running
+            r.sampling_params.uses_penalties or r.grammar is not None
+            for r in self.scheduler.running
         )
+
+
+# How long a step with nothing to run waits for a grammar that holds a request back.
+_GRAMMAR_POLL_S = 0.05
+
+
+def _structured_outputs(model: str, model_config: ModelConfig):
+    """The engine's grammar support; the tokenizer loads when a constrained request comes."""
+    from jaxllm.engine.request import resolve_eos_token_ids
+    from jaxllm.loaders import load_tokenizer
+    from jaxllm.structured_outputs import StructuredOutputManager
+
+    def tokenizer():
+        tok, generation_config = load_tokenizer(model)
+        eos = resolve_eos_token_ids(model_config.eos_token_ids, generation_config, tok)
+        return tok, list(eos)
+
+    return StructuredOutputManager(tokenizer, model_config.vocab_size)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.structured_outputs import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -19,6 +23,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # e.g. its grammar failed to compile
 
     @property
     def finished(self) -> bool:
@@ -33,11 +38,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -87,6 +94,8 @@ class Request:
         # Speculative decoding: draft tokens proposed to follow the sequence, verified in its
         # next decode step (never part of all_token_ids unless accepted).
         self.spec_token_ids: list[int] = []
+        # Structured outputs: the matcher its tokens must follow (set by the scheduler).
+        self.grammar: Grammar | None = None
 
     @property
     def num_tokens(self) -> int:

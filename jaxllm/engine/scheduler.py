@@ -27,23 +27,38 @@ The scheduler's only output is a `SchedulerOutput` (see `step_data`): the full d
 requests entering the batch, and for every scheduled request only its progress and new blocks.
 After the model ran, `update_from_output` appends the sampled tokens and finishes requests that
 hit EOS, a stop token or their length.
+
+Structured outputs (see `jaxllm.structured_outputs`): a constrained request waits until its
+grammar has compiled; each step that samples for it carries its rows of the token bitmask
+(`SchedulerOutput.grammar_bitmask`), its draft tokens are cut where the grammar refuses them,
+and its matcher consumes the tokens the step kept. The bitmask reflects every token sampled so
+far, so the engine core runs such steps synchronously.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.step_data import (
+    FinishReason,
+    GrammarBitmask,
     NewRequestData,
     RequestUpdate,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from jaxllm.structured_outputs import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -53,12 +68,19 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         *,
         num_lookahead_tokens: int = 0,
+        structured_outputs: StructuredOutputManager | None = None,
     ):
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config
         self.kv = kv_cache_manager
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.structured_outputs = structured_outputs
+        self.grammar_bitmask_seconds = 0.0  # host time filling bitmasks, since start
+        self.grammar_bitmask_steps = 0
+        # Requests failed outside a step (a grammar that did not compile): the engine core
+        # reports them with its next step's updates.
+        self.failed: list[RequestUpdate] = []
         # Speculative decoding counters (see `Stats`).
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -77,6 +99,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_outputs is None:
+                raise ValueError("structured_outputs: this engine has no grammar support")
+            request.grammar = self.structured_outputs.grammar(constraint)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -118,6 +145,7 @@ class Scheduler:
         return granted.pop(request, 0)
 
     def schedule(self) -> SchedulerOutput:
+        self._fail_broken_grammars()
         budget = self.config.max_num_batched_tokens
         granted: dict[Request, int] = {}  # in batch order
         drafts: dict[Request, list[int]] = {}  # the draft tokens among a request's grant
@@ -195,6 +223,7 @@ class Scheduler:
             finished, preempted = [], []
         # Data for the new rows first: it records the blocks they have as sent.
         new_requests = [self._new_request_data(r) for r in admitted if r in granted]
+        bitmask = self._grammar_bitmask(granted, drafts)
         out = SchedulerOutput(
             new_requests=new_requests,
             requests=[
@@ -204,6 +233,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_request_ids=preempted,
             finished_request_ids=finished,
+            grammar_bitmask=bitmask,
         )
         # The grants count as computed from now on, so the next step can be scheduled before
         # this one's output is back; `update_from_output` confirms them.
@@ -221,7 +251,48 @@ class Scheduler:
         if not request.spec_token_ids or n != 1 or request.num_pending_tokens:
             return []
         room = self._end(request) - request.num_tokens - 1  # the last token is sampled
-        return request.spec_token_ids[: max(0, min(room, budget - 1))]
+        spec = request.spec_token_ids[: max(0, min(room, budget - 1))]
+        if request.grammar is not None and spec:
+            spec = spec[: request.grammar.valid_prefix(spec)]
+        return spec
+
+    def _grammar_bitmask(
+        self, granted: dict[Request, int], drafts: dict[Request, list[int]]
+    ) -> GrammarBitmask | None:
+        """The bitmask rows of the constrained requests that sample this step."""
+        rows = [
+            (request, drafts.get(request, []))
+            for request, n in granted.items()
+            if request.grammar is not None
+            and request.num_computed_tokens + n - len(drafts.get(request, ()))
+            == request.num_tokens + request.num_pending_tokens
+        ]
+        if not rows:
+            return None
+        start = time.perf_counter()
+        bitmask = self.structured_outputs.fill_bitmask([(r.grammar, d) for r, d in rows])
+        self.grammar_bitmask_seconds += time.perf_counter() - start
+        self.grammar_bitmask_steps += 1
+        return GrammarBitmask([r.request_id for r, _ in rows], bitmask.tobytes())
+
+    def _fail_broken_grammars(self) -> None:
+        """Fails the waiting requests whose grammar did not compile (or not in time)."""
+        for request in list(self.waiting):
+            grammar = request.grammar
+            if grammar is not None and grammar.ready() and grammar.error is not None:
+                logger.warning("request %s failed: %s", request.request_id, grammar.error)
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                self.failed.append(
+                    RequestUpdate(request.request_id, [], finish_reason=FinishReason.ERROR)
+                )
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Blocks (at most `timeout` s) until a waiting request's grammar is compiled, if
+        some waiting request is held back only by its grammar."""
+        for request in self.waiting:
+            if request.grammar is not None and not request.grammar.ready():
+                request.grammar.wait(timeout)
+                return
 
     def _allocate(self, request: Request, n: int, computed_blocks: list[int] | None = None) -> bool:
         """Slots for a grant of `n` tokens and, past them, the `num_lookahead_tokens` where a
@@ -241,7 +312,11 @@ class Scheduler:
     def _next_waiting(self) -> Request | None:
         """The next request to admit: the first in arrival order (preempted requests went back
         to the front) or by (priority, arrival), among those not waiting for a sibling."""
-        ready = (r for r in self.waiting if not self._waits_for_parent(r))
+        ready = (
+            r
+            for r in self.waiting
+            if not self._waits_for_parent(r) and (r.grammar is None or r.grammar.ready())
+        )
         if self.config.scheduling_policy == "priority":
             return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
         return next(ready, None)
@@ -350,6 +425,8 @@ class Scheduler:
                     tokens, logprobs = tokens[: i + 1], logprobs and logprobs[: i + 1]
                     break
             self.kv.cache_full_blocks(request)  # accepted drafts are keyed once appended
+            if request.grammar is not None and not request.grammar.accept(tokens):
+                status = status or RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(request, status)
             else:

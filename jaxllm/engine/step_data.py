@@ -56,6 +56,14 @@ class ScheduledRequest(msgspec.Struct):
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
+class GrammarBitmask(msgspec.Struct):
+    """Structured outputs: which tokens the constrained requests that sample this step may
+    sample (see `jaxllm.structured_outputs`)."""
+
+    request_ids: list[str]  # in batch order; each has 1 + len(spec_token_ids) rows
+    data: bytes  # int32 [rows, ceil(V / 32)], row-major; bit i of word w allows token 32 w + i
+
+
 class SchedulerOutput(msgspec.Struct):
     """One step's batch."""
 
@@ -64,6 +72,7 @@ class SchedulerOutput(msgspec.Struct):
     total_num_scheduled_tokens: int  # <= max_num_batched_tokens
     preempted_request_ids: list[str]  # preempted while this step was built: rows to drop
     finished_request_ids: list[str]  # finished since the previous step: rows to drop
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -123,6 +132,10 @@ class Stats(msgspec.Struct):
     num_preemptions: int = 0
     num_compilations: int = 0
     num_steps: int = 0
+    # Structured outputs: seconds the host spent filling token bitmasks, and the steps that
+    # filled one, since start.
+    grammar_bitmask_seconds: float = 0.0
+    grammar_bitmask_steps: int = 0
     # Speculative decoding, since start (vLLM's spec_decode counters): verifications (a
     # request with drafts in a step), draft tokens verified, accepted ones, and accepted ones
     # by their position among the drafts.
