@@ -90,6 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         generation_config=args.generation_config,
         shutdown_timeout=args.shutdown_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -116,6 +118,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from server.tool_parsers import TOOL_PARSERS
+
     parser = argparse.ArgumentParser(prog="jaxllm", description="LLM serving engine on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -159,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds to drain in-flight requests on SIGTERM",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": the model decides whether to call tools, and '
+        "--tool-call-parser reads its calls out of the text",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_PARSERS),
+        default=None,
+        help="the format of the model's own tool calls, for tool_choice auto",
     )
     srv.set_defaults(func=_serve)
 

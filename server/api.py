@@ -13,6 +13,11 @@ response ends, however it ends. (The engine's own count of unfinished requests m
 generation task has started, after the handler returned: a burst of requests would all see
 the same count and all get in.)
 
+Tool calls: a chat request whose tool_choice forces a call, or is "auto" on a server started
+with a tool call parser (`--enable-auto-tool-choice --tool-call-parser NAME`), has its output
+read by a `server.tool_parsers` stream per choice: the same stream makes the response's
+`tool_calls` and a stream's tool call deltas, which so add up to the same calls.
+
 Shutdown: `ServerState.draining` turns on as soon as the server is told to stop (see
 `server.main`); from then on `/health` and new requests answer 503 while the requests already
 admitted run to their end.
@@ -40,9 +45,10 @@ import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
 from jaxllm.engine.core_client import EngineDeadError
 from jaxllm.engine.request import fan_out
-from server import protocol
+from server import protocol, tool_parsers
 from server.metrics import Metrics
 from server.protocol import APIError
+from server.tool_parsers import TOOL_PARSERS, ToolCallStream
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -58,12 +64,20 @@ _DISCONNECT_POLL_S = 0.25
 
 
 class ServerState:
-    def __init__(self, served_model_names: list[str], api_key: str | None, max_queued: int):
+    def __init__(
+        self,
+        served_model_names: list[str],
+        api_key: str | None,
+        max_queued: int,
+        tool_parser: type[ToolCallStream] | None = None,
+    ):
         self.engine: AsyncLLM | None = None
         self.startup_error: str | None = None
         self.served_model_names = served_model_names
         self.api_key = api_key
         self.max_queued = max_queued
+        # What reads the calls of tool_choice "auto"; without one, "auto" is a 400.
+        self.tool_parser = tool_parser
         self.num_admitted = 0  # engine requests of responses that have not ended yet
         self.draining = False  # set when the server is told to stop; never cleared
         self.engine_died = False  # the engine died while serving: the server exits non-zero
@@ -78,9 +92,21 @@ def build_app(
     served_model_names: list[str],
     api_key: str | None = None,
     max_queued_requests: int = 1024,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """`start_engine` is an async callable returning a ready `AsyncLLM`."""
-    state = ServerState(served_model_names, api_key, max_queued_requests)
+    """`start_engine` is an async callable returning a ready `AsyncLLM`. tool_choice "auto"
+    needs `enable_auto_tool_choice` and a `tool_call_parser` (a name in TOOL_PARSERS); a
+    ValueError if the first comes without the second, or the name is unknown."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser: unknown parser {tool_call_parser!r}; the parsers are "
+            f"{', '.join(TOOL_PARSERS)}"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
+    state = ServerState(served_model_names, api_key, max_queued_requests, parser)
 
     async def lifespan(app: FastAPI):
         async def start():
@@ -267,11 +293,15 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse(request, protocol.ChatCompletionRequest)
+        req.check_tool_choice(auto_tool_choice=state.tool_parser is not None)
         eng = engine()
         model = check_model(req.model)
         ids = await tokenizing(render_chat, eng, req)
-        jobs = [(ids, sampling_params(eng, req, ids, "messages"), None)]
-        return await respond(request, ChatCompletion(req, model, jobs, eng))
+        params = sampling_params(eng, req, ids, "messages")
+        if req.tool_choice == "auto" and not state.tool_parser.skip_special_tokens:
+            params.skip_special_tokens = False  # the parser reads special tokens (vLLM's rule)
+        gen = ChatCompletion(req, model, [(ids, params, None)], eng, state.tool_parser)
+        return await respond(request, gen)
 
     return app
 
@@ -601,9 +631,68 @@ class Completion(_Generation):
         )
 
 
+def tool_call_streams(
+    req, parser: type[ToolCallStream] | None
+) -> Callable[[], ToolCallStream] | None:
+    """What reads the tool calls out of each choice of a chat request: a callable making a
+    fresh `ToolCallStream`, or None (the output is content)."""
+    if req.named_tool is not None:
+        return functools.partial(tool_parsers.NamedToolCall, req.named_tool)
+    if req.tool_choice == "required":
+        return tool_parsers.RequiredToolCalls
+    if req.tool_choice == "auto":  # only on a server with a parser (check_tool_choice)
+        return parser
+    return None
+
+
 class ChatCompletion(_Generation):
     response_cls = protocol.ChatCompletionResponse
     chunk_cls = protocol.ChatCompletionStreamResponse
+
+    def __init__(
+        self, req, model: str, jobs, eng: AsyncLLM, tool_parser: type[ToolCallStream] | None
+    ):
+        super().__init__(req, model, jobs, eng)
+        self.new_tool_stream = tool_call_streams(req, tool_parser)
+        self.tool_streams: dict[int, ToolCallStream] = {}  # choice -> its stream
+        self.called: set[int] = set()  # choices that made a tool call so far
+
+    def _tool_delta(self, stream: ToolCallStream, out) -> tool_parsers.Delta:
+        delta = stream.update(out.text, final=out.finish_reason is not None)
+        if not self.req.parallel_tool_calls:  # the first call only (vLLM's rule)
+            delta.tool_calls = [c for c in delta.tool_calls if c.index == 0]
+        return delta
+
+    def _finish_reason(self, out, called: bool) -> str | None:
+        """The engine's finish reason, but "tool_calls" when calls end the output (the engine
+        says "stop"), except for a named function, whose call is all the output can be (as in
+        vLLM)."""
+        if called and out.finish_reason == "stop" and self.req.named_tool is None:
+            return "tool_calls"
+        return out.finish_reason
+
+    def _message(self, extracted: tool_parsers.Extracted) -> protocol.ChatResponseMessage:
+        calls = [
+            protocol.ToolCall(function=protocol.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in extracted.tool_calls
+        ]
+        if self.req.tool_choice != "auto":
+            content = ""  # a forced call: no content (vLLM's "")
+        else:
+            content = extracted.content or (None if calls else "")
+        return protocol.ChatResponseMessage(content=content, tool_calls=calls or None)
+
+    @staticmethod
+    def _delta_tool_call(call: tool_parsers.ToolCallDelta) -> protocol.DeltaToolCall:
+        if call.name is None:
+            function = protocol.DeltaFunctionCall(arguments=call.arguments)
+            return protocol.DeltaToolCall(index=call.index, function=function)
+        return protocol.DeltaToolCall(
+            index=call.index,
+            id=protocol.tool_call_id(),
+            type="function",
+            function=protocol.DeltaFunctionCall(name=call.name, arguments=call.arguments),
+        )
 
     def _logprobs(self, choice: int, out, start_token: int):
         params = self._job_of(choice)[1]
@@ -616,11 +705,17 @@ class ChatCompletion(_Generation):
         )
 
     def _choice(self, choice: int, out) -> protocol.ChatCompletionResponseChoice:
+        message = protocol.ChatResponseMessage(content=out.text)
+        finish_reason = out.finish_reason
+        if self.new_tool_stream is not None:
+            extracted = tool_parsers.assemble([self._tool_delta(self.new_tool_stream(), out)])
+            message = self._message(extracted)
+            finish_reason = self._finish_reason(out, bool(extracted.tool_calls))
         return protocol.ChatCompletionResponseChoice(
             index=choice,
-            message=protocol.ChatResponseMessage(content=out.text),
+            message=message,
             logprobs=self._logprobs(choice, out, 0),
-            finish_reason=out.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=out.stop_reason,
         )
 
@@ -634,13 +729,26 @@ class ChatCompletion(_Generation):
         ]
 
     def _delta(self, choice: int, out, chars: int, toks: int):
-        text = out.text[chars:]
-        if not text and out.finish_reason is None and len(out.token_ids) == toks:
+        text, tool_calls, finish_reason = out.text[chars:], None, out.finish_reason
+        new_tokens = len(out.token_ids) > toks
+        if self.new_tool_stream is not None:
+            stream = self.tool_streams.get(choice)
+            if stream is None:
+                stream = self.tool_streams[choice] = self.new_tool_stream()
+            delta = self._tool_delta(stream, out)
+            text = delta.content
+            tool_calls = [self._delta_tool_call(c) for c in delta.tool_calls] or None
+            if any(c.name is not None for c in delta.tool_calls):
+                self.called.add(choice)
+            finish_reason = self._finish_reason(out, choice in self.called)
+            # Tokens of a call still being read send nothing, but their logprobs (as vLLM).
+            new_tokens = new_tokens and self._job_of(choice)[1].logprobs is not None
+        if not text and not tool_calls and out.finish_reason is None and not new_tokens:
             return None
         return protocol.ChatCompletionStreamChoice(
             index=choice,
-            delta=protocol.DeltaMessage(content=text or None),
+            delta=protocol.DeltaMessage(content=text or None, tool_calls=tool_calls),
             logprobs=self._logprobs(choice, out, toks),
-            finish_reason=out.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=out.stop_reason,
         )

@@ -135,6 +135,8 @@ def serve(
     chat_template: str | None,
     generation_config: str,
     shutdown_timeout: float,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> int:
     template = _load_chat_template(chat_template)
 
@@ -152,6 +154,8 @@ def serve(
         served_model_names=served_model_names,
         api_key=api_key,
         max_queued_requests=max_queued_requests,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
     )
     uv_config = uvicorn.Config(
         app,

@@ -42,9 +42,27 @@ Contract with the app:
     unset, completions   -> min(16, max_new_tokens, default_max_tokens) (OpenAI's default is
                             16; vLLM's min)
     unset, chat          -> min(max_new_tokens, default_max_tokens)
-- Not supported, each a 400 naming the field: suffix, tools / tool_choice / functions
-  (other than empty or "none"), response_format other than {"type": "text"}, best_of != n,
-  content parts other than text.
+- Not supported, each a 400 naming the field: suffix, the legacy functions / function_call
+  (other than empty or "none"), best_of != n, content parts other than text.
+- Structured outputs (`StructuredOutputsParams`, in SamplingParams.structured_outputs), from
+  at most one of: `response_format` ({"type": "json_object"}, or {"type": "json_schema",
+  "json_schema": {"schema": ...}}; {"type": "text"} is none), vLLM's `structured_outputs` (a
+  dict of StructuredOutputsParams fields), its older `guided_json`, `guided_regex`,
+  `guided_choice`, `guided_grammar`, and, in chat, a `tool_choice` that forces a call.
+  `guided_whitespace_pattern` applies to whichever is given; `guided_decoding_backend` is
+  ignored (llguidance decodes all). Two of them, an unknown structured_outputs key, or a
+  schema, regex or grammar that does not compile: a 400 naming the field the client used.
+- Tools (chat): `tools` are checked (non-empty unique names, parameters a schema that
+  compiles; a 400 names "tools", the message says where) and reach the chat template (as
+  `tools=`, OpenAI's dicts) unless tool_choice is "none"; assistant messages may carry
+  `tool_calls` (their JSON `arguments` reach the template parsed, as dicts), tool messages a
+  `tool_call_id`. `tool_choice` is as in vLLM: unset with tools means "auto"; other than
+  "none" it needs `tools` (an empty list makes "auto" and "required" "none"); a named
+  function must be one of them. A named function constrains the output to its parameters
+  schema; "required" to `tool_parsers.required_tool_calls_schema` (one call at most with
+  `parallel_tool_calls: false`); "auto" leaves it free for the server's `--tool-call-parser`,
+  and `check_tool_choice` is a 400 when the server has none. `server.tool_parsers` turns the
+  output into `tool_calls` (ChatResponseMessage, DeltaMessage).
 - Completions `prompt_logprobs: k` scores the prompt tokens; `echo` with `logprobs: k` asks
   the engine for prompt logprobs too, so the echoed prompt carries logprobs as in vLLM.
 - chat_template_kwargs: only the keys of CHAT_TEMPLATE_KWARGS reach the template, each with
@@ -56,6 +74,7 @@ Contract with the app:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import time
@@ -71,6 +90,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -87,6 +107,8 @@ from jaxllm.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from jaxllm.structured_outputs import StructuredOutputsParams
+from server.tool_parsers import required_tool_calls_schema
 
 MAX_PROMPTS = 1024  # prompts in one completions request (a list of strings or of token lists)
 MAX_STOP = 32  # stop strings per request
@@ -113,8 +135,17 @@ GENERATION_DEFAULT_KEYS = (
 )
 # What an unset sampling field is when the model has no default either (vLLM's values).
 _NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+_ANY_OBJECT = {"type": "object"}  # the arguments of a function that declares no parameters
 _COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 _SAMPLING_PARAMS_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_STRUCTURED_OUTPUTS_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
+# vLLM's older request fields for a constraint, and the StructuredOutputsParams field of each.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 # ----------------------------------------------------------------------------------- errors
@@ -350,12 +381,52 @@ class TextContentPart(_Model):
     text: str
 
 
+class FunctionCallParam(_Model):
+    """The function an earlier assistant message called."""
+
+    name: str
+    arguments: Any = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _parse_arguments(cls, value: Any) -> Any:
+        # OpenAI sends the arguments as JSON text; chat templates take them parsed (a dict),
+        # as transformers documents and vLLM does. Null or "" is no arguments.
+        if value is None or value == "":
+            return {}
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError("arguments must be JSON text") from None
+        return value
+
+
+class ToolCallParam(_Model):
+    """One tool call of an earlier assistant message."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+    def template_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {} if self.id is None else {"id": self.id}
+        out.update(
+            type="function",
+            function={"name": self.function.name, "arguments": self.function.arguments},
+        )
+        return out
+
+
 class ChatMessage(_Model):
-    """One message of a conversation; content is a string, text parts, or null."""
+    """One message of a conversation; content is a string, text parts, or null. An assistant
+    message may hold the tool calls it made, a tool message the id of the call it answers."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -419,12 +490,17 @@ class _ChatTemplateFields(_Model):
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the tokenizer's apply_chat_template takes them: content a string
-        (null becomes "", which every template can concatenate)."""
+        (null becomes "", which every template can concatenate); an assistant's tool calls
+        and a tool message's tool_call_id as transformers' chat templates read them."""
         out = []
         for m in self.messages:
             d: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
             if m.name is not None:
                 d["name"] = m.name
+            if m.role == "assistant" and m.tool_calls:
+                d["tool_calls"] = [c.template_dict() for c in m.tool_calls]
+            if m.role == "tool" and m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
 
@@ -438,6 +514,39 @@ class _ChatTemplateFields(_Model):
 
 
 # ------------------------------------------------------------------------ generation requests
+
+
+def _response_format_constraint(value: Any) -> dict[str, Any] | None:
+    """The StructuredOutputsParams fields of a response_format; None for {"type": "text"}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            raise _ParamError(
+                "response_format", "response_format: json_schema.schema (a JSON schema) is required"
+            )
+        return {"json": spec["schema"]}
+    raise _ParamError(
+        "response_format",
+        "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+        f"{{'type': 'json_schema', 'json_schema': {{...}}}}; got type {_short(kind)}",
+    )
+
+
+_CONSTRAINT_PREFIX = re.compile(r"^structured_outputs(\.\w+)?:? ?")
+
+
+def _constraint_error(param: str, exc: ValueError) -> str:
+    """StructuredOutputsParams' message ("structured_outputs.json: why") in the words of the
+    field the client used ("guided_json: why"), at most 4 * MAX_ECHOED_CHARS characters."""
+    message = str(exc)
+    if param != "structured_outputs":
+        message = f"{param}: {_CONSTRAINT_PREFIX.sub('', message)}"
+    return message[: 4 * MAX_ECHOED_CHARS]
 
 
 class _SamplingRequest(_Model):
@@ -466,6 +575,17 @@ class _SamplingRequest(_Model):
     user: str | None = None
     skip_special_tokens: bool = True
     response_format: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance decodes all
+
+    # The constraint of the fields above (and of chat's tool_choice), built and checked when
+    # the request is parsed.
+    _structured_outputs: StructuredOutputsParams | None = PrivateAttr(None)
 
     _PROMPT_PARAM: ClassVar[str]  # what the prompt is called in this request
     _UNSET_MAX_TOKENS: ClassVar[int | None] = None  # max_tokens when the request omits it
@@ -525,13 +645,6 @@ class _SamplingRequest(_Model):
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, value: Any) -> Any:
-        if value is None or (isinstance(value, dict) and value.get("type") == "text"):
-            return value
-        raise ValueError("response_format: only {'type': 'text'} is supported")
-
     @model_validator(mode="after")
     def _check_sampling_fields(self):
         if self.stream_options is not None and not self.stream:
@@ -547,6 +660,45 @@ class _SamplingRequest(_Model):
                 f"min_tokens ({self.min_tokens}) must be <= {max_param} ({max_tokens})",
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_structured_outputs(self):
+        sources = self._constraints()
+        if len(sources) > 1:
+            raise _ParamError(
+                sources[1][0],
+                f"{' and '.join(p for p, _ in sources)} each constrain the output; give one",
+            )
+        if sources:
+            param, fields = sources[0]
+            if self.guided_whitespace_pattern is not None:
+                fields.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+            try:
+                self._structured_outputs = StructuredOutputsParams(**fields)
+            except ValueError as e:
+                raise _ParamError(param, _constraint_error(param, e)) from None
+        return self
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(param, StructuredOutputsParams fields) of each field that constrains the output."""
+        out = []
+        if self.response_format is not None:
+            fields = _response_format_constraint(self.response_format)
+            if fields is not None:
+                out.append(("response_format", fields))
+        if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - set(_STRUCTURED_OUTPUTS_KEYS))
+            if unknown:
+                raise _ParamError(
+                    "structured_outputs",
+                    f"structured_outputs: unknown key {_short(unknown[0])}; the keys are "
+                    f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}",
+                )
+            out.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in _GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                out.append((name, {key: getattr(self, name)}))
+        return out
 
     def _requested_max_tokens(self) -> tuple[str, int | None]:
         """The field that bounds the output and its value (None: unset or null)."""
@@ -627,6 +779,7 @@ class _SamplingRequest(_Model):
             logprobs=self._num_logprobs(),
             prompt_logprobs=self._num_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self._structured_outputs,
         )
         try:
             return SamplingParams(**kwargs)
@@ -715,23 +868,95 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     echo: bool | None = False
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}} once
+    # validated (validated when unset too: with tools, it is then "auto").
+    tool_choice: Any = Field(None, validate_default=True)
+    parallel_tool_calls: bool | None = True
     functions: Any = None
     function_call: Any = None
 
-    @field_validator("tools", "functions")
+    @field_validator("tools", mode="before")
     @classmethod
-    def _check_tools(cls, value: Any, info: ValidationInfo) -> Any:
-        if value:  # null or []: no tools
-            raise ValueError(f"{info.field_name} is not supported (no tool calling yet)")
-        return value
+    def _check_tools(cls, value: Any) -> Any:
+        """Each tool as {"type": "function", "function": {"name", "description",
+        "parameters"}} (the keys vLLM hands the chat template; others are dropped)."""
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            raise ValueError("tools must be a list of {'type': 'function', 'function': {...}}")
+        out, names = [], set()
+        for i, tool in enumerate(value):
+            where = f"tools.{i}"
+            if not isinstance(tool, dict):
+                raise ValueError(f"{where} must be {{'type': 'function', 'function': {{...}}}}")
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict):
+                raise ValueError(f"{where} must be {{'type': 'function', 'function': {{...}}}}")
+            name = function.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{where}.function.name must be a non-empty string")
+            if name in names:
+                raise ValueError(f"{where}.function.name: two tools are named {_short(name)}")
+            names.add(name)
+            description = function.get("description")
+            if description is not None and not isinstance(description, str):
+                raise ValueError(f"{where}.function.description must be a string")
+            parameters = function.get("parameters")
+            if parameters is not None:
+                if not isinstance(parameters, dict):
+                    raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+                try:  # compiles as the constraint of a call to it would
+                    StructuredOutputsParams(json=parameters)
+                except ValueError as e:
+                    raise ValueError(_constraint_error(f"{where}.function.parameters", e)) from None
+            out.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": description,
+                        "parameters": parameters,
+                    },
+                }
+            )
+        return out
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
     @classmethod
     def _check_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in (None, "none"):
-            raise ValueError(f"{info.field_name} is not supported (no tool calling yet)")
+        tools = info.data.get("tools")
+        if value is None:
+            value = "auto" if tools else "none"
+        if value == "none":
+            return value
+        name = None
+        if isinstance(value, dict) and value.get("type") == "function":
+            function = value.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+        if value not in ("auto", "required") and not (isinstance(name, str) and name):
+            raise ValueError(
+                "tool_choice must be 'none', 'auto', 'required' or "
+                "{'type': 'function', 'function': {'name': ...}}"
+            )
+        if tools is None:
+            raise ValueError("tool_choice needs tools")
+        if name is None:
+            return value if tools else "none"  # no tools to call (vLLM, for "required")
+        if all(t["function"]["name"] != name for t in tools):
+            raise ValueError(f"tool_choice: no tool is named {_short(name)}")
+        return {"type": "function", "function": {"name": name}}
+
+    @field_validator("parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_parallel_tool_calls(cls, value: Any) -> Any:
+        return True if value is None else value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _check_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, [], "none"):
+            raise ValueError(f"{info.field_name} is not supported; use tools and tool_choice")
         return value
 
     @model_validator(mode="after")
@@ -751,6 +976,41 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
 
     def _num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function tool_choice names, if it names one."""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return None
+
+    def check_tool_choice(self, *, auto_tool_choice: bool) -> None:
+        """400 for tool_choice "auto" on a server without a tool call parser (vLLM's words)."""
+        if self.tool_choice == "auto" and not auto_tool_choice:
+            raise APIError.bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                "tool_choice",
+            )
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        out = super()._constraints()
+        if self.named_tool is not None:
+            tool = next(t for t in self.tools if t["function"]["name"] == self.named_tool)
+            out.append(("tool_choice", {"json": tool["function"]["parameters"] or _ANY_OBJECT}))
+        elif self.tool_choice == "required":
+            try:
+                schema = required_tool_calls_schema(self.tools, parallel=self.parallel_tool_calls)
+            except ValueError as e:
+                raise _ParamError("tools", str(e)) from None
+            out.append(("tool_choice", {"json": schema}))
+        return out
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = super().template_kwargs()
+        if self.tools and self.tool_choice != "none":
+            kwargs["tools"] = self.tools
+        return kwargs
 
 
 # --------------------------------------------------------------------- tokenizer endpoints
@@ -888,9 +1148,26 @@ class ChatCompletionLogProbs(_Response):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+tool_call_id = _id("chatcmpl-tool")  # vLLM's form of a tool call's id
+
+
+class ToolCall(_Response):
+    id: str = Field(default_factory=tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
+    _OMIT_IF_NONE = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(_Response):
@@ -911,13 +1188,34 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
-class DeltaMessage(_Response):
-    """What a stream chunk adds to a message: the role in the first, then content."""
+class DeltaFunctionCall(_Response):
+    _OMIT_IF_NONE = frozenset({"name", "arguments"})
 
-    _OMIT_IF_NONE = frozenset({"role", "content"})
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """What a stream chunk adds to the tool call at `index`: its id, type and name first
+    (with the arguments known then), then fragments of its arguments."""
+
+    _OMIT_IF_NONE = frozenset({"id", "type", "function"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_Response):
+    """What a stream chunk adds to a message: the role in the first, then content and tool
+    calls."""
+
+    _OMIT_IF_NONE = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(_Response):

@@ -110,7 +110,7 @@ BAD_BODIES = [
         "stream_options.include_usage",
     ),
     (CompletionRequest, completion(suffix="end"), "suffix"),
-    (CompletionRequest, completion(response_format={"type": "json_object"}), "response_format"),
+    (CompletionRequest, completion(response_format={"type": "xml"}), "response_format"),
     (CompletionRequest, completion(model=5), "model"),
     (CompletionRequest, completion(user=["u"]), "user"),
     # prompts

@@ -1,0 +1,411 @@
+"""Tool calls out of a chat completion's text, as the text grows.
+
+One `ToolCallStream` follows one choice's output. `update(text, final=...)` takes the whole
+text so far (each call's text extends the last one's) and returns what it adds: content, the
+first delta of each new call (its tool-call index and name, with the arguments known so far),
+and argument fragments of calls already announced. A non-streamed response runs the same
+machine once over the whole text (`extract`), so streamed deltas concatenate (`assemble`) to
+exactly the non-streamed content and calls, whatever the chunking.
+
+The streams:
+- `NamedToolCall`: `tool_choice` names a function; the output, constrained to its parameters
+  schema, is the arguments.
+- `RequiredToolCalls`: `tool_choice: "required"`; the output, constrained to
+  `required_tool_calls_schema`, is a JSON array of `{"name", "parameters"}`. Scanned character
+  by character: a call is announced once its name string is complete, and the raw text of its
+  `parameters` value streams as its arguments.
+- The parsers of `tool_choice: "auto"` (`TOOL_PARSERS`, `--tool-call-parser`), for models'
+  own formats: `hermes` and `llama3_json`. Their arguments are the call's JSON object
+  re-serialized (`json.dumps(..., ensure_ascii=False)`, as vLLM does). Text that does not parse
+  as a call stays content; when no call is found the content is the text unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+_WHITESPACE = " \t\n\r"
+
+
+@dataclasses.dataclass
+class ToolCallDelta:
+    """What one update adds to one call: its first delta has the name (the client's id and
+    type go with it), later ones only argument text."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclasses.dataclass
+class Delta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclasses.dataclass
+class Extracted:
+    content: str
+    tool_calls: list[ToolCall]
+
+
+class ToolCallStream:
+    """Splits one output's text into content and tool calls as it grows (see the module
+    docstring). `skip_special_tokens` False asks the engine to keep special tokens in the
+    text: some models' call markers are special tokens."""
+
+    skip_special_tokens: ClassVar[bool] = True
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        raise NotImplementedError
+
+
+def assemble(deltas: Iterable[Delta]) -> Extracted:
+    """The content and calls that a sequence of deltas adds up to."""
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    for delta in deltas:
+        content.append(delta.content)
+        for d in delta.tool_calls:
+            if d.name is not None:
+                assert d.index == len(calls), "calls are announced in index order"
+                calls.append(ToolCall(d.name, ""))
+            calls[d.index].arguments += d.arguments
+    return Extracted("".join(content), calls)
+
+
+def extract(stream: ToolCallStream, text: str) -> Extracted:
+    """The content and calls of a whole output (a fresh `stream` over all of `text`)."""
+    return assemble([stream.update(text, final=True)])
+
+
+def _loads(text: str) -> Any:
+    """The JSON value of `text`; None if it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _call(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    """A call from a parsed `{"name": ..., <argument key>: {...}}`; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    key = next((k for k in argument_keys if k in obj), None)
+    if key is None or not isinstance(obj[key], dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(obj[key], ensure_ascii=False))
+
+
+def _partial_suffix(text: str, start: int, marker: str) -> int:
+    """The length of the longest end of `text[start:]` that `marker` starts with (a marker
+    that may still be arriving)."""
+    for n in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if marker.startswith(text[len(text) - n :]):
+            return n
+    return 0
+
+
+class _JsonScanner:
+    """Where JSON text is, one character at a time: how deep in containers, and whether in a
+    string."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self._escape = False
+
+    def feed(self, c: str) -> None:
+        if self.in_string:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self.in_string = False
+        elif c == '"':
+            self.in_string = True
+        elif c in "[{":
+            self.depth += 1
+        elif c in "]}":
+            self.depth -= 1
+
+
+class NamedToolCall(ToolCallStream):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: the whole output is the
+    arguments of one call to that function."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._sent: int | None = None
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        if self._sent is None:
+            self._sent = len(text)
+            return Delta(tool_calls=[ToolCallDelta(0, self.name, text)])
+        new, self._sent = text[self._sent :], len(text)
+        return Delta(tool_calls=[ToolCallDelta(0, arguments=new)] if new else [])
+
+
+def required_tool_calls_schema(tools: list[dict[str, Any]], *, parallel: bool) -> dict:
+    """The JSON schema of `tool_choice: "required"` (vLLM's): an array of at least one
+    (exactly one unless `parallel`) `{"name": <a tool's name>, "parameters": <its schema>}`.
+    `tools` are OpenAI's tool dicts. The tools' `$defs` move to the root, where their
+    `#/$defs/...` references point from inside the array."""
+    defs: dict[str, Any] = {}
+    alternatives = []
+    for tool in tools:
+        function = tool["function"]
+        parameters = dict(function.get("parameters") or {"type": "object"})
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools define $defs/{name} in more than one way")
+        alternatives.append(
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [function["name"]]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": alternatives},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclasses.dataclass
+class _Item:
+    """One object of the required array, as far as it has been read."""
+
+    name: str | None = None
+    args_start: int | None = None  # the raw `parameters` value: text[args_start:args_end]
+    args_end: int | None = None
+    index: int | None = None  # the tool-call index, once announced
+    sent: int | None = None  # where the arguments not yet sent start
+
+
+class RequiredToolCalls(ToolCallStream):
+    """`tool_choice: "required"`: the output is a JSON array of `{"name", "parameters"}`
+    objects (`required_tool_calls_schema`). Each call's arguments are the raw text of its
+    `parameters` value, without the whitespace around it; they stream as the value arrives,
+    once the call's name is complete. The text is read once, character by character, up to
+    the end of the array (under ignore_eos, free text may follow it)."""
+
+    def __init__(self) -> None:
+        self._scanner = _JsonScanner()
+        self._pos = 0  # characters read
+        self._done = False  # the array is complete
+        self._items: list[_Item] = []
+        self._key: str | None = None  # the member of the current object being read
+        self._key_start: int | None = None  # where the key string being read starts
+        self._in_value = False  # between the member's ":" and its "," or "}"
+        self._value_start: int | None = None
+        self._num_calls = 0
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        for i in range(self._pos, len(text)):
+            if self._done:
+                break
+            self._read(text, i)
+        self._pos = len(text)
+        return Delta(tool_calls=self._announce(text))
+
+    def _read(self, text: str, i: int) -> None:
+        c = text[i]
+        scanner = self._scanner
+        depth, was_in_string = scanner.depth, scanner.in_string
+        scanner.feed(c)
+        if was_in_string:
+            if self._in_value:
+                self._mark(i)
+            if not scanner.in_string and depth == 2 and self._items:  # a member's string ended
+                if self._in_value and self._key == "name":
+                    name = _loads(text[self._value_start : i + 1])
+                    self._items[-1].name = name if isinstance(name, str) else None
+                elif not self._in_value:
+                    self._key = _loads(text[self._key_start : i + 1])
+            return
+        if c in _WHITESPACE:
+            return
+        self._done = depth == 1 and scanner.depth == 0
+        if depth == 2 and c in ",}":  # a member of the call object ends
+            self._in_value, self._key = False, None
+        elif depth == 2 and c == ":":
+            self._in_value, self._value_start = True, None
+        elif depth == 1 and c == "{":
+            self._items.append(_Item())
+        elif self._in_value:
+            self._mark(i)
+        elif depth == 2 and c == '"':
+            self._key_start = i
+
+    def _mark(self, i: int) -> None:
+        """Character i is part of the current member's value."""
+        if self._value_start is None:
+            self._value_start = i
+        if self._key == "parameters" and self._items:
+            item = self._items[-1]
+            if item.args_start is None or item.args_start == self._value_start:
+                item.args_start, item.args_end = self._value_start, i + 1
+
+    def _announce(self, text: str) -> list[ToolCallDelta]:
+        out = []
+        for item in self._items:
+            if item.name is None:
+                continue
+            start = item.args_start if item.sent is None else item.sent
+            arguments = "" if start is None else text[start : item.args_end]
+            if item.index is None:
+                item.index, self._num_calls = self._num_calls, self._num_calls + 1
+                out.append(ToolCallDelta(item.index, item.name, arguments))
+            elif arguments:
+                out.append(ToolCallDelta(item.index, arguments=arguments))
+            if start is not None:
+                item.sent = item.args_end
+        return out
+
+
+class HermesToolCalls(ToolCallStream):
+    """Hermes' format (also Qwen 2.5 and 3): `<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>` blocks. A block streams as one call once it closes; at the end, an unclosed
+    last block counts if its JSON is complete (as in vLLM). A block that is not a call stays
+    content, as does the text outside blocks, except whitespace between and after calls."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    skip_special_tokens = False  # <tool_call> is a special token in some models (vLLM's)
+
+    def __init__(self) -> None:
+        self._pos = 0  # text before this is handled
+        self._block: int | None = None  # where the open block's START is
+        self._held: str | None = None  # whitespace after a call, dropped unless text follows
+        self._num_calls = 0
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        out = Delta()
+        while True:
+            if self._block is None:
+                start = text.find(self.START, self._pos)
+                if start < 0:
+                    end = len(text)
+                    if not final:  # hold back what may be the beginning of a START
+                        end -= _partial_suffix(text, self._pos, self.START)
+                    self._outside(out, text[self._pos : end])
+                    self._pos = end
+                    break
+                self._outside(out, text[self._pos : start])
+                self._block, self._pos = start, start + len(self.START)
+                continue
+            end = text.find(self.END, self._pos)
+            if end < 0 and not final:
+                # Not closed yet: search on from where a new END could begin.
+                self._pos = max(self._pos, len(text) - len(self.END) + 1)
+                break
+            body_start = self._block + len(self.START)
+            body = text[body_start:end] if end >= 0 else text[body_start:]
+            stop = end + len(self.END) if end >= 0 else len(text)
+            call = _call(_loads(body), ("arguments",))
+            if call is None:
+                self._outside(out, text[self._block : stop])
+            else:
+                out.tool_calls.append(ToolCallDelta(self._num_calls, call.name, call.arguments))
+                self._num_calls += 1
+                self._held = ""
+            self._block, self._pos = None, stop
+            if end < 0:
+                break
+        return out
+
+    def _outside(self, out: Delta, text: str) -> None:
+        """Text outside the blocks (or a block that is not a call): content."""
+        if self._held is not None:
+            if not text.strip(_WHITESPACE):
+                self._held += text
+                return
+            text, self._held = self._held + text, None
+        out.content += text
+
+
+class Llama3JsonToolCalls(ToolCallStream):
+    """Llama 3's JSON format: the output is `{"name": ..., "parameters": {...}}` objects
+    ("arguments" is taken too), separated by ";" and whitespace, possibly after
+    `<|python_tag|>`. Each object streams as one call once it is complete. An output that does
+    not start so is content; so is everything from the first object that is not a call."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._state = "start"  # then "calls" or "content"
+        self._pos = 0  # text before this is handled (sent as content or read as calls)
+        self._content_from = 0  # where content starts if the calls end
+        self._scanner = _JsonScanner()
+        self._object: int | None = None  # where the object being read starts
+        self._num_calls = 0
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        out = Delta()
+        if self._state == "start":
+            self._start(text, final)
+        if self._state == "calls":
+            self._read_calls(text, out)
+            if final and (self._object is not None or not self._num_calls):
+                # An object cut short is content; with no call at all, the whole text is.
+                self._state, self._pos = "content", self._content_from
+        if self._state == "content" or (final and self._state == "start"):
+            out.content += text[self._pos :]
+            self._pos = len(text)
+        return out
+
+    def _start(self, text: str, final: bool) -> None:
+        """Decides from the first characters past whitespace whether calls follow."""
+        rest = text[self._pos :].lstrip(_WHITESPACE)
+        if rest.startswith(self.TAG):
+            self._state, self._pos = "calls", len(text) - len(rest) + len(self.TAG)
+        elif rest.startswith("{"):
+            self._state, self._pos = "calls", len(text) - len(rest)
+        elif rest and not (self.TAG.startswith(rest) and not final):
+            self._state = "content"
+
+    def _read_calls(self, text: str, out: Delta) -> None:
+        scanner = self._scanner
+        for i in range(self._pos, len(text)):
+            c = text[i]
+            if self._object is None:  # between objects
+                if c in _WHITESPACE or c == ";":
+                    continue
+                if c != "{":
+                    self._state, self._pos = "content", self._content_from
+                    return
+                self._object = i
+            scanner.feed(c)
+            if scanner.depth == 0:
+                call = _call(_loads(text[self._object : i + 1]), ("parameters", "arguments"))
+                if call is None:
+                    self._state, self._pos = "content", self._content_from
+                    return
+                out.tool_calls.append(ToolCallDelta(self._num_calls, call.name, call.arguments))
+                self._num_calls += 1
+                self._object, self._content_from = None, i + 1
+        self._pos = len(text)
+
+
+TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
+    "hermes": HermesToolCalls,
+    "llama3_json": Llama3JsonToolCalls,
+}
