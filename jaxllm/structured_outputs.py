@@ -170,6 +170,11 @@ class Grammar:
             return True
         return False
 
+    @property
+    def compiled(self) -> bool:
+        """Ready and not failed: the request may run (a failed one waits to be failed)."""
+        return self.ready() and self.matcher is not None
+
     def wait(self, timeout: float) -> None:
         """Blocks until the grammar is compiled, at most `timeout` seconds."""
         try:
@@ -180,26 +185,23 @@ class Grammar:
             pass
 
     def accept(self, tokens: list[int]) -> bool:
-        """Advances the matcher over sampled tokens; False (and logged) if it refused one.
-        Once the grammar is complete (stopped) the matcher takes nothing more: the mask then
-        allows only EOS, which ends the request (under ignore_eos, tokens past it are free)."""
+        """Advances the matcher over sampled tokens; False (and logged) if it refused one or
+        is in error (out of its parser limits: its mask then allows only EOS, which must not
+        pass for a complete output). Once the grammar is complete (stopped) the matcher takes
+        nothing more, and its mask allows only EOS."""
         matcher = self.matcher
         for token in tokens:
-            if matcher.is_stopped():
+            if matcher.is_stopped() and not matcher.is_error():
                 break
             if not matcher.consume_token(token):
                 logger.error("structured outputs: token %d broke the grammar: %s", token,
                              matcher.get_error())  # fmt: skip
                 return False
-        return True
+        return not matcher.is_error()
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (draft tokens) the grammar accepts from here, in order."""
         return self.matcher.validate_tokens(tokens)
-
-    @property
-    def is_error(self) -> bool:
-        return self.matcher.is_error()
 
 
 class StructuredOutputManager:
@@ -222,7 +224,8 @@ class StructuredOutputManager:
         self.compile_timeout_s = compile_timeout_s
         self._load_tokenizer = load_tokenizer
         self._tokenizer = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (taken on the engine thread)
+        self._tokenizer_lock = threading.Lock()  # the tokenizer's one load (pool threads)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()  # grammar -> pristine matcher
         self._executor = None
@@ -255,7 +258,7 @@ class StructuredOutputManager:
         return matcher
 
     def _ll_tokenizer(self):
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 import llguidance.hf
 

@@ -218,6 +218,10 @@ def test_a_grammar_that_does_not_compile_in_time_fails_its_request_only(llm):
     manager = llm.engine.scheduler.structured_outputs
     manager.compile_timeout_s, saved = 0.0, manager.compile_timeout_s
     try:
+        # Alone: its failure is still reported (the engine has nothing else to step for).
+        alone = llm.generate(_prompts(1, seed=6), SamplingParams(
+            max_tokens=8, structured_outputs={"regex": "[w]{1,7}y"}), use_tqdm=False)  # fmt: skip
+        assert alone[0].outputs[0].finish_reason == "error"
         outs = llm.generate(
             _prompts(2, seed=5),
             [SamplingParams(max_tokens=8, structured_outputs={"regex": "[q]{1,7}z"}),

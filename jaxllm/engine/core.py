@@ -213,7 +213,11 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_unfinished_requests()
+        return (
+            self._inflight is not None
+            or self.scheduler.has_unfinished_requests()
+            or bool(self.scheduler.failed)  # not reported yet
+        )
 
     def forget_lost_cache(self) -> None:
         """After a failed step took the donated KV cache with it (the runner rebuilt it
@@ -246,8 +250,10 @@ class EngineCore:
         """Runs one step; returns the updates of the step that completed (with async
         scheduling, the one launched by the previous call). If it raises, no step is left in
         flight: the caller fails the running requests."""
+        updates = self._step()
+        # Requests failed outside the step (a grammar that did not compile), reported now.
         failed, self.scheduler.failed = self.scheduler.failed, []
-        return failed + self._step()
+        return failed + updates
 
     def _step(self) -> list[RequestUpdate]:
         try:
@@ -293,6 +299,8 @@ class EngineCore:
         try:
             self.drain()
         finally:
+            if self.scheduler.structured_outputs is not None:
+                self.scheduler.structured_outputs.shutdown()
             if self.hook is not None:
                 self.hook.close()
 

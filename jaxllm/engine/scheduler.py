@@ -315,7 +315,7 @@ class Scheduler:
         ready = (
             r
             for r in self.waiting
-            if not self._waits_for_parent(r) and (r.grammar is None or r.grammar.ready())
+            if not self._waits_for_parent(r) and (r.grammar is None or r.grammar.compiled)
         )
         if self.config.scheduling_policy == "priority":
             return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
