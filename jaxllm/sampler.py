@@ -277,10 +277,9 @@ def _apply_bitmask(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _modify(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """The bitmask (if some row has one), blocked ids, logit bias, then penalties (if some
-    row has one)."""
-    constrained = jnp.any(s.token_bitmask != -1)
+def _modify(logits: jax.Array, s: SamplingInputs, constrained: jax.Array) -> jax.Array:
+    """The bitmask (if some row is `constrained`), blocked ids, logit bias, then penalties
+    (if some row has one)."""
     logits = jax.lax.cond(constrained, _apply_bitmask, lambda x, _: x, logits, s)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, s.blocked_ids].set(-jnp.inf, mode="drop")
@@ -313,9 +312,10 @@ def _argmax(x: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f32[R, V]
     vocab = logits.shape[-1]
     raw = logits
+    constrained = jnp.any(s.token_bitmask != -1)
     modified = jnp.any(s.blocked_ids < vocab) | jnp.any(s.logit_bias_ids < vocab)
-    modified |= _any_penalty(s) | jnp.any(s.token_bitmask != -1)
-    logits = jax.lax.cond(modified, _modify, lambda x, _: x, logits, s)
+    modified |= _any_penalty(s) | constrained
+    logits = jax.lax.cond(modified, _modify, lambda x, *_: x, logits, s, constrained)
     greedy = _argmax(logits)
     random = s.temperature >= SAMPLING_EPS
     sampled = jax.lax.cond(

@@ -14,13 +14,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from test_server_protocol import chat, completion
 
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.structured_outputs import StructuredOutputsParams
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from server.tool_parsers import required_tool_calls_schema
 
-MSGS = [{"role": "user", "content": "hi"}]
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -44,14 +44,6 @@ NORMALIZED_TOOLS = [
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 LARK = 'start: "yes" | "no"'
 GBNF = 'root ::= "yes" | "no"'
-
-
-def completion(**fields):
-    return {"model": "m", "prompt": "Hello", **fields}
-
-
-def chat(**fields):
-    return {"model": "m", "messages": MSGS, **fields}
 
 
 def named(name):

@@ -223,7 +223,15 @@ class Scheduler:
             finished, preempted = [], []
         # Data for the new rows first: it records the blocks they have as sent.
         new_requests = [self._new_request_data(r) for r in admitted if r in granted]
-        bitmask = self._grammar_bitmask(granted, drafts)
+        # The requests whose grant reaches the end of their sequence (drafts aside): this
+        # step samples their next token.
+        sampling = [
+            r
+            for r, n in granted.items()
+            if r.num_computed_tokens + n - len(drafts.get(r, ()))
+            == r.num_tokens + r.num_pending_tokens
+        ]
+        bitmask = self._grammar_bitmask(sampling, drafts)
         out = SchedulerOutput(
             new_requests=new_requests,
             requests=[
@@ -240,9 +248,8 @@ class Scheduler:
         for request, n in granted.items():
             request.num_computed_tokens += n
             request.num_inflight_tokens += n
-            reached = request.num_computed_tokens - len(drafts.get(request, ()))
-            if reached == request.num_tokens + request.num_pending_tokens:
-                request.num_pending_tokens += 1  # this step samples its next token
+        for request in sampling:
+            request.num_pending_tokens += 1  # the token this step samples
         return out
 
     def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
@@ -257,16 +264,10 @@ class Scheduler:
         return spec
 
     def _grammar_bitmask(
-        self, granted: dict[Request, int], drafts: dict[Request, list[int]]
+        self, sampling: list[Request], drafts: dict[Request, list[int]]
     ) -> GrammarBitmask | None:
-        """The bitmask rows of the constrained requests that sample this step."""
-        rows = [
-            (request, drafts.get(request, []))
-            for request, n in granted.items()
-            if request.grammar is not None
-            and request.num_computed_tokens + n - len(drafts.get(request, ()))
-            == request.num_tokens + request.num_pending_tokens
-        ]
+        """The bitmask rows of the constrained requests among those that sample this step."""
+        rows = [(r, drafts.get(r, [])) for r in sampling if r.grammar is not None]
         if not rows:
             return None
         start = time.perf_counter()
