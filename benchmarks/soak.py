@@ -25,7 +25,7 @@ normal requests that completed: p50/p99 of non-streamed ones, and of streams end
 Memory: the VmRSS of the server and all its descendants (the engine core is a child process),
 every 10 s; the baseline is the sample at minute 1 (at half time for runs under 2 minutes, to
 leave warm-up compilations out), the end figure is taken after the load. At the end the engine
-must become idle (jaxllm:num_requests_running and _waiting 0) with jaxllm:kv_cache_usage_perc 0
+must become idle (vllm:num_requests_running and _waiting 0) with vllm:kv_cache_usage_perc 0
 (no KV page leaked) and /health 200; then SIGTERM, and the server must exit with 0 or -SIGTERM
 within 60 s, log "Application shutdown complete" and leave no child behind.
 
@@ -55,7 +55,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from serve import write_json  # benchmarks/serve.py, beside this script
+
+from jaxllm.bench import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_PAGES = 128
@@ -454,9 +455,9 @@ def stop_server(proc: subprocess.Popen, log_path: Path, timeout: float = 60) -> 
 
 
 def metric(text: str, name: str) -> float | None:
-    """The value of `jaxllm:<name>` in a Prometheus text page, summed over its labels."""
+    """The value of `vllm:<name>` in a Prometheus text page, summed over its labels."""
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith((f"jaxllm:{name}{{", f"jaxllm:{name} "))]  # fmt: skip
+              if line.startswith((f"vllm:{name}{{", f"vllm:{name} "))]  # fmt: skip
     return sum(values) if values else None
 
 

@@ -222,6 +222,12 @@ class ModelRunner:
         self.program_memory: dict[tuple[int, int], dict[str, int]] = {}
         self._idle_device_inputs: dict[int, dict[str, jax.Array]] = {}  # by logit bucket
         self.bitmask_words = -(-config.vocab_size // 32)  # int32 words per grammar bitmask row
+        # Counters since start, for metrics: the tokens the steps computed, the token slots of
+        # the compiled shapes they ran (the difference is padding), and the seconds `fetch`
+        # waited for the device.
+        self.num_scheduled_tokens = 0
+        self.num_padded_tokens = 0
+        self.device_wait_seconds = 0.0
         # Two programs per step: the forward pass per (token, request) shape, and the output
         # head with the sampler per request bucket only (the sampler compiles about as long as
         # the 30 layers of the demo model; compiled into every shape it doubled startup).
@@ -564,6 +570,8 @@ class ModelRunner:
             if self.drafter is not None:
                 drafts = self.drafter.launch(step, rows, result[0].sampled, result[1])
             scoring = self._launch_scoring(out, hidden, len(step.batch.input_ids))
+        self.num_scheduled_tokens += out.total_num_scheduled_tokens
+        self.num_padded_tokens += len(step.batch.input_ids)
         sampling_rows = rows[sampling_reqs]
         positions = ib.num_tokens[sampling_rows]
         ib.token_ids[sampling_rows, positions] = -1
@@ -588,6 +596,7 @@ class ModelRunner:
         prompt tokens the chunks scored (prompt_logprobs), and the next step's drafts."""
         ib = self.input_batch
         reqs, rows, num_logprobs = step.sampling_reqs, step.rows, step.num_logprobs
+        waiting_since = time.perf_counter()
         with self._recovering():
             result, kept = step.result
             if (num_logprobs >= 0).any():
@@ -598,6 +607,7 @@ class ModelRunner:
             kept = np.asarray(kept) if step.num_drafts.any() else None
             prompt_logprobs = self._fetch_scoring(step.out, step.scoring)
             draft_tokens = None if step.drafts is None else np.asarray(step.drafts)[reqs]
+        self.device_wait_seconds += time.perf_counter() - waiting_since
         ids = [step.out.requests[i].request_id for i in reqs]
         first, num_drafts = step.first_rows, step.num_drafts
         if num_drafts.any():  # the accepted drafts' rows, then the one after them

@@ -83,7 +83,7 @@ class ServerState:
         self.engine_died = False  # the engine died while serving: the server exits non-zero
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenize")
         self.created = int(time.time())
-        self.metrics = Metrics(lambda: self.engine, served_model_names[0])
+        self.metrics: Metrics | None = None  # once the engine is ready
 
 
 def build_app(
@@ -112,7 +112,8 @@ def build_app(
         async def start():
             try:
                 state.engine = await start_engine()
-                state.engine.on_step = state.metrics.observe_step
+                state.metrics = Metrics(state.engine, served_model_names[0])
+                state.engine.on_step = state.metrics.observe
                 ready = state.engine.ready
                 logger.info(
                     "engine ready: serving %s (max_model_len %d, %d KV pages of %d tokens, "
@@ -219,9 +220,9 @@ def build_app(
             state.num_admitted -= n
 
         if gen.req.stream:
-            return _EventStream(gen.stream(state.metrics), on_close=release)
+            return _EventStream(gen.stream(), on_close=release)
         try:
-            return await until_done_or_gone(request, gen.full(state.metrics))
+            return await until_done_or_gone(request, gen.full())
         finally:
             release()
 
@@ -245,7 +246,8 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        body = b"" if state.metrics is None else state.metrics.render()  # none until ready
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -442,14 +444,12 @@ class _Generation:
         """Engine requests: n per prompt."""
         return sum(params.n for _, params, _ in self.jobs)
 
-    async def _events(self, metrics: Metrics) -> AsyncIterator[tuple[int, Any]]:
+    async def _events(self) -> AsyncIterator[tuple[int, Any]]:
         # Bounded: while the client does not read, the choices' tasks wait here, and the
         # engine's outputs pile up as one snapshot per request (AsyncLLM), not one per token.
         queue: asyncio.Queue = asyncio.Queue(maxsize=2 * self.num_requests)
 
         async def run(choice: int, rid: str, ids: list[int], params, index: int, parent):
-            times: list[float] = []
-            last = None
             try:
                 async for ro in self.eng.generate(
                     ids,
@@ -457,27 +457,15 @@ class _Generation:
                     request_id=rid,
                     index=index,
                     prefix_parent=parent,
+                    arrival_time=self.arrival,
                 ):
                     if ro.prompt_logprobs is not None:
                         self.prompt_logprobs[choice] = ro.prompt_logprobs
-                    out = ro.outputs[0]
-                    times.append(time.monotonic())
-                    last = out
-                    await queue.put((choice, out))
+                    await queue.put((choice, ro.outputs[0]))
             except asyncio.CancelledError:
                 raise  # the response is over: nobody reads the queue any more
             except Exception as e:
                 await queue.put((choice, e))
-                return
-            finally:
-                metrics.record_request(
-                    prompt_tokens=len(ids),
-                    output_tokens=len(last.token_ids) if last else 0,
-                    finish_reason=last.finish_reason if last else None,
-                    arrival=self.arrival,
-                    token_times=times,
-                    end=time.monotonic(),
-                )
 
         tasks = []
         choice = 0
@@ -511,10 +499,10 @@ class _Generation:
             completion_tokens=sum(len(o.token_ids) for o in finals.values()),
         )
 
-    async def full(self, metrics: Metrics) -> BaseModel:
+    async def full(self) -> BaseModel:
         finals: dict[int, Any] = {}
         try:
-            async with contextlib.aclosing(self._events(metrics)) as events:
+            async with contextlib.aclosing(self._events()) as events:
                 async for choice, out in events:
                     if out.finish_reason is not None:
                         finals[choice] = out
@@ -533,7 +521,7 @@ class _Generation:
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    async def stream(self, metrics: Metrics) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[str]:
         opts = self.req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -542,7 +530,7 @@ class _Generation:
         try:
             for chunk in self._stream_start():
                 yield _sse(chunk)
-            async with contextlib.aclosing(self._events(metrics)) as events:
+            async with contextlib.aclosing(self._events()) as events:
                 async for choice, out in events:
                     chars, toks = sent.get(choice, (0, 0))
                     delta = self._delta(choice, out, chars, toks)

@@ -1,127 +1,249 @@
-"""Prometheus metrics under vLLM's names with a `jaxllm:` prefix (speculative decoding's
-under vLLM's `vllm:` ones).
+"""Prometheus metrics under vLLM's names, types, labels and buckets (vLLM V1's
+`PrometheusStatLogger`), so that dashboards, alert rules, autoscalers and inference gateways
+made for vLLM read them as they are; what vLLM has no concept of (compilations, steps, padding,
+host time per step, grammar bitmasks) under `jaxllm:`.
 
-Engine-side figures (running/waiting requests, KV usage, prefix cache, preemptions,
-compilations) are read from the core's latest `Stats` at scrape time; request-side ones
-(tokens, finish reasons, latencies) are recorded by the server as requests run.
+Every metric carries vLLM's labels `model_name` and `engine` (one engine core: "0").
+- The engine core's state and counters (requests running and waiting, KV cache usage, prefix
+  cache, preemptions, speculative decoding, compilations, padding) are read from its latest
+  `Stats` at scrape time.
+- What the front end measures (tokens, finish reasons, latencies, request sizes) is recorded
+  from the `IterationStats` `AsyncLLM` reports after each step (`Metrics.observe`), by vLLM's
+  definitions (see `jaxllm.engine.iteration_stats`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+from jaxllm.engine.step_data import FinishReason
+
+if TYPE_CHECKING:
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.engine.iteration_stats import IterationStats
+
+LABELS = ("model_name", "engine")
+
+# vLLM's buckets.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+# Ours: host time per step, from 50 us (a small batch on an accelerator host) to seconds.
+_HOST_STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                      0.05, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineCollector:
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    """The engine core's gauges and counters, from its latest `Stats` at scrape time."""
+
+    def __init__(self, engine: AsyncLLM, values: list[str]):
+        self.engine, self.values = engine, values
 
     def collect(self):
-        stats = self.engine().stats if self.engine() is not None else None
-        if stats is None:
-            return
-        labels = ["model_name"]
-        values = [self.model_name]
+        s, values = self.engine.stats, self.values
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(f"jaxllm:{name}", doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+        def family(cls, name, doc, value):
+            metric = cls(name, doc, labels=LABELS)
+            metric.add_metric(values, value)
+            return metric
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(f"jaxllm:{name}", doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to run.", stats.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Share of KV pages in use (0-1).", stats.kv_cache_usage)
-        yield counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            stats.prefix_cache_queries,
-        )  # fmt: skip
-        yield counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
-        )
-        yield counter("num_preemptions", "Requests preempted.", stats.num_preemptions)
-        yield counter(
-            "num_compilations", "XLA programs compiled or loaded from the cache.",
-            stats.num_compilations,
-        )  # fmt: skip
-        # Speculative decoding, under vLLM's own names (dashboards read these as they are).
+        yield family(GaugeMetricFamily, "vllm:num_requests_running",
+                     "Number of requests in model execution batches.", s.num_running)  # fmt: skip
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting",
+                     "Number of requests waiting to be processed.", s.num_waiting)  # fmt: skip
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                     "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)  # fmt: skip
         for name, doc, value in (
-            ("num_drafts", "Verifications of draft tokens (a request's drafts in a step).",
-             stats.spec_num_drafts),
-            ("num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens),
-            ("num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
+            ("vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.",
+             s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             s.prefix_cache_hits),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             s.num_preemptions),
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+             s.spec_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+             s.spec_num_accepted_tokens),
+            ("jaxllm:num_compilations",
+             "XLA programs compiled or loaded from the cache; flat after startup.",
+             s.num_compilations),
+            ("jaxllm:num_steps", "Engine steps run.", s.num_steps),
+            ("jaxllm:scheduled_tokens", "Tokens the engine steps computed.",
+             s.num_scheduled_tokens),
+            ("jaxllm:padded_tokens",
+             "Token slots of the compiled shapes the steps ran: the scheduled tokens and their "
+             "padding.", s.num_padded_tokens),
+            ("jaxllm:grammar_bitmask_seconds",
+             "Host seconds spent filling structured-output token bitmasks.",
+             s.grammar_bitmask_seconds),
         ):  # fmt: skip
-            c = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=labels)
-            c.add_metric(values, value)
-            yield c
+            yield family(CounterMetricFamily, name, doc, value)
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by their position among a request's drafts.",
-            labels=[*labels, "position"],
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
         )
-        for position, value in enumerate(stats.spec_num_accepted_per_pos):
+        for position, value in enumerate(s.spec_num_accepted_per_pos):
             per_pos.add_metric([*values, str(position)], value)
         yield per_pos
 
 
 class Metrics:
-    def __init__(self, engine_getter, model_name: str):
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine_getter, model_name))
-        labels = ["model_name"]
-        self.model_name = model_name
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.registry = registry = CollectorRegistry()
+        values = [model_name, "0"]
+        registry.register(_EngineCollector(engine, values))
 
-        def counter(name, doc, extra=()):
-            return Counter(f"jaxllm:{name}", doc, [*labels, *extra], registry=self.registry)
+        def counter(name, doc):
+            return Counter(name, doc, LABELS, registry=registry).labels(*values)
 
-        def histogram(name, doc):
-            return Histogram(
-                f"jaxllm:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(*values)
+
+        token_buckets = build_1_2_5_buckets(engine.max_model_len)
+        cache = engine.config.cache
+        info = {
+            "block_size": engine.ready.page_size,
+            "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.memory_utilization,
+            "num_gpu_blocks": engine.ready.num_pages,
+            "engine": "0",
+        }
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=registry,
+        ).labels(*map(str, info.values())).set(1)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=registry,
+        )
+        self.request_success = {str(r): success.labels(*values, str(r)) for r in FinishReason}
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            token_buckets,
+        )  # fmt: skip
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            _ITERATION_TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.n_param = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
+        )
+        self.max_tokens_param = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            _TTFT_BUCKETS,
+        )  # fmt: skip
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            _ITL_BUCKETS,
+        )  # fmt: skip
+        # vLLM's name for the same observations until 0.11, which dashboards still read.
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds."
+            "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            _ITL_BUCKETS,
+        )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            _REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        phases = (("queue", "WAITING"), ("inference", "RUNNING"), ("prefill", "PREFILL"),
+                  ("decode", "DECODE"))  # fmt: skip
+        self.phase = {
+            phase: histogram(
+                f"vllm:request_{phase}_time_seconds",
+                f"Histogram of time spent in {state} phase for request.",
+                _REQUEST_LATENCY_BUCKETS,
             )
-
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.request_success = counter(
-            "request_success", "Finished requests by finish reason.", ("finished_reason",)
-        )
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
-        self.queue_time = histogram(
-            "request_queue_time_seconds", "Time requests waited before they first ran."
+            for phase, state in phases
+        }
+        self.host_step = histogram(
+            "jaxllm:step_host_time_seconds",
+            "Host time per engine step (scheduling, building the batch, dispatching, updating "
+            "from the outputs), without waiting for the device.",
+            _HOST_STEP_BUCKETS,
         )
 
-    def observe_step(self, out) -> None:
-        """AsyncLLM's per-step hook: the queue times of the requests the step admitted."""
-        for seconds in out.queue_times:
-            self.queue_time.labels(self.model_name).observe(seconds)
-
-    def record_request(
-        self,
-        *,
-        prompt_tokens: int,
-        output_tokens: int,
-        finish_reason: str | None,
-        arrival: float,
-        token_times: list[float],
-        end: float,
-    ) -> None:
-        m = self.model_name
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(output_tokens)
-        if finish_reason is not None:
-            self.request_success.labels(m, finish_reason).inc()
-        if token_times:
-            self.ttft.labels(m).observe(token_times[0] - arrival)
-            for a, b in zip(token_times, token_times[1:], strict=False):
-                self.itl.labels(m).observe(b - a)
-        self.e2e.labels(m).observe(end - arrival)
+    def observe(self, stats: IterationStats) -> None:
+        """AsyncLLM's `on_step` hook."""
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.step is not None:  # one engine step's outputs (not an abort)
+            self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+            if stats.step.host_seconds is not None:
+                self.host_step.observe(stats.step.host_seconds)
+        for seconds in stats.time_to_first_tokens:
+            self.ttft.observe(seconds)
+        for seconds in stats.inter_token_latencies:
+            self.itl.observe(seconds)
+            self.tpot.observe(seconds)
+        for n in stats.n_params:
+            self.n_param.observe(n)
+        for tokens in stats.max_num_generation_tokens:
+            self.max_num_generation_tokens.observe(tokens)
+        for r in stats.finished:
+            self.request_success[r.finish_reason].inc()
+            self.e2e.observe(r.e2e_latency)
+            self.phase["queue"].observe(r.queued_time)
+            self.phase["prefill"].observe(r.prefill_time)
+            self.phase["inference"].observe(r.inference_time)
+            self.phase["decode"].observe(r.decode_time)
+            if r.mean_time_per_output_token is not None:
+                self.request_tpot.observe(r.mean_time_per_output_token)
+            self.request_prompt_tokens.observe(r.num_prompt_tokens)
+            self.request_generation_tokens.observe(r.num_generation_tokens)
+            if r.max_tokens_param:
+                self.max_tokens_param.observe(r.max_tokens_param)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

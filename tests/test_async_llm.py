@@ -4,6 +4,7 @@ the server's child process): concurrent streams, early exits that abort, stop st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -171,3 +172,64 @@ def test_a_failing_step_fails_only_its_requests(tiny_model_dir, tiny_llm, prompt
             await eng.shutdown()
 
     assert asyncio.run(run()) == expected[0].outputs[0].token_ids
+
+
+def test_iteration_stats_follow_vllms_definitions(tiny_model_dir, prompts):
+    """What `on_step` reports (the server's Prometheus metrics are made of it): each token
+    counted once, a prompt's tokens when its first token comes, one TTFT per request, an ITL
+    per later step that gave tokens, the phases of each finished request adding up, n and the
+    longest completion per prompt once all its completions ended, and an abort as one."""
+    reports = []
+
+    async def run():
+        eng = await AsyncLLM.create(str(tiny_model_dir), in_process=True, **ENGINE)
+        eng.on_step = reports.append
+        try:
+            five = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+            pair = SamplingParams(n=2, temperature=0.8, max_tokens=4, ignore_eos=True, seed=1)
+
+            async def drain(stream):
+                return [o async for o in stream][-1].outputs[0]
+
+            outs = await asyncio.gather(
+                drain(eng.generate(prompts[0], five, request_id="a")),
+                drain(eng.generate(prompts[1], pair, request_id="g")),
+                drain(
+                    eng.generate(prompts[1], pair, request_id="g-1", index=1, prefix_parent="g")
+                ),  # fmt: skip
+            )
+            assert [len(o.token_ids) for o in outs] == [5, 4, 4]
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            async with contextlib.aclosing(eng.generate(prompts[2], long, request_id="left")) as s:
+                async for out in s:
+                    if len(out.outputs[0].token_ids) >= 2:
+                        break
+            left = len(out.outputs[0].token_ids)
+        finally:
+            await eng.shutdown()
+        return left
+
+    left = asyncio.run(run())
+    finished = {f.finish_reason: f for r in reports for f in r.finished}
+    assert sorted(f.finish_reason for r in reports for f in r.finished) == [
+        "abort", "length", "length", "length"]  # fmt: skip
+    generated = sum(r.num_generation_tokens for r in reports)
+    assert generated >= 5 + 4 + 4 + left  # the aborted one may have had more in flight
+    assert sum(r.num_prompt_tokens for r in reports) == len(prompts[0]) + 2 * len(
+        prompts[1]) + len(prompts[2])  # fmt: skip
+    assert len([t for r in reports for t in r.time_to_first_tokens]) == 4
+    assert all(f.queued_time > 0 for r in reports for f in r.finished)
+    assert all(t >= 0 for r in reports for t in r.inter_token_latencies)
+    for f in (f for r in reports for f in r.finished):
+        assert f.prefill_time >= 0 and f.decode_time >= 0 and f.queued_time >= 0
+        assert f.inference_time == pytest.approx(f.prefill_time + f.decode_time)
+        assert f.e2e_latency >= f.inference_time
+        if f.num_generation_tokens > 1:
+            tpot = f.decode_time / (f.num_generation_tokens - 1)
+            assert f.mean_time_per_output_token == pytest.approx(tpot)
+    assert finished["abort"].max_tokens_param == 200
+    # n: once per prompt, for the pair, and 1 for each single request.
+    assert sorted(n for r in reports for n in r.n_params) == [1, 1, 2]
+    assert sorted(m for r in reports for m in r.max_num_generation_tokens)[1:] == [4, 5]
+    host = [r.step.host_seconds for r in reports if r.step and r.step.host_seconds is not None]
+    assert host and all(0 < h < 60 for h in host)

@@ -777,19 +777,10 @@ def simple_commands(script: str) -> list[list[str]]:
 
 
 def metric_names() -> set[str]:
-    """The sample names /metrics exposes, rendered from the real collector with fake stats."""
-    from types import SimpleNamespace
+    """The sample names /metrics exposes after one request, rendered by the real exporter."""
+    from tests.test_metrics import sample_names
 
-    from jaxllm.engine.messages import Stats
-    from server.metrics import Metrics
-
-    metrics = Metrics(lambda: SimpleNamespace(stats=Stats()), "m")
-    metrics.record_request(
-        prompt_tokens=1, output_tokens=2, finish_reason="stop", arrival=0.0,
-        token_times=[0.1, 0.2], end=0.3,
-    )  # fmt: skip
-    text = metrics.render().decode()
-    return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line.startswith("jaxllm:")}
+    return sample_names()
 
 
 @functools.cache
@@ -918,7 +909,7 @@ def test_guide_script_commands_run_dry():
 
 def test_guide_metric_names_exist():
     names = metric_names()
-    mentioned = set(re.findall(r"jaxllm:[a-z]+_[a-z_]*[a-z]", GUIDE.read_text()))
+    mentioned = set(re.findall(r"(?:vllm|jaxllm):[a-z]+_[a-z_]*[a-z]", GUIDE.read_text()))
     assert mentioned
     for name in mentioned:
         assert any(n == name or n.startswith(name + "_") for n in names), name
@@ -997,7 +988,7 @@ def test_guide_local_run_verbatim(tmp_path, request):
         assert client.returncode == 0, err
         answer = json.loads(next(line for line in out.splitlines() if '"choices"' in line))
         assert answer["choices"][0]["message"]["content"].strip()
-        assert "jaxllm:num_requests_running" in out
+        assert "vllm:num_requests_running" in out
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGINT)  # Ctrl-C in the terminal

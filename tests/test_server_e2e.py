@@ -22,6 +22,9 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.test_metrics import JAXLLM_METRICS, VLLM_METRICS
 
 API_KEY = "test-key-123"
 
@@ -135,7 +138,7 @@ def _metric(server, name: str) -> float:
     text = httpx.get(f"{server}/metrics").text
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(f"jaxllm:{name}") and not line.startswith("#"):
+        if line.startswith(f"vllm:{name}") and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -311,12 +314,13 @@ def test_metrics_move(server, client):
     client.completions.create(model="tiny", prompt="m", max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})  # fmt: skip
     assert _metric(server, "generation_tokens_total") == before + 5
+    # Every metric vLLM documents (tests/test_metrics.py), with its type, after one request.
     text = httpx.get(f"{server}/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prefix_cache_queries", "num_compilations", "time_to_first_token_seconds",
-                 "e2e_request_latency_seconds", "request_success_total",
-                 "request_queue_time_seconds_count"):  # fmt: skip
-        assert f"jaxllm:{name}" in text, name
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for name, kind in {**VLLM_METRICS, **JAXLLM_METRICS}.items():
+        assert types.get(name) == kind, name
+    assert _metric(server, "request_success_total") >= 1
+    assert _metric(server, "time_to_first_token_seconds_count") >= 1
 
 
 # ---- bad input ----------------------------------------------------------------------------

@@ -273,19 +273,19 @@ def test_distribution_equals_the_targets(tiny_model_dir, plain, n, request):
 
 
 def test_metrics_under_vllm_names():
-    from types import SimpleNamespace
-
     from jaxllm.engine.step_data import Stats
     from server.metrics import Metrics
+    from tests.test_metrics import fake_engine
 
     stats = Stats(spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=7,
                   spec_num_accepted_per_pos=[4, 2, 1])  # fmt: skip
-    text = Metrics(lambda: SimpleNamespace(stats=stats), "m").render().decode()
+    text = Metrics(fake_engine(stats), "m").render().decode()
+    labels = 'engine="0",model_name="m"'
     for line in (
-        'vllm:spec_decode_num_drafts_total{model_name="m"} 4.0',
-        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
-        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0',
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} 4.0",
+        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 12.0",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 7.0",
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 4.0',
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="2"}} 1.0',
     ):
         assert line in text.splitlines(), line

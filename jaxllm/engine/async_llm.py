@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
+from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
 from jaxllm.engine.messages import AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import (
@@ -87,8 +89,11 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.load.seed)
         self.dead = False
-        # Optional callback(step outputs) after each step, for metrics.
-        self.on_step = None
+        # Optional callback(IterationStats) after each step's outputs and each abort, for
+        # metrics; the requests' timelines it is made of, and their prompts' completions.
+        self.on_step: Callable[[IterationStats], None] | None = None
+        self._times: dict[str, RequestTimes] = {}
+        self._groups = PromptGroups()
         self._tasks = [
             asyncio.create_task(self._output_loop()),
             asyncio.create_task(self._watchdog()),
@@ -135,6 +140,7 @@ class AsyncLLM:
         index: int = 0,
         priority: int = 0,
         prefix_parent: str | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields a `RequestOutput` when new tokens came: its one completion is a snapshot of
         everything so far (tokens that came while the caller was not reading arrive together;
@@ -154,6 +160,13 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = self._streams[request_id] = _Stream()
         self._prompts[request_id] = prompt_token_ids
+        self._times[request_id] = RequestTimes(
+            arrival=time.monotonic() if arrival_time is None else arrival_time,
+            num_prompt_tokens=len(prompt_token_ids),
+            max_tokens_param=params.max_tokens,
+            n=params.n,
+            group=prefix_parent or request_id,
+        )
         self.processor.add_request(request_id, index, prompt_token_ids, params)
         finished = False
         try:
@@ -188,6 +201,15 @@ class AsyncLLM:
             self.processor.remove(request_id)
             if not finished and not self.dead:
                 self.client.abort([request_id])
+            # Still timed: it ended without its last output (left early, or the engine died).
+            times = self._times.pop(request_id, None)
+            if times is not None:
+                stats = IterationStats()
+                reason = (
+                    FinishReason.ABORT if not finished and not self.dead else FinishReason.ERROR
+                )
+                self._finish(times, reason, stats)
+                self._report(stats)
 
     async def _output_loop(self) -> None:
         while True:
@@ -212,21 +234,39 @@ class AsyncLLM:
 
     def _apply(self, out) -> None:
         self.stats = out.stats
+        stats = IterationStats(step=out.step)
+        for rid, queued_seconds, at in out.step.scheduled:
+            if (times := self._times.get(rid)) is not None:
+                times.queued_seconds, times.scheduled = queued_seconds, at
         failed = [u.request_id for u in out.updates if u.finish_reason == FinishReason.ERROR]
         updates = [u for u in out.updates if u.finish_reason != FinishReason.ERROR]
-        _, to_abort = self.processor.process(updates)
+        finished, to_abort = self.processor.process(updates)
         if to_abort:  # stop strings: the core must stop generating them
             self.client.abort(to_abort)
         for u in updates:
+            if (times := self._times.get(u.request_id)) is not None:
+                stats.new_tokens(times, len(u.new_token_ids))
             stream = self._streams.get(u.request_id)
             if stream is not None and (u.new_token_ids or u.finish_reason is not None):
                 stream.ready.set()
+        for rid in finished:
+            if (times := self._times.pop(rid, None)) is not None:
+                self._finish(times, self.processor.states[rid].finish_reason, stats)
         for rid in failed:
+            if (times := self._times.pop(rid, None)) is not None:
+                self._finish(times, FinishReason.ERROR, stats)
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.fail(RequestFailedError("the engine failed this request"))
+        self._report(stats)
+
+    def _finish(self, times: RequestTimes, reason: FinishReason, stats: IterationStats) -> None:
+        stats.finish(times, reason)
+        self._groups.finish(times, stats)
+
+    def _report(self, stats: IterationStats) -> None:
         if self.on_step is not None:
-            self.on_step(out)
+            self.on_step(stats)
 
     def _die(self, error: BaseException) -> None:
         """Nothing can be served any more: every waiting request fails with `error` now."""

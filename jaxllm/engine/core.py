@@ -21,12 +21,13 @@ the other hosts this way (`multihost.LockstepPublisher`), which replay the same 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.engine.request import Request, check_prompt_ids, check_sampling_params
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput, Stats
+from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput, Stats, StepEvents
 
 if TYPE_CHECKING:
     from jaxllm.runner import InflightStep, ModelRunner
@@ -58,6 +59,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.hook = hook
         self.num_steps = 0
+        self.last_step = StepEvents()  # what metrics need of the last `step`
         self._inflight: tuple[SchedulerOutput, InflightStep] | None = None
         # Set by `from_config`: the resolved config (max_model_len, num_pages,
         # tensor_parallel_size and attention_backend filled in), what was loaded, and the
@@ -238,6 +240,8 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
             num_steps=self.num_steps,
+            num_scheduled_tokens=self.runner.num_scheduled_tokens,
+            num_padded_tokens=self.runner.num_padded_tokens,
             grammar_bitmask_seconds=scheduler.grammar_bitmask_seconds,
             grammar_bitmask_steps=scheduler.grammar_bitmask_steps,
             spec_num_drafts=scheduler.spec_num_drafts,
@@ -248,11 +252,19 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         """Runs one step; returns the updates of the step that completed (with async
-        scheduling, the one launched by the previous call). If it raises, no step is left in
-        flight: the caller fails the running requests."""
+        scheduling, the one launched by the previous call), and leaves what metrics need of it
+        in `last_step`. If it raises, no step is left in flight: the caller fails the running
+        requests."""
+        start, waited, steps = time.perf_counter(), self.runner.device_wait_seconds, self.num_steps
         updates = self._step()
         # Requests failed outside the step (a grammar that did not compile), reported now.
         failed, self.scheduler.failed = self.scheduler.failed, []
+        scheduled, self.scheduler.first_scheduled = self.scheduler.first_scheduled, []
+        host = None
+        if self.num_steps != steps:
+            waited = self.runner.device_wait_seconds - waited
+            host = time.perf_counter() - start - waited
+        self.last_step = StepEvents(scheduled, host)
         return failed + updates
 
     def _step(self) -> list[RequestUpdate]:

@@ -35,7 +35,7 @@ from jaxllm.engine.messages import (
     input_decoder,
 )
 from jaxllm.engine.request import Request
-from jaxllm.engine.step_data import FinishReason, RequestUpdate
+from jaxllm.engine.step_data import FinishReason, RequestUpdate, StepEvents
 
 logger = logging.getLogger("jaxllm.engine.core")
 
@@ -123,6 +123,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                 continue
             try:
                 updates = engine.step()
+                step = engine.last_step
             except Exception:
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 scheduler = engine.scheduler
@@ -132,10 +133,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                 updates = [
                     RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in failed
                 ]
-            queue_times, engine.scheduler.queue_times = engine.scheduler.queue_times, []
-            outputs.send(
-                encoder.encode(StepOutputs(refused + updates, engine.stats(), queue_times))
-            )
+                step = StepEvents()
+            outputs.send(encoder.encode(StepOutputs(refused + updates, engine.stats(), step)))
     finally:
         if engine is not None:
             try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from jaxllm.engine.step_data import RequestUpdate, Stats
+from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -49,7 +49,7 @@ class Failed(msgspec.Struct, tag="failed"):
 class StepOutputs(msgspec.Struct, tag="outputs"):
     updates: list[RequestUpdate]  # FinishReason.ERROR: the step failed the request
     stats: Stats
-    queue_times: list[float] = []  # seconds waited by the requests this step first ran
+    step: StepEvents = msgspec.field(default_factory=StepEvents)
 
 
 Input = AddRequest | Abort | Shutdown

@@ -92,9 +92,9 @@ class Scheduler:
         self._finished_ids: list[str] = []  # finished since the last step that ran
         self._preempted_ids: list[str] = []  # preempted in steps that ran nothing
         self.num_preemptions = 0
-        # Seconds new requests waited before they first ran; the engine core drains it into
-        # its step outputs for the server's queue-time histogram.
-        self.queue_times: list[float] = []
+        # (request id, seconds it waited, time.monotonic() when it ran) of the requests first
+        # admitted since the engine core last took them (`EngineCore.step`), for metrics.
+        self.first_scheduled: list[tuple[str, float, float]] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -207,7 +207,8 @@ class Scheduler:
             self.kv.record_lookup(request.num_tokens, num_cached)
             self.waiting.remove(request)
             if request.status == RequestStatus.WAITING:  # first admission, not a resumption
-                self.queue_times.append(time.monotonic() - request.arrival_time)
+                now = time.monotonic()
+                self.first_scheduled.append((request.request_id, now - request.arrival_time, now))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(request)

@@ -121,6 +121,18 @@ class RequestUpdate(msgspec.Struct):
     new_prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
+class StepEvents(msgspec.Struct):
+    """What metrics need of one `EngineCore.step` beyond the counters in `Stats`."""
+
+    # (request id, seconds it waited since it arrived, time.monotonic() when it first ran) of
+    # the requests the step first admitted (a resumed request is not admitted again).
+    scheduled: list[tuple[str, float, float]] = msgspec.field(default_factory=list)
+    # Seconds the host worked on the step (scheduling, building the batch, dispatching, and
+    # updating the requests from the outputs), without the time it waited for the device;
+    # None when the call ran no step.
+    host_seconds: float | None = None
+
+
 class Stats(msgspec.Struct):
     """The engine core's state and counters, as of its last step (`EngineCore.stats`)."""
 
@@ -132,6 +144,10 @@ class Stats(msgspec.Struct):
     num_preemptions: int = 0
     num_compilations: int = 0
     num_steps: int = 0
+    # Tokens the steps computed, and the token slots of the compiled shapes they ran (the
+    # difference is padding), since start.
+    num_scheduled_tokens: int = 0
+    num_padded_tokens: int = 0
     # Structured outputs: seconds the host spent filling token bitmasks, and the steps that
     # filled one, since start.
     grammar_bitmask_seconds: float = 0.0
