@@ -1,4 +1,5 @@
-"""Offline throughput through `LLM.generate`, printed as JSON.
+"""Offline throughput through `LLM.generate`, printed as JSON: `jaxllm bench throughput`'s
+measurement (`jaxllm/bench/throughput.py`) with more detail, and a transformers baseline.
 
     .venv/bin/python benchmarks/throughput.py [--model smollm2-135m] [--num-requests 64] \
         [--input-len 128] [--output-len 128] [--dtype float32] [--hf]
@@ -18,12 +19,14 @@ import json
 import time
 
 import jax
-import numpy as np
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM
+from jaxllm.bench.throughput import measure, random_token_prompts
 
 
-def run_jaxllm(args, prompts) -> dict:
+def run_jaxllm(args) -> tuple[dict, list[list[int]]]:
+    """`jaxllm bench throughput`'s measurement, with the host time per step; also returns the
+    prompts (random ids of the model's vocabulary) for transformers to run."""
     start = time.perf_counter()
     llm = LLM(
         args.model,
@@ -52,27 +55,23 @@ def run_jaxllm(args, prompts) -> dict:
 
     timed(scheduler, "schedule", "schedule")
     timed(runner, "prepare", "prepare")
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    steps = llm.engine.num_steps
-    llm.reset_prefix_cache()
-    t = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    steps = llm.engine.num_steps - steps
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    in_tokens = sum(len(p) for p in prompts)
+    prompts = random_token_prompts(
+        args.num_requests, args.input_len, llm.model_config.vocab_size, seed=0
+    )
+    res = measure(llm, prompts, args.output_len, use_tqdm=False)
+    elapsed, steps = res["elapsed_time"], res["num_steps"]
     return {
         "startup_s": round(startup, 2),
         "warmup_s": round(llm.warmup_seconds or 0.0, 2),
         "compiled_programs": runner.num_programs,
         "compilations_after_warmup": runner.num_compilations - compiles_after_warmup,
         "elapsed_s": round(elapsed, 2),
-        "output_tokens_per_s": round(out_tokens / elapsed, 1),
-        "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 1),
+        "output_tokens_per_s": round(res["output_tokens_per_second"], 1),
+        "total_tokens_per_s": round(res["tokens_per_second"], 1),
         "steps": steps,
         "host_ms_per_step": round(1e3 * (host["schedule"] + host["prepare"]) / max(steps, 1), 3),
         "step_ms": round(1e3 * elapsed / max(steps, 1), 2),
-    }
+    }, prompts
 
 
 def run_hf(args, prompts) -> dict:
@@ -119,10 +118,7 @@ def main() -> None:
     p.add_argument("--hf", action="store_true", help="also run transformers generate")
     args = p.parse_args()
 
-    rng = np.random.default_rng(0)
-    prompts = [
-        rng.integers(10, 40000, size=args.input_len).tolist() for _ in range(args.num_requests)
-    ]
+    jaxllm_result, prompts = run_jaxllm(args)
     result = {
         "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
         "model": args.model,
@@ -132,7 +128,7 @@ def main() -> None:
         "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "jaxllm": run_jaxllm(args, prompts),
+        "jaxllm": jaxllm_result,
     }
     if args.hf:
         result["hf_transformers"] = run_hf(args, prompts)

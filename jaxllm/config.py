@@ -763,14 +763,18 @@ def _cli_value(hint: Any):
     return parse
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
+def add_cli_args(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:
     """Adds a flag per engine field (`--max-num-seqs`; bools as `--x/--no-x`; vLLM's names
-    as aliases), the model positional, each with the field's docstring as help."""
+    as aliases), the model positional (a required `--model` with `model_flag`, as `vllm bench`
+    spells it), each with the field's docstring as help."""
     for name, (section, f) in _flat_fields().items():
         cls = _hints(EngineConfig)[section]
         hint, doc = _hints(cls)[name], field_docs(cls).get(name, "")
         if name == "model":
-            parser.add_argument("model", help=doc)
+            if model_flag:
+                parser.add_argument("--model", required=True, help=doc)
+            else:
+                parser.add_argument("model", help=doc)
             continue
         flags = ["--" + name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default

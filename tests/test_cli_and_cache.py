@@ -156,3 +156,64 @@ def test_engine_config_names_the_bad_parameter(kwargs, message):
 def test_cli_rejects_a_bad_flag_value(capsys):
     assert main(["generate", "m", "--prompt", "x", "--page-size", "24"]) == 2
     assert "page_size must be a power of two" in capsys.readouterr().err
+
+
+def test_bench_help_lists_the_subcommands(capsys):
+    from jaxllm.config import EngineConfig
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("serve", "throughput", "latency"))
+    for command in ("throughput", "latency"):  # the engine's flags, the model as --model
+        args = build_parser().parse_args(["bench", command, "--model", "m"])
+        assert EngineConfig.from_cli(args) == EngineConfig.create("m")
+
+
+# A tiny engine: little to compile on a 2-core CPU.
+BENCH_ENGINE = ["--num-pages", "16", "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
+
+
+def test_bench_throughput_prints_vllms_line_and_writes_json(tiny_model_dir, tmp_path, capsys):
+    import json
+    import re
+
+    path = tmp_path / "throughput.json"
+    argv = ["bench", "throughput", "--model", str(tiny_model_dir), "--num-prompts", "4"]
+    argv += ["--input-len", "8", "--output-len", "4", "--output-json", str(path)]
+    assert main([*argv, *BENCH_ENGINE, "--disable-tqdm"]) == 0
+    out = capsys.readouterr().out
+    number = r"\d+\.\d\d"
+    assert re.search(
+        rf"^Throughput: {number} requests/s, {number} total tokens/s, {number} output tokens/s$",
+        out,
+        re.M,
+    )
+    assert "Total num prompt tokens:  32" in out and "Total num output tokens:  16" in out
+    res = json.loads(path.read_text())
+    assert res["num_requests"] == 4 and res["total_num_tokens"] == 48
+    assert res["total_output_tokens"] == 16 and res["elapsed_time"] > 0
+    assert res["requests_per_second"] == pytest.approx(4 / res["elapsed_time"])
+    assert res["tokens_per_second"] == pytest.approx(48 / res["elapsed_time"])
+    assert res["engine_args"]["max_model_len"] == 12  # input + output when not given
+    assert res["compilations_during_run"] == 0  # warmup compiled every program
+
+
+def test_bench_latency_prints_percentiles_and_writes_json(tiny_model_dir, tmp_path, capsys):
+    import json
+    import re
+
+    path = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", str(tiny_model_dir), "--batch-size", "2"]
+    argv += ["--input-len", "8", "--output-len", "4", "--num-iters-warmup", "1"]
+    argv += ["--num-iters", "3", "--output-json", str(path)]
+    assert main([*argv, *BENCH_ENGINE]) == 0  # with the progress bars (on stderr)
+    out = capsys.readouterr().out
+    assert re.search(r"^Avg latency: \S+ seconds$", out, re.M)
+    for p in (10, 25, 50, 75, 90, 99):
+        assert re.search(rf"^{p}% percentile latency: \S+ seconds$", out, re.M)
+    res = json.loads(path.read_text())
+    assert len(res["latencies"]) == 3 and res["batch_size"] == 2
+    assert res["avg_latency"] == pytest.approx(sum(res["latencies"]) / 3)
+    assert list(res["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
+    assert min(res["latencies"]) <= res["percentiles"]["50"] <= max(res["latencies"])

@@ -1,40 +1,33 @@
-"""benchmarks/serve.py against a fake OpenAI-compatible streaming server (FastAPI + uvicorn
-on a free loopback port in a background thread) whose chunks come with known delays."""
+"""`jaxllm bench serve` (`jaxllm/bench/serve.py`, and benchmarks/serve.py on it) against a fake
+OpenAI-compatible streaming server (FastAPI + uvicorn on a free loopback port in a background
+thread) whose chunks come with known delays."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
+import re
 import socket
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from jaxllm.bench import serve as bench
+from jaxllm.cli import main as cli_main
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("httpx")
 
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 FIRST_DELAY = 0.15  # seconds before the first content chunk
 TOKEN_DELAY = 0.03  # seconds between content chunks
 EOS_AFTER = 3  # tokens generated when the request does not set ignore_eos
-
-
-def _load_bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
-    spec = importlib.util.spec_from_file_location("jaxllm_bench_serve", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up here
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load_bench()
 
 
 def _fake_app(state: dict):
@@ -141,8 +134,8 @@ def test_completions_counts_and_latencies(server, tmp_path, monkeypatch):
     res = bench.main(
         [
             *("--base-url", url, "--num-prompts", str(n), "--max-concurrency", "2"),
-            *("--input-len", "16", "--output-len", str(out_len), "--ignore-eos"),
-            *("--json", str(path)),
+            *("--random-input-len", "16", "--random-output-len", str(out_len), "--ignore-eos"),
+            *("--save-result", "--result-filename", str(path)),
         ]
     )
     assert res["completed"] == n and res["failed"] == 0 and res["errors"] == []
@@ -189,6 +182,7 @@ def test_chat_poisson_without_usage(server):
             *("--base-url", url, "--endpoint", "/v1/chat/completions", "--model", "no-usage"),
             *("--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(seed)),
             *("--input-len", "8", "--output-len", "4"),  # no --ignore-eos: stops at EOS_AFTER
+            "--disable-tqdm",  # the older spellings of benchmarks/serve.py above
         ]
     )
     assert res["completed"] == n and res["failed"] == 0
@@ -236,3 +230,162 @@ def test_unreachable_server_reports_failures():
     assert res["completed"] == 0 and res["failed"] == 2
     assert all("ConnectError" in e for e in res["errors"])
     assert res["server_version"] is None and res["mean_ttft_ms"] is None
+
+
+# The fields benchmarks/serve.py printed (its table), under vLLM's names where they differ.
+TABLE_FIELDS = [
+    "Serving Benchmark Result",
+    "Model",
+    "Endpoint",
+    "Request rate (req/s)",
+    "Max concurrency",
+    "Successful requests",
+    "Failed requests",
+    "Benchmark duration (s)",
+    "Total input tokens",
+    "Total generated tokens",
+    "Request throughput (req/s)",
+    "Output token throughput (tok/s)",
+    "Total Token throughput (tok/s)",
+    "Time to First Token",
+    "Time per Output Token (excl. 1st token)",
+    "Inter-token Latency",
+    "End-to-end Latency",
+    *(f"{s} {m} (ms)" for m in ("TTFT", "TPOT", "ITL", "E2EL") for s in ("Mean", "Median", "P99")),
+]
+
+
+def _printed_fields(out: str) -> set[str]:
+    """The labels of a printed table: the rows' left column and the section titles."""
+    fields = set()
+    for line in out.splitlines():
+        if line.startswith(("=", "-")):
+            fields.add(line.strip("=-").strip())
+        elif m := re.match(r"(\S.*?)\s{2,}\S+$", line):
+            fields.add(m.group(1))
+    return fields
+
+
+def test_cli_bench_serve_prints_the_fields_and_saves_vllm_json(server, tmp_path, capsys):
+    url, state = server
+    _reset(state)
+    host, port = url.removeprefix("http://").split(":")
+    rc = cli_main(
+        [
+            *("bench", "serve", "--host", host, "--port", port, "--backend", "openai-chat"),
+            *("--num-prompts", "4", "--max-concurrency", "2", "--ignore-eos"),
+            *("--random-input-len", "8", "--random-output-len", "4"),
+            *("--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90"),
+            *("--save-result", "--result-dir", str(tmp_path), "--disable-tqdm"),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    printed = _printed_fields(out)
+    assert set(TABLE_FIELDS) <= printed, set(TABLE_FIELDS) - printed
+    assert {"P50 TTFT (ms)", "P90 TTFT (ms)", "P50 E2EL (ms)", "P90 E2EL (ms)"} <= printed
+    assert "P90 TPOT (ms)" not in printed  # tpot is not in --percentile-metrics
+    assert re.search(r"^Successful requests +4$", out, re.M)
+    assert re.search(r"^Total generated tokens +16$", out, re.M)
+    assert state["bodies"][0]["messages"][0]["content"]  # openai-chat: chat completions
+
+    (path,) = tmp_path.glob("openai-chat-infqps-concurrency2-fake-model-*.json")  # vLLM's name
+    saved = json.loads(path.read_text())
+    assert saved["completed"] == 4 and saved["total_output_tokens"] == 16
+    assert saved["backend"] == "openai-chat" and saved["model_id"] == "fake-model"
+    assert saved["endpoint"] == "/v1/chat/completions" and saved["max_concurrency"] == 2
+    for key in ("duration", "total_input_tokens", "request_throughput", "output_throughput"):
+        assert saved[key] > 0, key
+    assert saved["total_token_throughput"] > saved["output_throughput"]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert saved[f"{stat}_{metric}_ms"] is not None, (stat, metric)
+    assert saved["p50_ttft_ms"] <= saved["p90_ttft_ms"] <= saved["p99_ttft_ms"]
+    assert "p90_e2el_ms" in saved and "p90_tpot_ms" not in saved
+
+
+def test_benchmarks_serve_script_runs_the_package(server, tmp_path):
+    url, _ = server
+    path = tmp_path / "res.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(script), "--base-url", url, "--num-prompts", "2"),
+            *("--input-len", "4", "--output-len", "2", "--json", str(path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert set(TABLE_FIELDS) <= _printed_fields(proc.stdout)
+    assert json.loads(path.read_text())["completed"] == 2
+
+
+def _args(argv: list[str]):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench.add_cli_args(p)
+    args = p.parse_args(argv)
+    bench.check_args(args)
+    return args
+
+
+def test_burstiness_and_random_range_ratio():
+    rate, n = 10.0, 4000
+    assert bench.arrival_offsets(n, rate, 0) == bench.arrival_offsets(n, rate, 0, 1.0)
+    for burstiness in (0.5, 1.0, 4.0):
+        gaps = np.diff(bench.arrival_offsets(n, rate, 0, burstiness))
+        assert np.mean(gaps) == pytest.approx(1 / rate, rel=0.1)
+        # Gamma gaps of shape k: squared coefficient of variation 1 / k.
+        assert np.var(gaps) / np.mean(gaps) ** 2 == pytest.approx(1 / burstiness, rel=0.2)
+
+    args = _args(["--num-prompts", "200", "--input-len", "10", "--output-len", "20"])
+    reqs = bench.make_requests(args)
+    assert {len(r.prompt.split()) for r in reqs} == {10} and {r.output_len for r in reqs} == {20}
+    args = _args([*("--num-prompts", "200", "--input-len", "10", "--output-len", "20"),
+                  *("--random-range-ratio", "0.5")])  # fmt: skip
+    reqs = bench.make_requests(args)
+    in_lens, out_lens = [len(r.prompt.split()) for r in reqs], [r.output_len for r in reqs]
+    assert in_lens == [r.prompt_len for r in reqs]
+    assert min(in_lens) >= 5 and max(in_lens) <= 15 and len(set(in_lens)) > 5
+    assert min(out_lens) >= 10 and max(out_lens) <= 30 and len(set(out_lens)) > 5
+    assert [r.prompt for r in bench.make_requests(args)] == [r.prompt for r in reqs]  # seeded
+
+
+def test_tokenizer_makes_token_prompts_and_counts_tokens(server, tokenizer_dir, capsys):
+    url, state = server
+    _reset(state)
+    res = bench.main(
+        [
+            *("--base-url", url, "--model", "no-usage", "--tokenizer", str(tokenizer_dir)),
+            *("--num-prompts", "3", "--random-input-len", "12", "--random-output-len", "4"),
+            "--disable-tqdm",
+        ]
+    )
+    tok = bench.load_tokenizer(str(tokenizer_dir))
+    lens = [len(tok.encode(b["prompt"], add_special_tokens=False)) for b in state["bodies"]]
+    # Random ids, cut to at most 12 tokens of their text's encoding (a tiny byte-level
+    # vocabulary has many ids of partial characters, which decode to 3-byte U+FFFD).
+    assert all(6 <= n <= 12 for n in lens) and sum(lens) >= 3 * 9
+    # No usage from the server: the tokenizer counts the prompts and the generated text.
+    assert res["total_input_tokens"] == sum(lens)
+    gen = len(tok.encode(" w0 w1 w2", add_special_tokens=False))
+    assert res["total_output_tokens"] == 3 * gen
+    assert "Total generated tokens (tokenizer)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--backend", "openai", "--endpoint", "/v1/chat/completions"], "does not speak"),
+        (["--percentile-metrics", "ttft,ttfx"], "unknown ['ttfx']"),
+        (["--metric-percentiles", "0"], "must be in (0, 100]"),
+        (["--dataset-name", "custom"], "--dataset-path goes with"),
+        (["--random-range-ratio", "1"], "--random-range-ratio"),
+    ],
+)
+def test_cli_bench_serve_rejects_bad_flags(flags, message, capsys):
+    assert cli_main(["bench", "serve", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -323,6 +323,31 @@ def test_metrics_move(server, client):
     assert _metric(server, "time_to_first_token_seconds_count") >= 1
 
 
+def test_bench_serve_against_the_server(server, tmp_path, capsys):
+    """`jaxllm bench serve` against a running `jaxllm serve`: every field of the table, and
+    the tokens the server's metrics counted."""
+    from jaxllm.cli import main as cli_main
+    from tests.test_serve_benchmark import TABLE_FIELDS, _printed_fields
+
+    before = _metric(server, "generation_tokens_total")
+    host, port = server.removeprefix("http://").split(":")
+    rc = cli_main(
+        [
+            *("bench", "serve", "--host", host, "--port", port, "--model", "tiny"),
+            *("--api-key", API_KEY, "--num-prompts", "4", "--max-concurrency", "2"),
+            *("--random-input-len", "8", "--random-output-len", "4", "--ignore-eos"),
+            *("--save-result", "--result-dir", str(tmp_path), "--disable-tqdm"),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert set(TABLE_FIELDS) <= _printed_fields(out), out
+    (path,) = tmp_path.glob("*.json")
+    saved = json.loads(path.read_text())
+    assert saved["completed"] == 4 and saved["total_output_tokens"] == 16
+    assert _metric(server, "generation_tokens_total") == before + 16
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 BAD = [
