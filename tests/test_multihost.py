@@ -116,6 +116,7 @@ class FakeRunner:
         self.max_model_len = 32
         self.kv_cache_lost = False
         self.num_speculative_tokens = 0
+        self.device_wait_seconds = 0.0  # what EngineCore reads of a runner for its metrics
         self.tokens: dict[str, list[int]] = {}
 
     def launch(self, out: SchedulerOutput) -> tuple[int, RunnerOutput]:
