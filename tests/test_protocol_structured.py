@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 from test_server_protocol import chat, completion
 
+from jaxllm.config import CacheConfig
+from jaxllm.engine.step_data import Stats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.structured_outputs import StructuredOutputsParams
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
@@ -456,9 +458,13 @@ class FakeEngine:
         self.dead = False
         self.on_step = None
         self.ready = SimpleNamespace(max_model_len=4096, num_pages=1, page_size=16, num_programs=0)
+        self.config = SimpleNamespace(cache=CacheConfig())  # for the metrics
+        self.stats = Stats()
         self.params: list = []  # the SamplingParams of each request
 
-    async def generate(self, ids, params, *, request_id, index=0, prefix_parent=None):
+    async def generate(
+        self, ids, params, *, request_id, index=0, prefix_parent=None, arrival_time=None
+    ):
         self.params.append(params)
         text = self.texts[index]
         ends = [*range(3, len(text), 3), len(text)]
