@@ -103,6 +103,26 @@ def test_quantize_error_is_bounded(fmt):
     np.testing.assert_allclose(qmatmul(x, dev), x @ dequantize_np(qa).T, rtol=1e-4, atol=1e-4)
 
 
+def test_int4_importance_refits_groups_to_the_weighted_error():
+    """With `importance`, each group's scale and offset are refit to the importance-weighted
+    squared error: never worse than the clip search alone by that measure, better overall on
+    random weights, and the error moves to the inputs that matter less."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    importance = rng.uniform(0.0, 1.0, 128).astype(np.float32) ** 8  # as steep as the head's
+
+    def weighted_errors(qa):  # per group of 32, and in all
+        e = importance * np.square(dequantize_np(qa) - w)
+        return e.reshape(64, 4, 32).sum(-1), e.sum()
+
+    plain, plain_total = weighted_errors(quantize(w, "int4"))
+    refit, refit_total = weighted_errors(quantize(w, "int4", importance=importance))
+    assert (refit <= plain * (1 + 1e-6) + 1e-12).all()
+    assert refit_total < 0.8 * plain_total, (refit_total, plain_total)
+    qa = quantize(w, "int4", importance=np.ones(128, np.float32))
+    assert qa.scale.dtype == np.float16 and qa.offset.dtype == np.float16
+
+
 @pytest.fixture(scope="module")
 def smollm2_path():
     from jaxllm.model_cache import fetch_demo_model
@@ -185,11 +205,10 @@ def test_demo_gguf_kept_quantized(smollm2_path):
 
 
 @pytest.mark.demo_model
-@pytest.mark.parametrize("fmt,limit", [("int8", 0.27), ("int4", 0.18), ("fp8", 0.27)])
+@pytest.mark.parametrize("fmt,limit", [("int8", 0.27), ("int4", 0.16), ("fp8", 0.27)])
 def test_demo_weight_bytes(smollm2_path, fmt, limit):
-    """Bytes of weights, scales included, against float32. int4 keeps the embedding (the
-    tied head) at int8; all int4 would be 0.156x but costs 7% perplexity (see
-    jaxllm/loaders/weights.py)."""
+    """Bytes of weights, scales included, against float32 (the issue's bar): the embedding
+    (the tied head) is quantized too."""
     from flax import nnx
 
     from jaxllm.loaders import load_model
@@ -210,7 +229,10 @@ def test_tiny_model_logits_close_to_float(tiny_model_dir, fmt):
     want = prefill_logits(dense.model, dense.config, tokens)
     got = prefill_logits(quant.model, quant.config, tokens)
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert rel < {"int8": 0.03, "int4": 0.15, "fp8": 0.1}[fmt], rel
+    # int4: every matrix, the output head included (0.179 measured on this 64-wide random
+    # model; 0.15 held while the head stayed int8). The quality bar is the demo model's
+    # perplexity (test_demo_perplexity_and_greedy_agreement).
+    assert rel < {"int8": 0.03, "int4": 0.2, "fp8": 0.1}[fmt], rel
 
 
 @pytest.mark.parametrize(

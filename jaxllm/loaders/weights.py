@@ -28,7 +28,14 @@ from flax import nnx
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import _num_in_axes
-from jaxllm.quantization import FORMATS, QUANTIZABLE, QArray, dequantize_np, quantize
+from jaxllm.quantization import (
+    FORMATS,
+    HEAD_IMPORTANCE_POWER,
+    QUANTIZABLE,
+    QArray,
+    dequantize_np,
+    quantize,
+)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -139,10 +146,10 @@ def _to_numpy(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else np.asarray(x)
 
 
-def _quantized(name: str, *args) -> QArray | None:
+def _quantized(name: str, *args, **kwargs) -> QArray | None:
     """`_quantize_tensor`, its errors naming the tensor."""
     try:
-        return _quantize_tensor(name, *args)
+        return _quantize_tensor(name, *args, **kwargs)
     except ValueError as e:
         raise ValueError(f"tensor {name!r}: {e}") from e
 
@@ -155,24 +162,23 @@ def _quantize_tensor(
     config: ModelConfig,
     quantization: str | None,
     dtype,
+    importance: np.ndarray | None = None,
 ) -> QArray | None:
     """The QArray that parameter `path` gets from HF tensor `tensor` ([out, in], float or
-    already quantized), or None when the parameter stays float."""
+    already quantized), or None when the parameter stays float. `importance`: the output
+    head's, for int4 (see `build_state`)."""
     if path[-1] not in QUANTIZABLE or "expert" in var.get_metadata().get("axes", ()):
         return None
     if quantization == "float":
         return None
     fmt = quantization
-    if fmt == "int4" and path[-1] in ("embed_tokens", "lm_head"):
-        # The vocabulary's rows are the most sensitive (as llama.cpp's Q4 files, which keep
-        # them at Q6_K or Q8_0): on the demo model int4 rows cost +7.4% perplexity, int8 +0.1%.
-        fmt = "int8"
-    if isinstance(tensor, QArray):
-        w = tensor if fmt not in FORMATS else quantize(dequantize_np(tensor), fmt)
-    elif fmt in FORMATS:
-        w = quantize(_to_numpy(tensor), fmt)
+    if fmt not in FORMATS:
+        if not isinstance(tensor, QArray):
+            return None
+        w = tensor
     else:
-        return None
+        w = tensor if not isinstance(tensor, QArray) else dequantize_np(tensor)
+        w = quantize(_to_numpy(w), fmt, importance=importance if fmt == "int4" else None)
     if path[-1] == "embed_tokens":  # [V, D]: rows are tokens, the tied head's outputs
         out_shape, num_in = var.shape[:1], var.shape[1]
     else:
@@ -256,6 +262,10 @@ def build_state(
         )
 
     filled: dict[tuple, nnx.Variable] = {}
+    # int4 quantizes the output head (the tied embedding, or lm_head) weighting its inputs by
+    # the final norm's scale (`HEAD_IMPORTANCE_POWER`): it waits for that norm's tensor.
+    head = ("embed_tokens",) if config.tie_word_embeddings else ("lm_head",)
+    held_head, final_norm = None, None
     # Stacked expert weights fill up on the host, one expert per tensor, and go to the
     # device whole: {path: (host buffer, experts still missing)}.
     stacking: dict[tuple, tuple[np.ndarray, set[int]]] = {}
@@ -270,6 +280,11 @@ def build_state(
         var = expected[path]
         if path in filled:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+        if name == "model.norm.weight":
+            final_norm = _to_numpy(tensor).astype(np.float32) + config.norm_offset
+        if index is None and path == head and quantization == "int4":
+            held_head = (name, tensor, path, var)
+            continue
         if index is None:
             w = _quantized(name, tensor, path, var, config, quantization, dtype)
             if w is not None:
@@ -294,6 +309,11 @@ def build_state(
                 continue
             value = stacking.pop(path)[0]
         filled[path] = var.replace(place(path, value))
+    if held_head is not None:
+        name, tensor, path, var = held_head
+        importance = None if final_norm is None else np.abs(final_norm) ** HEAD_IMPORTANCE_POWER
+        w = _quantized(name, tensor, path, var, config, quantization, dtype, importance=importance)
+        filled[path] = var.replace(place_quantized(path, w))
     missing = [".".join(map(str, p)) for p in expected if p not in filled]
     if missing:
         raise ValueError(
