@@ -22,22 +22,12 @@ from tqdm.auto import tqdm
 from jaxllm.bench import throughput, write_json
 from jaxllm.bench.throughput import describe, measure, random_token_prompts
 from jaxllm.config import EngineConfig
-from jaxllm.config import add_cli_args as add_engine_args
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p, model_flag=True)  # --seed among them: it seeds the prompts too
-    p.add_argument(
-        "--input-len", type=int, default=32, help="tokens per prompt (default: %(default)s)"
-    )
-    p.add_argument(
-        "--output-len",
-        type=int,
-        default=128,
-        help="tokens generated per prompt (default: %(default)s)",
-    )
+    throughput.add_shared_args(p, input_len=32)
     p.add_argument(
         "--batch-size", type=int, default=8, help="prompts per iteration (default: %(default)s)"
     )
@@ -47,8 +37,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-iters", type=int, default=30, help="timed iterations (default: %(default)s)"
     )
-    p.add_argument("--output-json", default=None, metavar="PATH", help="write the result here")
-    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

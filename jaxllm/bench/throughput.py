@@ -28,10 +28,17 @@ from jaxllm.config import add_cli_args as add_engine_args
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p, model_flag=True)  # --seed among them: it seeds the prompts too
+    add_shared_args(p, input_len=128)
     p.add_argument("--dataset-name", choices=("random",), default="random")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests (default: %(default)s)")
+
+
+def add_shared_args(p: argparse.ArgumentParser, *, input_len: int) -> None:
+    """The flags of `bench throughput` and `bench latency`: the engine's, the lengths, the
+    output."""
+    add_engine_args(p, model_flag=True)  # --seed among them: it seeds the prompts too
     p.add_argument(
-        "--input-len", type=int, default=128, help="tokens per prompt (default: %(default)s)"
+        "--input-len", type=int, default=input_len, help="tokens per prompt (default: %(default)s)"
     )
     p.add_argument(
         "--output-len",
@@ -39,7 +46,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=128,
         help="tokens generated per prompt (default: %(default)s)",
     )
-    p.add_argument("--num-prompts", type=int, default=64, help="requests (default: %(default)s)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="write the result here")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
