@@ -344,6 +344,21 @@ def test_install_host_rejects_bad_input():
     assert bad.returncode != 0 and "--jax-extra" in bad.stderr
 
 
+def test_wheel_carries_the_cpu_kernel_sources():
+    """The CPU kernels compile from their C++ sources on first use (pallas_kernels/native.py):
+    the package data must name every source file, or an installed wheel cannot build them."""
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = data["package-data"]["pallas_kernels"]
+    sources = [
+        p.relative_to(ROOT / "pallas_kernels") for p in (ROOT / "pallas_kernels/cpu").iterdir()
+    ]
+    assert sources
+    for source in sources:
+        assert any(source.match(g) for g in globs), source
+
+
 def test_jax_version_is_one_and_allowed():
     from packaging.requirements import Requirement
 
