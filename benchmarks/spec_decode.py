@@ -23,6 +23,7 @@ import time
 import jax
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.bench import write_json
 
 _NAMES = ["Alice", "Bob", "Chen", "Dmitri", "Elena", "Farah", "Goran", "Hana"]
 _CITIES = ["Paris", "London", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Seoul"]
@@ -143,11 +144,9 @@ def main() -> None:
             "continuation": text,
         }
     report["compilations_after_warmup"] = ngram.runner.num_compilations - compiled
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 import jax
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.bench import write_json
 
 SCHEMA = {
     "type": "object",
@@ -128,11 +129,9 @@ def main() -> None:
         name: round(results[name]["tokens_per_s"] / free, 3) for name in ("json_schema", "regex")
     }
     report["compilations_after_warmup"] = llm.runner.num_compilations - compiled
-    text = json.dumps(report, indent=2)
-    print(text)
+    print(json.dumps(report, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_json(args.out, report)
 
 
 if __name__ == "__main__":
