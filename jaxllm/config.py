@@ -371,9 +371,11 @@ def _opt(default: Any, *aliases: str, choices: tuple[str, ...] | None = None) ->
 
 # pallas_kernels.ATTENTION_BACKENDS, spelled out here so the command line need not import JAX
 # (tests/test_cli_and_cache.py checks that they agree).
-# jaxllm.quantization.QUANTIZATIONS, restated for the same reason (checked by the same test).
+# jaxllm.quantization.QUANTIZATIONS and MATMUL_BACKENDS, restated for the same reason (checked by
+# the same test).
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
+QUANT_MATMUL_BACKENDS = ("auto", "xla", "pallas")  # jaxllm.quantization.MATMUL_BACKENDS
 # The KV cache's formats: the float dtypes, and pallas_kernels.QUANTIZED_KV_DTYPES (plus vLLM's
 # alias fp8_e4m3), checked against it by the same test.
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8")
@@ -552,6 +554,10 @@ class CompilationConfig:
     """auto: the platform's kernel (on CPU the native `cpu` kernel, or `xla` where no C++
     compiler builds it); pallas: the platform's Pallas kernel (interpreted on CPU, for
     checking); or a backend by name."""
+    quant_matmul_backend: str = _opt("auto", choices=QUANT_MATMUL_BACKENDS)
+    """The matmul of quantized weights: auto is the CPU's native kernel, the GPU's Pallas
+    kernel, and XLA's dequantization fused into the dot on TPU; xla those XLA ops everywhere;
+    pallas the Pallas kernel (interpreted off the GPU, for checking)."""
     skip_warmup: bool = False
     """Do not compile every bucket at startup (programs then compile on first use)."""
     compilation_cache_dir: str | None = "default"
@@ -568,6 +574,11 @@ class CompilationConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                 f"{self.attention_backend!r}"
+            )
+        if self.quant_matmul_backend not in QUANT_MATMUL_BACKENDS:
+            raise ValueError(
+                f"quant_matmul_backend must be one of {', '.join(QUANT_MATMUL_BACKENDS)}, got "
+                f"{self.quant_matmul_backend!r}"
             )
 
 

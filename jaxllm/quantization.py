@@ -33,14 +33,26 @@ last three);
 GGUF file: for exact comparisons with it).
 Norms, biases, routers and mixture-of-experts weights stay float.
 
-The matmul (`qmatmul`): on the CPU a native kernel (`pallas_kernels/quant_matmul_cpu.py`)
-reads each weight once as stored (XLA's CPU backend would write the whole float weight to
-memory first: 12x slower than float32 at batch 1). Elsewhere the weight is dequantized by XLA
-ops inside the jitted step, where TPU and GPU compilers fuse the conversion into the dot.
+The matmul (`qmatmul`) has three implementations, picked by `matmul_backend` (the engine's
+`quant_matmul_backend`, one of `MATMUL_BACKENDS`), "auto" choosing by platform:
+- CPU: a native kernel (`pallas_kernels/quant_matmul_cpu.py`) reads each weight once as
+  stored (XLA's CPU backend would write the whole float weight to memory first: 12x slower
+  than float32 at batch 1);
+- GPU: a Pallas Triton kernel (`pallas_kernels/quant_matmul_gpu.py`) that dequantizes each
+  code in registers before the tensor-core dot (XLA cannot fuse the int4 unpacking into its
+  dot and writes the float weight out first);
+- TPU, or "xla": the weight dequantized by XLA ops inside the jitted step, where the TPU
+  compiler fuses the conversion into the dot's operand. A Pallas TPU kernel would slice the
+  `[O, G]` scales along lanes, G groups at a time (32-element groups make 16-lane slices of
+  int4 codes), which Mosaic lays out poorly; none is written until one can be measured.
+"pallas" runs the Pallas kernel on any platform (interpreted off the GPU, to check it).
+Shapes the Pallas kernel cannot tile (no power-of-two block dividing them) use the XLA ops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -49,10 +61,11 @@ import ml_dtypes
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels import quant_matmul_cpu
+from pallas_kernels import quant_matmul_cpu, quant_matmul_gpu
 
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
 FORMATS = ("int8", "int4", "fp8")
+MATMUL_BACKENDS = ("auto", "xla", "pallas")
 INT4_BLOCK = 32  # elements per packed int4 block (16 bytes)
 # Elements per scale when quantizing to int4 here: llama.cpp's Q4 granularity. With float16
 # scales and offsets that is 5 bits a weight. Measured on the demo model (held-out text,
@@ -298,21 +311,63 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     return _dequantize(w, jnp, dtype)
 
 
-def _use_native() -> bool:
-    return pallas_kernels.current_platform() == "cpu" and quant_matmul_cpu.available()
+_MATMUL_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "jaxllm_quant_matmul_backend", default="auto"
+)
+
+
+@contextlib.contextmanager
+def matmul_backend(backend: str):
+    """Within it (while a function is traced), `qmatmul` uses `backend`, one of
+    `MATMUL_BACKENDS` (see the module docstring). The decoder sets it from its own
+    `quant_matmul_backend` around its forward pass and head."""
+    if backend not in MATMUL_BACKENDS:
+        raise ValueError(f"quant_matmul_backend must be one of {MATMUL_BACKENDS}, got {backend!r}")
+    token = _MATMUL_BACKEND.set(backend)
+    try:
+        yield
+    finally:
+        _MATMUL_BACKEND.reset(token)
+
+
+def _implementation(w: QArray) -> str:
+    """ "native", "pallas" or "xla" for a matmul by `w`, by `matmul_backend` and the platform."""
+    backend, platform = _MATMUL_BACKEND.get(), pallas_kernels.current_platform()
+    if backend != "auto":
+        return backend
+    if platform == "cpu":
+        return "native" if quant_matmul_cpu.available() else "xla"
+    return "pallas" if platform == "gpu" else "xla"
 
 
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
     """x [T, I] @ w.T -> f32[T, O]."""
-    if _use_native():
-        if w.perm is not None:  # the kernel reads q's columns in order
-            x = jnp.take(x, w.perm, axis=1)
-        return quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt)
+    kernel = _implementation(w)
+    if kernel == "xla":
+        return jax.lax.dot_general(
+            x,
+            dequantize(w, x.dtype),
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+    if w.perm is not None:  # the kernels read q's columns in order
+        x = jnp.take(x, w.perm, axis=1)
+    interpret = kernel == "pallas" and pallas_kernels.current_platform() != "gpu"
+    offset = () if w.offset is None else (w.offset,)
+    return _local_matmul(kernel, w.fmt, interpret, x, w.q, w.scale, *offset)
+
+
+def _local_matmul(kernel: str, fmt: str, interpret: bool, x, q, scale, *offset) -> jax.Array:
+    """One device's product: the kernel, or XLA's ops where the Pallas kernel cannot tile
+    this device's shapes."""
+    offset = offset[0] if offset else None
+    if kernel == "native":
+        return quant_matmul_cpu.quant_matmul_cpu(x, q, scale, offset, fmt)
+    if quant_matmul_gpu.supports(x.shape[0], q.shape[0], x.shape[1], fmt):
+        return quant_matmul_gpu.quant_matmul_gpu(x, q, scale, offset, fmt, interpret=interpret)
+    w = QArray(q, scale, offset, fmt, (q.shape[0],), x.dtype)
     return jax.lax.dot_general(
-        x,
-        dequantize(w, x.dtype),
-        (((1,), (1,)), ((), ())),
-        preferred_element_type=jnp.float32,
+        x, dequantize(w, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -23,19 +22,7 @@ from jaxllm.quantization import (
 )
 from pallas_kernels import quant_matmul_cpu
 
-from helpers import prefill_logits, tensor_parallel_report
-
-
-def _random_qarray(rng, fmt: str, o: int, i: int, groups: int, offset: bool, scale_dtype):
-    if fmt == "int8":
-        q = rng.integers(-128, 128, (o, i)).astype(np.int8)
-    elif fmt == "fp8":
-        q = rng.standard_normal((o, i)).astype(ml_dtypes.float8_e4m3fn)
-    else:
-        q = pack_int4(rng.integers(0, 16, (o, i)).astype(np.uint8))
-    scale = rng.uniform(0.01, 0.1, (o, groups)).astype(scale_dtype)
-    off = rng.standard_normal((o, groups)).astype(scale_dtype) if offset else None
-    return QArray(q, scale, off, fmt, (o,), np.dtype(np.float32))
+from helpers import prefill_logits, random_qarray, tensor_parallel_report
 
 
 @pytest.mark.skipif(not quant_matmul_cpu.available(), reason="no C++ compiler")
@@ -57,7 +44,7 @@ def test_native_matmul_matches_xla_dequantization(fmt, num_in, group, offset, sc
     if fmt == "int4" and (group % 32 or num_in % 32):
         pytest.skip("int4 groups are whole 32-blocks")
     rng = np.random.default_rng(0)
-    w = _random_qarray(rng, fmt, 70, num_in, num_in // group, offset, scale_dtype)
+    w = random_qarray(rng, fmt, 70, num_in, num_in // group, offset, scale_dtype)
     dense = dequantize_np(w)
     for t in (1, 2, 3, 4, 7):
         x = rng.standard_normal((t, num_in)).astype(np.float32)

@@ -105,6 +105,7 @@ class EngineCore:
             config.load.model,
             dtype=resolve_dtype(config.load.dtype),
             attention_backend=backend,
+            quant_matmul_backend=comp.quant_matmul_backend,
             mesh=mesh,
             load_tokenizer=False,
             quantization=config.load.quantization,
@@ -118,6 +119,7 @@ class EngineCore:
                 spec.model,
                 dtype=resolve_dtype(config.load.dtype),
                 attention_backend=backend,
+                quant_matmul_backend=comp.quant_matmul_backend,
                 mesh=mesh,
                 load_tokenizer=False,
             )

@@ -67,6 +67,7 @@ def load_model(
     *,
     dtype: jnp.dtype = jnp.float32,
     attention_backend: str = "reference",
+    quant_matmul_backend: str = "auto",
     load_tokenizer: bool = True,
     mesh: Mesh | None = None,
     quantization: str | None = None,
@@ -76,7 +77,8 @@ def load_model(
     orbax checkpoint (a directory with a `jaxllm_orbax.json` marker) is restored straight
     into that layout, each device reading its own shard. `quantization`: see
     `jaxllm.quantization` (None: as the checkpoint is stored; a GGUF file's tensors are
-    dequantized on the CPU, kept quantized on accelerators)."""
+    dequantized on the CPU, kept quantized on accelerators); `quant_matmul_backend` the
+    matmul of quantized weights (`jaxllm.quantization.matmul_backend`)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
@@ -108,6 +110,7 @@ def load_model(
             config,
             dtype=dtype,
             attention_backend=attention_backend,
+            quant_matmul_backend=quant_matmul_backend,
             mesh=mesh,
             rngs=None,  # shapes only: the weights come from the checkpoint
         )

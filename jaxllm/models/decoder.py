@@ -37,7 +37,7 @@ from jaxllm.models.layers import (
     rope_inv_freq,
 )
 from jaxllm.models.moe import MoE
-from jaxllm.quantization import QArray, qmatmul, take_rows
+from jaxllm.quantization import QArray, matmul_backend, qmatmul, take_rows
 from pallas_kernels import KVCache, as_kv_cache
 
 
@@ -92,12 +92,15 @@ class DecoderForCausalLM(nnx.Module):
         *,
         dtype=jnp.float32,
         attention_backend: str = "reference",
+        quant_matmul_backend: str = "auto",
         mesh: Mesh | None = None,
         rngs: nnx.Rngs | None,
     ):
         """`mesh`: tensor parallelism over its "model" axis (attention runs per device on its
-        own heads); None for one device."""
+        own heads); None for one device. `quant_matmul_backend`: the matmul of quantized
+        weights (`jaxllm.quantization.matmul_backend`)."""
         self.config = config
+        self.quant_matmul_backend = quant_matmul_backend
         self.embed_tokens = param(
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype
         )
@@ -137,7 +140,10 @@ class DecoderForCausalLM(nnx.Module):
         kv_cache: KVCache | jax.Array,  # [L, num_pages, page_size, 2K, H]; an array: float
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
-        kv_cache = as_kv_cache(kv_cache)
+        with matmul_backend(self.quant_matmul_backend):
+            return self._forward(input_ids, positions, as_kv_cache(kv_cache), meta)
+
+    def _forward(self, input_ids, positions, kv_cache: KVCache, meta):
         table = self.embed_tokens.get_value()
         x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
         if self.embed_scale is not None:
@@ -154,6 +160,10 @@ class DecoderForCausalLM(nnx.Module):
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
+        with matmul_backend(self.quant_matmul_backend):
+            return self._logits(hidden)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:
             table = self.embed_tokens.get_value()
             if isinstance(table, QArray):  # [V, D] is already the head's [O, I]
