@@ -47,8 +47,6 @@ The matmul (`qmatmul`) has three implementations, picked by `matmul_backend` (th
   int4 codes), which Mosaic lays out poorly; none is written until one can be measured.
 "pallas" runs the Pallas kernel on any platform (interpreted off the GPU, to check it).
 Shapes the Pallas kernel cannot tile (no power-of-two block dividing them) use the XLA ops.
-Under tensor parallelism each device runs the kernel on its own shard of the weight (see
-`_partition`).
 """
 
 from __future__ import annotations
@@ -61,9 +59,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from pallas_kernels import quant_matmul_cpu, quant_matmul_gpu
@@ -359,18 +354,7 @@ def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
         x = jnp.take(x, w.perm, axis=1)
     interpret = kernel == "pallas" and pallas_kernels.current_platform() != "gpu"
     offset = () if w.offset is None else (w.offset,)
-    return _kernel_matmul(kernel, w.fmt, interpret, x, w.q, w.scale, *offset)
-
-
-# ---- the kernels under tensor parallelism ----------------------------------------------------
-#
-# XLA's partitioner cannot see into a kernel (an FFI or Pallas call): left alone it gathers
-# every operand whole onto each device, so each step would all-gather every quantized weight.
-# `custom_partitioning` tells it how the kernel splits instead, from the shardings the weights
-# were placed with (`loaders/weights.py`): split on its rows (column-parallel: q, k, v, gate,
-# up, the head), each device multiplies its rows and the output is split the same way; split
-# on its inputs (row-parallel: o, down), each device multiplies its slice of x by its columns
-# and the partial outputs are summed (one all-reduce, as XLA inserts after a float one).
+    return _local_matmul(kernel, w.fmt, interpret, x, w.q, w.scale, *offset)
 
 
 def _local_matmul(kernel: str, fmt: str, interpret: bool, x, q, scale, *offset) -> jax.Array:
@@ -385,44 +369,6 @@ def _local_matmul(kernel: str, fmt: str, interpret: bool, x, q, scale, *offset) 
     return jax.lax.dot_general(
         x, dequantize(w, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
-
-
-_kernel_matmul = custom_partitioning(_local_matmul, static_argnums=(0, 1, 2))
-
-
-def _spec(sharding, ndim: int) -> tuple:
-    spec = tuple(getattr(sharding, "spec", None) or ())
-    return spec + (None,) * (ndim - len(spec))
-
-
-def _partition(kernel, fmt, interpret, mesh, arg_shapes, result_shape):
-    _, q, scale, *offset = arg_shapes
-    out_axis, in_axis = _spec(q.sharding, 2)
-    groups = scale.shape[1]
-    if in_axis is not None and groups > 1 and _spec(scale.sharding, 2)[1] != in_axis:
-        in_axis = None  # groups would straddle devices: gather the inputs instead
-    factors = NamedSharding(mesh, P(out_axis, in_axis if groups > 1 else None))
-    args = (
-        NamedSharding(mesh, P(None, in_axis)),
-        NamedSharding(mesh, P(out_axis, in_axis)),
-        factors,
-        *(factors for _ in offset),
-    )
-
-    def lower(*operands):
-        out = _local_matmul(kernel, fmt, interpret, *operands)
-        return out if in_axis is None else jax.lax.psum(out, in_axis)
-
-    return mesh, lower, NamedSharding(mesh, P(None, out_axis)), args
-
-
-def _sharding_rule(kernel, fmt, interpret, mesh, operand_types, result_types):
-    # x [T, I], q [O, I or I / 2], scale and offset [O, G] -> [T, O]
-    operands = ["t i", "o c", "o g", "o g"][: len(operand_types)]
-    return ", ".join(operands) + " -> t o", {"reduction_factors": ("i", "c", "g")}
-
-
-_kernel_matmul.def_partition(partition=_partition, sharding_rule=_sharding_rule)
 
 
 def take_rows(w: QArray, ids: jax.Array) -> jax.Array:

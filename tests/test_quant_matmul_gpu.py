@@ -182,53 +182,6 @@ def test_engine_tokens_with_the_kernel(tiny_model_dir):
     assert tokens["pallas"] == tokens["xla"]
 
 
-_TENSOR_PARALLEL = """
-import dataclasses, jax
-jax.config.update("jax_num_cpu_devices", 2)
-import jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-from jaxllm.quantization import dequantize_np, matmul_backend, qmatmul, quantize
-from jaxllm.sharding import make_mesh
-
-mesh, rng = make_mesh(2), np.random.default_rng(0)
-for backend in ("auto", "pallas"):
-    for fmt in ("int8", "int4"):
-        for rows, cols in (("model", None), (None, "model")):  # column-, row-parallel
-            w = quantize(rng.standard_normal((64, 512)).astype(np.float32), fmt)
-            factors = P(rows, cols if w.scale.shape[1] > 1 else None)
-            put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
-            w = dataclasses.replace(
-                w, q=put(w.q, P(rows, cols)), scale=put(w.scale, factors),
-                offset=None if w.offset is None else put(w.offset, factors),
-            )
-            x = put(rng.standard_normal((3, 512)).astype(np.float32), P())
-
-            def f(x, w):
-                with matmul_backend(backend):
-                    return qmatmul(x, w)
-
-            hlo = jax.jit(f).lower(x, w).compile().as_text()
-            assert "all-gather" not in hlo, (backend, fmt, rows, cols)
-            assert ("all-reduce" in hlo) == (cols is not None), (backend, fmt, rows, cols)
-            want = np.asarray(x) @ dequantize_np(jax.tree.map(np.asarray, w)).T
-            np.testing.assert_allclose(jax.jit(f)(x, w), want, rtol=1e-4, atol=1e-4)
-print("ok")
-"""
-
-
-def test_kernels_split_with_the_weights_under_tensor_parallelism():
-    """On 2 devices each kernel (the CPU's native one, the Pallas one) multiplies its own
-    shard of a column- or row-parallel weight: no weight is all-gathered, a row-parallel
-    product is all-reduced, and the result is the unsplit one."""
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", _TENSOR_PARALLEL], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
-
-
 def test_benchmark_runs(tmp_path):
     """benchmarks/kernels/quant_matmul.py (what the GPU session runs), at its CPU size."""
     import json
