@@ -555,9 +555,10 @@ class CompilationConfig:
     compiler builds it); pallas: the platform's Pallas kernel (interpreted on CPU, for
     checking); or a backend by name."""
     quant_matmul_backend: str = _opt("auto", choices=QUANT_MATMUL_BACKENDS)
-    """The matmul of quantized weights: auto is the CPU's native kernel, the GPU's Pallas
-    kernel, and XLA's dequantization fused into the dot on TPU; xla those XLA ops everywhere;
-    pallas the Pallas kernel (interpreted off the GPU, for checking)."""
+    """The matmul of quantized weights: auto is the native kernel on CPU and XLA's
+    dequantization fused into the dot on TPU and GPU; xla those XLA ops everywhere; pallas the
+    Pallas (Triton) kernel for NVIDIA GPUs, not yet measured on one (interpreted elsewhere,
+    for checking)."""
     skip_warmup: bool = False
     """Do not compile every bucket at startup (programs then compile on first use)."""
     compilation_cache_dir: str | None = "default"

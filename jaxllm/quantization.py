@@ -34,19 +34,23 @@ GGUF file: for exact comparisons with it).
 Norms, biases, routers and mixture-of-experts weights stay float.
 
 The matmul (`qmatmul`) has three implementations, picked by `matmul_backend` (the engine's
-`quant_matmul_backend`, one of `MATMUL_BACKENDS`), "auto" choosing by platform:
-- CPU: a native kernel (`pallas_kernels/quant_matmul_cpu.py`) reads each weight once as
-  stored (XLA's CPU backend would write the whole float weight to memory first: 12x slower
-  than float32 at batch 1);
-- GPU: a Pallas Triton kernel (`pallas_kernels/quant_matmul_gpu.py`) that dequantizes each
-  code in registers before the tensor-core dot (XLA cannot fuse the int4 unpacking into its
-  dot and writes the float weight out first);
-- TPU, or "xla": the weight dequantized by XLA ops inside the jitted step, where the TPU
-  compiler fuses the conversion into the dot's operand. A Pallas TPU kernel would slice the
-  `[O, G]` scales along lanes, G groups at a time (32-element groups make 16-lane slices of
-  int4 codes), which Mosaic lays out poorly; none is written until one can be measured.
-"pallas" runs the Pallas kernel on any platform (interpreted off the GPU, to check it).
-Shapes the Pallas kernel cannot tile (no power-of-two block dividing them) use the XLA ops.
+`quant_matmul_backend`, one of `MATMUL_BACKENDS`):
+- "auto" on the CPU: a native kernel (`pallas_kernels/quant_matmul_cpu.py`) reads each weight
+  once as stored (XLA's CPU backend would write the whole float weight to memory first: 12x
+  slower than float32 at batch 1);
+- "xla", and "auto" on TPU and GPU: the weight dequantized by XLA ops inside the jitted step,
+  which those compilers may fuse into the dot's operand;
+- "pallas": a Pallas Triton kernel for NVIDIA GPUs (`pallas_kernels/quant_matmul_gpu.py`)
+  that dequantizes each code in registers right before the tensor-core dot (XLA may instead
+  write the float weight out first where it cannot fuse the int4 unpacking, a reshape and a
+  concatenation). It has been checked in interpret mode and lowered for CUDA, never run on a
+  GPU: it becomes "auto"'s choice there once `benchmarks/kernels/quant_matmul.py` shows it
+  faster on one. Off the GPU it runs interpreted (for checking). Shapes it cannot tile (no
+  power-of-two block dividing them), and fp8 on GPUs before compute capability 8.9, use the
+  XLA ops. No Pallas TPU kernel: it would slice the `[O, G]` scales along lanes (16-lane slices
+  of int4 codes at groups of 32), which Mosaic lays out poorly.
+Under tensor parallelism a kernel's operands are gathered whole on each device (XLA cannot
+split an FFI or Pallas call); the XLA ops split with the weight.
 """
 
 from __future__ import annotations
@@ -330,45 +334,44 @@ def matmul_backend(backend: str):
         _MATMUL_BACKEND.reset(token)
 
 
-def _implementation(w: QArray) -> str:
-    """ "native", "pallas" or "xla" for a matmul by `w`, by `matmul_backend` and the platform."""
-    backend, platform = _MATMUL_BACKEND.get(), pallas_kernels.current_platform()
+def _implementation() -> str:
+    """ "native", "pallas" or "xla": `matmul_backend`'s choice, "auto" resolved by platform."""
+    backend = _MATMUL_BACKEND.get()
     if backend != "auto":
         return backend
-    if platform == "cpu":
+    if pallas_kernels.current_platform() == "cpu":
         return "native" if quant_matmul_cpu.available() else "xla"
-    return "pallas" if platform == "gpu" else "xla"
+    return "xla"
+
+
+def _pallas_runs(num_tokens: int, w: QArray) -> bool:
+    """Whether the Pallas kernel takes this matmul: it tiles the shapes, and fp8 codes only on
+    a GPU that converts e4m3 (compute capability 8.9 on; lowered off a GPU, JAX assumes 9.0)."""
+    if not quant_matmul_gpu.supports(num_tokens, w.num_out, w.num_in, w.fmt):
+        return False
+    if w.fmt != "fp8" or jax.default_backend() != "gpu":
+        return True
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return capability is None or tuple(map(int, str(capability).split(".")[:2])) >= (8, 9)
+
+
+def _xla_matmul(x: jax.Array, w: QArray) -> jax.Array:
+    return jax.lax.dot_general(
+        x, dequantize(w, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
 
 
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
     """x [T, I] @ w.T -> f32[T, O]."""
-    kernel = _implementation(w)
-    if kernel == "xla":
-        return jax.lax.dot_general(
-            x,
-            dequantize(w, x.dtype),
-            (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+    kernel = _implementation()
+    if kernel == "xla" or (kernel == "pallas" and not _pallas_runs(x.shape[0], w)):
+        return _xla_matmul(x, w)
     if w.perm is not None:  # the kernels read q's columns in order
         x = jnp.take(x, w.perm, axis=1)
-    interpret = kernel == "pallas" and pallas_kernels.current_platform() != "gpu"
-    offset = () if w.offset is None else (w.offset,)
-    return _local_matmul(kernel, w.fmt, interpret, x, w.q, w.scale, *offset)
-
-
-def _local_matmul(kernel: str, fmt: str, interpret: bool, x, q, scale, *offset) -> jax.Array:
-    """One device's product: the kernel, or XLA's ops where the Pallas kernel cannot tile
-    this device's shapes."""
-    offset = offset[0] if offset else None
     if kernel == "native":
-        return quant_matmul_cpu.quant_matmul_cpu(x, q, scale, offset, fmt)
-    if quant_matmul_gpu.supports(x.shape[0], q.shape[0], x.shape[1], fmt):
-        return quant_matmul_gpu.quant_matmul_gpu(x, q, scale, offset, fmt, interpret=interpret)
-    w = QArray(q, scale, offset, fmt, (q.shape[0],), x.dtype)
-    return jax.lax.dot_general(
-        x, dequantize(w, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-    )
+        return quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt)
+    interpret = pallas_kernels.current_platform() != "gpu"
+    return quant_matmul_gpu.quant_matmul_gpu(x, w.q, w.scale, w.offset, w.fmt, interpret=interpret)
 
 
 def take_rows(w: QArray, ids: jax.Array) -> jax.Array:

@@ -18,8 +18,9 @@ The grid is (row block of x, column block of the output). Each program holds a
 code columns: it loads the codes of its output rows, widens them to f32, multiplies by the
 scale and adds the offset of each code's group (a gather from the small `[O, G]` arrays, which
 stay in cache, so any group size works, 32-element GGUF blocks as well as GPTQ's 128), rounds
-the weight to x's dtype (exactly the values the XLA path's `dequantize(w, x.dtype)` gives) and
-accumulates the chunk's dot in f32.
+the weight to x's dtype (the XLA path's `dequantize(w, x.dtype)`, up to a fused multiply-add's
+rounding) and accumulates the chunk's dot in f32. Untuned: the gather of a factor per code,
+rather than one per group, is the first thing to measure on a GPU.
 
 int4 is not unpacked in place: the wrapper splits x's columns into those the low nibbles
 multiply and those the high ones do (`x_lo[:, 16b + j] = x[:, 32b + j]`, `x_hi` the same +16),
@@ -73,9 +74,10 @@ def default_blocks(num_tokens: int, num_out: int, code_cols: int) -> QuantMatmul
     have no power-of-two tiling (the caller then dequantizes with XLA ops).
 
     Decode (few tokens) is bound by reading the codes: 32 output channels a program make
-    `num_out / 32` programs, enough to fill an H100's 132 SMs from num_out = 4,096 on. Larger
-    token counts take 64-row, 64-column tiles, each code chunk then serving more rows.
-    Untuned: the GPU session (issue 19) measures them with `benchmarks/kernels/quant_matmul.py`.
+    `num_out / 32` programs (128 at num_out = 4,096, about one per SM of an H100; fewer for
+    narrow outputs such as 8B's k/v projections: no split over the inputs yet). Larger token
+    counts take 64-row, 64-column tiles, each code chunk then serving more rows. Untuned: the
+    GPU session (issue 19) measures them with `benchmarks/kernels/quant_matmul.py`.
     """
     rows = min(max(pl.next_power_of_2(num_tokens), _MIN_DOT), 64)
     cols = _largest_divisor(num_out, 32 if num_tokens <= _MIN_DOT else 64)
@@ -150,6 +152,10 @@ def quant_matmul_gpu(
     blocks = blocks or default_blocks(num_tokens, num_out, code_cols)
     if blocks is None:
         raise ValueError(f"no tiling of x {x.shape} by {fmt} codes {q.shape}")
+    for name in ("rows", "cols", "depth"):
+        size = getattr(blocks, name)
+        if size < _MIN_DOT or size & (size - 1):
+            raise ValueError(f"blocks.{name} must be a power of two >= {_MIN_DOT}, got {size}")
     if num_out % blocks.cols or code_cols % blocks.depth:
         raise ValueError(f"{blocks} does not tile {fmt} codes {q.shape}")
     group_size = num_in // scale.shape[1]

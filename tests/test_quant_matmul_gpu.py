@@ -12,6 +12,7 @@ import pytest
 
 import pallas_kernels
 from jaxllm.quantization import dequantize, dequantize_np, matmul_backend, qmatmul
+from pallas_kernels import quant_matmul_cpu
 from pallas_kernels.quant_matmul_gpu import QuantMatmulBlocks, quant_matmul_gpu
 
 from helpers import random_qarray
@@ -116,16 +117,21 @@ def test_qmatmul_runs_the_kernel_and_falls_back_where_it_cannot_tile():
             pass
 
 
-def test_auto_picks_the_kernel_for_the_gpu_only():
+def test_auto_keeps_the_kernel_off_until_measured_on_a_gpu():
+    """ "auto" is the native kernel on CPU and XLA's ops on TPU and GPU (the Pallas kernel has
+    not run on a GPU yet); "pallas" picks it for a GPU program, "xla" nothing."""
     w = _device(random_qarray(np.random.default_rng(3), "int8", 64, 128, 1, False, np.float32))
     x = jnp.ones((2, 128), jnp.float32)
-    with pallas_kernels.target_platform("cuda"):
-        assert "quant_matmul_int8_gpu" in _kernels_in(qmatmul, x, w)
-    for platform in ("tpu", "cpu"):
+    for platform in ("cuda", "tpu", "cpu"):
         with pallas_kernels.target_platform(platform):
-            assert "quant_matmul_int8_gpu" not in _kernels_in(qmatmul, x, w)
-    with pallas_kernels.target_platform("cuda"), matmul_backend("xla"):
-        assert "pallas_call" not in _kernels_in(qmatmul, x, w)
+            assert "pallas_call" not in _kernels_in(qmatmul, x, w)
+    with pallas_kernels.target_platform("cuda"), matmul_backend("pallas"):
+        assert "quant_matmul_int8_gpu" in _kernels_in(qmatmul, x, w)
+    with pallas_kernels.target_platform("cpu"):
+        native = "jaxllm_quant_matmul" in _kernels_in(qmatmul, x, w)
+        assert native == quant_matmul_cpu.available()
+        with matmul_backend("xla"):
+            assert "jaxllm_quant_matmul" not in _kernels_in(qmatmul, x, w)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
@@ -134,7 +140,7 @@ def test_lowers_for_cuda(fmt, dtype):
     """Lowered to Triton from this CPU (PTX is compiled only on a GPU)."""
     w = _device(random_qarray(np.random.default_rng(4), fmt, 128, 256, 8, True, np.float16))
     x = jnp.ones((5, 256), dtype)
-    with pallas_kernels.target_platform("cuda"):
+    with pallas_kernels.target_platform("cuda"), matmul_backend("pallas"):
         lowered = jax.jit(qmatmul).trace(x, w).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
 
@@ -148,8 +154,11 @@ def test_bad_shapes_are_named():
         quant_matmul_gpu(x[:, :128], w.q, w.scale, w.offset, "int4", interpret=True)
     with pytest.raises(ValueError, match="offset"):
         quant_matmul_gpu(x, w.q, w.scale, w.scale[:, :4], "int4", interpret=True)
-    with pytest.raises(ValueError, match="does not tile"):
+    with pytest.raises(ValueError, match="blocks.cols must be a power of two"):
         blocks = QuantMatmulBlocks(16, 48, 16)
+        quant_matmul_gpu(x, w.q, w.scale, w.offset, "int4", blocks=blocks, interpret=True)
+    with pytest.raises(ValueError, match="does not tile"):
+        blocks = QuantMatmulBlocks(16, 128, 16)
         quant_matmul_gpu(x, w.q, w.scale, w.offset, "int4", blocks=blocks, interpret=True)
 
 

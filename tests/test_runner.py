@@ -65,8 +65,8 @@ def test_every_program_updates_the_kv_cache_in_place(tiny_model_dir, attention_b
 def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantization, kv_cache_dtype):
     """The engine's step programs (forward pass with the platform's Pallas attention kernel,
     head and sampler), not only the kernel, lower for TPU and CUDA from this CPU: a change that
-    breaks either shows here without a device. Quantized weights (through the GPU's Pallas matmul
-    there) and an 8-bit cache too."""
+    breaks either shows here without a device. Quantized weights (through the Pallas matmul for
+    CUDA) and an 8-bit cache too."""
     import pallas_kernels
     from jaxllm import LLM
 
@@ -79,6 +79,7 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
         max_num_batched_tokens=32,
         attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu",
         quantization=quantization,
+        quant_matmul_backend="pallas" if platform == "cuda" else "auto",
         kv_cache_dtype=kv_cache_dtype,
         skip_warmup=True,
     )
@@ -94,6 +95,6 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
         head = runner._sample.trace(runner._params, rows, sampling, verify, runner.last_tokens)
         head.lower(lowering_platforms=(platform,))
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
-    # Quantized weights: the GPU multiplies through its Pallas kernel, the TPU through XLA.
+    # Quantized weights: the GPU program through the Pallas matmul, the TPU's through XLA.
     assert ("quant_matmul_int8_gpu" in text) == (platform == "cuda" and quantization == "int8")
     assert "jaxllm_" not in text, "a native CPU kernel was traced into an accelerator program"
