@@ -384,7 +384,8 @@ KV_CACHE_DTYPES = ("auto", *_DTYPES, *QUANTIZED_KV_CACHE_DTYPES, "fp8_e4m3")
 
 def _check_types(config: Any) -> None:
     """A clear error naming the parameter for a value of the wrong type (a string where a
-    number belongs, a bool for an int, ...), before any comparison trips over it."""
+    number belongs, a bool for an int, ...), before any comparison trips over it, or outside
+    the field's `choices`."""
     hints = _hints(type(config))
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
@@ -400,6 +401,10 @@ def _check_types(config: Any) -> None:
         )
         if not ok:
             want = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {want}, got {value!r}")
+        choices = f.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            want = " or ".join(choices) if len(choices) == 2 else f"one of {', '.join(choices)}"
             raise ValueError(f"{f.name} must be {want}, got {value!r}")
 
 
@@ -428,12 +433,6 @@ class LoadConfig:
         _check_types(self)
         if not str(self.model):
             raise ValueError("model must not be empty")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,11 +457,6 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
-                f"{self.kv_cache_dtype!r}"
-            )
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:
@@ -493,10 +487,6 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
-            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -571,16 +561,6 @@ class CompilationConfig:
         ):  # a Path is welcome
             object.__setattr__(self, "compilation_cache_dir", str(self.compilation_cache_dir))
         _check_types(self)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
-                f"{self.attention_backend!r}"
-            )
-        if self.quant_matmul_backend not in QUANT_MATMUL_BACKENDS:
-            raise ValueError(
-                f"quant_matmul_backend must be one of {', '.join(QUANT_MATMUL_BACKENDS)}, got "
-                f"{self.quant_matmul_backend!r}"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
