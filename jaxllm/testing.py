@@ -9,7 +9,8 @@ safetensors (no torch, no network). They load as any Hugging Face checkpoint doe
     LLM(model).generate(...)
 
 The same arguments give the same files: the weights come from a seeded numpy generator, the
-tokenizer from a deterministic BPE training run over a fixed corpus.
+tokenizer from a deterministic BPE training run over a fixed corpus. `random_qarray` makes a
+quantized weight with random codes (for kernel checks and microbenchmarks).
 """
 
 from __future__ import annotations
@@ -159,3 +160,21 @@ def write_tiny_checkpoint(
     for f_ in tokenizer_dir.iterdir():
         (path / f_.name).write_bytes(f_.read_bytes())
     return path
+
+
+def random_qarray(rng, fmt: str, o: int, i: int, groups: int, offset: bool, scale_dtype):
+    """A `jaxllm.quantization.QArray` [o, i] with random codes (numpy leaves): `groups`
+    scales (and with `offset`, offsets) a row, in `scale_dtype`."""
+    import ml_dtypes
+
+    from jaxllm.quantization import QArray, pack_int4
+
+    if fmt == "int8":
+        q = rng.integers(-128, 128, (o, i)).astype(np.int8)
+    elif fmt == "fp8":
+        q = rng.standard_normal((o, i)).astype(ml_dtypes.float8_e4m3fn)
+    else:
+        q = pack_int4(rng.integers(0, 16, (o, i)).astype(np.uint8))
+    scale = rng.uniform(0.01, 0.1, (o, groups)).astype(scale_dtype)
+    off = rng.standard_normal((o, groups)).astype(scale_dtype) if offset else None
+    return QArray(q, scale, off, fmt, (o,), np.dtype(np.float32))

@@ -9,11 +9,9 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from jaxllm.models import AttentionMetadata
-from jaxllm.quantization import QArray, pack_int4
 from jaxllm.testing import write_tiny_tokenizer
 from pallas_kernels import KVCache, get_kv_cache_shape
 from pallas_kernels.kv_cache import quantize_kv
@@ -37,19 +35,6 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     ids = jnp.asarray(token_ids, jnp.int32)
     hidden, _ = model(ids, jnp.arange(num_tokens, dtype=jnp.int32), cache, meta)
     return np.asarray(model.compute_logits(hidden))
-
-
-def random_qarray(rng, fmt: str, o: int, i: int, groups: int, offset: bool, scale_dtype) -> QArray:
-    """A quantized [o, i] weight with random codes, `groups` scales (and offsets) a row."""
-    if fmt == "int8":
-        q = rng.integers(-128, 128, (o, i)).astype(np.int8)
-    elif fmt == "fp8":
-        q = rng.standard_normal((o, i)).astype(ml_dtypes.float8_e4m3fn)
-    else:
-        q = pack_int4(rng.integers(0, 16, (o, i)).astype(np.uint8))
-    scale = rng.uniform(0.01, 0.1, (o, groups)).astype(scale_dtype)
-    off = rng.standard_normal((o, groups)).astype(scale_dtype) if offset else None
-    return QArray(q, scale, off, fmt, (o,), np.dtype(np.float32))
 
 
 def quantize_case_cache(cache: np.ndarray, dtype) -> KVCache:

@@ -12,10 +12,9 @@ import pytest
 
 import pallas_kernels
 from jaxllm.quantization import dequantize, dequantize_np, matmul_backend, qmatmul
+from jaxllm.testing import random_qarray
 from pallas_kernels import quant_matmul_cpu
 from pallas_kernels.quant_matmul_gpu import QuantMatmulBlocks, quant_matmul_gpu
-
-from helpers import random_qarray
 
 # (num_in, group size, offsets, scale dtype)
 GROUPINGS = [

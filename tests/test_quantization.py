@@ -20,9 +20,10 @@ from jaxllm.quantization import (
     take_rows,
     unpack_int4,
 )
+from jaxllm.testing import random_qarray
 from pallas_kernels import quant_matmul_cpu
 
-from helpers import prefill_logits, random_qarray, tensor_parallel_report
+from helpers import prefill_logits, tensor_parallel_report
 
 
 @pytest.mark.skipif(not quant_matmul_cpu.available(), reason="no C++ compiler")

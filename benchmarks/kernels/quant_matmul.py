@@ -31,12 +31,12 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from ragged_attention import dispatch_floor_us, int_list, peak_hbm_gb_s, time_call
+from ragged_attention import dispatch_floor_us, int_list, opt, peak_hbm_gb_s, time_call
 
 from jaxllm.bench import write_json
-from jaxllm.quantization import QArray, matmul_backend, pack_int4, qmatmul
+from jaxllm.quantization import matmul_backend, qmatmul
+from jaxllm.testing import random_qarray
 
 DEFAULTS = {
     "tokens": [1, 16, 64, 256],
@@ -45,20 +45,6 @@ DEFAULTS = {
     "warmup": 3,
 }
 QUICK = {"tokens": [1, 8], "shapes": [(256, 512)], "iters": 3, "warmup": 1}
-
-
-def random_weight(rng, fmt: str, num_out: int, num_in: int, group: int) -> QArray:
-    if fmt == "int8":
-        q = rng.integers(-127, 128, (num_out, num_in), dtype=np.int8)
-    elif fmt == "fp8":
-        q = rng.standard_normal((num_out, num_in), np.float32).astype(ml_dtypes.float8_e4m3fn)
-    else:
-        q = pack_int4(rng.integers(0, 16, (num_out, num_in), dtype=np.uint8))
-    groups = num_in // group if fmt == "int4" else 1
-    scale = rng.uniform(0.001, 0.01, (num_out, groups)).astype(np.float16)
-    offset = (-8 * scale).astype(np.float16) if fmt == "int4" else None
-    w = QArray(q, scale, offset, fmt, (num_out,), np.dtype(np.float32))
-    return jax.tree.map(jnp.asarray, w)
 
 
 def _matmul(backend: str, x, w):
@@ -71,7 +57,9 @@ def _matmul(backend: str, x, w):
 def run_config(args, fmt: str, shape: tuple[int, int], tokens: int, peak) -> list[dict]:
     num_out, num_in = shape
     rng = np.random.default_rng(0)
-    w = random_weight(rng, fmt, num_out, num_in, args.group)
+    groups = num_in // args.group if fmt == "int4" else 1
+    w = random_qarray(rng, fmt, num_out, num_in, groups, fmt == "int4", np.float16)
+    w = jax.tree.map(jnp.asarray, w)
     x = jnp.asarray(rng.standard_normal((tokens, num_in), np.float32), args.dtype)
     weight_bytes = w.nbytes
     total = weight_bytes + x.nbytes + tokens * num_out * 4
@@ -112,9 +100,6 @@ HEADER = (
 
 
 def format_row(row: dict) -> str:
-    def opt(value, fmt):
-        return "n/a" if value is None else format(value, fmt)
-
     share = None if row["peak_share"] is None else 100 * row["peak_share"]
     return (
         f"{row['backend']:<8} {row['format']:<5} {row['num_out']:>5}x{row['num_in']:<5} "

@@ -175,10 +175,12 @@ HEADER = (
 )
 
 
-def format_row(row: dict) -> str:
-    def opt(value, fmt):
-        return "n/a" if value is None else format(value, fmt)
+def opt(value, fmt: str) -> str:
+    """`value` formatted, or "n/a" for None."""
+    return "n/a" if value is None else format(value, fmt)
 
+
+def format_row(row: dict) -> str:
     share = row["peak_share"]
     return (
         f"{row['backend']:<12} {row['batch']:>5} {row['context']:>7} "
