@@ -530,6 +530,17 @@ def container_argv(container: dict, params: dict[str, str]) -> list[str]:
     return [expand(a) for a in container["args"]]
 
 
+def check_probes_and_scrape(container: dict, pod: dict, port: int) -> None:
+    """The serving container's probes ask /health on its http port, and its pod's annotations
+    let Prometheus scrape /metrics there."""
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
 def check_deployment(docs: list[dict], params: dict[str, str]) -> dict:
     deployment = one(docs, "Deployment")
     pod = deployment["spec"]["template"]
@@ -540,12 +551,7 @@ def check_deployment(docs: list[dict], params: dict[str, str]) -> dict:
     check_serve_argv(argv[1:])
     port = int(argv[argv.index("--port") + 1])
     assert container["ports"] == [{"name": "http", "containerPort": port}]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
-    annotations = pod["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/port"] == str(port)
-    assert annotations["prometheus.io/path"] == "/metrics"
+    check_probes_and_scrape(container, pod, port)
     # The grace period covers the preStop pause, the drain and the engine core's stop.
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     drain = float(argv[argv.index("--shutdown-timeout") + 1])

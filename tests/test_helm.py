@@ -31,6 +31,7 @@ from test_deploy import (
     ROOT,
     check_deployment,
     check_gcloud_flags,
+    check_probes_and_scrape,
     container_argv,
     k8s_params,
     kustomize,
@@ -214,12 +215,7 @@ def check_group(lws: dict, params: dict[str, str]) -> dict:
     coordinator = int(leader_args.coordinator_address.rsplit(":", 1)[1])
     assert {"name": "coordinator", "containerPort": coordinator} in lead["ports"]
     assert {"name": "lockstep", "containerPort": coordinator + 1} in lead["ports"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert lead[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
-    annotations = leader["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/port"] == str(port)
-    assert annotations["prometheus.io/path"] == "/metrics"
+    check_probes_and_scrape(lead, leader, port)
     pause, drain = sleep_seconds(lead), leader_args.shutdown_timeout
     assert leader["spec"]["terminationGracePeriodSeconds"] >= pause + drain + 20
     api_key = [e for e in lead["env"] if e["name"] == "JAXLLM_API_KEY"]
