@@ -246,6 +246,34 @@ def test_draws_follow_the_filtered_distribution(params):
     assert np.abs(np.cumsum(freq) - np.cumsum(p)).max() < 1.6 / np.sqrt(r)
 
 
+def test_a_row_draws_the_same_token_whatever_shares_its_batch():
+    """The full-vocabulary path turns off the cut-offs of rows it does not draw for, and skips
+    a bisection no row needs: each row of a mixed batch draws what it draws alone."""
+    v = 200
+    base = np.log(np.linspace(1.0, 0.01, v) ** 3).astype(np.float32)
+    rows = [
+        dict(top_p=0.9),  # candidates
+        dict(),  # full path, no cut-off
+        dict(top_k=NUM_CANDIDATES + 10, top_p=0.8),  # full path, both bisections
+        dict(temperature=0.0),  # greedy
+        dict(top_k=NUM_CANDIDATES + 10),  # full path, top-k only
+        dict(min_p=0.05, top_p=0.95),  # candidates
+    ]
+
+    def batch(params: list[dict], seed: int):
+        one = [inputs(1, **{"temperature": 1.0, **p}) for p in params]
+        s = jax.tree.map(lambda *xs: jnp.concatenate(xs), *one)
+        seeds = jnp.array([[seed, 0]] * len(params), jnp.uint32)
+        logits = jnp.tile(jnp.asarray(base), (len(params), 1))
+        return np.asarray(jitted(logits, dataclasses.replace(s, seeds=seeds)).sampled)
+
+    jitted = jax.jit(sample)  # two programs (6 rows, 1 row) instead of each op eagerly
+    for seed in range(8):
+        mixed = batch(rows, seed)
+        alone = [batch([p], seed)[0] for p in rows]
+        assert mixed.tolist() == alone, seed
+
+
 def test_blocked_ids_and_tiny_temperatures():
     logits = jnp.array([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]], jnp.float32)
     s = inputs(2, temperature=0.0, logprobs=True)
