@@ -31,7 +31,9 @@ one engine spin on the cores the other needs). They take turns for each measurem
 then each peer), `--repeats` times after one warm-up call, and each
 figure is the best of its repeats (highest tok/s, lowest TTFT): on a shared machine the noise
 only ever slows a run down. Ratios are jaxllm over each peer, from this one run. jaxllm's
-prefix cache is reset before every measurement, so each one computes its whole prompt.
+prefix cache is reset before every measurement, so each one computes its whole prompt. Every
+engine's process starts with the glibc malloc settings of `jaxllm.host_memory` (as `jaxllm
+serve` starts its core), recorded in the JSON.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ import platform
 import time
 
 import numpy as np
+
+from jaxllm import host_memory
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 
@@ -73,8 +77,12 @@ class Jaxllm:
     def generate(self, prompts: list[list[int]], max_tokens: int, sampled: bool) -> float:
         from jaxllm import SamplingParams
 
+        # Greedy is temperature 0: SamplingParams' default temperature (1.0, as vLLM's) samples.
         params = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, seed=0, **(SAMPLED if sampled else {})
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            seed=0,
+            **(SAMPLED if sampled else {"temperature": 0.0}),
         )
         self.llm.reset_prefix_cache()
         start = time.perf_counter()
@@ -244,6 +252,8 @@ def main() -> None:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.ttft_lens = [int(n) for n in args.ttft_lens.split(",") if n]
     wanted = args.engines.split(",")
+    # Every engine's process starts with the malloc settings `jaxllm serve` gives its core.
+    host_memory.set_for_children()
 
     engines, skipped = [], {}
     for name in wanted:
@@ -316,6 +326,7 @@ def main() -> None:
     report = {
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "model": args.model,
         "dtype": args.dtype,
         "transformers_dtype": args.hf_dtype,

@@ -3,6 +3,8 @@ here)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from jaxllm.cli import build_parser, main
@@ -218,3 +220,27 @@ def test_bench_latency_prints_percentiles_and_writes_json(tiny_model_dir, tmp_pa
     assert res["avg_latency"] == pytest.approx(sum(res["latencies"]) / 3)
     assert list(res["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
     assert min(res["latencies"]) <= res["percentiles"]["50"] <= max(res["latencies"])
+
+
+def test_malloc_settings_for_the_core_process(monkeypatch):
+    """The core process starts with glibc malloc settings that keep XLA's CPU temporaries
+    resident, unless an accelerator may run JAX or the operator set malloc tunables."""
+    import platform
+
+    from jaxllm import host_memory
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.rtld.optional_static_tls=4096")
+    assert host_memory.set_for_children()
+    assert os.environ["GLIBC_TUNABLES"] == (
+        "glibc.rtld.optional_static_tls=4096:" + host_memory.TUNABLES
+    )
+    assert not host_memory.set_for_children(), "set twice"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
+    assert not host_memory.set_for_children(), "the operator's malloc settings win"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert not host_memory.set_for_children()
+    assert "GLIBC_TUNABLES" not in os.environ

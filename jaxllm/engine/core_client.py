@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from jaxllm import host_memory
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core_proc import run_engine_core
 from jaxllm.engine.messages import (
@@ -60,6 +61,7 @@ class EngineCoreClient:
                 target=run_engine_core, args=args, name="jaxllm-engine-core", daemon=True
             )
         else:
+            host_memory.set_for_children()  # the core's XLA temporaries stay resident
             self.process = multiprocessing.get_context("spawn").Process(
                 target=run_engine_core, args=args, name="jaxllm-engine-core", daemon=True
             )
