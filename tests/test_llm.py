@@ -475,7 +475,21 @@ def test_async_scheduling_changes_no_output(tiny_model_dir, tiny_llm):
         # to float32 precision, and the top ids (the dict keys) exactly (in the tokens above).
         assert a[1] == pytest.approx(b[1], abs=1e-4)
 
-    same(run(tiny_llm), run(sync))
+    # The async engine really launches a step while the one before it is in flight.
+    engine, overlapped = tiny_llm.engine, []
+    launch = engine.runner.launch
+
+    def counting_launch(out):
+        overlapped.append(engine._inflight is not None)
+        return launch(out)
+
+    engine.runner.launch = counting_launch
+    try:
+        async_run = run(tiny_llm)
+    finally:
+        del engine.runner.launch
+    assert sum(overlapped) > len(overlapped) // 2, overlapped
+    same(async_run, run(sync))
     # With a penalized request in the batch the async engine steps synchronously meanwhile.
     params[1] = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.4)
     same(run(tiny_llm), run(sync))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import jaxllm
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
@@ -162,6 +163,9 @@ def test_resumed_request_crosses_again_with_its_tokens():
     assert new.block_ids == s.kv.get_block_table(second.request_id)
 
 
+_LAZY_HOMES = {f"jaxllm.{name}": home for name, home in jaxllm._HOMES.items()}
+
+
 def _imports(module: str, seen: set[str] | None = None) -> set[str]:
     """The jaxllm modules `module` imports, directly or through other jaxllm modules (package
     `__init__` files aside: importing a submodule runs them, but they are not its deps)."""
@@ -178,6 +182,8 @@ def _imports(module: str, seen: set[str] | None = None) -> set[str]:
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:
+            # `from jaxllm import LLM`: a name the package loads lazily from its home module.
+            name = _LAZY_HOMES.get(name, name)
             if name.startswith("jaxllm") and name not in seen:
                 if (root / (name.replace(".", "/") + ".py")).exists():
                     seen.add(name)
