@@ -15,8 +15,11 @@ Reported per request count:
     tok_per_s   output tokens per second of the timed `generate`
     steps_per_s engine steps per second
     idle_ms     the device's idle time between two steps, median per step (see below)
-    idle_share  the device's idle time over the timed run: the gaps' sum over the time from
-                the first step's launch to the last step's output
+    idle_share  the device's idle time over the run: the gaps' sum over the time from the
+                first step's launch to the last step's output
+
+The idle figures come from a second run of the same batch, since the watcher thread that
+measures them (below) competes for the GIL and would slow the run that gives the others.
 
 This checkout runs with async scheduling on and off. `--against DIR` runs the same
 measurement on the jaxllm checked out in DIR (e.g. the commit before a change, `git worktree
@@ -109,7 +112,8 @@ class DeviceTimeline:
 
         def timed_launch(*args, **kwargs):
             step = launch(*args, **kwargs)
-            self._queue.put((time.perf_counter(), step.result.sampled))
+            result, _kept = step.result  # (the sampler's output, the rows the step keeps)
+            self._queue.put((time.perf_counter(), result.sampled))
             return step
 
         runner.launch = timed_launch
@@ -170,24 +174,30 @@ def measure(model: str, num_requests: int, output_len: int, async_scheduling: st
     ):
         if hasattr(obj, name):
             _wrap(times, obj, name)
-    # the watcher reads a step's t_done once it holds the GIL: let it take the GIL from the
-    # thread running the engine within 0.1 ms instead of the default 5 ms
-    sys.setswitchinterval(1e-4)
-    timeline = DeviceTimeline(runner) if hasattr(runner, "launch") else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    idle = timeline.close() if timeline else {"idle_ms": None, "idle_share": None}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = len(times["step"])
     host = [
         sum(times[name][i] for name in times if name != "step" and i < len(times[name]))
         for i in range(steps)
     ]
+    step_ms = 1e3 * float(np.median(times["step"]))
+    # The idle time comes from a second run: its watcher thread competes for the GIL (more
+    # so with the short switch interval below) and would slow the run it measures.
+    idle = {"idle_ms": None, "idle_share": None}
+    if hasattr(runner, "launch"):
+        # the watcher reads a step's t_done once it holds the GIL: let it take the GIL from
+        # the thread running the engine within 0.1 ms instead of the default 5 ms
+        sys.setswitchinterval(1e-4)
+        timeline = DeviceTimeline(runner)
+        llm.generate(prompts, params, use_tqdm=False)
+        idle = timeline.close()
     return {
         "requests": num_requests,
         "host_ms": 1e3 * float(np.median(host)),
-        "step_ms": 1e3 * float(np.median(times["step"])),
+        "step_ms": step_ms,
         "tok_per_s": tokens / elapsed,
         "steps_per_s": steps / elapsed,
         "steps": steps,

@@ -98,3 +98,21 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
     # Quantized weights: the GPU program through the Pallas matmul, the TPU's through XLA.
     assert ("quant_matmul_int8_gpu" in text) == (platform == "cuda" and quantization == "int8")
     assert "jaxllm_" not in text, "a native CPU kernel was traced into an accelerator program"
+
+
+def test_host_step_benchmark_runs(tmp_path):
+    """benchmarks/host_step.py (issue 11's measurement) at a tiny size: it reads the runner's
+    in-flight step, so a change there must not break it unnoticed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "host_step.py"
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(script), "--requests", "2", "--output-len", "4"]
+    done = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(out.read_text())["2"]
+    for side in ("async", "sync"):
+        assert row[side]["tok_per_s"] > 0 and row[side]["idle_ms"] is not None, row[side]
