@@ -40,6 +40,7 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
@@ -148,6 +149,13 @@ def build_app(
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return _error_response(exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, _: ClientDisconnect):
+        # The client closed its connection before its body arrived whole: no one to answer,
+        # and nothing went wrong here (499, as when it leaves while its request runs).
+        logger.info("%s: the client left before sending its whole request", request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
