@@ -35,6 +35,11 @@ TUNABLES = (
 )
 
 
+def glibc() -> bool:
+    """Whether this process runs on Linux with glibc (where the tunables mean anything)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def cpu_only() -> bool:
     """Whether JAX can only run on the CPU here, decided without starting it."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
@@ -49,12 +54,7 @@ def set_for_children() -> bool:
     starts, on a glibc Linux where JAX can only run on the CPU and no malloc tunable is set
     yet. Returns whether it did."""
     current = os.environ.get("GLIBC_TUNABLES", "")
-    if (
-        platform.system() != "Linux"
-        or platform.libc_ver()[0] != "glibc"
-        or "glibc.malloc." in current
-        or not cpu_only()
-    ):
+    if not glibc() or "glibc.malloc." in current or not cpu_only():
         return False
     os.environ["GLIBC_TUNABLES"] = f"{current}:{TUNABLES}" if current else TUNABLES
     return True

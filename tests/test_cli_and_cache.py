@@ -225,11 +225,9 @@ def test_bench_latency_prints_percentiles_and_writes_json(tiny_model_dir, tmp_pa
 def test_malloc_settings_for_the_core_process(monkeypatch):
     """The core process starts with glibc malloc settings that keep XLA's CPU temporaries
     resident, unless an accelerator may run JAX or the operator set malloc tunables."""
-    import platform
-
     from jaxllm import host_memory
 
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not host_memory.glibc():
         pytest.skip("glibc only")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.rtld.optional_static_tls=4096")
