@@ -13,8 +13,8 @@ An axis whose length the mesh axis does not divide stays replicated (a 403-token
 vocabulary, say); when two axes of one array map to the same mesh axis, the first that
 divides takes it and the others stay whole.
 
-The KV cache `[L, pages, page_size, 2K, H]` is split on its interleaved head axis, so each
-device holds whole (key, value) head pairs and attention runs per device on its own heads under
+The KV cache `[L, pages, K, page_size, 2H]` is split on its kv head axis, so each device holds
+whole heads (keys and values) and attention runs per device on its own heads under
 `shard_map`. With fewer kv heads than devices, each checkpoint kv head is repeated at load
 time (`ModelConfig.kv_head_replicas`) so that every device holds whole heads: cheaper than
 repeating activations every step.
@@ -93,10 +93,11 @@ def param_shardings(abstract_state, mesh: Mesh) -> dict[tuple, NamedSharding]:
 
 
 def kv_cache_specs(quantized: bool) -> KVCache:
-    """The paged cache `[L, pages, page_size, 2K, H]`: whole (K, V) head pairs per device; an
-    8-bit cache's scales `[L, pages, 2K, page_size]` split with their heads."""
-    data = P(None, None, None, "model", None)
-    return KVCache(data, P(None, None, "model", None) if quantized else None)
+    """The paged cache `[L, pages, K, page_size, 2H]` split on its kv heads (each device holds
+    whole heads, keys and values); an 8-bit cache's scales `[L, pages, 1, 2K * page_size]` on
+    their head-major lanes, which splits them with their heads."""
+    data = P(None, None, "model", None, None)
+    return KVCache(data, P(None, None, None, "model") if quantized else None)
 
 
 def kv_cache_sharding(mesh: Mesh, quantized: bool = False) -> KVCache:
@@ -104,6 +105,17 @@ def kv_cache_sharding(mesh: Mesh, quantized: bool = False) -> KVCache:
     return KVCache(
         NamedSharding(mesh, data), None if scales is None else NamedSharding(mesh, scales)
     )
+
+
+def kv_cache_placement(mesh: Mesh | None, dtype, device: jax.Device | None = None) -> KVCache:
+    """The shardings of a KV cache of `dtype`: split over `mesh` on kv heads, or whole on
+    `device` (default: the first local device) without a mesh."""
+    from pallas_kernels import is_quantized_dtype
+
+    if mesh is not None:
+        return kv_cache_sharding(mesh, is_quantized_dtype(dtype))
+    single = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
+    return KVCache(single, single)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

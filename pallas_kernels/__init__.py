@@ -23,9 +23,6 @@ window (Gemma 3 mixes windowed and global layers), and one compiled step serves 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +43,14 @@ from pallas_kernels.ragged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_attention_xla import ragged_paged_attention_xla
+from pallas_kernels.target import (
+    compute_capability,
+    current_device,
+    current_device_kind,
+    current_platform,
+    lowering_platform,
+    target_platform,
+)
 from pallas_kernels.tuning import BlockSizes, get_block_sizes
 
 BACKENDS = ("reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
@@ -76,30 +81,6 @@ def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:  # i32
     return jnp.asarray(sliding_window).astype(jnp.int32)
 
 
-_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "jaxllm_target_platform", default=None
-)
-
-
-@contextlib.contextmanager
-def target_platform(platform: str):
-    """Within it, kernels are traced for `platform` ("cpu", "gpu" / "cuda", "tpu") instead of
-    JAX's default backend: the Pallas kernels lower natively (not interpreted) and the native
-    CPU kernels (FFI) stay out. For lowering a program for another platform than this
-    machine's, `jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`: that is how the
-    CPU suite checks the whole step lowers for TPU and CUDA."""
-    token = _TARGET_PLATFORM.set("gpu" if platform in ("cuda", "rocm") else platform)
-    try:
-        yield
-    finally:
-        _TARGET_PLATFORM.reset(token)
-
-
-def current_platform() -> str:
-    """The platform kernels are traced for: `target_platform`'s, else JAX's default backend."""
-    return _TARGET_PLATFORM.get() or jax.default_backend()
-
-
 def resolve_backend(backend: str, platform: str | None = None) -> str:
     """Maps an engine `attention_backend` to one of `BACKENDS` for `platform` (default: JAX's
     default backend): "auto" is the platform's Pallas kernel, or on CPU the native kernel
@@ -122,7 +103,7 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array | KVCache,  # [L, num_pages, page_size, 2K, H]
+    kv_cache: jax.Array | KVCache,  # [L, num_pages, K, page_size, 2H]
     layer: jax.Array | int,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
@@ -152,13 +133,14 @@ def ragged_paged_attention(
     """
     kv_cache, kv_scales = as_kv_cache(kv_cache)
     num_tokens, num_heads, head_dim = q.shape
-    if kv_cache.ndim != 5 or kv_cache.shape[4] != head_dim or kv_cache.shape[3] % 2:
+    if kv_cache.ndim != 5 or kv_cache.shape[4] != 2 * head_dim:
         raise ValueError(
-            f"kv_cache must be [layers, pages, page_size, 2K, {head_dim}], got {kv_cache.shape}"
+            f"kv_cache must be [layers, pages, K, page_size, {2 * head_dim}] for head_dim "
+            f"{head_dim}, got {kv_cache.shape}"
         )
-    if num_heads % (kv_cache.shape[3] // 2):
+    if num_heads % kv_cache.shape[2]:
         raise ValueError(
-            f"q heads ({num_heads}) must be a multiple of kv heads ({kv_cache.shape[3] // 2})"
+            f"q heads ({num_heads}) must be a multiple of kv heads ({kv_cache.shape[2]})"
         )
     max_reqs = block_tables.shape[0]
     if seq_lens.shape != (max_reqs,) or cu_q_lens.shape != (max_reqs + 1,):
@@ -184,17 +166,26 @@ def ragged_paged_attention(
     if backend == "cpu":
         return ragged_paged_attention_cpu(*args, **kwargs)
 
-    page_size = kv_cache.shape[2]
+    page_size = kv_cache.shape[3]
     if interpret is None:
         interpret = current_platform() != _NATIVE_PLATFORM[backend]
     if block_sizes is None:
+        # Interpreted: the "cpu" rows (fewer, larger blocks). Native: the device's rows, or
+        # the backend's defaults ("*") when lowering from another platform with no target
+        # device given (`target_platform`).
+        device_kind = "cpu" if interpret else current_device_kind()
+        if not interpret and current_platform() != _NATIVE_PLATFORM[backend]:
+            device_kind = "*"
         block_sizes = get_block_sizes(
             backend,
             head_dim=head_dim,
             page_size=page_size,
             num_tokens=num_tokens,
             max_reqs=max_reqs,
-            device_kind="cpu" if interpret else None,
+            device_kind=device_kind,
+            group=num_heads // kv_cache.shape[2],
+            kv_itemsize=kv_cache.dtype.itemsize,
+            q_itemsize=q.dtype.itemsize,
         )
     if backend == "pallas_tpu":
         if page_size % 8:
@@ -206,6 +197,14 @@ def ragged_paged_attention(
             kv_pages=block_sizes.kv_pages,
             interpret=interpret,
         )
+    if kv_scales is not None and kv_cache.dtype == jnp.uint8 and not interpret:
+        capability = compute_capability()
+        if capability is not None and capability < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype fp8 needs a GPU that converts float8 e4m3 (compute capability "
+                f"8.9 or newer: Ada, Hopper); this {current_device_kind()} is "
+                f"{'.'.join(map(str, capability))}: use kv_cache_dtype int8"
+            )
     for name, value in (
         ("page_size", page_size),
         ("head_dim", head_dim),
@@ -232,11 +231,15 @@ __all__ = [
     "BlockSizes",
     "KVCache",
     "as_kv_cache",
+    "compute_capability",
+    "current_device",
+    "current_device_kind",
     "current_platform",
     "get_block_sizes",
     "get_kv_cache_shape",
     "is_quantized_dtype",
     "kv_bytes_per_token_head",
+    "lowering_platform",
     "ragged_paged_attention",
     "ragged_paged_attention_cpu",
     "ragged_paged_attention_gpu",

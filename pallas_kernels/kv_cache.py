@@ -1,28 +1,41 @@
 """The paged KV cache layout, shared by every attention backend.
 
-The cache of all layers is one array `[L, num_pages, page_size, 2 * K, H]`: K and V
-interleaved on the head axis (index 2k is key head k, 2k + 1 is value head k). Interleaving
-keeps a kv head's keys and values together, so sharding axis 3 over devices gives each device
-whole heads, and one page DMA brings both K and V of a page.
+The cache of all layers is one array `[L, num_pages, K, page_size, 2H]`: for each page and kv
+head a `[page_size, 2H]` block whose row t is token t's key (lanes `[0, H)`) followed by its
+value (lanes `[H, 2H)`).
 
-Why one array with a layer axis rather than one array per layer: the model runs its layers
-under `lax.scan` (traced and compiled once, not 30 times: startup compiles every bucket), and
-the cache rides in the scan's carry. Every op then takes the layer index and reads or writes
-`cache[layer, ...]` in place; slicing a layer out (`cache[layer]`) would copy it.
+Why this layout: a TPU lays out the two minor dimensions of an array in (8, 128) tiles (16 or
+32 rows for 16- and 8-bit types, packed), and its kernels want them tile-aligned. The minor
+dimensions here are (page_size, 2H): page sizes 8, 16, 32... and 2H = 128, 256, 512 fill whole
+tiles for every head count and dtype, and head_dim 64 packs K and V into one 128-lane row
+instead of padding each to 128. The layout it replaces, `[L, pages, page_size, 2K, H]`, had the
+head count in the tiled dimensions: with 3 kv heads per device XLA copied the whole cache into
+the kernel's layout on every call (found by compiling for TPU). The rows of a page stay whole
+in one DMA (`[K, page_size, 2H]`, all kv heads of a device), and sharding axis 2 gives each
+device whole heads.
+
+Why one array with a layer axis rather than one array per layer: every op takes the layer index
+and reads or writes `cache[layer, ...]` in place; the forward program donates the cache and
+updates it in place (a program that copies it fails warmup, see `jaxllm.runner`).
 
 A token's slot is `page * page_size + offset`. Writes go through `write_kv`, a scatter into
 the donated cache, so no step copies the cache.
 
 An 8-bit cache (`int8`, or `fp8` = float8 e4m3) is a `KVCache`: the 8-bit data in the same
-layout (fp8 kept as its bytes, see `_STORAGE`) plus one float32 scale per (layer, page, K or V
-head, token), `scales[L, num_pages, 2K, page_size]`, so that `value = data * scale`. The scale
-is the token's absolute maximum over the head divided by the format's largest value (127 or
-448), set when the token is written: a symmetric per-token, per-head quantization that needs
-no calibration and is exact for the token's largest element. Page-major like the data, so a
-page's data and scales move together; heads before tokens, so a TPU kernel loads one head's
-scales of a page as a lane vector. A page costs (H + 4) bytes per token and head instead of 4H
-(float32) or 2H (bfloat16): 3.8x and 1.9x the pages at head size 64, 3.9x and 1.9x at 128.
-Every backend reads the 8-bit data and scales in place and widens only what it computes with.
+layout (fp8 kept as its bytes, see `_STORAGE`) plus one float32 scale per (layer, page, kv
+head, K or V, token), `scales[L, num_pages, 1, 2K * page_size]` with lane `(2k + j) * page_size
++ t` the scale of head k's key (j = 0) or value (j = 1) at offset t, so that `value = data *
+scale`. The scale is the vector's absolute maximum over the head divided by the format's
+largest value (127 or 448), set when the token is written: a symmetric per-token, per-head
+quantization that needs no calibration and is exact for the token's largest element. A page's
+scales are one lane-dense row (a TPU tiles `[2K, page_size]` into 8 x 128 words), and move with
+the page. A page costs (2H + 8) bytes per token and kv head instead of 8H (float32) or 4H
+(bfloat16). Every backend reads the 8-bit data and scales in place and widens only what it
+computes with.
+
+The bytes a cache takes on a device can exceed its logical size where the device pads the
+tiles (a TPU pads 2H to a multiple of 128 lanes, e.g. head_dim 80); `jaxllm.kv_sizing` sizes
+the pool from the compiled layout's bytes, not from this module's arithmetic.
 """
 
 from __future__ import annotations
@@ -54,8 +67,8 @@ def _format(dtype) -> jnp.dtype:
 class KVCache(NamedTuple):
     """The paged cache of all layers; `scales` is None for a float cache (see the module doc)."""
 
-    data: jax.Array  # [L, num_pages, page_size, 2K, H]
-    scales: jax.Array | None = None  # f32[L, num_pages, 2K, page_size], 8-bit data only
+    data: jax.Array  # [L, num_pages, K, page_size, 2H]
+    scales: jax.Array | None = None  # f32[L, num_pages, 1, 2K * page_size], 8-bit data only
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -87,6 +100,12 @@ def widen_kv(x: jax.Array, dtype=jnp.float32) -> jax.Array:
     return x.astype(dtype)
 
 
+def scales_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The scales' shape of an 8-bit cache of data `shape` `[L, num_pages, K, page_size, 2H]`."""
+    num_layers, num_pages, num_kv_heads, page_size, _ = shape
+    return (num_layers, num_pages, 1, 2 * num_kv_heads * page_size)
+
+
 def as_kv_cache(kv_cache: jax.Array | KVCache) -> KVCache:
     """A bare array is a float cache; a `KVCache` is checked for data and scales that agree."""
     if not isinstance(kv_cache, KVCache):
@@ -97,8 +116,7 @@ def as_kv_cache(kv_cache: jax.Array | KVCache) -> KVCache:
             f"a {data.dtype} KV cache needs {'float32 scales' if scales is None else 'no scales'}"
         )
     if scales is not None:
-        num_layers, num_pages, page_size, kh2, _ = data.shape
-        want = (num_layers, num_pages, kh2, page_size)
+        want = scales_shape(data.shape)
         if scales.shape != want or scales.dtype != jnp.float32:
             raise ValueError(
                 f"kv cache scales must be f32{list(want)}, got {scales.dtype}{list(scales.shape)}"
@@ -111,12 +129,29 @@ def zeros_kv_cache(shape: tuple[int, ...], dtype) -> KVCache:
     if not is_quantized_dtype(dtype):
         return KVCache(jnp.zeros(shape, dtype))
     data = jnp.zeros(shape, _STORAGE[_format(dtype)])
-    num_layers, num_pages, page_size, kh2, _ = shape
-    return KVCache(data, jnp.zeros((num_layers, num_pages, kh2, page_size), jnp.float32))
+    return KVCache(data, jnp.zeros(scales_shape(shape), jnp.float32))
+
+
+def abstract_kv_cache(shape: tuple[int, ...], dtype, sharding: KVCache | None = None) -> KVCache:
+    """`zeros_kv_cache`'s result as `jax.ShapeDtypeStruct`s (with `sharding`'s leaves), for
+    compiling a program without allocating the cache."""
+    if not is_quantized_dtype(dtype):
+        data = jax.ShapeDtypeStruct(
+            shape, dtype, sharding=None if sharding is None else sharding[0]
+        )
+        return KVCache(data)
+    data = jax.ShapeDtypeStruct(
+        shape, _STORAGE[_format(dtype)], sharding=None if sharding is None else sharding[0]
+    )
+    scales = jax.ShapeDtypeStruct(
+        scales_shape(shape), jnp.float32, sharding=None if sharding is None else sharding[1]
+    )
+    return KVCache(data, scales)
 
 
 def kv_bytes_per_token_head(head_dim: int, dtype) -> int:
-    """Bytes a K or V head of one token takes in a cache of `dtype`, its scale included."""
+    """Logical bytes a K or V head of one token takes in a cache of `dtype`, its scale
+    included (a device may pad them: see the module doc)."""
     return head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized_dtype(dtype) else 0)
 
 
@@ -135,26 +170,55 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return jax.lax.bitcast_convert_type(y, _STORAGE[dtype]), scale
 
 
+def _interleaved(kv: jax.Array) -> jax.Array:
+    """[..., K, 2H] rows -> [..., 2K, H]: row 2k is head k's key, 2k + 1 its value."""
+    *lead, num_kv_heads, two_h = kv.shape
+    return kv.reshape(*lead, 2 * num_kv_heads, two_h // 2)
+
+
 def read_kv(kv_cache: KVCache, layer, pages: jax.Array, offsets: jax.Array | None = None):
-    """float32 K/V of `pages` (any index shape) of one layer: [..., page_size, 2K, H], or with
-    `offsets` (same shape as `pages`) one token of each: [..., 2K, H]. For the jnp backends;
-    an 8-bit cache is dequantized here, after the gather, so only what is read is widened."""
+    """float32 K/V of `pages` (any index shape) of one layer: [..., page_size, 2K, H] (row 2k
+    the key of head k, 2k + 1 its value), or with `offsets` (same shape as `pages`) one token of
+    each: [..., 2K, H]. For the jnp backends; an 8-bit cache is dequantized here, after the
+    gather, so only what is read is widened."""
     data, scales = kv_cache
+    _, _, num_kv_heads, page_size, _ = data.shape
     if offsets is None:
-        kv = widen_kv(data[layer, pages])
+        kv = _interleaved(jnp.swapaxes(widen_kv(data[layer, pages]), -3, -2))  # [.., S, 2K, H]
         if scales is not None:
-            kv = kv * jnp.swapaxes(scales[layer, pages], -1, -2)[..., None]
+            s = scales[layer, pages].reshape(*kv.shape[:-3], 2 * num_kv_heads, page_size)
+            kv = kv * jnp.swapaxes(s, -1, -2)[..., None]
         return kv
-    kv = widen_kv(data[layer, pages, offsets])
+    kv = _interleaved(widen_kv(data[layer, pages, :, offsets]))  # [..., 2K, H]
     if scales is not None:
-        kv = kv * scales[layer, pages, :, offsets][..., None]
+        s = scales[layer, pages, 0].reshape(*kv.shape[:-2], 2 * num_kv_heads, page_size)
+        kv = kv * jnp.take_along_axis(s, offsets[..., None, None], axis=-1)
     return kv
+
+
+def quantize_kv_cache(cache: jax.Array, dtype) -> KVCache:
+    """A float cache `[L, num_pages, K, page_size, 2H]` as an 8-bit `KVCache` of `dtype`, each
+    token's key and value quantized as `write_kv` does (for tests and benchmarks)."""
+    num_layers, num_pages, num_kv_heads, page_size, head_dim = cache_dims(cache.shape)
+    rows = cache.reshape(*cache.shape[:-1], 2, head_dim)  # [L, P, K, S, 2, H]
+    data, scales = quantize_kv(rows, dtype)
+    scales = jnp.swapaxes(scales, -1, -2).reshape(scales_shape(cache.shape))  # (k, j, t) lanes
+    return KVCache(data.reshape(cache.shape), scales)
+
+
+def dequantize_kv_cache(kv_cache: KVCache) -> jax.Array:
+    """An 8-bit cache's values as a float32 cache of the same layout (for checking)."""
+    data, scales = kv_cache
+    num_layers, num_pages, num_kv_heads, page_size, head_dim = cache_dims(data.shape)
+    s = scales.reshape(num_layers, num_pages, num_kv_heads, 2, page_size)
+    s = jnp.repeat(jnp.swapaxes(s, -1, -2), head_dim, axis=-1)  # [L, P, K, S, 2H]
+    return widen_kv(data) * s
 
 
 def get_kv_cache_shape(
     num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[int, int, int, int, int]:
-    """The shape of the paged KV cache: `[L, num_pages, page_size, 2 * K, H]`."""
+    """The shape of the paged KV cache: `[L, num_pages, K, page_size, 2H]`."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_pages", num_pages),
@@ -164,11 +228,17 @@ def get_kv_cache_shape(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
+    return (num_layers, num_pages, num_kv_heads, page_size, 2 * head_dim)
+
+
+def cache_dims(shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """(num_layers, num_pages, num_kv_heads, page_size, head_dim) of a cache of `shape`."""
+    num_layers, num_pages, num_kv_heads, page_size, two_h = shape
+    return num_layers, num_pages, num_kv_heads, page_size, two_h // 2
 
 
 def write_kv(
-    kv_cache: jax.Array | KVCache,  # [L, num_pages, page_size, 2K, H]
+    kv_cache: jax.Array | KVCache,  # [L, num_pages, K, page_size, 2H]
     layer: jax.Array | int,  # i32[]  the layer to write
     k: jax.Array,  # [T, K, H]
     v: jax.Array,  # [T, K, H]
@@ -179,22 +249,26 @@ def write_kv(
 
     Slots at or past `num_pages * page_size` are dropped: the runner marks padding tokens with
     such a slot. (Negative slots would wrap around, so padding must never use -1.)
+
+    The scatter addresses the cache in its own shape (layer, page, offset): reshaping the cache
+    to merge pages and offsets would be a relayout copy on a TPU, whose tiles hold the offsets.
     """
     cache = as_kv_cache(kv_cache)
-    num_layers, num_pages, page_size, kh2, head_dim = cache.shape
+    num_layers, num_pages, num_kv_heads, page_size, head_dim = cache_dims(cache.shape)
     num_tokens = k.shape[0]
-    if k.shape != v.shape or k.shape[1:] != (kh2 // 2, head_dim):
+    if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
-            f"k and v must be [T, {kh2 // 2}, {head_dim}] for this cache; got k {k.shape}, "
+            f"k and v must be [T, {num_kv_heads}, {head_dim}] for this cache; got k {k.shape}, "
             f"v {v.shape}"
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {slot_mapping.shape}")
-    kv = jnp.stack([k, v], axis=2).reshape(num_tokens, kh2, head_dim)
+    kv = jnp.stack([k, v], axis=2)  # [T, K, 2, H]
     if cache.quantized:
-        kv, scales = quantize_kv(kv, cache.dtype)  # [T, 2K, H], [T, 2K]
+        kv, scales = quantize_kv(kv, cache.dtype)  # [T, K, 2, H], [T, K, 2]
     else:
         kv, scales = kv.astype(cache.dtype), None
+    kv = kv.reshape(num_tokens, num_kv_heads, 2 * head_dim)
     if num_tokens == 1:
         # XLA rewrites a one-row scatter as a dynamic-update-slice that reads the old row back
         # (to keep it if the slot is out of range), and that second use of the cache makes it
@@ -205,36 +279,71 @@ def write_kv(
         slot_mapping = jnp.concatenate(
             [slot_mapping, jnp.full((1,), num_pages * page_size, slot_mapping.dtype)]
         )
-    flat = cache.data.reshape(num_layers, num_pages * page_size, kh2, head_dim)
-    # lax.scatter rather than `.at[layer, slots].set`: the same op, a tenth of the tracing
-    # (the model traces it once per layer for every compiled shape at startup).
+    # A padding slot's page is past the last one, so FILL_OR_DROP drops its row.
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
     layers = jnp.broadcast_to(jnp.asarray(layer, slot_mapping.dtype), slot_mapping.shape)
+    # One [2H] row per (token, kv head): a window over the heads as well made XLA:TPU lay the
+    # cache out heads-minor for the scatter and copy it back for the kernel, at every layer.
+    heads = jnp.arange(num_kv_heads, dtype=slot_mapping.dtype)
+    index = jnp.stack(
+        jnp.broadcast_arrays(layers[:, None], page[:, None], heads[None, :], offset[:, None]),
+        axis=-1,
+    )  # [T, K, 4]: (layer, page, head, offset)
+    # lax.scatter rather than `.at[layer, page, head, offset].set`: the same op, a tenth of the
+    # tracing (the model traces it once per layer for every compiled shape at startup).
     data = jax.lax.scatter(
-        flat,
-        jnp.stack([layers, slot_mapping], axis=-1),  # [T, 2]: (layer, slot)
-        kv,
+        cache.data,
+        index,
+        kv,  # [T, K, 2H]
         jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(1, 2),
-            inserted_window_dims=(0, 1),
-            scatter_dims_to_operand_dims=(0, 1),
+            update_window_dims=(2,),
+            inserted_window_dims=(0, 1, 2, 3),
+            scatter_dims_to_operand_dims=(0, 1, 2, 3),
         ),
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
     )
-    data = data.reshape(cache.shape)
     if not cache.quantized:
         return data if not isinstance(kv_cache, KVCache) else KVCache(data)
-    # The scales of slot s sit at [layer, s // page_size, :, s % page_size]; a padding slot's
-    # page is past the last, so it is dropped like its data.
-    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    # Token t's 2K scales go to lanes (2k + j) * page_size + offset of its page's row.
+    lanes = jnp.arange(2 * num_kv_heads, dtype=slot_mapping.dtype) * page_size
+    lanes = lanes[None, :] + offset[:, None]  # [T, 2K]
+    index = jnp.broadcast_to(
+        jnp.stack([layers, page], axis=-1)[:, None, :], (*lanes.shape, 2)
+    )  # [T, 2K, 2]: (layer, page)
     new_scales = jax.lax.scatter(
         cache.scales,
-        jnp.stack([layers, page, offset], axis=-1),  # [T, 3]: (layer, page, offset)
-        scales,
+        jnp.concatenate([index, lanes[..., None]], axis=-1),  # [T, 2K, 3]: (layer, page, lane)
+        scales.reshape(-1, 2 * num_kv_heads, 1),  # [T, 2K, 1]: the size-1 axis 2 of scales
         jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(1,),
+            update_window_dims=(2,),
             inserted_window_dims=(0, 1, 3),
             scatter_dims_to_operand_dims=(0, 1, 3),
         ),
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
     )
     return KVCache(data, new_scales)
+
+
+def attention_cost(
+    q_shape: tuple[int, int, int],
+    q_dtype,
+    cache_shape: tuple[int, ...],
+    cache_dtype,
+    block_tables_shape: tuple[int, int],
+    quantized: bool,
+) -> tuple[int, int, int]:
+    """(flops, transcendentals, bytes accessed) of one attention call over one layer, as the
+    kernels declare it to their compilers (`pl.CostEstimate`): an upper bound, every request
+    at the full reach of its block table (capped by the pool), since the lengths are data.
+    The compilers' cost analyses of whole programs count the kernels by these figures."""
+    num_tokens, num_heads, head_dim = q_shape
+    _, num_pages, num_kv_heads, page_size, _ = cache_shape
+    max_reqs, pages_per_seq = block_tables_shape
+    pages = min(max_reqs * pages_per_seq, num_pages)
+    page_bytes = num_kv_heads * page_size * 2 * head_dim * jnp.dtype(cache_dtype).itemsize
+    if quantized:
+        page_bytes += 2 * num_kv_heads * page_size * 4
+    keys = min(pages_per_seq, num_pages) * page_size  # the most keys one query sees
+    pairs = num_tokens * num_heads * keys
+    q_bytes = num_tokens * num_heads * head_dim * jnp.dtype(q_dtype).itemsize
+    return 4 * head_dim * pairs, pairs, pages * page_bytes + 2 * q_bytes

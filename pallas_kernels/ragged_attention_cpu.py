@@ -38,7 +38,7 @@ def available() -> bool:
 
 def ragged_paged_attention_cpu(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    kv_cache: jax.Array,  # [L, num_pages, K, page_size, 2H]
     layer: jax.Array | int,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
@@ -48,7 +48,7 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
-    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
 ) -> jax.Array:  # [T, N, H]
     out_dtype = q.dtype
     if kv_scales is not None:  # an 8-bit cache: the kernel widens it to float32 as it reads

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kv_cache import widen_kv
+from pallas_kernels.kv_cache import attention_cost, widen_kv
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The window span of full attention: longer than any sequence, and small enough that
@@ -53,8 +53,8 @@ def _kernel(
     prog_req_ref,  # i32[B]           request of each query block, -1 past the last block
     prog_tok_ref,  # i32[B]           first token of each query block
     q_ref,  # [K, T' * Gp, H]
-    kv_ref,  # [L, num_pages, page_size, 2K, H]
-    *refs,  # with an 8-bit cache scales_ref f32[L, num_pages, 2K, page_size]; o_ref [K, T' * Gp, H]
+    kv_ref,  # [L, num_pages, K, page_size, 2H]
+    *refs,  # with an 8-bit cache scales_ref f32[L, num_pages, 1, 2K * page_size]; o_ref [K, T' * Gp, H]
     q_block: int,
     group_padded: int,
     kv_pages: int,
@@ -63,7 +63,7 @@ def _kernel(
 ):
     scales_ref, o_ref = refs if len(refs) == 2 else (None, *refs)
     j, h = pl.program_id(0), pl.program_id(1)
-    page_size, head_dim = kv_ref.shape[2], kv_ref.shape[4]
+    page_size, head_dim = kv_ref.shape[3], kv_ref.shape[4] // 2
     kv_tokens = kv_pages * page_size
     rows = q_block * group_padded
     r = prog_req_ref[j]
@@ -89,13 +89,14 @@ def _kernel(
             kv_pos = kb * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)  # [kv]
             load_ok = (kv_pos < kv_end).reshape(kv_pages, page_size, 1)
             # A gather of whole pages, indexed with arrays on every axis (the interpreter
-            # cannot mix array indices with slices).
-            idx = (layer, pages[:, None, None], offsets[None, :, None])
+            # cannot mix array indices with slices): the key is lanes [0, H) of each token's
+            # row, the value lanes [H, 2H).
+            idx = (layer, pages[:, None, None], h, offsets[None, :, None])
             k, v = (
                 pltriton.load(
-                    kv_ref.at[(*idx, head, dims[None, None, :])], mask=load_ok, other=0
+                    kv_ref.at[(*idx, (first + dims)[None, None, :])], mask=load_ok, other=0
                 ).reshape(kv_tokens, head_dim)
-                for head in (2 * h, 2 * h + 1)
+                for first in (0, head_dim)
             )
             if scales_ref is not None:
                 # An 8-bit cache: the matmuls take q's dtype (int8 and e4m3 are exact in
@@ -104,11 +105,11 @@ def _kernel(
                 page_ok = load_ok.reshape(kv_pages, page_size)
                 k_scale, v_scale = (
                     pltriton.load(
-                        scales_ref.at[layer, pages[:, None], head, offsets[None, :]],
+                        scales_ref.at[layer, pages[:, None], 0, (lane0 + offsets)[None, :]],
                         mask=page_ok,
                         other=0,
                     ).reshape(kv_tokens)
-                    for head in (2 * h, 2 * h + 1)
+                    for lane0 in (2 * h * page_size, (2 * h + 1) * page_size)
                 )
             s = pltriton.dot(q.astype(k.dtype), k, trans_b=True).astype(jnp.float32)
             if scales_ref is not None:
@@ -142,7 +143,7 @@ def _kernel(
 
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    kv_cache: jax.Array,  # [L, num_pages, K, page_size, 2H]
     layer: jax.Array | int,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
@@ -156,7 +157,7 @@ def ragged_paged_attention_gpu(
     kv_pages: int,
     num_warps: int = 4,
     num_stages: int = 2,
-    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """The Triton kernel behind `ragged_paged_attention(..., backend="pallas_gpu")`.
@@ -165,8 +166,7 @@ def ragged_paged_attention_gpu(
     `tuning.get_block_sizes`. `q_block` and `kv_pages` must be powers of two.
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, num_pages, page_size, kh2, _ = kv_cache.shape
-    num_kv_heads = kh2 // 2
+    _, num_pages, num_kv_heads, page_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     group_padded = pl.next_power_of_2(group)
     max_reqs, pages_per_seq = block_tables.shape
@@ -215,6 +215,7 @@ def ragged_paged_attention_gpu(
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        cost_estimate=_cost(q, kv_cache, block_tables, kv_scales),
         name="ragged_paged_attention_gpu",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
@@ -233,3 +234,10 @@ def ragged_paged_attention_gpu(
     # Rows no program owns (padding tokens) were never written.
     valid = jnp.arange(num_tokens) < cu_q_lens[n]
     return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+
+
+def _cost(q, kv_cache, block_tables, kv_scales) -> pl.CostEstimate:
+    flops, transcendentals, nbytes = attention_cost(
+        q.shape, q.dtype, kv_cache.shape, kv_cache.dtype, block_tables.shape, kv_scales is not None
+    )
+    return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=nbytes)

@@ -1,34 +1,42 @@
 """Ragged paged attention as a Mosaic TPU kernel.
 
-The grid walks the flattened queries in blocks of `q_block` tokens. A block may hold rows of
-several requests (a decode block holds one row per request); for each request that has rows in
-the block, the kernel streams that request's KV pages from HBM in blocks of `kv_pages` pages,
-double-buffered with async copies, and folds them into one online softmax per query row. Rows
-of other requests are masked for that request, so every row ends up with exactly its own
-request's attention.
+Work items. The wrapper cuts each request's queries into blocks of `q_block` tokens; one grid
+step serves one block of one request (a decode row is a block of its own), so no row is scored
+against another request's keys. A decode batch of B sequences is B grid steps, each streaming
+one sequence's pages once. Grid steps past the last block do nothing. The queries are gathered
+into that per-block layout, head-major, `[W, K, q_block * G, H]` (W blocks, G query heads per kv
+head), so each kv head's block is one plain `[rows, H] x [H, kv]` matmul, and the block's
+queries and outputs move through Pallas' own pipeline.
 
-Design choices that keep the kernel checkable on CPU (Pallas interpret mode and the TPU
-simulator): every DMA copies one
-whole page (fixed size; pages past a request's length are skipped with `pl.when` rather than
-copied with a traced size) and VMEM refs are never reshaped after a DMA (only loaded values
-are). Garbage in the cache can never leak in: scores outside the causal/sliding-window mask are
-replaced, and value rows past the request's length are zeroed, before they are used.
+KV streaming. For its block, a grid step walks the request's KV in blocks of `kv_pages` pages,
+double-buffered with async copies: while block n is computed, block n + 1 (of this work item,
+or the next work item's first) is already on its way, so the grid runs sequentially
+("arbitrary") and the buffers, semaphores and a step counter live across grid steps. Every DMA
+copies one whole page of all the device's kv heads (`[K, page_size, 2H]`, fixed size; a
+loop starts one per page the block needs, so pages past a request's length are never copied,
+and no DMA has a traced size) and VMEM
+refs are never reshaped after a DMA (only loaded values are), which keeps the kernel runnable
+in Pallas' interpret mode and the TPU simulator on a CPU.
+
+Block tables stay in HBM. Prefetching them whole into scalar memory (SMEM, 1 MiB) overflowed at
+64 sequences of 128k tokens (8,192 pages each); each KV block's page ids come instead as a
+128-entry chunk of the flattened tables, DMA'd into SMEM just before the block's pages are
+requested (while the previous block's pages are still in flight, so the wait is hidden).
 
 The sliding window is a scalar-prefetch operand (SMEM), so it may be traced (a layer scan's
 per-layer window). The wrapper turns it into a span, the number of keys a row sees back from
 itself, `_NO_WINDOW` (more than any sequence) for full attention, so the kernel has one code
-path: a row at position q sees keys q - span < k <= q, and each request's walk over its KV
-blocks starts at the block holding its first row's first visible key, skipping the pages before
-the window.
+path: a row at position q sees keys q - span < k <= q, and each work item's walk over its KV
+blocks starts at the block holding its first row's first visible key. Garbage in the cache can
+never leak in: scores outside the causal/window mask are replaced, and value rows past the
+request's length are zeroed, before they are used.
 
-The queries are laid out head-major by the wrapper, `[K, T * G, H]` (G = query heads per kv
-head), so each kv head's block is one plain `[rows, H] x [H, kv]` matmul with no reshape of a
-ref inside the kernel.
-
-An 8-bit cache's scales (`kv_cache.py`) come in a second HBM ref: each page's `[2K, page_size]`
-of scales is copied with the page, under the same semaphore. The 8-bit block is widened to q's
-dtype for the matmuls (int8 and e4m3 values are exact in bfloat16), and the scales multiply
-the scores (K) and the probabilities (V) per key, a [1, kv] row each, rather than the blocks.
+An 8-bit cache's scales (`kv_cache.py`, one lane-dense row of `2K * page_size` per page) come in
+a second HBM ref: each page's row is copied with the page, under the same semaphore. The 8-bit
+block is widened to q's dtype for the matmuls (int8 and e4m3 values are exact in bfloat16), and
+the scales multiply the scores (K) and the probabilities (V) per key, as `[1, kv]` rows. A
+`[kv_pages, page_size]` block of scales becomes that row through a small exact matmul with a 0/1
+matrix (Mosaic has no sublane-to-lane reshape).
 """
 
 from __future__ import annotations
@@ -40,13 +48,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_cache import widen_kv
+from pallas_kernels.kv_cache import attention_cost, widen_kv
 
 # Scores outside the mask. Finite, so (masked - masked) is 0 and never NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The window span of full attention: longer than any sequence, and small enough that
 # `position - span` cannot overflow i32.
 _NO_WINDOW = 1 << 30
+# Page ids per block-table DMA: HBM tiles the table's lanes by 128, and a DMA starts on a tile.
+_TABLE_CHUNK = 128
+# VMEM for the double-buffered KV blocks; larger kv heads x head sizes get shorter blocks.
+_KV_BUFFER_BYTES = 8 * 2**20
 
 
 def _div(x, d: int):
@@ -60,114 +72,157 @@ def _kernel(
     layer_ref,  # i32[1]
     window_ref,  # i32[1]         window span: keys a row sees back from itself (>= 1)
     seq_lens_ref,  # i32[R]       tokens in the cache per request, this step's included
-    tables_ref,  # i32[R * P]     block tables, flattened
     cu_q_lens_ref,  # i32[R + 1]
-    req_lo_ref,  # i32[Q]         first request with rows in each q block
-    req_end_ref,  # i32[Q]        one past the last such request
+    work_req_ref,  # i32[W]       request of each work item, -1 past the last
+    work_tok_ref,  # i32[W]       its first query token
     # Blocks.
-    q_ref,  # [K, bq * G, H]      this q block's queries, head-major
-    kv_hbm_ref,  # [L, num_pages, page_size, 2K, H]  the whole cache, left in HBM
+    q_ref,  # [1, K, bq * G, H]   this work item's queries, head-major
+    tables_hbm_ref,  # i32[1, R * P']  block tables, rows padded to P' (whole chunks)
+    kv_hbm_ref,  # [L, num_pages, K, page_size, 2H]  the whole cache, left in HBM
     *refs,
     q_block: int,
     group: int,
     kv_pages: int,
-    pages_per_seq: int,
+    table_chunk: int,
+    padded_pages: int,
+    num_work: int,
     sm_scale: float,
     soft_cap: float | None,
     quantized: bool,
 ):
-    """`refs`, with an 8-bit cache: scales_hbm_ref f32[L, num_pages, 2K, page_size] (in HBM),
-    then always: o_ref [K, bq * G, H]; scratch kv_buf [2, kv_pages, page_size, 2K, H] (double
-    buffer), with an 8-bit cache scale_buf f32[2, kv_pages, 2K, page_size], sems (DMA
-    semaphores [2], one per buffer slot), m_ref, l_ref f32[K, bq * G, 1] (running max and sum)
-    and acc_ref f32[K, bq * G, H] (running numerator)."""
+    """`refs`, with an 8-bit cache: scales_hbm_ref f32[L, num_pages, 1, 2K * page_size] (in
+    HBM), then always: o_ref [1, K, bq * G, H]; scratch kv_buf [2, kv_pages, K, page_size, 2H]
+    (double buffer), with an 8-bit cache scale_buf f32[2, kv_pages, 1, 2K * page_size], the
+    page-id chunk tbuf i32[table_chunk] (SMEM), the step counter step_ref i32[1] (SMEM: KV blocks
+    computed so far, whose parity picks the buffer slot), sems (DMA semaphores [2], one per
+    slot), tsem (DMA semaphore [1], the table chunk), m_ref, l_ref f32[K, rows, 1] (running max
+    and sum) and acc_ref f32[K, rows, H] (running numerator)."""
     if quantized:
-        scales_hbm_ref, o_ref, kv_buf, scale_buf, sems, m_ref, l_ref, acc_ref = refs
+        scales_hbm_ref, o_ref, kv_buf, scale_buf, tbuf, step_ref, sems, tsem, *acc = refs
     else:
-        o_ref, kv_buf, sems, m_ref, l_ref, acc_ref = refs
+        o_ref, kv_buf, tbuf, step_ref, sems, tsem, *acc = refs
         scales_hbm_ref = scale_buf = None
-    num_kv_heads, rows, _ = q_ref.shape
-    page_size = kv_buf.shape[2]
+    m_ref, l_ref, acc_ref = acc
+    _, num_kv_heads, rows, head_dim = q_ref.shape
+    page_size = kv_buf.shape[3]
     kv_tokens = kv_pages * page_size
-    b = pl.program_id(0)
-    block_start = b * q_block
-    block_end = block_start + q_block
+    j = pl.program_id(0)
     layer, window = layer_ref[0], window_ref[0]
 
-    m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    def request_span(r):
-        """(q_start, q_end, seq_len, kv_begin, kv_end) of request r's rows in this block."""
+    def item_span(w):
+        """(request, q_start, q_end, seq_len, first_tok, kv_begin, kv_end) of work item w:
+        its rows are tokens [first_tok, min(first_tok + bq, q_end)) of request r, and they see
+        keys [kv_begin, kv_end)."""
+        r = jnp.maximum(work_req_ref[w], 0)
         q_start, q_end, seq_len = cu_q_lens_ref[r], cu_q_lens_ref[r + 1], seq_lens_ref[r]
-        first_pos = seq_len - (q_end - q_start) + (jnp.maximum(q_start, block_start) - q_start)
-        kv_end = seq_len - (q_end - jnp.minimum(q_end, block_end))  # last row's position + 1
+        tok0 = work_tok_ref[w]
+        first_pos = seq_len - (q_end - tok0)
+        kv_end = seq_len - (q_end - jnp.minimum(q_end, tok0 + q_block))  # last row's pos + 1
         kv_begin = jnp.maximum(first_pos - window + 1, 0)
-        return q_start, q_end, seq_len, kv_begin, kv_end
+        return r, q_start, q_end, seq_len, tok0, kv_begin, kv_end
 
-    def kv_block_range(r):
-        *_, kv_begin, kv_end = request_span(r)
+    def kv_block_range(w):
+        *_, kv_begin, kv_end = item_span(w)
         return _div(kv_begin, kv_tokens), _div(kv_end + kv_tokens - 1, kv_tokens)
 
-    def page_copies(r, kb, slot):
-        """The DMAs of kv block kb of request r, each paired with whether it is needed."""
-        kv_end = request_span(r)[4]
-        for i in range(kv_pages):
-            p = kb * kv_pages + i
-            page = tables_ref[r * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
-            needed = p * page_size < kv_end
-            yield (
-                needed,
+    def page_copies(slot, i, page):
+        """The DMAs of cache page `page` (of this layer) into position i of buffer `slot`."""
+        copies = [
+            pltpu.make_async_copy(kv_hbm_ref.at[layer, page], kv_buf.at[slot, i], sems.at[slot])
+        ]
+        if quantized:
+            copies.append(
                 pltpu.make_async_copy(
-                    kv_hbm_ref.at[layer, page], kv_buf.at[slot, i], sems.at[slot]
-                ),
-            )
-            if quantized:
-                yield (
-                    needed,
-                    pltpu.make_async_copy(
-                        scales_hbm_ref.at[layer, page], scale_buf.at[slot, i], sems.at[slot]
-                    ),
+                    scales_hbm_ref.at[layer, page], scale_buf.at[slot, i], sems.at[slot]
                 )
+            )
+        return copies
 
-    def start_fetch(r, kb, slot):
-        for needed, copy in page_copies(r, kb, slot):
-            pl.when(needed)(copy.start)
+    def num_pages_needed(w, kb):
+        """The pages of kv block kb that hold keys work item w sees: a prefix of the block (the
+        others are past the request's length, and never copied)."""
+        kv_end = item_span(w)[6]
+        return jnp.clip(_div(kv_end - kb * kv_tokens + page_size - 1, page_size), 0, kv_pages)
 
-    def wait_fetch(r, kb, slot):
-        for needed, copy in page_copies(r, kb, slot):
-            pl.when(needed)(copy.wait)
+    def start_fetch(w, kb, slot):
+        """Brings the page ids of block kb of work item w into SMEM, then starts its DMAs."""
+        r = item_span(w)[0]
+        chunk = pl.multiple_of(
+            r * padded_pages + _div(kb * kv_pages, table_chunk) * table_chunk, table_chunk
+        )
+        copy = pltpu.make_async_copy(
+            tables_hbm_ref.at[0, pl.ds(chunk, table_chunk)], tbuf, tsem.at[0]
+        )
+        copy.start()
+        copy.wait()
+        first = jax.lax.rem(kb * kv_pages, table_chunk)
 
-    def compute(r, kb, slot):
-        q_start, q_end, seq_len, kv_begin, kv_end = request_span(r)
-        row_tok = block_start + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
-        row_pos = seq_len - (q_end - q_start) + (row_tok - q_start)  # [rows, 1]
+        def start(i, _):
+            for page_copy in page_copies(slot, i, tbuf[first + i]):
+                page_copy.start()
+            return 0
+
+        jax.lax.fori_loop(0, num_pages_needed(w, kb), start, 0)
+
+    def wait_fetch(w, kb, slot):
+        def wait(i, _):  # a wait needs the copy's size and semaphore, not its source page
+            for page_copy in page_copies(slot, i, 0):
+                page_copy.wait()
+            return 0
+
+        jax.lax.fori_loop(0, num_pages_needed(w, kb), wait, 0)
+
+    def flatten(x, s_lo):
+        """Lanes [s_lo, s_lo + page_size) of each page's row of `x` f32[kv_pages, n], as one
+        f32[1, kv_tokens] row (page i's at lanes [i * page_size, (i + 1) * page_size)): a 0/1
+        matmul at full precision, exact."""
+        part = x[:, s_lo : s_lo + page_size]  # [kv_pages, page_size]
+        col = jax.lax.broadcasted_iota(jnp.int32, (page_size, kv_tokens), 1)
+        spread = jax.lax.broadcasted_iota(jnp.int32, (page_size, kv_tokens), 0) == col % page_size
+        wide = jnp.dot(
+            part,
+            spread.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )  # [kv_pages, kv]: page i's scales repeated in every page's lanes
+        own = jax.lax.broadcasted_iota(jnp.int32, (kv_pages, kv_tokens), 0) == _div(
+            jax.lax.broadcasted_iota(jnp.int32, (kv_pages, kv_tokens), 1), page_size
+        )
+        return jnp.where(own, wide, 0.0).sum(axis=0, keepdims=True)
+
+    def compute(w, kb, slot):
+        _, q_start, q_end, seq_len, tok0, _, kv_end = item_span(w)
+        row_tok = tok0 + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
+        row_pos = seq_len - (q_end - row_tok)  # [rows, 1]
         kv_pos = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, kv_tokens), 1)
-        mask = (row_tok >= q_start) & (row_tok < q_end) & (kv_pos <= row_pos)
-        mask &= kv_pos > row_pos - window
-        # Value rows past the request's data may hold anything (stale or never written).
+        mask = (row_tok < q_end) & (kv_pos <= row_pos) & (kv_pos > row_pos - window)
+        # Value rows past the request's data may hold anything (stale, or never written).
         v_ok = (kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0)) < kv_end
-        kv = kv_buf[slot]  # [kv_pages, page_size, 2K, H]
         # The dtype the matmuls take: the cache's, or q's when the cache is 8-bit (int8 and
         # e4m3 values are exact in bfloat16); the scales are applied to scores and
         # probabilities, per key, rather than to the [kv, H] blocks.
-        dtype = q_ref.dtype if quantized else kv.dtype  # (fp8 is stored as its bytes)
+        dtype = q_ref.dtype if quantized else kv_buf.dtype
         if quantized:
-            ok = kv_pos < kv_end  # [1, kv]
-            scales = scale_buf[slot]  # [kv_pages, 2K, page_size]
+            # Slots past the request's data, and pages that were not copied, hold anything:
+            # zero their scales before the matmul that spreads them.
+            shape = (kv_pages, 2 * num_kv_heads * page_size)
+            slot_pos = (
+                kb * kv_tokens
+                + page_size * jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+                + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, shape, 1), page_size)
+            )
+            scales = jnp.where(slot_pos < kv_end, scale_buf[slot, :, 0, :], 0.0)
         for h in range(num_kv_heads):
-            q = q_ref[h].astype(dtype)  # [rows, H]
-            k = widen_kv(kv[:, :, 2 * h, :].reshape(kv_tokens, -1), dtype)  # [kv, H]
-            v = widen_kv(kv[:, :, 2 * h + 1, :].reshape(kv_tokens, -1), dtype)  # [kv, H]
+            q = q_ref[0, h].astype(dtype)  # [rows, H]
+            x = kv_buf[slot, :, h].reshape(kv_tokens, 2 * head_dim)  # [kv, 2H]
+            k = widen_kv(x[:, :head_dim], dtype)  # [kv, H]
+            v = widen_kv(x[:, head_dim:], dtype)  # [kv, H]
             v = jnp.where(v_ok, v, jnp.zeros_like(v))
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )  # [rows, kv]
             if quantized:
-                k_scale = jnp.where(ok, scales[:, 2 * h, :].reshape(1, kv_tokens), 0.0)
-                v_scale = jnp.where(ok, scales[:, 2 * h + 1, :].reshape(1, kv_tokens), 0.0)
-                s = s * k_scale
+                s = s * flatten(scales, 2 * h * page_size)
             s = s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -179,46 +234,95 @@ def _kernel(
             m_ref[h] = m_new
             l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
             if quantized:
-                p = p * v_scale
+                p = p * flatten(scales, (2 * h + 1) * page_size)
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             acc_ref[h] = alpha * acc_ref[h] + pv
 
-    req_lo, req_end = req_lo_ref[b], req_end_ref[b]
-
-    @pl.when(req_lo < req_end)
+    @pl.when(j == 0)
     def _():
-        start_fetch(req_lo, kv_block_range(req_lo)[0], 0)
+        step_ref[0] = 0
 
-        def request_body(r, step):
-            kb_lo, kb_hi = kv_block_range(r)
+    active = work_req_ref[j] >= 0
 
-            def kv_body(kb, step):
-                slot = jax.lax.rem(step, 2)
-                # Prefetch the next block (of this request, or else the next request's first)
-                # into the other slot before computing on this one.
-                more_here = kb + 1 < kb_hi
-                next_r = jnp.where(more_here, r, jnp.minimum(r + 1, req_end - 1))
-                next_kb = jnp.where(more_here, kb + 1, kv_block_range(next_r)[0])
+    @pl.when(active)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, _MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        kb_lo, kb_hi = kv_block_range(j)
 
-                @pl.when(more_here | (r + 1 < req_end))
-                def _():
-                    start_fetch(next_r, next_kb, 1 - slot)
+        @pl.when(j == 0)  # later work items find their first block already on its way
+        def _():
+            start_fetch(j, kb_lo, 0)
 
-                wait_fetch(r, kb, slot)
-                compute(r, kb, slot)
-                return step + 1
+        nxt = jnp.minimum(j + 1, num_work - 1)
+        next_active = (j + 1 < num_work) & (work_req_ref[nxt] >= 0)
 
-            return jax.lax.fori_loop(kb_lo, kb_hi, kv_body, step)
+        def kv_body(kb, _):
+            slot = jax.lax.rem(step_ref[0], 2)
+            # Start the next block (of this work item, or the next one's first) into the other
+            # slot before computing on this one.
+            more_here = kb + 1 < kb_hi
+            next_w = jnp.where(more_here, j, nxt)
+            next_kb = jnp.where(more_here, kb + 1, kv_block_range(nxt)[0])
 
-        jax.lax.fori_loop(req_lo, req_end, request_body, 0)
+            @pl.when(more_here | next_active)
+            def _():
+                start_fetch(next_w, next_kb, 1 - slot)
 
-    l = l_ref[...]
-    o_ref[...] = (acc_ref[...] / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
+            wait_fetch(j, kb, slot)
+            compute(j, kb, slot)
+            step_ref[0] = step_ref[0] + 1
+            return 0
+
+        jax.lax.fori_loop(kb_lo, kb_hi, kv_body, 0)
+        l = l_ref[...]
+        o_ref[0] = (acc_ref[...] / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
+
+    @pl.when(jnp.logical_not(active))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _work_items(cu_q_lens, num_seqs, max_reqs: int, num_tokens: int, q_block: int):
+    """Each request's queries cut into blocks of `q_block` tokens, one work item each: (request
+    of each item (-1 past the last), its first token, the number of items W (a static bound:
+    the sum of ceil(q_r / b) is at most ceil(T / b) + R - 1, and at most T), and for each token
+    its row in the items' flattened [W * q_block] layout."""
+    n = num_seqs[0]
+    reqs = jnp.arange(max_reqs, dtype=jnp.int32)
+    q_lens = jnp.where(reqs < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_lens + q_block - 1) // q_block
+    ends = jnp.cumsum(blocks)
+    starts = ends - blocks
+    num_work = min(num_tokens, -(-num_tokens // q_block) + max_reqs - 1)
+    item = jnp.arange(num_work, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(ends, item, side="right"), max_reqs - 1).astype(jnp.int32)
+    in_range = item < ends[-1]
+    tok = cu_q_lens[req] + (item - starts[req]) * q_block
+    work_req = jnp.where(in_range, req, -1)
+    work_tok = jnp.where(in_range, tok, 0).astype(jnp.int32)
+    # Token t of request r sits at row (starts[r] + (t - cu[r]) // b) * b + (t - cu[r]) % b.
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    t_req = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], t, side="right"), max_reqs - 1)
+    local = t - cu_q_lens[t_req]
+    t_row = (starts[t_req] + local // q_block) * q_block + local % q_block
+    t_valid = t < cu_q_lens[n]
+    return work_req, work_tok, num_work, jnp.where(t_valid, t_row, 0), t_valid
+
+
+def kv_block_pages(kv_pages: int, num_kv_heads: int, page_size: int, head_dim: int, itemsize):
+    """`kv_pages` capped so that the double-buffered KV block fits `_KV_BUFFER_BYTES` of VMEM
+    (a power of two, at least 1)."""
+    per_page = num_kv_heads * page_size * 2 * head_dim * itemsize
+    cap = max(1, _KV_BUFFER_BYTES // (2 * per_page))
+    kv_pages = max(1, min(kv_pages, cap))
+    return 1 << (kv_pages.bit_length() - 1)
 
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    kv_cache: jax.Array,  # [L, num_pages, K, page_size, 2H]
     layer: jax.Array | int,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
@@ -230,86 +334,108 @@ def ragged_paged_attention_tpu(
     soft_cap: float | None = None,
     q_block: int,
     kv_pages: int,
-    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # [T, N, H]
     """The Mosaic TPU kernel behind `ragged_paged_attention(..., backend="pallas_tpu")`.
 
-    Shapes are checked by the public entry point; `q_block` (query tokens per grid step) and
-    `kv_pages` (pages per KV block) come from `tuning.get_block_sizes`.
+    Shapes are checked by the public entry point; `q_block` (query tokens per work item, a
+    power of two) and `kv_pages` (pages per KV block) come from `tuning.get_block_sizes`.
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, kh2, _ = kv_cache.shape
-    num_kv_heads = kh2 // 2
+    _, num_pages, num_kv_heads, page_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     max_reqs, pages_per_seq = block_tables.shape
-    kv_pages = max(1, min(kv_pages, pages_per_seq))
+    kv_pages = kv_block_pages(
+        min(kv_pages, pages_per_seq), num_kv_heads, page_size, head_dim, kv_cache.dtype.itemsize
+    )
     q_block = max(1, min(q_block, num_tokens))
-    num_q_blocks = pl.cdiv(num_tokens, q_block)
-    padded_tokens = num_q_blocks * q_block
+    rows = q_block * group
 
-    # Head-major queries: [T, N, H] -> [K, T * G, H]; row t * G + g is token t, head k * G + g.
-    qh = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
-    qh = qh.reshape(padded_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    qh = qh.reshape(num_kv_heads, padded_tokens * group, head_dim)
+    work_req, work_tok, num_work, t_row, t_valid = _work_items(
+        cu_q_lens, num_seqs, max_reqs, num_tokens, q_block
+    )
+    # Queries per work item, head-major: [W, K, bq * G, H], row i * G + g = token i, head k*G+g.
+    src = jnp.minimum(work_tok[:, None] + jnp.arange(q_block, dtype=jnp.int32), num_tokens - 1)
+    qw = q[src.reshape(-1)].reshape(num_work, q_block, num_kv_heads, group, head_dim)
+    qw = qw.transpose(0, 2, 1, 3, 4).reshape(num_work, num_kv_heads, rows, head_dim)
 
-    # Which requests have rows in each q block: [req_lo, req_end).
-    n = num_seqs[0]
-    starts = jnp.arange(num_q_blocks, dtype=jnp.int32) * q_block
-    req_lo = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], starts, side="right"), n)
-    req_end = jnp.minimum(jnp.searchsorted(cu_q_lens[:-1], starts + q_block, side="left"), n)
+    # Block tables flattened, each row padded to whole chunks (a DMA starts on a chunk).
+    table_chunk = max(_TABLE_CHUNK, kv_pages)
+    padded_pages = -(-pages_per_seq // table_chunk) * table_chunk
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - pages_per_seq)))
+    # One row: a 2-D operand (Pallas checks a 1-D one against the TPU generation, which an
+    # ahead-of-time lowering may not know).
+    tables = jnp.clip(tables, 0, num_pages - 1).reshape(1, -1)
     window = jnp.asarray(sliding_window, jnp.int32)
     span = jnp.where(window > 0, jnp.minimum(window, _NO_WINDOW), _NO_WINDOW)
 
-    rows = q_block * group
     kernel = functools.partial(
         _kernel,
         q_block=q_block,
         group=group,
         kv_pages=kv_pages,
-        pages_per_seq=pages_per_seq,
+        table_chunk=table_chunk,
+        padded_pages=padded_pages,
+        num_work=num_work,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         quantized=kv_scales is not None,
     )
-    q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda b, *_: (0, b, 0))
+    q_spec = pl.BlockSpec((1, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    kv_buf = pltpu.VMEM((2, kv_pages, page_size, kh2, head_dim), kv_cache.dtype)
+    kv_buf = pltpu.VMEM((2, kv_pages, num_kv_heads, page_size, 2 * head_dim), kv_cache.dtype)
     if kv_scales is None:
         extra_in, extra_args, buffers = [], [], [kv_buf]
     else:
-        scale_buf = pltpu.VMEM((2, kv_pages, kh2, page_size), jnp.float32)
+        scale_buf = pltpu.VMEM((2, kv_pages, *kv_scales.shape[2:]), jnp.float32)
         extra_in, extra_args, buffers = [hbm], [kv_scales], [kv_buf, scale_buf]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=7,
-            grid=(num_q_blocks,),
-            in_specs=[q_spec, hbm, *extra_in],
+            num_scalar_prefetch=6,
+            grid=(num_work,),
+            in_specs=[q_spec, hbm, hbm, *extra_in],
             out_specs=q_spec,
             scratch_shapes=[
                 *buffers,
+                pltpu.SMEM((table_chunk,), jnp.int32),
+                pltpu.SMEM((1,), jnp.int32),
                 pltpu.SemaphoreType.DMA((2,)),
+                pltpu.SemaphoreType.DMA((1,)),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        out_shape=jax.ShapeDtypeStruct(qw.shape, q.dtype),
+        # Sequential: a grid step starts the next one's first KV block (see the module doc).
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=64 * 2**20
+        ),
         interpret=interpret,
+        cost_estimate=_cost(q, kv_cache, block_tables, kv_scales),
         name="ragged_paged_attention_tpu",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
         span.reshape(1),
         seq_lens.astype(jnp.int32),
-        block_tables.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),
-        req_lo.astype(jnp.int32),
-        req_end.astype(jnp.int32),
-        qh,
+        work_req,
+        work_tok,
+        qw,
+        tables,
         kv_cache,
         *extra_args,
     )
-    out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(padded_tokens, num_heads, head_dim)[:num_tokens]
+    # Back to [T, N, H]: token t is row t_row[t] of the items' [W * bq] rows.
+    out = out.reshape(num_work, num_kv_heads, q_block, group, head_dim).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(num_work * q_block, num_heads, head_dim)[t_row]
+    return jnp.where(t_valid[:, None, None], out, jnp.zeros_like(out))
+
+
+def _cost(q, kv_cache, block_tables, kv_scales) -> pl.CostEstimate:
+    flops, transcendentals, nbytes = attention_cost(
+        q.shape, q.dtype, kv_cache.shape, kv_cache.dtype, block_tables.shape, kv_scales is not None
+    )
+    return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=nbytes)

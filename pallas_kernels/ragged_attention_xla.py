@@ -68,7 +68,7 @@ def _softmax_step(carry, s, v, mask):
 
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, N, H]
-    kv_cache: jax.Array,  # [L, num_pages, page_size, 2K, H]
+    kv_cache: jax.Array,  # [L, num_pages, K, page_size, 2H]
     layer: jax.Array | int,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
@@ -78,12 +78,12 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
-    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 2K, page_size]  8-bit cache only
+    kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
 ) -> jax.Array:  # [T, N, H]
     cache = KVCache(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, kh2, _ = kv_cache.shape
-    num_kv_heads = kh2 // 2
+    _, _, num_kv_heads, page_size, _ = kv_cache.shape
+    kh2 = 2 * num_kv_heads
     group = num_heads // num_kv_heads
     max_reqs, pages_per_seq = block_tables.shape
     f32 = jnp.float32

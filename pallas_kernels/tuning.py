@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
+from pallas_kernels.target import current_device_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +64,51 @@ _DEVICE_FAMILIES = (  # (substring of device_kind, family), first match wins
     ("v5", "v5p"),
     ("h100", "h100"),
     ("h200", "h200"),
+    ("a100", "a100"),
     ("cpu", "cpu"),
 )
 
 
 def device_family(device_kind: str | None = None) -> str:
     """The table's device name for a `device_kind` (default: the first device's)."""
-    kind = (device_kind if device_kind is not None else jax.devices()[0].device_kind).lower()
+    kind = (device_kind if device_kind is not None else current_device_kind()).lower()
     for needle, family in _DEVICE_FAMILIES:
         if needle in kind:
             return family
     return "*"
+
+
+# The shared memory one Triton program may opt into, by GPU family (bytes): Hopper's 227 KiB,
+# Ampere A100's 163 KiB, and the 99 KiB of Ada and consumer Ampere for anything else.
+_GPU_SHARED_MEMORY = {"h100": 232448, "h200": 232448, "a100": 166912, "*": 101376}
+
+
+def gpu_shared_memory(
+    sizes: BlockSizes, *, page_size: int, head_dim: int, group: int, kv_itemsize: int, q_itemsize
+) -> int:
+    """An upper estimate of the shared memory the Triton kernel's program takes: the K and V
+    tiles of every pipeline stage, the query block and the [rows, kv] probabilities (checked
+    against the real compiler for H100 in tests/test_accelerator_compile.py)."""
+    group_padded = 1 << (group - 1).bit_length()
+    rows = max(sizes.q_block * group_padded, 16)
+    kv = sizes.kv_pages * page_size
+    tiles = sizes.num_stages * kv * 2 * head_dim * max(kv_itemsize, q_itemsize)
+    return tiles + rows * head_dim * q_itemsize + rows * kv * 4
+
+
+def _fit_gpu(sizes: BlockSizes, limit: int, **shape) -> BlockSizes:
+    """Halves the KV block, then the pipeline depth, then the query block, until the program's
+    shared memory fits `limit` (head_dim 256 with 16-token query blocks did not fit an H100)."""
+    while gpu_shared_memory(sizes, **shape) > limit:
+        if sizes.kv_pages > 1 and sizes.kv_pages * shape["page_size"] > 16:
+            sizes = dataclasses.replace(sizes, kv_pages=sizes.kv_pages // 2)
+        elif sizes.num_stages > 1:
+            sizes = dataclasses.replace(sizes, num_stages=sizes.num_stages - 1)
+        elif sizes.q_block > 1:
+            sizes = dataclasses.replace(sizes, q_block=sizes.q_block // 2)
+        else:
+            break
+    return sizes
 
 
 def get_block_sizes(
@@ -85,8 +119,13 @@ def get_block_sizes(
     num_tokens: int,
     max_reqs: int,
     device_kind: str | None = None,
+    group: int = 1,
+    kv_itemsize: int = 2,
+    q_itemsize: int = 2,
 ) -> BlockSizes:
-    """Block sizes for one call shape on the current device (or `device_kind`)."""
+    """Block sizes for one call shape on the current device (or `device_kind`). `group` (query
+    heads per kv head) and the itemsizes of the cache and the queries size the GPU program's
+    shared memory, which the sizes are cut down to fit."""
     family = device_family(device_kind)
     entry = None
     for key in (
@@ -102,12 +141,15 @@ def get_block_sizes(
     if entry is None:
         raise ValueError(f"no block sizes for backend {backend!r}")
     kv_pages = max(1, entry.kv_tokens // page_size)
-    q_block = entry.q_block
-    if backend == "pallas_gpu":
-        # A GPU program serves one request, so a block longer than the batch's mean query
-        # length is mostly padding (a decode batch has one token per request). Powers of two:
-        # Triton's block shapes must be.
-        mean_q = -(-num_tokens // max(max_reqs, 1))
-        q_block = min(q_block, 1 << (mean_q - 1).bit_length())
-        kv_pages = 1 << (kv_pages.bit_length() - 1)
-    return BlockSizes(q_block, kv_pages, entry.num_warps, entry.num_stages)
+    # A work item (a GPU program, a TPU grid step) serves one request's block of queries, so a
+    # block longer than the batch's mean query length is mostly padding (a decode batch has
+    # one token per request). Powers of two: Triton's block shapes must be.
+    mean_q = -(-num_tokens // max(max_reqs, 1))
+    q_block = min(entry.q_block, 1 << (mean_q - 1).bit_length())
+    kv_pages = 1 << (kv_pages.bit_length() - 1)
+    sizes = BlockSizes(q_block, kv_pages, entry.num_warps, entry.num_stages)
+    if backend == "pallas_gpu" and family != "cpu":
+        limit = _GPU_SHARED_MEMORY.get(family, _GPU_SHARED_MEMORY["*"])
+        shape = dict(page_size=page_size, head_dim=head_dim, group=group)
+        sizes = _fit_gpu(sizes, limit, kv_itemsize=kv_itemsize, q_itemsize=q_itemsize, **shape)
+    return sizes

@@ -13,9 +13,11 @@ from jaxllm.testing import CHATML, write_tiny_checkpoint, write_tiny_tokenizer
 
 __all__ = ["CHATML", "write_tiny_checkpoint", "write_tiny_tokenizer"]
 
-# Tests run on the CPU; keep JAX off any accelerator a developer's machine might have and
-# give the persistent caches a private home.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests run on the CPU: JAX stays off any accelerator a machine has, unless JAXLLM_TEST_DEVICE
+# is set (to anything): then JAX picks its device as usual and the on-device test classes run
+# there (`JAXLLM_TEST_DEVICE=1 pytest tests/test_attention_kernels.py -k OnDevice`).
+if not os.environ.get("JAXLLM_TEST_DEVICE"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(scope="session")

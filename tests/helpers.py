@@ -14,7 +14,7 @@ import numpy as np
 from jaxllm.models import AttentionMetadata
 from jaxllm.testing import write_tiny_tokenizer
 from pallas_kernels import KVCache, get_kv_cache_shape
-from pallas_kernels.kv_cache import quantize_kv
+from pallas_kernels.kv_cache import quantize_kv_cache
 
 
 def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> np.ndarray:
@@ -41,11 +41,14 @@ def quantize_case_cache(cache: np.ndarray, dtype) -> KVCache:
     """`make_case`'s NaN-filled float cache as an 8-bit `KVCache` of `dtype`: the written
     tokens quantized as `write_kv` does, every unused slot's scales NaN (and, for fp8, its
     data NaN too), so reading one still poisons the output."""
-    unused = np.isnan(cache).any(-1)  # [L, P, S, 2K]
-    data, scales = quantize_kv(jnp.asarray(np.nan_to_num(cache)), dtype)
+    unused = np.isnan(cache).any(-1)  # [L, P, K, S]
+    data, scales = quantize_kv_cache(jnp.asarray(np.nan_to_num(cache)), dtype)
     if jnp.dtype(dtype) == jnp.float8_e4m3fn:  # stored as bytes; 0x7f is e4m3's NaN
         data = jnp.where(jnp.asarray(unused)[..., None], jnp.uint8(0x7F), data)
-    scales = np.where(unused, np.nan, np.asarray(scales)).transpose(0, 1, 3, 2)
+    # Scales lanes are (head, K or V, token) per page: NaN where the token's slot is unused.
+    num_layers, num_pages, num_kv_heads, page_size, _ = cache.shape
+    unused = np.repeat(unused[:, :, :, None, :], 2, axis=3).reshape(scales.shape)
+    scales = np.where(unused, np.nan, np.asarray(scales))
     return KVCache(data, jnp.asarray(scales, jnp.float32))
 
 
@@ -94,8 +97,8 @@ def make_case(rng, seqs, *, num_heads, num_kv_heads, head_dim, page_size, max_re
         v = rng.standard_normal((kv_len, num_kv_heads, head_dim)).astype(np.float32)
         for t in range(kv_len):
             page, off = pages[t // page_size], t % page_size
-            cache[1, page, off, 0::2] = k[t]
-            cache[1, page, off, 1::2] = v[t]
+            cache[1, page, :, off, :head_dim] = k[t]
+            cache[1, page, :, off, head_dim:] = v[t]
         qs.append(rng.standard_normal((q_len, num_heads, head_dim)).astype(np.float32))
         ks.append(k)
         vs.append(v)

@@ -19,7 +19,7 @@ from pallas_kernels import (
     write_kv,
     zeros_kv_cache,
 )
-from pallas_kernels.kv_cache import read_kv
+from pallas_kernels.kv_cache import dequantize_kv_cache, read_kv
 
 from helpers import MIXES, dense_attention, make_case, quantize_case_cache
 
@@ -120,9 +120,10 @@ def test_write_kv_writes_only_its_slots():
     slots = jnp.array([0, 9, 31, num_slots, num_slots], jnp.int32)  # two padding tokens
     out = np.asarray(write_kv(cache, 1, k, v, slots))
     assert np.all(out[0] == 0) and np.all(out[2] == 0), "other layers must be untouched"
-    flat = out[1].reshape(num_slots, 4, 16)
+    # [pages, K, page_size, 2H] -> one row per slot: [slot, K, 2H] (the key, then the value)
+    flat = out[1].transpose(0, 2, 1, 3).reshape(num_slots, 2, 32)
     for s in (0, 9, 31):
-        assert np.all(flat[s, 0::2] == 1) and np.all(flat[s, 1::2] == 2)
+        assert np.all(flat[s, :, :16] == 1) and np.all(flat[s, :, 16:] == 2)
     others = np.delete(flat, [0, 9, 31], axis=0)
     assert np.all(others == 0)
 
@@ -152,7 +153,7 @@ def test_quantized_cache_matches_dequantized(backend, kv_dtype):
         dtype=jnp.float32,
     )
     quant = quantize_case_cache(cache, QUANTIZED_KV_DTYPES[kv_dtype])
-    dequant = read_kv(quant, slice(None), slice(None))
+    dequant = dequantize_kv_cache(quant)
     meta = (jnp.int32(1), jnp.asarray(seq_lens), jnp.asarray(bt), jnp.asarray(cu))
     meta = (*meta, jnp.asarray([len(seqs)], jnp.int32))
     out = np.asarray(
@@ -202,7 +203,8 @@ def test_write_kv_quantizes_per_token_and_head(kv_dtype):
     written = np.zeros(num_slots, bool)
     written[[0, 9, 31]] = True
     assert (
-        not got[~written].any() and not scales[1].transpose(0, 2, 1).reshape(32, 4)[~written].any()
+        not got[~written].any()
+        and not scales[1].reshape(4, 4, 8).transpose(0, 2, 1).reshape(32, 4)[~written].any()
     )
 
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels.kv_cache import quantize_kv
+from pallas_kernels.kv_cache import quantize_kv_cache
 from pallas_kernels.tuning import device_family
 
 # Peak HBM bandwidth (GB/s) by device family, as `pallas_kernels.tuning.device_family` names
@@ -116,11 +116,10 @@ def make_inputs(args, batch: int, context: int) -> tuple:
         1, num_pages, args.page_size, args.num_kv_heads, args.head_dim
     )
     key_cache, key_q = jax.random.split(jax.random.key(SEED))
-    kv_cache = jax.random.normal(key_cache, shape, args.dtype)  # [1, pages, page_size, 2K, H]
+    kv_cache = jax.random.normal(key_cache, shape, args.dtype)  # [1, pages, K, page_size, 2H]
     if args.kv_cache_dtype is not None:
         dtype = pallas_kernels.QUANTIZED_KV_DTYPES[args.kv_cache_dtype]
-        data, scales = quantize_kv(kv_cache, dtype)
-        kv_cache = pallas_kernels.KVCache(data, jnp.swapaxes(scales, -1, -2))
+        kv_cache = quantize_kv_cache(kv_cache, dtype)
     q = jax.random.normal(key_q, (batch * args.q_len, args.num_q_heads, args.head_dim), args.dtype)
     rng = np.random.default_rng(SEED)
     block_tables = rng.permutation(num_pages)[: batch * pages_per_seq]
@@ -309,12 +308,12 @@ def main() -> None:
     device_kind = jax.devices()[0].device_kind
     peak = peak_hbm_gb_s(device_kind)
     floor_us = dispatch_floor_us()
-    kh2 = 2 * args.num_kv_heads
     print(
         f"device: {device_kind} ({platform}), jax {jax.__version__}, peak HBM "
         f"{'n/a' if peak is None else f'{peak} GB/s'}\n"
         f"q [batch * {args.q_len}, {args.num_q_heads}, {args.head_dim}], kv_cache "
-        f"[1, pages, {args.page_size}, {kh2}, {args.head_dim}] {args.dtype}, block tables: "
+        f"[1, pages, {args.num_kv_heads}, {args.page_size}, {2 * args.head_dim}] {args.dtype}, "
+        f"block tables: "
         f"random page permutation; backends {args.backend}"
         f"{' (interpreted)' if args.interpret else ''}\n"
         f"dispatch floor (empty jitted call): {floor_us:.1f} us; {args.warmup} warmup, "

@@ -1,7 +1,8 @@
 // Ragged paged attention for the CPU, called from JAX through the XLA FFI.
 //
 // The contract is the one of every backend in pallas_kernels (see __init__.py): q [T, N, H],
-// the paged cache [L, num_pages, page_size, 2K, H] with K and V interleaved on the head axis,
+// the paged cache [L, num_pages, K, page_size, 2H] (per page and kv head, a row per token: its key
+// then its value),
 // seq_lens [R], block_tables [R, P], cu_q_lens [R + 1], num_seqs [1], sliding_window [1];
 // request r's queries are rows cu_q_lens[r]:cu_q_lens[r + 1], the last of its seq_lens[r]
 // tokens, whose K/V are already in the cache. Rows of padding requests (r >= num_seqs) are
@@ -30,7 +31,8 @@
 //
 // An 8-bit cache (int8, or float8_e4m3fn stored as its bytes, uint8, and read through a 256-entry
 // table) comes with its scales
-// f32[L, num_pages, 2K, page_size]: each token's K and V rows are widened and scaled as the tile
+// f32[L, num_pages, 1, 2K * page_size] (the same order as [2K][page_size] per page): each
+// token's K and V rows are widened and scaled as the tile
 // is read, so the rest of the item is the float code. A float cache passes a dummy f32[1].
 
 #include <algorithm>
@@ -98,14 +100,14 @@ constexpr int kDirectVecs = 4;   // up to this many query vectors: dot products,
 
 // One work item. HD is the head size when known at compile time (0: use s.head_dim), so the
 // loops over it unroll and vectorize.
-// `layer_scales`: this layer's [num_pages, 2K, page_size] scales of an 8-bit cache, else null.
+// `layer_scales`: this layer's [num_pages, 2K * page_size] scales of an 8-bit cache, else null.
 template <int HD, typename QT, typename CT>
 void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, const CT* layer_kv,
              const float* layer_scales, const int32_t* seq_lens, const int32_t* block_tables,
              const int32_t* cu, QT* out) {
   const int64_t H = HD > 0 ? HD : s.head_dim;
   const int64_t G = s.group, PS = s.page_size;
-  const int64_t token_stride = 2 * s.num_kv_heads * H;  // elements between tokens of a page
+  const int64_t row = 2 * H;  // elements of a token's K and V row
   const int64_t num_vecs = item.num_rows * G;            // query vectors: (row, head of group)
   const int64_t q_len = cu[item.req + 1] - cu[item.req];
   const int64_t seq_len = seq_lens[item.req];
@@ -135,7 +137,7 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
     const int64_t j0 = std::max<int64_t>(lo - t0, 0), j1 = std::min<int64_t>(hi - t0, kTile);
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t t = t0 + j, page = table[t / PS];
-      rows[j] = layer_kv + (page * PS + t % PS) * token_stride + 2 * item.kv_head * H;
+      rows[j] = layer_kv + ((page * s.num_kv_heads + item.kv_head) * PS + t % PS) * row;
       if (layer_scales != nullptr) {
         const float* sp = layer_scales + (page * 2 * s.num_kv_heads + 2 * item.kv_head) * PS;
         k_scale[j] = sp[t % PS];
@@ -295,7 +297,9 @@ ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32>
   auto bd = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || bd.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: bad ranks");
-  Shape s{qd[0], qd[1], qd[2], cd[1], cd[2], cd[3] / 2, qd[1] / (cd[3] / 2), bd[0], bd[1]};
+  if (cd[4] != 2 * qd[2] || qd[1] % cd[2])
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q and cache shapes disagree");
+  Shape s{qd[0], qd[1], qd[2], cd[1], cd[3], cd[2], qd[1] / cd[2], bd[0], bd[1]};
   Params prm{sm_scale, sliding_window.typed_data()[0], soft_cap};
   const int64_t lay = layer.typed_data()[0];
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], s.max_reqs);
@@ -317,9 +321,9 @@ ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32>
   const bool quantized = ct == ffi::S8 || ct == ffi::U8;
   if (quantized) {
     auto sd = kv_scales.dimensions();
-    if (sd.size() != 4 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != cd[3] || sd[3] != cd[2])
+    if (sd.size() != 4 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != 1 || sd[3] != 2 * cd[2] * cd[3])
       return ffi::Error::InvalidArgument(
-          "ragged_paged_attention_cpu: an 8-bit cache needs scales [L, num_pages, 2K, page_size]");
+          "ragged_paged_attention_cpu: an 8-bit cache needs scales [L, num_pages, 1, 2K * page_size]");
     if (qt != ffi::F32)
       return ffi::Error::InvalidArgument(
           "ragged_paged_attention_cpu: q must be float32 with an 8-bit cache");
