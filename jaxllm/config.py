@@ -29,6 +29,7 @@ from typing import Any
 # runs on the same decoder class (`jaxllm.models`): a new family that the shared layers
 # already cover is one line here.
 _GEMMA = {
+    "tie_word_embeddings": True,  # transformers' default for Gemma configs that omit it
     "norm_offset": 1.0,
     "sandwich_norms": True,
     "scale_embeddings": True,
@@ -63,16 +64,18 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: Any):
+def resolve_dtype(dtype: Any, platform: str | None = None):
     """Maps "auto", a name such as "bfloat16", or a dtype to a jnp dtype.
 
-    "auto" is float32 on CPU (exact parity with references) and bfloat16 on accelerators.
+    "auto" is float32 on CPU (exact parity with references) and bfloat16 on accelerators;
+    `platform` (default: JAX's default backend) is the one the engine runs on.
     """
     import jax
     import jax.numpy as jnp
 
     if dtype is None or dtype == "auto":
-        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+        cpu = (platform or jax.default_backend()) == "cpu"
+        return jnp.dtype(jnp.float32 if cpu else jnp.bfloat16)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
@@ -337,7 +340,9 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rope_freq_factors=tuple(float(f) for f in factors) if factors else None,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(
+                config.get("tie_word_embeddings", features.pop("tie_word_embeddings", False))
+            ),
             sliding_window=sliding_window,
             layer_types=layer_types,
             rope_local_theta=None if rope_local_theta is None else float(rope_local_theta),

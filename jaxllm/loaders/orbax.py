@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 MARKER = "jaxllm_orbax.json"
 FORMAT = "jaxllm-orbax"
-VERSION = 2  # 2: one array per layer; 1 stacked the decoder layers on a leading axis
+VERSION = 3  # 3: 2-D attention projections; 2: [D, N, H] ones; 1: layers stacked on one axis
 STATE_DIR = "state"
 CHUNK_BYTES = 1 << 20  # storage chunks of at most 1 MiB (besides one layer, one head)
 COMPRESS = False  # zstd: a third smaller only for dequantized GGUF weights, slower to read
@@ -71,8 +71,8 @@ def read_marker(path: Path) -> dict:
         )
     if marker.get("version", 0) < VERSION:
         raise ValueError(
-            f"{path} is in an older format (version {marker.get('version')}, decoder layers "
-            f"stacked); convert its source again with `jaxllm convert`"
+            f"{path} is in an older format (version {marker.get('version')}, whose parameter "
+            f"shapes this one no longer has); convert its source again with `jaxllm convert`"
         )
     return marker
 

@@ -33,6 +33,7 @@ from jaxllm.quantization import (
     HEAD_IMPORTANCE_POWER,
     QUANTIZABLE,
     QArray,
+    abstract_qarray,
     dequantize_np,
     quantize,
 )
@@ -43,14 +44,16 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 @functools.cache  # one table per model, not per tensor
 def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndarray], np.ndarray]]]:
     """Per-layer HF suffix -> (our path inside the layer, transform from the HF layout)."""
-    d, n, h = c.hidden_size, c.num_heads, c.head_dim
+    d, h = c.hidden_size, c.head_dim
     r = c.kv_head_replicas
     k = c.num_kv_heads // r  # the checkpoint's kv heads; each repeated r times (sharding.py)
     same = lambda w: w  # noqa: E731
 
     def kv(w: np.ndarray, *shape: int) -> np.ndarray:
-        w = w.reshape(*shape)
-        return w if r == 1 else np.repeat(w, r, axis=len(shape) - 2)
+        """A kv projection's [..., K * H] columns with each head repeated r times."""
+        if r == 1:
+            return w
+        return np.repeat(w.reshape(*shape), r, axis=len(shape) - 2).reshape(*shape[:-2], -1)
 
     rules = {
         f"{norm}.weight": ((norm, "weight"), same)
@@ -64,11 +67,11 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
     return rules | {
         "self_attn.q_norm.weight": (("self_attn", "q_norm", "weight"), same),
         "self_attn.k_norm.weight": (("self_attn", "k_norm", "weight"), same),
-        "self_attn.q_proj.weight": (("self_attn", "q_proj"), lambda w: w.T.reshape(d, n, h)),
+        "self_attn.q_proj.weight": (("self_attn", "q_proj"), lambda w: w.T),
         "self_attn.k_proj.weight": (("self_attn", "k_proj"), lambda w: kv(w.T, d, k, h)),
         "self_attn.v_proj.weight": (("self_attn", "v_proj"), lambda w: kv(w.T, d, k, h)),
-        "self_attn.o_proj.weight": (("self_attn", "o_proj"), lambda w: w.T.reshape(n, h, d)),
-        "self_attn.q_proj.bias": (("self_attn", "q_bias"), lambda w: w.reshape(n, h)),
+        "self_attn.o_proj.weight": (("self_attn", "o_proj"), lambda w: w.T),
+        "self_attn.q_proj.bias": (("self_attn", "q_bias"), same),
         "self_attn.k_proj.bias": (("self_attn", "k_bias"), lambda w: kv(w, k, h)),
         "self_attn.v_proj.bias": (("self_attn", "v_bias"), lambda w: kv(w, k, h)),
         "self_attn.o_proj.bias": (("self_attn", "o_bias"), same),
@@ -228,6 +231,57 @@ def _qarray_shardings(w: QArray, sharding: jax.sharding.NamedSharding, var_shape
         offset=None if w.offset is None else s_sharding,
         perm=None if w.perm is None else NamedSharding(mesh, P()),
     )
+
+
+def abstract_state_for(
+    abstract_state: nnx.State,
+    config: ModelConfig,
+    dtype: jnp.dtype,
+    shardings: dict[tuple, jax.sharding.Sharding],
+    quantization: str | None = None,
+) -> nnx.State:
+    """The state `build_state` would build, as `jax.ShapeDtypeStruct`s placed by `shardings`
+    ({path: sharding}): the model without its weights, for compiling it (`jaxllm.aot`).
+    `quantization`: None or "float" (float weights), or a format quantized at load (int8, int4,
+    fp8), whose QArrays take the shapes `quantize` gives them."""
+    if quantization not in (None, "float", *FORMATS):
+        raise ValueError(
+            f"quantization {quantization} keeps a checkpoint's own quantized tensors, whose "
+            "shapes a config alone does not give; compile with int8, int4, fp8 or none"
+        )
+    out = []
+    for path, var in nnx.to_flat_state(abstract_state):
+        where = shardings[path]
+        quantized = (
+            quantization in FORMATS
+            and path[-1] in QUANTIZABLE
+            and "expert" not in var.get_metadata().get("axes", ())
+        )
+        if not quantized:
+            value = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=where)
+            out.append((path, var.replace(value)))
+            continue
+        if path[-1] == "embed_tokens":  # [V, D]: rows are tokens, the tied head's outputs
+            out_shape, num_in = var.shape[:1], var.shape[1]
+        else:
+            num_in = _leading_in(var, path)
+            out_shape = var.shape[_num_in_axes(var.shape, num_in) :]
+        try:
+            w = abstract_qarray(quantization, int(np.prod(out_shape)), num_in)
+        except ValueError as e:
+            raise ValueError(f"parameter {'.'.join(map(str, path))}: {e}") from e
+        w = w.with_output(out_shape, dtype)
+        placed = _qarray_shardings(w, where, var.shape, path[-1] == "embed_tokens")
+        value = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), w, placed
+        )
+        out.append((path, var.replace(value)))
+    return nnx.from_flat_state(out)
+
+
+def _leading_in(var: nnx.Variable, path: tuple) -> int:
+    """The input width of a [in, out] weight (every quantizable one but the embedding)."""
+    return var.shape[0]
 
 
 def build_state(

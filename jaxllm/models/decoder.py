@@ -137,7 +137,7 @@ class DecoderForCausalLM(nnx.Module):
         self,
         input_ids: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]
-        kv_cache: KVCache | jax.Array,  # [L, num_pages, page_size, 2K, H]; an array: float
+        kv_cache: KVCache | jax.Array,  # [L, num_pages, K, page_size, 2H]; an array: float
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
         with matmul_backend(self.quant_matmul_backend):

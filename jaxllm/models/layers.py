@@ -144,12 +144,15 @@ def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Arr
     Products always accumulate in float32 (`preferred_element_type`): with bfloat16 operands,
     XLA's CPU backend otherwise takes a path that is 7x slower than float32 at any T (43 ms
     against 6 ms for the demo model's 30 gate/up weights at T = 4, 2-core AMD EPYC with
-    AVX512-BF16), and accelerators accumulate in float32 anyway. A single bfloat16 row is
-    padded to two: XLA's CPU matrix-vector path for bfloat16 is as slow as the above, while two
-    rows take its fast matrix path (5 ms)."""
+    AVX512-BF16), and accelerators accumulate in float32 anyway. On the CPU a single bfloat16
+    row is padded to two: XLA's CPU matrix-vector path for bfloat16 is as slow as the above,
+    while two rows take its fast matrix path (5 ms)."""
     contract = ((x.ndim - 1,), (1 if w_transposed else 0,))
     rows = x.shape[0]
-    pad = w.dtype == jnp.bfloat16 and rows == 1 and x.ndim == 2
+    # Only on the CPU: XLA:TPU streams a one-row product's weight once, and by its cost model
+    # a two-row one five times.
+    cpu = pallas_kernels.current_platform() == "cpu"
+    pad = cpu and w.dtype == jnp.bfloat16 and rows == 1 and x.ndim == 2
     if pad:
         x = jnp.concatenate([x, jnp.zeros_like(x)])
     out = jax.lax.dot_general(
@@ -192,14 +195,18 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs | None,
     ):
         d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
-        self.k_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
-        self.v_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
-        self.o_proj = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype)
+        # Matrices, heads-major on their head side (column h * H + i is head h's i): a 3-D
+        # [D, N, H] weight reshaped to 2-D inside the step made XLA:TPU relayout (and widen)
+        # it at every step, 5x its bytes. Splitting N * H over devices keeps whole heads.
+        self.q_proj = param(rngs, (d, n * h), ("embed", "q_heads"), dtype)
+        self.k_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype)
+        self.v_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype)
+        self.o_proj = param(rngs, (n * h, d), ("q_heads", "embed"), dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         if config.attention_bias:
-            self.q_bias = param(rngs, (n, h), ("q_heads", "head_dim"), dtype)
-            self.k_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype)
-            self.v_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype)
+            self.q_bias = param(rngs, (n * h,), ("q_heads",), dtype)
+            self.k_bias = param(rngs, (k * h,), ("kv_heads",), dtype)
+            self.v_bias = param(rngs, (k * h,), ("kv_heads",), dtype)
         else:
             self.q_bias = self.k_bias = self.v_bias = None
         self.o_bias = param(rngs, (d,), ("embed",), dtype) if config.attention_out_bias else None
@@ -221,7 +228,7 @@ class Attention(nnx.Module):
         self,
         x: jax.Array,  # [T, D]
         rope: Rope,  # of this step's positions
-        kv_cache: KVCache,  # [L, num_pages, page_size, 2K, H]
+        kv_cache: KVCache,  # [L, num_pages, K, page_size, 2H]
         layer: int,  # this layer's index into the cache
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
@@ -230,6 +237,10 @@ class Attention(nnx.Module):
             q = q + self.q_bias.get_value()
             k = k + self.k_bias.get_value()
             v = v + self.v_bias.get_value()
+        num_tokens, h = x.shape[0], self.head_dim
+        q = q.reshape(num_tokens, self.num_heads, h)  # [T, N, H]
+        k = k.reshape(num_tokens, self.num_kv_heads, h)  # [T, K, H]
+        v = v.reshape(num_tokens, self.num_kv_heads, h)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
