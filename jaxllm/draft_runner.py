@@ -97,10 +97,10 @@ class DraftRunner:
             sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=runner._replicated)
             kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=runner._replicated)
             inputs, tables = self._padding_inputs(shape[1])
-            self._step.lower(
-                self._params, self.kv_cache, runner.last_tokens, batch, sampled, kept, inputs,
-                tables,
-            ).compile()  # fmt: skip
+            runner.compile_program(
+                "draft_step", shape, self._step, self._params, self.kv_cache,
+                runner.last_tokens, batch, sampled, kept, inputs, tables, updates_cache=True,
+            )  # fmt: skip
 
         return [functools.partial(compile_step, shape) for shape in runner.shapes]
 

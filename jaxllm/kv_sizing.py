@@ -1,52 +1,113 @@
 """How many KV pages fit, and how long a sequence may be.
 
-On an accelerator the pool gets what `memory_utilization` of the device leaves after the
-weights (read from the device's memory stats); on CPU, where JAX reports no limit, a fixed
-budget (`cpu_kv_cache_gib`). `max_model_len` defaults to the model's context, clipped to what
-the pool can hold for one sequence.
+On an accelerator the pool gets what `memory_utilization` of the local device leaves after the
+weights (read from its memory stats; an accelerator that reports no limit is an error that
+names `num_pages`); on CPU, where JAX reports no limit, a fixed budget (`cpu_kv_cache_gib`).
+A page costs what its layout takes on the device (`device_page_bytes`): a TPU pads the cache's
+minor dimensions to whole tiles, so the pool is sized from the compiled layout's bytes, not
+from the logical ones. `max_model_len` defaults to the model's context, clipped to what the
+pool can hold for one sequence.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import CacheConfig, ModelConfig, resolve_dtype
-from pallas_kernels import QUANTIZED_KV_DTYPES, kv_bytes_per_token_head
+from pallas_kernels import QUANTIZED_KV_DTYPES, get_kv_cache_shape, kv_bytes_per_token_head
+from pallas_kernels.kv_cache import abstract_kv_cache
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> jnp.dtype:
-    """The cache's dtype for `kv_cache_dtype` (see `CacheConfig`) and the weights' `dtype`."""
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: str, platform: str | None = None
+) -> jnp.dtype:
+    """The cache's dtype for `kv_cache_dtype` (see `CacheConfig`) and the weights' `dtype` on
+    `platform` (default: JAX's default backend)."""
+    platform = platform or jax.default_backend()
     name = "fp8" if kv_cache_dtype == "fp8_e4m3" else kv_cache_dtype  # vLLM's alias
     if name in QUANTIZED_KV_DTYPES:
         return jnp.dtype(QUANTIZED_KV_DTYPES[name])
     if kv_cache_dtype != "auto":
-        return jnp.dtype(resolve_dtype(kv_cache_dtype))
+        return jnp.dtype(resolve_dtype(kv_cache_dtype, platform))
     # On the CPU the KV cache stays float32 under bfloat16 weights: XLA's CPU backend
     # computes bfloat16 in float32, and converting the cache for the K/V write made every
     # forward program copy it, every step (found by the runner's in-place check).
-    if jax.default_backend() == "cpu":
+    if platform == "cpu":
         return jnp.dtype(jnp.float32)
-    return jnp.dtype(resolve_dtype(model_dtype))
+    return jnp.dtype(resolve_dtype(model_dtype, platform))
 
 
 def bytes_per_page(config: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
-    """Bytes of one page of every layer, an 8-bit cache's scales included."""
+    """Logical bytes of one page of every layer, an 8-bit cache's scales included."""
     heads = config.num_layers * 2 * config.num_kv_heads
     return heads * page_size * kv_bytes_per_token_head(config.head_dim, dtype)
 
 
-def kv_budget_bytes(cache: CacheConfig) -> int:
-    device = jax.devices()[0]
+def device_page_bytes(
+    config: ModelConfig, page_size: int, dtype: jnp.dtype, sharding=None, num_devices: int = 1
+) -> int:
+    """Bytes one page of every layer takes on one device, in the layout the device gives the
+    cache: on a TPU, from the compiled allocation of a cache (tiles pad its minor dimensions);
+    elsewhere the logical bytes split over `num_devices`. `sharding`: the cache's (a `KVCache`
+    of shardings, see `jaxllm.sharding.kv_cache_sharding`), or a single device's sharding."""
+    logical = -(-bytes_per_page(config, page_size, dtype) // num_devices)
+    if sharding is None:
+        return logical
+    if not isinstance(sharding, tuple):  # one sharding for the data and the scales
+        sharding = (sharding, sharding)
+    device = next(iter(sharding[0].device_set))
+    if device.platform != "tpu":
+        return logical
+    args = (config.num_layers, page_size, config.num_kv_heads, config.head_dim)
+    small, large = (_compiled_cache_bytes(n, *args, jnp.dtype(dtype), sharding) for n in (64, 128))
+    return max(logical, -(-(large - small) // 64))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_cache_bytes(
+    num_pages, num_layers, page_size, num_kv_heads, head_dim, dtype, sharding
+):
+    """The per-device bytes of an allocated cache of `num_pages`, from its compiled program."""
+    shape = get_kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    abstract = abstract_kv_cache(shape, dtype, sharding)
+    outs = jax.tree.map(lambda a: a.sharding, abstract)
+    zeros = jax.jit(
+        lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=outs
+    )
+    return zeros.lower().compile().memory_analysis().output_size_in_bytes
+
+
+def device_memory_limit(device: jax.Device) -> tuple[int, int] | None:
+    """(bytes_limit, bytes_in_use) of a device's memory, or None where JAX reports none (the
+    CPU)."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def kv_budget_bytes(cache: CacheConfig, device: jax.Device | None = None) -> int:
+    """Bytes the KV cache may take on one device: what `memory_utilization` of `device` (the
+    first local one by default: on a multi-host slice, each host's own) leaves after what is
+    already on it (the weights), or `cpu_kv_cache_gib` on CPU."""
+    device = device or jax.local_devices()[0]
+    limit = device_memory_limit(device)
+    if limit is None:
+        if device.platform != "cpu":
+            raise ValueError(
+                f"the {device.device_kind} ({device.platform}) reports no memory limit to size "
+                "the KV cache from; give the pool's size with num_pages "
+                "(--num-gpu-blocks-override)"
+            )
         return int(cache.cpu_kv_cache_gib * 2**30)
-    # The weights are already on the device, so bytes_in_use counts them.
-    free = stats["bytes_limit"] * cache.memory_utilization - stats.get("bytes_in_use", 0)
+    bytes_limit, in_use = limit
+    free = bytes_limit * cache.memory_utilization - in_use
     if free <= 0:
         raise ValueError(
             f"no device memory is left for the KV cache at memory_utilization="
@@ -62,10 +123,16 @@ def plan_kv_cache(
     max_model_len: int | None,
     tensor_parallel_size: int = 1,
     draft_config: ModelConfig | None = None,
+    *,
+    page_bytes: int | None = None,
+    budget_bytes: int | None = None,
 ) -> tuple[int, int]:
     """Returns (num_pages, max_model_len), checked against each other and the model. Under
     tensor parallelism each device holds 1/tp of every page (its kv heads). A draft model
-    (speculative decoding) keeps a cache of the same pages: each page costs both."""
+    (speculative decoding) keeps a cache of the same pages: each page costs both.
+    `page_bytes`: one page's bytes on one device, both caches included (default: the logical
+    bytes, see `device_page_bytes`); `budget_bytes`: the bytes the pool may take on one device
+    (default: `kv_budget_bytes`)."""
     if max_model_len is not None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -74,13 +141,16 @@ def plan_kv_cache(
                 f"max_model_len ({max_model_len}) is longer than the model's context "
                 f"({config.max_position_embeddings})"
             )
-    page_bytes = bytes_per_page(config, cache.page_size, dtype)
-    if draft_config is not None:
-        page_bytes += bytes_per_page(draft_config, cache.page_size, dtype)
+    if page_bytes is None:
+        page_bytes = bytes_per_page(config, cache.page_size, dtype)
+        if draft_config is not None:
+            page_bytes += bytes_per_page(draft_config, cache.page_size, dtype)
+        page_bytes //= tensor_parallel_size
     if cache.num_pages is not None:
         num_pages = cache.num_pages
     else:
-        num_pages = kv_budget_bytes(cache) // (page_bytes // tensor_parallel_size)
+        budget = kv_budget_bytes(cache) if budget_bytes is None else budget_bytes
+        num_pages = budget // page_bytes
     capacity = num_pages * cache.page_size
     if max_model_len is None:
         max_model_len = min(config.max_position_embeddings, capacity)
@@ -95,7 +165,7 @@ def plan_kv_cache(
             f"pages but the KV cache has {num_pages}; lower max_model_len or raise num_pages"
         )
     logger.info(
-        "KV cache: %d pages x %d tokens (%.1f MiB, %s), max_model_len %d",
+        "KV cache: %d pages x %d tokens (%.1f MiB per device, %s), max_model_len %d",
         num_pages,
         cache.page_size,
         num_pages * page_bytes / 2**20,

@@ -255,6 +255,26 @@ def quantize(
     )
 
 
+def abstract_qarray(fmt: str, num_out: int, num_in: int) -> QArray:
+    """The shapes and dtypes `quantize` gives a [num_out, num_in] matrix in `fmt`, as
+    `jax.ShapeDtypeStruct`s: for compiling a quantized model without its weights."""
+    if fmt in ("int8", "fp8"):
+        q = jax.ShapeDtypeStruct(
+            (num_out, num_in), jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
+        )
+        scale = jax.ShapeDtypeStruct((num_out, 1), jnp.float32)
+        return QArray(q, scale, None, fmt, (num_out,), np.dtype(np.float32))
+    if fmt != "int4":
+        raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if num_in % INT4_GROUP:
+        raise ValueError(
+            f"int4 needs an input width that is a multiple of {INT4_GROUP}, got {num_in}"
+        )
+    q = jax.ShapeDtypeStruct((num_out, num_in // 2), jnp.uint8)
+    scale = jax.ShapeDtypeStruct((num_out, num_in // INT4_GROUP), jnp.float16)
+    return QArray(q, scale, scale, "int4", (num_out,), np.dtype(np.float32))
+
+
 def _refine_int4(g, c, scale, lo, values):
     """Alternates, per group of `g` [O, G, S] with importance `c` [1, G, S]: the scale and
     offset minimizing sum c * (values * scale + lo - g)^2 for the values (weighted least
@@ -335,11 +355,19 @@ def matmul_backend(backend: str):
 
 
 def _implementation() -> str:
-    """ "native", "pallas" or "xla": `matmul_backend`'s choice, "auto" resolved by platform."""
+    """ "native", "pallas" or "xla": `matmul_backend`'s choice, "auto" resolved by platform.
+    "pallas" is the Triton kernel: it runs on NVIDIA GPUs, and interpreted on the CPU (for
+    checking); anywhere else it is refused rather than interpreted slowly."""
     backend = _MATMUL_BACKEND.get()
+    platform = pallas_kernels.current_platform()
+    if backend == "pallas" and platform not in ("gpu", "cpu"):
+        raise ValueError(
+            f"quant_matmul_backend pallas is a Triton kernel for NVIDIA GPUs and cannot run on "
+            f"{platform}; use auto or xla"
+        )
     if backend != "auto":
         return backend
-    if pallas_kernels.current_platform() == "cpu":
+    if platform == "cpu":
         return "native" if quant_matmul_cpu.available() else "xla"
     return "xla"
 
@@ -349,10 +377,10 @@ def _pallas_runs(num_tokens: int, w: QArray) -> bool:
     a GPU that converts e4m3 (compute capability 8.9 on; lowered off a GPU, JAX assumes 9.0)."""
     if not quant_matmul_gpu.supports(num_tokens, w.num_out, w.num_in, w.fmt):
         return False
-    if w.fmt != "fp8" or jax.default_backend() != "gpu":
+    if w.fmt != "fp8" or pallas_kernels.current_platform() != "gpu":
         return True
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    return capability is None or tuple(map(int, str(capability).split(".")[:2])) >= (8, 9)
+    capability = pallas_kernels.compute_capability()
+    return capability is None or capability >= (8, 9)
 
 
 def _xla_matmul(x: jax.Array, w: QArray) -> jax.Array:

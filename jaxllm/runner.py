@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+import pallas_kernels
 from jaxllm import sharding
 from jaxllm.config import ModelConfig, SpecMethod
 from jaxllm.engine.step_data import (
@@ -49,6 +50,7 @@ from jaxllm.sampler import SamplingInputs, sample, token_logprobs
 from jaxllm.sampling_params import MAX_LOGIT_BIAS
 from jaxllm.spec_decode import NgramProposer
 from pallas_kernels import KVCache, get_kv_cache_shape, is_quantized_dtype, zeros_kv_cache
+from pallas_kernels.kv_cache import abstract_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +209,14 @@ class ModelRunner:
             config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim
         )
         self.mesh = mesh
-        # Where host inputs go: the default device, or replicated over the mesh.
+        # A runner over abstract parameters (`jax.ShapeDtypeStruct`s placed on the devices of
+        # a target that may not be here, see `jaxllm.aot`) compiles every program and runs none.
+        self.abstract = isinstance(self._params[0], jax.ShapeDtypeStruct)
+        # Where host inputs go: the default device (the target's, for an abstract runner), or
+        # replicated over the mesh.
         self._replicated = None if mesh is None else sharding.replicated(mesh)
+        if self.abstract and mesh is None:
+            self._replicated = self._params[0].sharding
         self.kv_cache = self._zeros_cache(shape, dtype)
         self.kv_cache_lost = False  # set when a failed step took the cache with it
         self.input_batch = InputBatch(
@@ -218,8 +226,12 @@ class ModelRunner:
         # input for that row when it was scheduled before this step's output came back.
         self.max_num_seqs = max_num_seqs
         self.last_tokens = self._zeros_last_tokens()
-        # Per compiled shape: the step program's memory analysis (filled by `warmup`).
-        self.program_memory: dict[tuple[int, int], dict[str, int]] = {}
+        # Every program `warmup` compiled, with what its compiler says of it; and with
+        # `keep_executables` set, the executables themselves (`jaxllm compile
+        # --save-executables` serializes them).
+        self.programs: list[CompiledProgram] = []
+        self.keep_executables = False
+        self.executables: dict[tuple[str, tuple], Any] = {}
         self._idle_device_inputs: dict[int, dict[str, jax.Array]] = {}  # by logit bucket
         self.bitmask_words = -(-config.vocab_size // 32)  # int32 words per grammar bitmask row
         # Counters since start, for metrics: the tokens the steps computed, the token slots of
@@ -266,10 +278,16 @@ class ModelRunner:
         drafts = len(self.shapes) if self.drafter is not None else 0  # see `DraftRunner`
         return len(self.shapes) + len(self.logit_buckets) + len(self.token_buckets) + drafts
 
-    def warmup(self, *, progress: bool = True) -> float:
+    def warmup(
+        self, *, progress: bool = True, check_in_place: bool = True, decode_only: bool = False
+    ) -> float:
         """Compiles (or loads from the persistent cache) every program a batch can need, so
         nothing compiles while serving. Returns the seconds it took. XLA compiles without the
-        GIL, so the programs compile on one thread per CPU core."""
+        GIL, so the programs compile on one thread per CPU core. Raises if a program would copy
+        the KV cache instead of updating it in place (see `updates_in_place`), unless
+        `check_in_place` is off (`jaxllm compile` reports them instead). `decode_only`: only
+        the programs of decode steps (as many tokens as requests), for a quick look at a target
+        (`jaxllm compile --programs decode`); an engine that serves needs them all."""
         start = time.perf_counter()
         _, hidden, _ = jax.eval_shape(
             self._forward,
@@ -288,23 +306,26 @@ class ModelRunner:
         # executables when real batches arrive.
         def forward(shape):
             batch = self._padding_batch(*shape)
-            compiled = self._forward.lower(
-                self._params, self.kv_cache, self.last_tokens, batch
-            ).compile()
-            self.program_memory[shape] = _memory(compiled)
+            args = (self._params, self.kv_cache, self.last_tokens, batch)
+            self.compile_program("forward", shape, self._forward, *args, updates_cache=True)
 
         def head(n):
             sampling, verify = self._padding_sampling(n)
-            self._sample.lower(self._params, rows(n), sampling, verify, self.last_tokens).compile()
+            args = (self._params, rows(n), sampling, verify, self.last_tokens)
+            self.compile_program("head_and_sample", (n,), self._sample, *args)
 
         def scorer(t):
-            self._score.lower(self._params, rows(t), np.zeros(t, np.int32)).compile()
+            args = (self._params, rows(t), np.zeros(t, np.int32))
+            self.compile_program("prompt_scorer", (t,), self._score, *args)
 
-        jobs = [functools.partial(forward, shape) for shape in self.shapes]
-        jobs += [functools.partial(head, n) for n in self.logit_buckets]
-        jobs += [functools.partial(scorer, t) for t in self.token_buckets]
-        if self.drafter is not None:
-            jobs += self.drafter.warmup_jobs()
+        shapes = [s for s in self.shapes if not decode_only or s[0] == s[1]]
+        jobs = [functools.partial(forward, shape) for shape in shapes]
+        logit_buckets = sorted({logit_rows(s, self.num_speculative_tokens) for s in shapes})
+        jobs += [functools.partial(head, n) for n in logit_buckets]
+        if not decode_only:
+            jobs += [functools.partial(scorer, t) for t in self.token_buckets]
+            if self.drafter is not None:
+                jobs += self.drafter.warmup_jobs()
         # Several processes (multi-host) compile one at a time: compiling a program that spans
         # them exchanges messages between them, which must come in the same order on each.
         workers = 1 if jax.process_count() > 1 else max(1, min(os.cpu_count() or 1, 8))
@@ -315,26 +336,72 @@ class ModelRunner:
             for future in [pool.submit(job) for job in jobs]:
                 future.result()
                 bar.update(1)
-        copies = [shape for shape, m in self.program_memory.items() if not self.updates_in_place(m)]
-        if copies:
-            logger.warning(
-                "the forward programs of shapes %s copy the KV cache (%.0f MiB) instead of "
-                "updating it in place: expect slow steps and extra memory there",
-                copies,
-                self.kv_cache.nbytes / 2**20,
+        copies = self.cache_copies()
+        if copies and check_in_place:
+            raise RuntimeError(
+                f"{len(copies)} step program(s) would copy the KV cache "
+                f"({self.kv_cache.nbytes / 2**20:.0f} MiB) instead of updating it in place "
+                f"(slow steps, and twice the cache's memory): "
+                + ", ".join(f"{p.name} {p.shape}: {p.describe()}" for p in copies)
             )
         return time.perf_counter() - start
 
-    def updates_in_place(self, memory: dict[str, int]) -> bool:
-        """Whether a step program with this memory analysis writes the donated KV cache in
-        place: its output aliases the cache, and no temporary could hold a copy of its data
-        (XLA has copied it when a one-token write became a dynamic-update-slice, see
-        `write_kv`, and when it widened a float8 cache for the scatter)."""
-        cache, data = self.kv_cache.nbytes, self.kv_cache.data.nbytes
-        if self.mesh is not None:  # the analysis is per device
-            cache //= self.mesh.shape["model"]
-            data //= self.mesh.shape["model"]
-        return memory["alias_bytes"] >= cache and memory["temp_bytes"] < data
+    def compile_program(
+        self, name: str, shape: tuple, fn, *args, updates_cache: bool = False
+    ) -> CompiledProgram:
+        """Compiles `fn(*args)` (a jitted function) and records it in `programs`. An abstract
+        runner compiles for its parameters' devices with their platform's compiler (a TPU's or
+        a GPU's, on this machine), with the kernels traced for that platform."""
+        start = time.perf_counter()
+        if not self.abstract:
+            compiled = fn.lower(*args).compile()
+        else:
+            device = next(iter(self._replicated.device_set))
+            args = jax.tree.map(self._abstract_input, args)
+            with pallas_kernels.target_platform(device.platform, device):
+                traced = fn.trace(*args)
+                platforms = (pallas_kernels.lowering_platform(device),)
+                compiled = traced.lower(lowering_platforms=platforms).compile()
+        program = CompiledProgram.of(
+            name, shape, compiled, time.perf_counter() - start, updates_cache=updates_cache
+        )
+        with _PROGRAMS_LOCK:
+            self.programs.append(program)
+            if self.keep_executables:
+                self.executables[name, tuple(shape)] = compiled
+        return program
+
+    def _abstract_input(self, x):
+        """A host input of an abstract runner's program, as an abstract value on its devices."""
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)
+
+    def cache_copies(self) -> list[CompiledProgram]:
+        """The compiled programs that take the KV cache and would copy it."""
+        return [p for p in self.programs if p.updates_cache and not self.updates_in_place(p)]
+
+    @property
+    def kv_cache_device_bytes(self) -> int:
+        """The KV cache's logical bytes on one device (all of it without a mesh)."""
+        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv_cache))
+        return nbytes // (1 if self.mesh is None else self.mesh.shape["model"])
+
+    def updates_in_place(self, program: CompiledProgram) -> bool:
+        """Whether a step program writes the donated KV cache in place, from what its compiler
+        says: its output aliases the cache, and no temporary could hold a copy of the cache's
+        data (XLA has copied it when a one-token write became a dynamic-update-slice, see
+        `write_kv`, when it widened a float8 cache for the scatter, and when the TPU kernel
+        wanted another tiling of the cache than the one it was given)."""
+        data = self.kv_cache_device_bytes
+        if self.kv_cache.scales is not None:
+            data -= (
+                self.kv_cache.scales.size
+                * 4
+                // (1 if self.mesh is None else self.mesh.shape["model"])
+            )
+        return program.alias_bytes >= self.kv_cache_device_bytes and program.temp_bytes < data
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -396,7 +463,7 @@ class ModelRunner:
         if r_pad not in self._idle_device_inputs:
             padding = self._penalty_padding(r_pad)
             padding["token_bitmask"] = _ints(r_pad, self.bitmask_words, fill=-1)
-            self._idle_device_inputs[r_pad] = jax.device_put(padding, self._replicated)
+            self._idle_device_inputs[r_pad] = self._put(padding)
         return self._idle_device_inputs[r_pad]
 
     def _fill_bitmask(
@@ -450,13 +517,25 @@ class ModelRunner:
         return dataclasses.replace(sampling, **host)
 
     def _zeros_last_tokens(self) -> jax.Array:
-        return jax.device_put(np.zeros(self.max_num_seqs, np.int32), self._replicated)
+        return self._put(np.zeros(self.max_num_seqs, np.int32))
+
+    def _put(self, host):
+        """Host arrays (a pytree) placed where host inputs go (abstract values for an abstract
+        runner)."""
+        if self.abstract:
+            return jax.tree.map(self._abstract_input, host)
+        return jax.device_put(host, self._replicated)
 
     def _zeros_cache(self, shape, dtype) -> KVCache:
-        """A zero cache, created in place on its devices (split on kv heads under a mesh)."""
+        """A zero cache, created in place on its devices (split on kv heads under a mesh); an
+        abstract runner's is abstract."""
         if self.mesh is None:
+            if self.abstract:
+                return abstract_kv_cache(shape, dtype, (self._replicated,) * 2)
             return zeros_kv_cache(shape, dtype)
         out = sharding.kv_cache_sharding(self.mesh, is_quantized_dtype(dtype))
+        if self.abstract:
+            return abstract_kv_cache(shape, dtype, out)
         return jax.jit(lambda: zeros_kv_cache(shape, dtype), out_shardings=out)()
 
     def update_batch(self, out: SchedulerOutput) -> np.ndarray:
@@ -759,12 +838,58 @@ def _ints(*shape: int, fill: int = 0) -> np.ndarray:
     return np.full(shape, fill, np.int32)
 
 
-def _memory(compiled) -> dict[str, int]:
-    analysis = compiled.memory_analysis()
-    return {
-        "temp_bytes": analysis.temp_size_in_bytes,
-        "alias_bytes": analysis.alias_size_in_bytes,
-    }
+_PROGRAMS_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """One compiled program and what its compiler says of it (per device). On a target that is
+    not here (`jaxllm.aot`) the cost figures are the compiler's predictions, not measurements."""
+
+    name: str  # forward, head_and_sample, prompt_scorer, draft_step
+    shape: tuple  # its bucket: (tokens, requests) or (rows,)
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse a donated input's buffer (the KV cache)
+    temp_bytes: int
+    code_bytes: int
+    flops: float | None  # the compiler's cost analysis, where it gives one
+    bytes_accessed: float | None  # in every memory the program touches (a TPU's VMEM too)
+    optimal_seconds: float | None  # the compiler's own estimate of its run time (XLA:TPU)
+    updates_cache: bool  # takes the donated KV cache and returns it
+
+    @classmethod
+    def of(
+        cls, name: str, shape: tuple, compiled, seconds: float, *, updates_cache: bool
+    ) -> CompiledProgram:
+        m = compiled.memory_analysis()
+        try:
+            cost = compiled.cost_analysis() or {}
+        except Exception:  # some backends have none
+            cost = {}
+        if isinstance(cost, list):  # older JAX: one dict per device
+            cost = cost[0] if cost else {}
+        return cls(
+            name,
+            tuple(shape),
+            seconds,
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.alias_size_in_bytes,
+            m.temp_size_in_bytes,
+            m.generated_code_size_in_bytes,
+            cost.get("flops"),
+            cost.get("bytes accessed"),
+            cost.get("optimal_seconds"),
+            updates_cache,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.alias_bytes / 2**20:.1f} MiB aliased, {self.temp_bytes / 2**20:.1f} MiB of "
+            "temporaries"
+        )
 
 
 def _merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:

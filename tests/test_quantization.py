@@ -250,8 +250,8 @@ def test_engine_runs_quantized_without_compiling(tiny_model_dir, fmt, kv_cache_d
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert llm.runner.num_compilations == before
     assert batched == alone
-    memory = llm.runner.program_memory
-    assert memory and all(llm.runner.updates_in_place(m) for m in memory.values())
+    programs = [p for p in llm.runner.programs if p.updates_cache]
+    assert programs and all(llm.runner.updates_in_place(p) for p in programs)
     if kv_cache_dtype != "auto":
         assert llm.runner.kv_cache.scales is not None
 

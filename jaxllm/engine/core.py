@@ -84,11 +84,16 @@ class EngineCore:
         from jaxllm.config import resolve_dtype
         from jaxllm.engine import multihost
         from jaxllm.engine.kv_cache_manager import KVCacheManager
-        from jaxllm.kv_sizing import plan_kv_cache, resolve_kv_cache_dtype
+        from jaxllm.kv_sizing import (
+            device_page_bytes,
+            kv_budget_bytes,
+            plan_kv_cache,
+            resolve_kv_cache_dtype,
+        )
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
         from jaxllm.runner import ModelRunner
-        from jaxllm.sharding import make_mesh
+        from jaxllm.sharding import kv_cache_placement, make_mesh
 
         comp, parallel = config.compilation, config.parallel
         xla_cache = comp.compilation_cache_dir
@@ -125,13 +130,22 @@ class EngineCore:
             )
             check_draft_config(loaded.config, draft.config)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
+        cache_sharding = kv_cache_placement(mesh, kv_dtype)
+        page_bytes = sum(
+            device_page_bytes(c, config.cache.page_size, kv_dtype, cache_sharding, tp)
+            for c in (loaded.config, None if draft is None else draft.config)
+            if c is not None
+        )
         num_pages, max_model_len = plan_kv_cache(
             loaded.config,
             config.cache,
             kv_dtype,
             config.scheduler.max_model_len,
             tp,
-            draft_config=None if draft is None else draft.config,
+            page_bytes=page_bytes,
+            budget_bytes=None
+            if config.cache.num_pages is not None
+            else kv_budget_bytes(config.cache, jax.local_devices()[0]),
         )
         config = config.replace(
             max_model_len=max_model_len,
