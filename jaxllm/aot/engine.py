@@ -1,0 +1,334 @@
+"""The engine `jaxllm serve` would build on a target, from the model's config alone, with every
+program compiled by the target's own compiler on this machine.
+
+The weights are abstract (shapes, dtypes and shardings on the target's compile-only devices),
+so a 70B model is checked on a laptop: the model is built with `nnx.eval_shape`, quantized
+weights take the shapes `quantize` would give them, the KV pool is sized as `serve` sizes it on
+that chip (its memory, `memory_utilization`, the weights' bytes as the device lays them out,
+and each page's bytes in the cache's compiled layout), and `ModelRunner.warmup` compiles every
+program the engine compiles at startup, with the kernels traced for the target's platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+import pallas_kernels
+from jaxllm.aot.targets import Target
+from jaxllm.config import EngineConfig, ModelConfig, resolve_dtype
+from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
+from jaxllm.loaders import load_config, quantized_hf
+from jaxllm.loaders.weights import abstract_state_for
+from jaxllm.model_cache import resolve_model
+from jaxllm.models import get_model_class
+from jaxllm.quantization import FORMATS
+from jaxllm.runner import ModelRunner
+from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings, shard_config
+
+logger = logging.getLogger(__name__)
+
+
+class DoesNotFit(ValueError):
+    """The model, at these settings, does not fit the target; the message says what would."""
+
+
+@dataclasses.dataclass
+class AbstractModel:
+    config: ModelConfig  # as sharded (kv heads repeated under tensor parallelism)
+    model: nnx.Module  # with abstract parameters on the target's devices
+    weight_bytes: int  # per device, logical
+    weight_device_bytes: int  # per device, as the target lays the parameters out
+
+
+@dataclasses.dataclass
+class CompiledEngine:
+    target: Target
+    config: EngineConfig  # resolved: max_model_len, num_pages, tensor_parallel_size filled in
+    model_config: ModelConfig
+    dtype: jnp.dtype  # the weights'
+    kv_dtype: jnp.dtype
+    runner: ModelRunner  # abstract: its `programs` hold what the compiler said of each
+    weights: list[AbstractModel]  # the model, then the draft model if any
+    page_bytes: int  # one page of every layer (both caches with a draft) on one device
+    budget_bytes: int  # what the KV pool could take on one device
+    compile_seconds: float
+    build_seconds: float
+
+    @property
+    def weight_device_bytes(self) -> int:
+        return sum(w.weight_device_bytes for w in self.weights)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.weight_bytes for w in self.weights)
+
+    @property
+    def kv_cache_device_bytes(self) -> int:
+        return self.runner.num_pages * self.page_bytes
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.parallel.tensor_parallel_size or 1
+
+
+def compile_engine(
+    config: EngineConfig,
+    target: Target,
+    *,
+    progress: bool = True,
+    decode_only: bool = False,
+    keep_executables: bool = False,
+) -> CompiledEngine:
+    """Builds the engine on `target` from `config` and compiles all its programs (with
+    `decode_only`, those of decode steps; `keep_executables` keeps the executables for
+    `save_executables`). Raises `DoesNotFit` (a ValueError) when the weights or
+    `max_model_len` do not fit."""
+    start = time.perf_counter()
+    devices = target.devices()
+    platform = devices[0].platform  # "tpu" or "gpu"
+    tp = config.parallel.tensor_parallel_size or target.num_devices
+    if tp > target.num_devices:
+        raise ValueError(
+            f"tensor_parallel_size {tp} needs {tp} devices; {target.name} has {target.num_devices}"
+        )
+    mesh = make_mesh(tp, devices=devices) if tp > 1 else None
+    dtype = resolve_dtype(config.load.dtype, platform)
+    backend = pallas_kernels.resolve_backend(config.compilation.attention_backend, platform)
+    comp = config.compilation
+    quantization = config.load.quantization
+    model = abstract_model(
+        config.load.model, dtype, backend, comp.quant_matmul_backend, mesh, devices[0], quantization
+    )
+    weights = [model]
+    spec = config.speculative.method
+    if spec is not None and spec.method == "draft_model":
+        weights.append(
+            abstract_model(spec.model, dtype, backend, comp.quant_matmul_backend, mesh, devices[0])
+        )
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype, platform)
+    cache = config.cache
+    placement = kv_cache_placement(mesh, kv_dtype, devices[0])
+    page_bytes = sum(
+        device_page_bytes(w.config, cache.page_size, kv_dtype, placement, tp) for w in weights
+    )
+    weight_device_bytes = sum(w.weight_device_bytes for w in weights)
+    usable = target.usable_memory_bytes * cache.memory_utilization
+    budget = int(usable - weight_device_bytes)
+    if budget < 2 * page_bytes and cache.num_pages is None:
+        raise DoesNotFit(
+            f"{config.load.model} does not fit {target.name}: its weights take "
+            f"{_gib(weight_device_bytes)} per device of the {_gib(usable)} that "
+            f"memory_utilization {cache.memory_utilization} leaves of "
+            f"{_gib(target.usable_memory_bytes)}. "
+            + fit_advice(config, target, dtype, weight_device_bytes, page_bytes)
+        )
+    try:
+        num_pages, max_model_len = plan_kv_cache(
+            model.config,
+            cache,
+            kv_dtype,
+            config.scheduler.max_model_len,
+            tp,
+            page_bytes=page_bytes,
+            budget_bytes=budget,
+        )
+    except ValueError as e:
+        raise DoesNotFit(
+            f"{config.load.model} on {target.name}: {e}. "
+            + fit_advice(config, target, dtype, weight_device_bytes, page_bytes)
+        ) from e
+    config = config.replace(
+        max_model_len=max_model_len,
+        num_pages=num_pages,
+        tensor_parallel_size=tp,
+        attention_backend=backend,
+    )
+    sched = config.scheduler
+    runner = ModelRunner(
+        model.model,
+        model.config,
+        num_pages=num_pages,
+        page_size=cache.page_size,
+        max_model_len=max_model_len,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        dtype=kv_dtype,
+        mesh=mesh,
+        speculative=spec,
+        draft_model=None if len(weights) == 1 else (weights[1].model, weights[1].config),
+    )
+    build_seconds = time.perf_counter() - start
+    runner.keep_executables = keep_executables
+    compile_seconds = runner.warmup(
+        progress=progress, check_in_place=False, decode_only=decode_only
+    )
+    return CompiledEngine(
+        target,
+        config,
+        model.config,
+        dtype,
+        kv_dtype,
+        runner,
+        weights,
+        page_bytes,
+        budget,
+        compile_seconds,
+        build_seconds,
+    )
+
+
+def abstract_model(
+    model: str,
+    dtype,
+    attention_backend: str,
+    quant_matmul_backend: str,
+    mesh,
+    device: jax.Device,
+    quantization: str | None = None,
+) -> AbstractModel:
+    """The model at `model` (a directory whose config.json is all that is read, a .gguf file's
+    metadata, or a demo name) built with abstract parameters placed on `mesh`, or on `device`
+    without one."""
+    path = resolve_model(model)
+    if path.suffix == ".gguf" and quantization not in ("float", *FORMATS):
+        raise ValueError(
+            f"{path.name}: a GGUF file's own quantized tensors are not compiled here; compile "
+            "it with --quantization float, int8, int4 or fp8"
+        )
+    config = load_config(path)
+    method = quantized_hf.checkpoint_method(_hf_config(path)) if path.is_dir() else None
+    if method is not None:
+        raise ValueError(
+            f"{path}: a {method} checkpoint's tensors are not compiled here; compile the float "
+            "model, with --quantization int8, int4 or fp8 if wanted"
+        )
+    if mesh is not None:
+        config = shard_config(config, mesh.shape["model"])
+    cls = get_model_class(config)
+    abstract = nnx.eval_shape(
+        lambda: cls(
+            config,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            quant_matmul_backend=quant_matmul_backend,
+            mesh=mesh,
+            rngs=None,
+        )
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    if mesh is not None:
+        shardings = param_shardings(abstract_state, mesh)
+    else:
+        single = SingleDeviceSharding(device)
+        shardings = {path: single for path, _ in nnx.to_flat_state(abstract_state)}
+    state = abstract_state_for(abstract_state, config, dtype, shardings, quantization)
+    leaves = jax.tree.leaves(state)
+    logical = sum(_shard_bytes(a) for a in leaves)
+    return AbstractModel(config, nnx.merge(graphdef, state), logical, _device_bytes(leaves))
+
+
+def _hf_config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
+    """Bytes of the busiest device's shard of `a`."""
+    shape = a.sharding.shard_shape(a.shape)
+    size = 1
+    for d in shape:
+        size *= d
+    return size * jnp.dtype(a.dtype).itemsize
+
+
+def _device_bytes(leaves: list[jax.ShapeDtypeStruct]) -> int:
+    """Bytes the parameters take on one device in the target's layouts: the output size of a
+    compiled program that creates them (a TPU pads the two minor dimensions to its tiles)."""
+    make = jax.jit(
+        lambda: [jnp.zeros(a.shape, a.dtype) for a in leaves],
+        out_shardings=[a.sharding for a in leaves],
+    )
+    return make.lower().compile().memory_analysis().output_size_in_bytes
+
+
+def fit_advice(
+    config: EngineConfig, target: Target, dtype, weight_bytes: int, page_bytes: int
+) -> str:
+    """What would fit, naming the flags: more devices (tensor parallelism), smaller weights
+    (quantization), a shorter context."""
+    usable = target.usable_memory_bytes * config.cache.memory_utilization
+    tp = config.parallel.tensor_parallel_size or target.num_devices
+    total = weight_bytes * tp  # the whole model, as laid out
+    tips = []
+    chip = target.chip
+    for n in chip.counts:
+        if n > tp and total / n < 0.8 * usable:
+            name = (
+                f"{chip.name}x{n}"
+                if chip.platform == "cuda"
+                else f"{chip.name}-{n * chip.cores_per_chip}"
+            )
+            tips.append(
+                f"--target {name} (tensor parallelism {n}: ~{_gib(total / n)} of weights per device)"
+            )
+            break
+    if config.load.quantization in (None, "float"):
+        linear = jnp.dtype(dtype).itemsize
+        for fmt, bits in (("int8", 8), ("int4", 5)):  # int4: 4 bits and a scale per 32
+            shrunk = weight_bytes * bits / (8 * linear)
+            if shrunk < 0.8 * usable:
+                tips.append(f"--quantization {fmt} (~{_gib(shrunk)} of weights per device)")
+                break
+    free = usable - weight_bytes
+    if free > 2 * page_bytes:
+        tokens = int(free // page_bytes) * config.cache.page_size
+        tips.append(f"--max-model-len {tokens} (the longest context this pool holds)")
+        if config.cache.kv_cache_dtype in ("auto", "bfloat16", "float32", "float16"):
+            tips.append("--kv-cache-dtype int8 (about half the bytes per token)")
+    if not tips:
+        return "Nothing on this target holds it: use a larger chip or more of them."
+    return "What would fit: " + "; or ".join(tips) + "."
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def save_executables(engine: CompiledEngine, directory: str) -> int:
+    """Serializes every compiled executable (`jax.experimental.serialize_executable`) into
+    `directory`, one file per program, with a manifest naming the target, the model and the
+    versions that must match where they are loaded. Loading needs the target's runtime (a TPU
+    VM): it is not verified here."""
+    import pickle
+    from pathlib import Path
+
+    from jax.experimental import serialize_executable
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "target": engine.target.name,
+        "device_kind": engine.target.chip.device_kind,
+        "model": engine.config.load.model,
+        "config": {k: v for k, v in engine.config.flat().items() if _plain(v)},
+        "jax": jax.__version__,
+        "programs": [],
+    }
+    for (name, shape), compiled in sorted(engine.runner.executables.items()):
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        file = f"{name}-{'x'.join(map(str, shape))}.xla"
+        (out / file).write_bytes(pickle.dumps((payload, in_tree, out_tree)))
+        manifest["programs"].append({"name": name, "shape": list(shape), "file": file})
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return len(manifest["programs"])
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)

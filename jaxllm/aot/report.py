@@ -1,0 +1,248 @@
+"""What `jaxllm compile` says of a compiled engine: memory per device, compile times, KV-cache
+copies, and decode speed predicted from the compilers' cost analyses.
+
+Predictions are labelled as such everywhere: the step time of a decode program is the larger of
+(bytes it accesses / the chip's HBM bandwidth) and (its flops / the chip's peak), with the bytes
+and flops the target's compiler counts. The attention kernels declare their cost at the full
+reach of their block tables (`pallas_kernels.kv_cache.attention_cost`), so for a stated context
+that declared part is replaced by the context's own: the KV bytes `batch x context` tokens take,
+and their flops. The roofline is the bytes a decode step cannot avoid (the weights as laid out,
+and the KV cache it reads) over the bandwidth; the share is the prediction over it.
+Collectives under tensor parallelism are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxllm.aot.engine import CompiledEngine
+from jaxllm.runner import pick_shape
+from pallas_kernels.kv_cache import attention_cost
+
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePrediction:
+    batch: int
+    context: int
+    shape: tuple[int, int]  # the forward program that serves it
+    bytes_per_step: float
+    flops_per_step: float
+    step_seconds: float
+    tokens_per_s: float
+    roofline_tokens_per_s: float
+
+    @property
+    def share(self) -> float:
+        return self.tokens_per_s / self.roofline_tokens_per_s
+
+
+def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePrediction:
+    """The decode step of `batch` requests at `context` tokens each: the forward program of
+    its shape plus its output head and sampler, from their compiled cost analyses."""
+    runner = engine.runner
+    shape = pick_shape(batch, batch, runner.shapes)
+    forward = _program(engine, "forward", shape)
+    head = _program(engine, "head_and_sample", (shape[1],))
+    if forward.bytes_accessed is None or head.bytes_accessed is None:
+        raise ValueError(f"{engine.target.name}'s compiler gave no cost analysis")
+    cfg = engine.model_config
+    tp = engine.tensor_parallel_size
+    heads, kv_heads = cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1)
+    cache = runner.kv_cache
+    quantized = cache.scales is not None
+    cache_shape = (1, runner.num_pages, kv_heads, runner.page_size, 2 * cfg.head_dim)
+    dtype = engine.dtype
+    flops_a, _, bytes_a = attention_cost(
+        (shape[0], heads, cfg.head_dim),
+        dtype,
+        cache_shape,
+        cache.dtype if not quantized else jnp.int8,
+        (shape[1], runner.pages_per_seq),
+        quantized,
+    )
+    q_bytes = shape[0] * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    layers = cfg.num_layers
+    per_token = _kv_bytes_per_token(engine)
+    kv_read = batch * context * per_token
+    nbytes = forward.bytes_accessed + head.bytes_accessed - layers * (bytes_a - 2 * q_bytes)
+    nbytes += kv_read
+    flops = (forward.flops or 0.0) + (head.flops or 0.0) - layers * flops_a
+    flops += 4 * cfg.head_dim * heads * batch * context * layers
+    chip = engine.target.chip
+    peak = chip.int8_ops if engine.config.load.quantization in ("int8", "fp8") else chip.bf16_flops
+    step = max(nbytes / chip.hbm_bytes_per_s, flops / peak)
+    roofline = (engine.weights[0].weight_device_bytes + kv_read) / chip.hbm_bytes_per_s
+    return DecodePrediction(
+        batch, context, shape, nbytes, flops, step, batch / step, batch / roofline
+    )
+
+
+def _kv_bytes_per_token(engine: CompiledEngine) -> float:
+    """The model's KV bytes per token on one device (a draft model's cache excluded)."""
+    from jaxllm.kv_sizing import device_page_bytes
+    from jaxllm.sharding import kv_cache_placement
+
+    runner = engine.runner
+    device = next(iter(runner._replicated.device_set))
+    placement = kv_cache_placement(runner.mesh, engine.kv_dtype, device)
+    page = device_page_bytes(
+        engine.model_config, runner.page_size, engine.kv_dtype, placement,
+        engine.tensor_parallel_size,
+    )  # fmt: skip
+    return page / runner.page_size
+
+
+def _program(engine: CompiledEngine, name: str, shape: tuple):
+    for p in engine.runner.programs:
+        if p.name == name and p.shape == tuple(shape):
+            return p
+    raise KeyError(f"no {name} program of shape {shape}")
+
+
+def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = (1, 64)) -> dict:
+    """Everything the report prints, as plain data (for --json)."""
+    runner = engine.runner
+    cfg, target = engine.config, engine.target
+    programs = runner.programs
+    temp = max(programs, key=lambda p: p.temp_bytes)
+    total = engine.weight_device_bytes + engine.kv_cache_device_bytes + temp.temp_bytes
+    usable = target.usable_memory_bytes
+    forward = [p for p in programs if p.updates_cache]
+    copies = runner.cache_copies()
+    batches = sorted({min(b, cfg.scheduler.max_num_seqs) for b in batches})
+    capacity = runner.num_pages * runner.page_size
+    predictions = [
+        predict_decode(engine, b, max(1, min(context, cfg.scheduler.max_model_len, capacity // b)))
+        for b in batches
+    ]
+    return {
+        "model": cfg.load.model,
+        "architecture": engine.model_config.architecture,
+        "target": target.name,
+        "device_kind": target.chip.device_kind,
+        "num_devices": target.num_devices,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "dtype": jnp.dtype(engine.dtype).name,
+        "quantization": cfg.load.quantization,
+        "kv_cache_dtype": jnp.dtype(engine.kv_dtype).name,
+        "attention_backend": cfg.compilation.attention_backend,
+        "page_size": runner.page_size,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "memory_per_device": {
+            "device_bytes": target.chip.memory_bytes,
+            "usable_bytes": usable,
+            "memory_utilization": cfg.cache.memory_utilization,
+            "weight_bytes": engine.weight_bytes,
+            "weight_device_bytes": engine.weight_device_bytes,
+            "kv_cache_bytes": engine.kv_cache_device_bytes,
+            "kv_page_bytes": engine.page_bytes,
+            "num_pages": runner.num_pages,
+            "kv_cache_tokens": capacity,
+            "max_temp_bytes": temp.temp_bytes,
+            "max_temp_program": f"{temp.name} {temp.shape}",
+            "total_bytes": total,
+            "fits": total <= usable,
+        },
+        "max_model_len": cfg.scheduler.max_model_len,
+        "model_context": engine.model_config.max_position_embeddings,
+        "num_programs": len(programs),
+        "compile_seconds": engine.compile_seconds,
+        "programs": [
+            {
+                "name": p.name,
+                "shape": list(p.shape),
+                "compile_seconds": round(p.compile_seconds, 2),
+                "argument_bytes": p.argument_bytes,
+                "alias_bytes": p.alias_bytes,
+                "temp_bytes": p.temp_bytes,
+                "flops": p.flops,
+                "bytes_accessed": p.bytes_accessed,
+            }
+            for p in sorted(programs, key=lambda p: (p.name, p.shape))
+        ],
+        "kv_cache_in_place": len(forward) - len(copies),
+        "kv_cache_programs": len(forward),
+        "kv_cache_copies": [f"{p.name} {p.shape}" for p in copies],
+        "decode_prediction": {
+            "note": "predicted from the compiler's cost analysis and the chip's published "
+            "peaks; not a measurement",
+            "hbm_bytes_per_s": target.chip.hbm_bytes_per_s,
+            "peak_flops": target.chip.bf16_flops,
+            "rows": [dataclasses.asdict(p) | {"share": p.share} for p in predictions],
+        },
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    """The summary as text for a terminal."""
+    m = data["memory_per_device"]
+    lines = [
+        f"jaxllm compile: {data['model']} ({data['architecture']}) for {data['target']} "
+        f"({data['num_devices']} x {data['device_kind']})",
+        f"  weights {data['dtype']}{_q(data['quantization'])}, KV cache "
+        f"{data['kv_cache_dtype']}, tensor parallel {data['tensor_parallel_size']}, attention "
+        f"{data['attention_backend']}, page_size {data['page_size']}, max_num_seqs "
+        f"{data['max_num_seqs']}, max_num_batched_tokens {data['max_num_batched_tokens']}",
+        "",
+        f"memory per device: {_g(m['usable_bytes'])} usable of {_g(m['device_bytes'])}, "
+        f"memory_utilization {m['memory_utilization']}",
+        f"  weights      {_g(m['weight_device_bytes']):>12}  (logical {_g(m['weight_bytes'])})",
+        f"  KV cache     {_g(m['kv_cache_bytes']):>12}  {m['num_pages']:,} pages = "
+        f"{m['kv_cache_tokens']:,} tokens ({m['kv_page_bytes'] / data['page_size'] / 1024:.1f} "
+        "KiB per token)",
+        f"  temporaries  {_g(m['max_temp_bytes']):>12}  (the most of one program: "
+        f"{m['max_temp_program']})",
+        f"  total        {_g(m['total_bytes']):>12}  "
+        + (
+            f"fits ({m['total_bytes'] / m['usable_bytes']:.0%} of usable)"
+            if m["fits"]
+            else "DOES NOT FIT: lower memory_utilization, max_num_batched_tokens or num_pages"
+        ),
+        f"  max_model_len {data['max_model_len']:,} (the model's context: "
+        f"{data['model_context']:,})",
+        "",
+        _programs_line(data),
+        f"KV cache updated in place: {data['kv_cache_in_place']} of "
+        f"{data['kv_cache_programs']} step programs; copies: {len(data['kv_cache_copies'])}"
+        + (f" ({', '.join(data['kv_cache_copies'])})" if data["kv_cache_copies"] else ""),
+        "",
+        "decode, PREDICTED from the compiler's cost analysis (not measured): "
+        f"{data['decode_prediction']['hbm_bytes_per_s'] / 1e9:,.0f} GB/s, "
+        f"{data['decode_prediction']['peak_flops'] / 1e12:,.0f} TFLOP/s peak",
+        "  batch  context  GiB/step  GFLOP/step  step ms   tok/s  roofline tok/s  share",
+    ]
+    for r in data["decode_prediction"]["rows"]:
+        lines.append(
+            f"  {r['batch']:>5}  {r['context']:>7,}  {r['bytes_per_step'] / _GIB:>8.2f}  "
+            f"{r['flops_per_step'] / 1e9:>10,.1f}  {r['step_seconds'] * 1e3:>7.2f}  "
+            f"{r['tokens_per_s']:>6,.0f}  {r['roofline_tokens_per_s']:>14,.0f}  "
+            f"{r['share']:>5.0%}"
+        )
+    return "\n".join(lines)
+
+
+def _programs_line(data: dict) -> str:
+    kinds: dict[str, int] = {}
+    for p in data["programs"]:
+        kinds[p["name"]] = kinds.get(p["name"], 0) + 1
+    slowest = max(data["programs"], key=lambda p: p["compile_seconds"])
+    return (
+        f"programs: {data['num_programs']} ("
+        + ", ".join(f"{n} {k}" for k, n in kinds.items())
+        + f"), compiled in {data['compile_seconds']:.1f} s; slowest {slowest['name']} "
+        f"{tuple(slowest['shape'])} {slowest['compile_seconds']:.1f} s"
+    )
+
+
+def _g(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _q(quantization: str | None) -> str:
+    return "" if quantization in (None, "float") else f" ({quantization})"

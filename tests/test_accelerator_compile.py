@@ -1,0 +1,330 @@
+"""Every program compiled by the real TPU and GPU compilers, on this CPU, without the hardware.
+
+"It lowers" (the StableHLO text exists) says nothing of what Mosaic's layout passes, XLA:TPU's
+memory assignment and Triton's PTX compilation do later; these tests run those compilers
+(libtpu, and XLA:GPU with the CUDA plugin, through compile-only devices) and read what they
+say of the compiled programs: the KV cache is updated in place and never copied, the kernels fit
+their chip (scalar memory, shared memory), and `jaxllm compile`'s report adds up.
+
+They need `jax[tpu]` and `jax[cuda12]` of the installed jax version, which would clutter the
+CPU runtime (libtpu looks for TPUs, the CUDA plugin for GPUs), so `make test` runs this file in
+an environment of its own, `.venv-compile` (`make compile-env`); elsewhere it skips, saying so.
+The full shape matrix runs under `-m slow`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import get_block_sizes, get_kv_cache_shape, ragged_paged_attention
+from pallas_kernels.kv_cache import abstract_kv_cache
+from pallas_kernels.tuning import gpu_shared_memory
+
+HAVE_TPU_COMPILER = importlib.util.find_spec("libtpu") is not None
+HAVE_GPU_COMPILER = importlib.util.find_spec("jax_cuda12_plugin") is not None
+WHY = "needs the {} compiler: `make test` runs this in .venv-compile (`make compile-env`)"
+tpu_only = pytest.mark.skipif(not HAVE_TPU_COMPILER, reason=WHY.format("TPU (libtpu)"))
+gpu_only = pytest.mark.skipif(not HAVE_GPU_COMPILER, reason=WHY.format("CUDA (jax[cuda12])"))
+CONFIGS = Path(__file__).parents[1] / "benchmarks" / "configs"
+
+
+def _target(name: str):
+    from jaxllm.aot.targets import parse_target
+
+    return parse_target(name)
+
+
+def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype,
+                    *, num_tokens=64, max_reqs=8, pages_per_seq=64, num_pages=2048):  # fmt: skip
+    """The attention kernel of `target` compiled for one call shape (two layers of cache):
+    (compiled executable, the cache's bytes)."""
+    t = _target(target)
+    device = t.devices()[0]
+    sh = jax.sharding.SingleDeviceSharding(device)
+    shape = get_kv_cache_shape(2, num_pages, page_size, num_kv_heads, head_dim)
+    cache = abstract_kv_cache(shape, kv_dtype, (sh, sh))
+    q = jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype, sharding=sh)
+
+    def i32(*s):
+        return jax.ShapeDtypeStruct(s, jnp.int32, sharding=sh)
+
+    backend = "pallas_tpu" if device.platform == "tpu" else "pallas_gpu"
+    fn = functools.partial(
+        ragged_paged_attention,
+        sm_scale=0.1,
+        sliding_window=jnp.int32(100),
+        soft_cap=30.0,
+        backend=backend,
+        interpret=False,
+    )
+    args = (q, cache, i32(), i32(max_reqs), i32(max_reqs, pages_per_seq), i32(max_reqs + 1))
+    with pallas_kernels.target_platform(device.platform, device):
+        traced = jax.jit(fn).trace(*args, i32(1))
+        platforms = (pallas_kernels.lowering_platform(device),)
+        compiled = traced.lower(lowering_platforms=platforms).compile()
+    nbytes = sum(
+        int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in cache if a is not None
+    )
+    return compiled, nbytes
+
+
+def _assert_no_cache_copy(compiled, cache_bytes: int) -> None:
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < cache_bytes // 4, f"{temp / 2**20:.1f} MiB of temporaries: a copy of the cache"
+
+
+# (q heads, kv heads per device, head_dim, page_size, dtype, cache dtype): kv-head counts that
+# do not tile a TPU's sublanes (3, 5, 6, 7), head_dim 64 (K and V share a 128-lane row) and 256
+# (over an H100's shared memory with 16-token query blocks), every cache format, both page sizes.
+KERNEL_CASES = [
+    (9, 3, 64, 16, jnp.bfloat16, jnp.bfloat16),
+    (8, 1, 256, 32, jnp.float32, jnp.float32),
+    (20, 5, 128, 16, jnp.bfloat16, jnp.int8),
+    (12, 6, 128, 32, jnp.bfloat16, jnp.float8_e4m3fn),
+    (16, 16, 64, 16, jnp.bfloat16, jnp.bfloat16),
+]
+KERNEL_IDS = [f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}-{jnp.dtype(c[5]).name}" for c in KERNEL_CASES]
+
+
+@tpu_only
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
+def test_tpu_kernel_reads_the_cache_in_place(case):
+    """Mosaic compiles the kernel for v6e at these shapes and XLA hands it the cache as it is
+    (the old [.., page_size, 2K, H] layout made XLA copy the whole cache for 3 kv heads)."""
+    compiled, nbytes = _compile_kernel("v6e-1", *case, num_tokens=64, max_reqs=64)
+    _assert_no_cache_copy(compiled, nbytes)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
+def test_gpu_kernel_fits_an_h100(case):
+    """Triton compiles the kernel for an H100 (shared memory included: the block sizes are
+    cut to fit it) at decode and prefill shapes, with no copy of the cache."""
+    for num_tokens, max_reqs in ((512, 8), (64, 64)):
+        compiled, nbytes = _compile_kernel("h100", *case, num_tokens=num_tokens, max_reqs=max_reqs)
+        _assert_no_cache_copy(compiled, nbytes)
+
+
+@tpu_only
+@pytest.mark.parametrize("target", ["v5e-1", "v6e-1"])
+def test_tpu_kernel_long_contexts_leave_the_block_tables_in_hbm(target):
+    """64 sequences at 128k tokens (8,192 pages each: 2 MiB of block tables, twice the scalar
+    memory) compile: the kernel fetches each KV block's page ids as it goes."""
+    compiled, nbytes = _compile_kernel(
+        target, 32, 8, 128, 16, jnp.bfloat16, jnp.bfloat16,
+        num_tokens=64, max_reqs=64, pages_per_seq=8192, num_pages=64 * 8192 // 4,
+    )  # fmt: skip
+    _assert_no_cache_copy(compiled, nbytes)
+
+
+@pytest.mark.parametrize(
+    "head_dim,page_size,group,kv,q", [(256, 16, 4, 4, 4), (256, 128, 16, 2, 2), (128, 128, 8, 4, 4)]
+)
+def test_gpu_block_sizes_fit_shared_memory(head_dim, page_size, group, kv, q):
+    """The H100 block sizes are cut until the program's shared memory estimate fits 227 KiB,
+    keeping the decode block at one query token."""
+    for num_tokens, max_reqs in ((512, 8), (64, 64)):
+        sizes = get_block_sizes(
+            "pallas_gpu", head_dim=head_dim, page_size=page_size, num_tokens=num_tokens,
+            max_reqs=max_reqs, device_kind="NVIDIA H100 80GB HBM3", group=group,
+            kv_itemsize=kv, q_itemsize=q,
+        )  # fmt: skip
+        shape = dict(page_size=page_size, head_dim=head_dim, group=group)
+        assert gpu_shared_memory(sizes, kv_itemsize=kv, q_itemsize=q, **shape) <= 232448
+        if num_tokens == max_reqs:
+            assert sizes.q_block == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads", range(1, 17))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8", "fp8"])
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("target", ["v5e-1", "h100"])
+def test_kernel_matrix(request, target, page_size, cache_dtype, head_dim, kv_heads):
+    """The whole matrix: kv heads per device 1 to 16, head_dim 64/128/256, every cache format,
+    page sizes 16 and 32, for TPU v5e and an H100 (768 compilations: `-m slow` only, as the
+    suite's other slow tests, since nothing deselects them by default)."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full matrix: pytest -m slow tests/test_accelerator_compile.py")
+    platform_ok = HAVE_TPU_COMPILER if target.startswith("v") else HAVE_GPU_COMPILER
+    if not platform_ok:
+        pytest.skip(WHY.format(target))
+    kv_dtype = pallas_kernels.QUANTIZED_KV_DTYPES.get(cache_dtype, cache_dtype)
+    dtype = jnp.float32 if cache_dtype == "float32" else jnp.bfloat16
+    compiled, nbytes = _compile_kernel(
+        target, 2 * kv_heads, kv_heads, head_dim, page_size, dtype, kv_dtype, num_pages=1024
+    )
+    _assert_no_cache_copy(compiled, nbytes)
+
+
+# ---- whole engines -----------------------------------------------------------------------
+
+
+def _tiny_config(path: Path, *, moe: bool = False) -> Path:
+    """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims."""
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+    }
+    if moe:
+        config |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+# (target, model, engine settings): TP 1 and 4 on v5e and v6e, TP 1 and 2 on an H100;
+# quantized weights, 8-bit caches, mixture of experts (ragged_dot) and speculative decoding
+# spread over them. The sampler with its grammar bitmask and draft verification is in every
+# engine's head program.
+ENGINES = [
+    ("v5e-1", "llama", dict(kv_cache_dtype="int8", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})),
+    ("v5e-4", "llama", dict(quantization="int8")),
+    ("v6e-1", "moe", dict(quantization="int4")),
+    ("v6e-4", "moe", dict(kv_cache_dtype="fp8")),
+    ("h100", "llama", dict(quantization="int8", kv_cache_dtype="fp8")),
+    ("h100x2", "moe", dict()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("target,model,settings", ENGINES, ids=[e[0] for e in ENGINES])
+def test_every_program_compiles_for_the_target(tmp_path, target, model, settings):
+    """Every program a tiny engine compiles at startup compiles for the target with its real
+    compiler, each step program aliases the donated KV cache (updated in place) and holds no
+    temporary the size of its data, and the engine fits the chip."""
+    needed = HAVE_TPU_COMPILER if target.startswith("v") else HAVE_GPU_COMPILER
+    if not needed:
+        pytest.skip(WHY.format(target))
+    from jaxllm.aot.engine import compile_engine
+    from jaxllm.config import EngineConfig
+
+    path = _tiny_config(tmp_path / model, moe=model == "moe")
+    config = EngineConfig.create(
+        path, max_num_seqs=2, max_num_batched_tokens=8, num_pages=256, **settings
+    )
+    engine = compile_engine(config, _target(target), progress=False)
+    runner = engine.runner
+    assert len(runner.programs) == runner.num_programs
+    steps = [p for p in runner.programs if p.updates_cache]
+    assert steps and not runner.cache_copies()
+    for p in steps:
+        assert p.alias_bytes >= runner.kv_cache_device_bytes, p
+    assert engine.weight_device_bytes + engine.kv_cache_device_bytes < (
+        engine.target.usable_memory_bytes
+    )
+
+
+def _run_cli(*args: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from jaxllm.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(list(args))
+    return rc, out.getvalue()
+
+
+@tpu_only
+def test_compile_report_adds_up(tmp_path):
+    """`jaxllm compile` from a config.json alone: the weights' and the KV cache's bytes per
+    device match a hand computation, the pool fills what memory_utilization leaves, no program
+    copies the cache, and the decode prediction is labelled as one."""
+    path = _tiny_config(tmp_path / "tiny")
+    report = tmp_path / "report.json"
+    rc, text = _run_cli(
+        "compile", str(path), "--target", "v5e-4", "--tensor-parallel-size", "2",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--programs", "decode",
+        "--json", str(report), "--quiet",
+    )  # fmt: skip
+    assert rc == 0, text
+    assert "PREDICTED" in text
+    data = json.loads(report.read_text())
+    m = data["memory_per_device"]
+    # By hand: 2 layers of q/k/v/o (128 x 256, 128 x 128 twice, 256 x 128) and gate/up/down
+    # (128 x 256 x 3), norms (5 x 128), the tied embedding (512 x 128), bfloat16, split over 2.
+    layer = 128 * 256 + 2 * 128 * 128 + 256 * 128 + 3 * 128 * 256 + 2 * 128
+    weights = (2 * layer + 512 * 128 + 128) * 2
+    assert m["weight_bytes"] == pytest.approx(weights / 2, rel=0.05)
+    # A page: 2 layers x 1 kv head per device x 16 tokens x 2 x 64 dims, bfloat16.
+    assert m["kv_page_bytes"] == 2 * 1 * 16 * 128 * 2
+    assert m["kv_cache_bytes"] == m["num_pages"] * m["kv_page_bytes"]
+    budget = 16 * 2**30 * 0.9 - m["weight_device_bytes"]
+    assert budget - m["kv_page_bytes"] < m["kv_cache_bytes"] <= budget
+    assert data["kv_cache_copies"] == [] and data["kv_cache_in_place"] > 0
+    rows = data["decode_prediction"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4] and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+@tpu_only
+def test_compile_refuses_what_does_not_fit():
+    """Llama-3.1-70B in bfloat16 on one v5e chip: a clear refusal that names what would fit,
+    before anything is compiled."""
+    from jaxllm.aot.engine import DoesNotFit, compile_engine
+    from jaxllm.config import EngineConfig
+
+    config = EngineConfig.create(CONFIGS / "llama-3.1-70b")
+    with pytest.raises(DoesNotFit) as e:
+        compile_engine(config, _target("v5e-1"), progress=False)
+    message = str(e.value)
+    assert "does not fit v5e-1" in message and "GiB per device" in message
+    assert "--target v5e-8" in message or "--quantization" in message
+
+
+def test_compile_names_a_missing_compiler(monkeypatch):
+    """Without the target's compiler installed the command says which package to install."""
+    from jaxllm.aot import targets
+
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    targets._topology_devices.cache_clear()
+    with pytest.raises(ValueError, match=r"pip install \"jax\[tpu\]=="):
+        targets.parse_target("v6e-1").devices()
+    targets._topology_devices.cache_clear()
+
+
+@pytest.mark.parametrize("bad", ["v5e-3", "v5p-6", "a100", "h100x3", "v6e-16"])
+def test_bad_targets_are_named(bad):
+    from jaxllm.aot.targets import parse_target
+
+    with pytest.raises(ValueError, match="--target"):
+        parse_target(bad)
+
+
+@tpu_only
+def test_pool_is_sized_from_the_compiled_layout():
+    """A TPU pads the cache's lanes to 128: with head_dim 80 (2H = 160 lanes) a page takes the
+    bytes of 256 lanes, and the pool is sized by those, not the logical ones."""
+    from jaxllm.config import ModelConfig
+    from jaxllm.kv_sizing import bytes_per_page, device_page_bytes
+    from jaxllm.sharding import kv_cache_placement
+
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=640, intermediate_size=64,
+        num_layers=4, num_heads=8, num_kv_heads=2, head_dim=80, max_position_embeddings=4096,
+    )  # fmt: skip
+    device = _target("v6e-1").devices()[0]
+    placement = kv_cache_placement(None, jnp.bfloat16, device)
+    logical = bytes_per_page(config, 16, jnp.bfloat16)
+    physical = device_page_bytes(config, 16, jnp.bfloat16, placement)
+    assert physical == logical * 256 // 160
