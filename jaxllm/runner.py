@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -365,6 +366,8 @@ class ModelRunner:
         program = CompiledProgram.of(
             name, shape, compiled, time.perf_counter() - start, updates_cache=updates_cache
         )
+        if updates_cache:
+            program = dataclasses.replace(program, cache_copy_ops=self._cache_copy_ops(compiled))
         with _PROGRAMS_LOCK:
             self.programs.append(program)
             if self.keep_executables:
@@ -390,18 +393,22 @@ class ModelRunner:
 
     def updates_in_place(self, program: CompiledProgram) -> bool:
         """Whether a step program writes the donated KV cache in place, from what its compiler
-        says: its output aliases the cache, and no temporary could hold a copy of the cache's
-        data (XLA has copied it when a one-token write became a dynamic-update-slice, see
-        `write_kv`, when it widened a float8 cache for the scatter, and when the TPU kernel
-        wanted another tiling of the cache than the one it was given)."""
-        data = self.kv_cache_device_bytes
-        if self.kv_cache.scales is not None:
-            data -= (
-                self.kv_cache.scales.size
-                * 4
-                // (1 if self.mesh is None else self.mesh.shape["model"])
-            )
-        return program.alias_bytes >= self.kv_cache_device_bytes and program.temp_bytes < data
+        says: its output aliases the cache, and no instruction of the compiled program makes a
+        new array of the cache's shape (see `cache_copy_ops`)."""
+        return program.alias_bytes >= self.kv_cache_device_bytes and not program.cache_copy_ops
+
+    def _cache_copy_ops(self, compiled) -> tuple[str, ...]:
+        """The instructions of a compiled step program that copy the KV cache. XLA has copied it
+        when a one-token write became a dynamic-update-slice (see `write_kv`), when it widened
+        a float8 cache for the scatter, and when the TPU kernel wanted another tiling of the
+        cache than the one it was given. A copy needs temporaries of the cache's size, so only
+        a program that has that many is read (the temporaries alone would also count a small
+        cache's neighbours: an MoE layer's transposed expert weights outweigh a 64-page one)."""
+        shapes = [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(self.kv_cache)]
+        data = self.kv_cache.data
+        if compiled.memory_analysis().temp_size_in_bytes < np.prod(shapes[0]) * data.itemsize:
+            return ()
+        return cache_copy_ops(compiled.as_text(), shapes)
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -858,6 +865,7 @@ class CompiledProgram:
     bytes_accessed: float | None  # in every memory the program touches (a TPU's VMEM too)
     optimal_seconds: float | None  # the compiler's own estimate of its run time (XLA:TPU)
     updates_cache: bool  # takes the donated KV cache and returns it
+    cache_copy_ops: tuple[str, ...] = ()  # its instructions that copy the cache, if any
 
     @classmethod
     def of(
@@ -886,10 +894,52 @@ class CompiledProgram:
         )
 
     def describe(self) -> str:
-        return (
-            f"{self.alias_bytes / 2**20:.1f} MiB aliased, {self.temp_bytes / 2**20:.1f} MiB of "
-            "temporaries"
-        )
+        text = f"{self.alias_bytes / 2**20:.1f} MiB aliased, {self.temp_bytes / 2**20:.1f} MiB of "
+        text += "temporaries"
+        if self.cache_copy_ops:
+            text += f", copied by {', '.join(self.cache_copy_ops[:3])}"
+        return text
+
+
+# Compiled HLO text: a computation's first line, and an instruction with an array result (its
+# name, dimensions and opcode).
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]\S* ([\w-]+)\(")
+# What makes a KV-cache-shaped array without copying the cache: the argument itself, a view of
+# it, in-place updates, and fusions whose root is one; custom calls (the kernels) alias their
+# outputs to operands or make none of the cache's shape.
+_IN_PLACE = {"parameter", "bitcast", "get-tuple-element", "scatter", "dynamic-update-slice"}
+
+
+def cache_copy_ops(hlo_text: str, shapes: list[tuple[int, ...]]) -> tuple[str, ...]:
+    """The instructions of compiled HLO text (`Compiled.as_text()`, per device) that make a new
+    array of one of `shapes` (the KV cache's arrays): copies, converts, transposes, and fusions
+    that do not update their operand in place. Fusions' own computations are not read: what a
+    fusion makes is judged by its root."""
+    dims = {",".join(map(str, s)) for s in shapes}
+    roots: dict[str, str] = {}  # computation -> its root's opcode
+    fused: set[str] = set()  # computations that are fusions' bodies
+    candidates: list[tuple[str, str, str, str]] = []  # (computation, name, opcode, called)
+    computation = ""
+    for line in hlo_text.splitlines():
+        if m := _HLO_COMPUTATION.match(line):
+            computation = m.group(1)
+            continue
+        called = re.search(r"calls=%([\w.-]+)", line)
+        if " fusion(" in line and called:
+            fused.add(called.group(1))
+        if (m := _HLO_INSTRUCTION.match(line)) is None:
+            continue
+        name, shape, opcode = m.groups()
+        if line.lstrip().startswith("ROOT "):
+            roots[computation] = opcode
+        if shape in dims and opcode not in _IN_PLACE | {"custom-call"}:
+            candidates.append((computation, name, opcode, called.group(1) if called else ""))
+    return tuple(
+        f"{opcode} %{name}"
+        for computation, name, opcode, called in candidates
+        if computation not in fused and not (opcode == "fusion" and roots.get(called) in _IN_PLACE)
+    )
 
 
 def _merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:

@@ -4,6 +4,7 @@ place."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxllm.runner import make_buckets, pick_shape
@@ -52,6 +53,34 @@ def test_every_program_updates_the_kv_cache_in_place(tiny_model_dir, attention_b
     assert set(forward) == set(runner.shapes)
     for shape, program in forward.items():
         assert runner.updates_in_place(program), (shape, program, runner.kv_cache.nbytes)
+
+
+def test_cache_copies_are_read_from_the_compiled_program():
+    """A step that keeps the old cache beside the new one copies it; a scatter into it does
+    not. The TPU compiler's copy of the cache for an unaligned kv-head count had this form."""
+    from jaxllm.runner import cache_copy_ops
+
+    cache = jax.ShapeDtypeStruct((4, 64, 2, 16, 48), jnp.float32)
+    i = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def ops(f):
+        return cache_copy_ops(jax.jit(f, donate_argnums=0).lower(cache, i).compile().as_text(),
+                              [cache.shape])  # fmt: skip
+
+    assert ops(lambda c, i: c.at[1, i].set(1.0)) == ()
+    copies = ops(lambda c, i: (c.at[1, i].set(1.0), c[1, i]))
+    assert copies and all(op.startswith("copy ") for op in copies)
+
+
+def test_a_cache_copy_fails_warmup(tiny_model_dir, monkeypatch):
+    """A step program that would copy the KV cache stops the engine at warmup, naming it."""
+    from jaxllm import LLM
+    from jaxllm.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_cache_copy_ops", lambda self, compiled: ("copy %copy.7",))
+    with pytest.raises(RuntimeError, match=r"would copy the KV cache.*copied by copy %copy.7"):
+        LLM(tiny_model_dir, max_model_len=64, num_pages=16, max_num_seqs=2,
+            max_num_batched_tokens=16)  # fmt: skip
 
 
 @pytest.mark.parametrize(
