@@ -106,6 +106,21 @@ def _kv_axis(var: nnx.Variable) -> int | None:
     return axes.index("kv_heads")
 
 
+def _repeat_heads(x: jax.Array, r: int, axis: int, head_dim: int) -> jax.Array:
+    """Each head of the `axis` of `x` (kv heads x head_dim, fused) repeated r times."""
+    split = x.shape[:axis] + (x.shape[axis] // head_dim, head_dim) + x.shape[axis + 1 :]
+    return jnp.repeat(x.reshape(split), r, axis=axis).reshape(
+        x.shape[:axis] + (x.shape[axis] * r,) + x.shape[axis + 1 :]
+    )
+
+
+def _first_of_each_repeat(x: jax.Array, r: int, axis: int, head_dim: int) -> jax.Array:
+    """The inverse of `_repeat_heads`: every r-th head of the `axis` of `x`."""
+    split = x.shape[:axis] + (x.shape[axis] // head_dim, head_dim) + x.shape[axis + 1 :]
+    heads = jax.lax.slice_in_dim(x.reshape(split), 0, split[axis], r, axis=axis)
+    return heads.reshape(x.shape[:axis] + (x.shape[axis] // r,) + x.shape[axis + 1 :])
+
+
 def _save_args(var: nnx.Variable, shape: tuple[int, ...]):
     """Chunks of one head, else about CHUNK_BYTES: restoring one shard then reads about that
     shard whatever the tensor-parallel size."""
@@ -164,7 +179,7 @@ def save(
         model_or_state = model_or_state.model
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
     r = kv_head_replicas or 1
-    ModelConfig.from_hf_config(hf_config)  # refuse a config that would not load back
+    head_dim = ModelConfig.from_hf_config(hf_config).head_dim  # refuses what would not load
 
     flat, args, dtypes = {}, {}, set()
     for path, var in nnx.to_flat_state(state):
@@ -176,7 +191,7 @@ def save(
             )
         axis = _kv_axis(var)
         if r > 1 and axis is not None:
-            value = jax.lax.slice_in_dim(value, 0, value.shape[axis], r, axis=axis)
+            value = _first_of_each_repeat(value, r, axis, head_dim)
         flat[path] = value
         args[path] = _save_args(var, value.shape)
         dtypes.add(str(value.dtype))
@@ -315,7 +330,8 @@ def restore_state(
     for p, (axis, sharding) in repeats.items():
         whole = values[p]
         values[p] = jax.jit(
-            lambda x, axis=axis: jnp.repeat(x, r, axis=axis), out_shardings=sharding
+            lambda x, axis=axis: _repeat_heads(x, r, axis, config.head_dim),
+            out_shardings=sharding,
         )(whole)
         whole.delete()
     if shardings is None:
