@@ -30,18 +30,18 @@ OUT = ROOT / "benchmarks" / "results" / "compile"
 
 # name: (model config dir, target, engine flags)
 RUNS = {
+    "smollm2-v5e-1": ("smollm2-135m", "v5e-1", {"num_pages": 1024}),
     "8b-v6e-1": ("llama-3.1-8b", "v6e-1", {}),
     "8b-v5e-4": ("llama-3.1-8b", "v5e-4", {}),
-    "8b-v5e-8": ("llama-3.1-8b", "v5e-8", {}),
-    "8b-v5e-1-int8": ("llama-3.1-8b", "v5e-1", {"quantization": "int8"}),
     "8b-h100": ("llama-3.1-8b", "h100", {}),
-    "8b-h200": ("llama-3.1-8b", "h200", {}),
     "70b-v5e-8-int8": ("llama-3.1-70b", "v5e-8", {"quantization": "int8"}),
-    "70b-v6e-8": ("llama-3.1-70b", "v6e-8", {}),
-    "70b-v5e-8": ("llama-3.1-70b", "v5e-8", {}),
     "qwen3-30b-a3b-v6e-4": ("qwen3-30b-a3b", "v6e-4", {}),
     "gemma3-27b-v6e-4": ("gemma-3-27b", "v6e-4", {}),
-    "smollm2-v5e-1": ("smollm2-135m", "v5e-1", {"num_pages": 1024}),
+    "8b-v5e-1-int8": ("llama-3.1-8b", "v5e-1", {"quantization": "int8"}),
+    "8b-h200": ("llama-3.1-8b", "h200", {}),
+    "70b-v5e-8": ("llama-3.1-70b", "v5e-8", {}),
+    "70b-v6e-8": ("llama-3.1-70b", "v6e-8", {}),
+    "8b-v5e-8": ("llama-3.1-8b", "v5e-8", {}),
 }
 
 # Published figures of the TPU peers for the same model and chip (their measurements).

@@ -164,6 +164,9 @@ def _topology_devices(chip_name: str, count: int) -> tuple[jax.Device, ...]:
     chip = CHIPS[chip_name]
     if chip.platform == "tpu":
         _check_installed("libtpu", f'"jax[tpu]=={jax.__version__}"')
+        # libtpu locks /tmp/libtpu_lockfile for the machine's TPU chips; compile-only devices
+        # use none, so a second compile on this machine (a test beside a benchmark) may load it.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         topology = topologies.get_topology_desc(
             platform="tpu", topology_name=_TPU_TOPOLOGY[chip.name, count]
         )
