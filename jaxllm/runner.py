@@ -406,7 +406,7 @@ class ModelRunner:
         cache's neighbours: an MoE layer's transposed expert weights outweigh a 64-page one)."""
         shapes = [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(self.kv_cache)]
         data = self.kv_cache.data
-        if compiled.memory_analysis().temp_size_in_bytes < np.prod(shapes[0]) * data.itemsize:
+        if compiled.memory_analysis().temp_size_in_bytes < np.prod(shapes[0]) * data.dtype.itemsize:
             return ()
         return cache_copy_ops(compiled.as_text(), shapes)
 
