@@ -290,13 +290,16 @@ class ModelRunner:
         the programs of decode steps (as many tokens as requests), for a quick look at a target
         (`jaxllm compile --programs decode`); an engine that serves needs them all."""
         start = time.perf_counter()
-        _, hidden, _ = jax.eval_shape(
-            self._forward,
-            self._params,
-            self.kv_cache,
-            self.last_tokens,
-            self._padding_batch(*self.shapes[0]),
-        )
+        # Traced for the target as the programs are: jit caches this trace, and a program
+        # compiled later for the same inputs reuses it (with the host's kernels, were it not).
+        with self._traced_for_target():
+            _, hidden, _ = jax.eval_shape(
+                self._forward,
+                self._params,
+                self.kv_cache,
+                self.last_tokens,
+                self._padding_batch(*self.shapes[0]),
+            )
 
         def rows(n: int) -> jax.ShapeDtypeStruct:  # hidden states shaped as the forward makes them
             return jax.ShapeDtypeStruct(
@@ -329,7 +332,10 @@ class ModelRunner:
                 jobs += self.drafter.warmup_jobs()
         # Several processes (multi-host) compile one at a time: compiling a program that spans
         # them exchanges messages between them, which must come in the same order on each.
-        workers = 1 if jax.process_count() > 1 else max(1, min(os.cpu_count() or 1, 8))
+        # libtpu compiling two programs at once for compile-only devices (`jaxllm compile`)
+        # crashes the process (SIGSEGV, measured with jax 0.10.2 / libtpu 0.0.42.1).
+        serial = jax.process_count() > 1 or (self.abstract and self._platform == "tpu")
+        workers = 1 if serial else max(1, min(os.cpu_count() or 1, 8))
         with (
             ThreadPoolExecutor(workers) as pool,
             tqdm(total=len(jobs), desc="Compiling", disable=not progress, unit="program") as bar,
@@ -359,7 +365,7 @@ class ModelRunner:
         else:
             device = next(iter(self._replicated.device_set))
             args = jax.tree.map(self._abstract_input, args)
-            with pallas_kernels.target_platform(device.platform, device):
+            with self._traced_for_target():
                 traced = fn.trace(*args)
                 platforms = (pallas_kernels.lowering_platform(device),)
                 compiled = traced.lower(lowering_platforms=platforms).compile()
@@ -373,6 +379,19 @@ class ModelRunner:
             if self.keep_executables:
                 self.executables[name, tuple(shape)] = compiled
         return program
+
+    @property
+    def _platform(self) -> str:
+        """The platform of the runner's devices (a compile-only target's for an abstract one)."""
+        return next(iter(self._replicated.device_set)).platform
+
+    def _traced_for_target(self) -> contextlib.AbstractContextManager:
+        """For an abstract runner, kernels traced for its devices' platform (see
+        `pallas_kernels.target_platform`); nothing to change otherwise."""
+        if not self.abstract:
+            return contextlib.nullcontext()
+        device = next(iter(self._replicated.device_set))
+        return pallas_kernels.target_platform(device.platform, device)
 
     def _abstract_input(self, x):
         """A host input of an abstract runner's program, as an abstract value on its devices."""

@@ -203,13 +203,16 @@ def _quantize_tensor(
     return w.with_output(out_shape, dtype)
 
 
-def _qarray_shardings(w: QArray, sharding: jax.sharding.NamedSharding, var_shape, embed: bool):
+def _qarray_shardings(w: QArray, sharding: jax.sharding.Sharding, var_shape, embed: bool):
     """The shardings of a QArray's leaves, from the float parameter's: rows split as the
     output axes were, columns as the input axes were where every shard then holds whole
-    groups (and whole int4 blocks); otherwise those columns stay whole on each device."""
+    groups (and whole int4 blocks); otherwise those columns stay whole on each device. Without
+    a mesh (one device) every leaf takes the parameter's sharding."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    if not isinstance(sharding, NamedSharding):
+        return jax.tree.map(lambda _: sharding, w)
     mesh = sharding.mesh
     spec = tuple(sharding.spec) + (None,) * (len(var_shape) - len(sharding.spec))
     if embed:  # [V, D]: output-major already
