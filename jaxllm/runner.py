@@ -351,6 +351,15 @@ class ModelRunner:
                 f"(slow steps, and twice the cache's memory): "
                 + ", ".join(f"{p.name} {p.shape}: {p.describe()}" for p in copies)
             )
+        # A copy of an 8-bit cache's scales (a 16th to a 32nd of the data) costs bandwidth, not
+        # twice the memory: XLA makes one in some steps, an open defect (issue 33), so it is
+        # named here rather than refused.
+        if scales := [p for p in self.programs if p.scales_copy_ops]:
+            logger.warning(
+                "%d step program(s) copy the KV cache's scales: %s",
+                len(scales),
+                ", ".join(f"{p.name} {p.shape}" for p in scales),
+            )
         return time.perf_counter() - start
 
     def compile_program(
@@ -373,7 +382,11 @@ class ModelRunner:
             name, shape, compiled, time.perf_counter() - start, updates_cache=updates_cache
         )
         if updates_cache:
-            program = dataclasses.replace(program, cache_copy_ops=self._cache_copy_ops(compiled))
+            program = dataclasses.replace(
+                program,
+                cache_copy_ops=self._cache_copy_ops(compiled),
+                scales_copy_ops=self._cache_copy_ops(compiled, "scales"),
+            )
         with _PROGRAMS_LOCK:
             self.programs.append(program)
             if self.keep_executables:
@@ -416,18 +429,21 @@ class ModelRunner:
         new array of the cache's shape (see `cache_copy_ops`)."""
         return program.alias_bytes >= self.kv_cache_device_bytes and not program.cache_copy_ops
 
-    def _cache_copy_ops(self, compiled) -> tuple[str, ...]:
-        """The instructions of a compiled step program that copy the KV cache. XLA has copied it
-        when a one-token write became a dynamic-update-slice (see `write_kv`), when it widened
-        a float8 cache for the scatter, and when the TPU kernel wanted another tiling of the
-        cache than the one it was given. A copy needs temporaries of the cache's size, so only
-        a program that has that many is read (the temporaries alone would also count a small
-        cache's neighbours: an MoE layer's transposed expert weights outweigh a 64-page one)."""
-        shapes = [x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(self.kv_cache)]
-        data = self.kv_cache.data
-        if compiled.memory_analysis().temp_size_in_bytes < np.prod(shapes[0]) * data.dtype.itemsize:
+    def _cache_copy_ops(self, compiled, array: str = "data") -> tuple[str, ...]:
+        """The instructions of a compiled step program that copy the KV cache's `array` ("data",
+        or the 8-bit cache's "scales"). XLA has copied the data when a one-token write became a
+        dynamic-update-slice (see `write_kv`), when it widened a float8 cache for the scatter,
+        and when the TPU kernel wanted another tiling of the cache than the one it was given. A
+        copy needs temporaries of the array's size, so only a program that has that many is
+        read (the temporaries alone would also count a small cache's neighbours: an MoE layer's
+        transposed expert weights outweigh a 64-page one)."""
+        x = getattr(self.kv_cache, array)
+        if x is None:
             return ()
-        return cache_copy_ops(compiled.as_text(), shapes)
+        shape = x.sharding.shard_shape(x.shape)
+        if compiled.memory_analysis().temp_size_in_bytes < np.prod(shape) * x.dtype.itemsize:
+            return ()
+        return cache_copy_ops(compiled.as_text(), [shape])
 
     def _padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -885,6 +901,7 @@ class CompiledProgram:
     optimal_seconds: float | None  # the compiler's own estimate of its run time (XLA:TPU)
     updates_cache: bool  # takes the donated KV cache and returns it
     cache_copy_ops: tuple[str, ...] = ()  # its instructions that copy the cache, if any
+    scales_copy_ops: tuple[str, ...] = ()  # those that copy an 8-bit cache's scales
 
     @classmethod
     def of(

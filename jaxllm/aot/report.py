@@ -169,6 +169,7 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
         "kv_cache_in_place": len(forward) - len(copies),
         "kv_cache_programs": len(forward),
         "kv_cache_copies": [f"{p.name} {p.shape}" for p in copies],
+        "kv_scales_copies": [f"{p.name} {p.shape}" for p in forward if p.scales_copy_ops],
         "decode_prediction": {
             "note": "predicted from the compiler's cost analysis and the chip's published "
             "peaks; not a measurement",
@@ -210,7 +211,12 @@ def render(data: dict[str, Any]) -> str:
         _programs_line(data),
         f"KV cache updated in place: {data['kv_cache_in_place']} of "
         f"{data['kv_cache_programs']} step programs; copies: {len(data['kv_cache_copies'])}"
-        + (f" ({', '.join(data['kv_cache_copies'])})" if data["kv_cache_copies"] else ""),
+        + (f" ({', '.join(data['kv_cache_copies'])})" if data["kv_cache_copies"] else "")
+        + (
+            f"; the 8-bit cache's scales copied in {', '.join(data['kv_scales_copies'])}"
+            if data.get("kv_scales_copies")
+            else ""
+        ),
         "",
         "decode, PREDICTED from the compiler's cost analysis (not measured): "
         f"{data['decode_prediction']['hbm_bytes_per_s'] / 1e9:,.0f} GB/s, "
