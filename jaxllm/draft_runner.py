@@ -100,6 +100,7 @@ class DraftRunner:
             runner.compile_program(
                 "draft_step", shape, self._step, self._params, self.kv_cache,
                 runner.last_tokens, batch, sampled, kept, inputs, tables, updates_cache=True,
+                cache=self.kv_cache,
             )  # fmt: skip
 
         return [functools.partial(compile_step, shape) for shape in runner.shapes]

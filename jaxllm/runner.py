@@ -51,7 +51,7 @@ from jaxllm.sampler import SamplingInputs, sample, token_logprobs
 from jaxllm.sampling_params import MAX_LOGIT_BIAS
 from jaxllm.spec_decode import NgramProposer
 from pallas_kernels import KVCache, get_kv_cache_shape, is_quantized_dtype, zeros_kv_cache
-from pallas_kernels.kv_cache import abstract_kv_cache
+from pallas_kernels.kv_cache import abstract_kv_cache, as_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def compile_program(
-        self, name: str, shape: tuple, fn, *args, updates_cache: bool = False
+        self, name: str, shape: tuple, fn, *args, updates_cache: bool = False, cache=None
     ) -> CompiledProgram:
         """Compiles `fn(*args)` (a jitted function) and records it in `programs`. An abstract
         runner compiles for its parameters' devices with their platform's compiler (a TPU's or
@@ -382,10 +382,15 @@ class ModelRunner:
             name, shape, compiled, time.perf_counter() - start, updates_cache=updates_cache
         )
         if updates_cache:
+            cache = self.kv_cache if cache is None else cache  # the draft model's has its own
             program = dataclasses.replace(
                 program,
-                cache_copy_ops=self._cache_copy_ops(compiled),
-                scales_copy_ops=self._cache_copy_ops(compiled, "scales"),
+                cache_bytes=sum(
+                    int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                    for x in jax.tree.leaves(cache)
+                ),
+                cache_copy_ops=self._cache_copy_ops(compiled, cache),
+                scales_copy_ops=self._cache_copy_ops(compiled, cache, "scales"),
             )
         with _PROGRAMS_LOCK:
             self.programs.append(program)
@@ -427,9 +432,9 @@ class ModelRunner:
         """Whether a step program writes the donated KV cache in place, from what its compiler
         says: its output aliases the cache, and no instruction of the compiled program makes a
         new array of the cache's shape (see `cache_copy_ops`)."""
-        return program.alias_bytes >= self.kv_cache_device_bytes and not program.cache_copy_ops
+        return program.alias_bytes >= program.cache_bytes and not program.cache_copy_ops
 
-    def _cache_copy_ops(self, compiled, array: str = "data") -> tuple[str, ...]:
+    def _cache_copy_ops(self, compiled, cache, array: str = "data") -> tuple[str, ...]:
         """The instructions of a compiled step program that copy the KV cache's `array` ("data",
         or the 8-bit cache's "scales"). XLA has copied the data when a one-token write became a
         dynamic-update-slice (see `write_kv`), when it widened a float8 cache for the scatter,
@@ -437,7 +442,7 @@ class ModelRunner:
         copy needs temporaries of the array's size, so only a program that has that many is
         read (the temporaries alone would also count a small cache's neighbours: an MoE layer's
         transposed expert weights outweigh a 64-page one)."""
-        x = getattr(self.kv_cache, array)
+        x = getattr(as_kv_cache(cache), array)
         if x is None:
             return ()
         shape = x.sharding.shard_shape(x.shape)
@@ -900,6 +905,7 @@ class CompiledProgram:
     bytes_accessed: float | None  # in every memory the program touches (a TPU's VMEM too)
     optimal_seconds: float | None  # the compiler's own estimate of its run time (XLA:TPU)
     updates_cache: bool  # takes the donated KV cache and returns it
+    cache_bytes: int = 0  # per device, of the KV cache it updates (the draft model's, or not)
     cache_copy_ops: tuple[str, ...] = ()  # its instructions that copy the cache, if any
     scales_copy_ops: tuple[str, ...] = ()  # those that copy an 8-bit cache's scales
 
@@ -969,7 +975,10 @@ def cache_copy_ops(hlo_text: str, shapes: list[tuple[int, ...]]) -> tuple[str, .
         name, shape, opcode = m.groups()
         if line.lstrip().startswith("ROOT "):
             roots[computation] = opcode
-        if shape in dims and opcode not in _IN_PLACE | {"custom-call"}:
+        # A result in another memory space (`S(1)`: a TPU's VMEM) is a prefetch of a cache
+        # small enough to fit there, not a second copy of it in HBM.
+        in_hbm = "S(1)" not in line.split(" = ", 1)[1].split(" ", 1)[0]
+        if shape in dims and in_hbm and opcode not in _IN_PLACE | {"custom-call"}:
             candidates.append((computation, name, opcode, called.group(1) if called else ""))
     return tuple(
         f"{opcode} %{name}"

@@ -77,7 +77,10 @@ def test_a_cache_copy_fails_warmup(tiny_model_dir, monkeypatch):
     from jaxllm import LLM
     from jaxllm.runner import ModelRunner
 
-    monkeypatch.setattr(ModelRunner, "_cache_copy_ops", lambda self, compiled: ("copy %copy.7",))
+    def copies(self, compiled, cache, array="data"):
+        return ("copy %copy.7",) if array == "data" else ()
+
+    monkeypatch.setattr(ModelRunner, "_cache_copy_ops", copies)
     with pytest.raises(RuntimeError, match=r"would copy the KV cache.*copied by copy %copy.7"):
         LLM(tiny_model_dir, max_model_len=64, num_pages=16, max_num_seqs=2,
             max_num_batched_tokens=16)  # fmt: skip
