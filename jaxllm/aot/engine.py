@@ -22,16 +22,16 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 import pallas_kernels
+from jaxllm import loaders
 from jaxllm.aot.targets import Target
 from jaxllm.config import EngineConfig, ModelConfig, resolve_dtype
 from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_cache import resolve_model
-from jaxllm.models import get_model_class
 from jaxllm.quantization import FORMATS
 from jaxllm.runner import ModelRunner
-from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings, shard_config
+from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -210,20 +210,9 @@ def abstract_model(
             f"{path}: a {method} checkpoint's tensors are not compiled here; compile the float "
             "model, with --quantization int8, int4 or fp8 if wanted"
         )
-    if mesh is not None:
-        config = shard_config(config, mesh.shape["model"])
-    cls = get_model_class(config)
-    abstract = nnx.eval_shape(
-        lambda: cls(
-            config,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            quant_matmul_backend=quant_matmul_backend,
-            mesh=mesh,
-            rngs=None,
-        )
+    config, graphdef, abstract_state = loaders.abstract_model(
+        config, dtype, attention_backend, quant_matmul_backend, mesh
     )
-    graphdef, abstract_state = nnx.split(abstract)
     if mesh is not None:
         shardings = param_shardings(abstract_state, mesh)
     else:

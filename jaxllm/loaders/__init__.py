@@ -50,6 +50,29 @@ def load_config(path: Path) -> ModelConfig:
     )
 
 
+def abstract_model(
+    config: ModelConfig, dtype, attention_backend: str, quant_matmul_backend: str, mesh
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """The model of `config` as shapes only (the weights come from a checkpoint, or stay
+    abstract for `jaxllm compile`): its config as sharded over `mesh` (kv heads repeated),
+    its graph and its abstract state."""
+    if mesh is not None:
+        config = shard_config(config, mesh.shape["model"])
+    cls = get_model_class(config)
+    abstract = nnx.eval_shape(
+        lambda: cls(
+            config,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            quant_matmul_backend=quant_matmul_backend,
+            mesh=mesh,
+            rngs=None,
+        )
+    )
+    graphdef, abstract_state = nnx.split(abstract)
+    return config, graphdef, abstract_state
+
+
 def load_tokenizer(model: str | os.PathLike) -> tuple[Any, dict]:
     """The tokenizer (with its chat template) and generation config of a model, without its
     weights: what a front end process needs."""
@@ -101,21 +124,9 @@ def load_model(
         # `quantization="gguf"` keeps them quantized (0.18x the bytes of the demo model).
         quantization = "float"
     start = time.perf_counter()
-    config = load_config(path)
-    if mesh is not None:
-        config = shard_config(config, mesh.shape["model"])
-    cls = get_model_class(config)
-    abstract = nnx.eval_shape(
-        lambda: cls(
-            config,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            quant_matmul_backend=quant_matmul_backend,
-            mesh=mesh,
-            rngs=None,  # shapes only: the weights come from the checkpoint
-        )
+    config, graphdef, abstract_state = abstract_model(
+        load_config(path), dtype, attention_backend, quant_matmul_backend, mesh
     )
-    graphdef, abstract_state = nnx.split(abstract)
     shardings = None if mesh is None else param_shardings(abstract_state, mesh)
     if orbax_loader.is_orbax_checkpoint(path):
         if quantization not in (None, "float"):
