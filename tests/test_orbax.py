@@ -19,7 +19,8 @@ from flax import nnx
 
 from jaxllm.cli import main
 from jaxllm.loaders import load_model
-from jaxllm.loaders.orbax import MARKER, convert, is_orbax_checkpoint
+from jaxllm.loaders.convert import convert
+from jaxllm.loaders.orbax import MARKER, is_orbax_checkpoint
 
 from helpers import prefill_logits
 

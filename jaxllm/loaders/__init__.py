@@ -1,10 +1,9 @@
 """One entry point, `load_model`, for every source: a Hugging Face checkpoint directory, a
-GGUF file, a checkpoint converted to orbax (`jaxllm convert`, see `loaders/orbax.py`), or a
+GGUF file, a checkpoint converted to orbax (`jaxllm convert`, see `loaders/convert.py` and `loaders/orbax.py`), or a
 demo short name (resolved to its GGUF file)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from jaxllm.loaders import gguf as gguf_loader
 from jaxllm.loaders import hf as hf_loader
 from jaxllm.loaders import orbax as orbax_loader
 from jaxllm.loaders import quantized_hf
+from jaxllm.loaders.loaded import LoadedModel
 from jaxllm.loaders.weights import build_state
 from jaxllm.model_cache import cache_dir, resolve_model
 from jaxllm.models import get_model_class
@@ -29,15 +29,6 @@ from jaxllm.quantization import QUANTIZATIONS
 from jaxllm.sharding import param_shardings, shard_config
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    config: ModelConfig
-    model: nnx.Module  # the Flax NNX model with its weights
-    tokenizer: Any  # a transformers tokenizer (with its chat template), or None
-    generation_config: dict  # generation_config.json, {} when absent
-    path: Path
 
 
 def load_config(path: Path) -> ModelConfig:

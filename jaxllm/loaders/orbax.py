@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import ModelConfig
+from jaxllm.loaders.loaded import LoadedModel
 from jaxllm.quantization import QArray
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,6 @@ def save(
     a temporary sibling first and renamed, so `dst` appears complete or not at all."""
     import orbax.checkpoint as ocp
 
-    from jaxllm.loaders import LoadedModel
-
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst} already exists and is not an empty directory")
@@ -231,33 +230,6 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
-
-
-def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype=jnp.float32) -> Path:
-    """Loads a Hugging Face directory, a GGUF file or a converted checkpoint in `dtype`
-    (quantized weights dequantized), on the host CPU (host memory is usually larger than one
-    accelerator's), and saves it as a converted checkpoint at `dst`."""
-    from jaxllm.loaders import load_model
-    from jaxllm.model_cache import resolve_model
-
-    path = resolve_model(src)
-    dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"{dst} already exists and is not an empty directory")
-    hf_config = source_hf_config(path)
-    # Saved dequantized (GGUF, GPTQ, AWQ, compressed-tensors): the config says so no more.
-    hf_config.pop("quantization_config", None)
-    hf_config.pop("compression_config", None)
-    with jax.default_device(jax.devices("cpu")[0]):
-        loaded = load_model(path, dtype=dtype, load_tokenizer=True, quantization="float")
-        return save(
-            loaded,
-            hf_config,
-            loaded.tokenizer,
-            loaded.generation_config,
-            dst,
-            source=str(path.resolve()),
-        )
 
 
 def restore_state(
