@@ -65,9 +65,11 @@ def measure(llm: LLM, prompt: str, params: SamplingParams, repeats: int) -> dict
         after = llm.engine.stats()
         if best is None or elapsed < best:
             best = elapsed
-            drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-            verifications = after.spec_num_drafts - before.spec_num_drafts
+            drafts = after.spec_decoding.num_draft_tokens - before.spec_decoding.num_draft_tokens
+            accepted = (
+                after.spec_decoding.num_accepted_tokens - before.spec_decoding.num_accepted_tokens
+            )
+            verifications = after.spec_decoding.num_drafts - before.spec_decoding.num_drafts
         tokens = out.token_ids
     result = {
         "tokens_per_s": round(len(tokens) / best, 2),

@@ -50,7 +50,7 @@ class LLM:
     where it is declared in `jaxllm.config` and shown by `help(LLM)`; `config=` takes a whole
     `EngineConfig` instead. In a multi-host run (`jax.distributed` initialized first, or
     `distributed=True`) host 0 generates and every other host calls
-    `multihost.run_worker(llm.engine)`."""
+    `multihost.run_worker(llm.engine.runner, llm.engine.config.parallel)`."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ device whole heads.
 
 Why one array with a layer axis rather than one array per layer: every op takes the layer index
 and reads or writes `cache[layer, ...]` in place; the forward program donates the cache and
-updates it in place (a program that copies it fails warmup, see `jaxllm.runner`).
+updates it in place (a program that copies it fails warmup, see `jaxllm.worker.compiler`).
 
 A token's slot is `page * page_size + offset`. Writes go through `write_kv`, a scatter into
 the donated cache, so no step copies the cache.

@@ -80,11 +80,11 @@ class _EngineCollector:
              s.prefix_cache_hits),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
              s.num_preemptions),
-            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts),
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_decoding.num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-             s.spec_num_draft_tokens),
+             s.spec_decoding.num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-             s.spec_num_accepted_tokens),
+             s.spec_decoding.num_accepted_tokens),
             ("jaxllm:num_compilations",
              "XLA programs compiled or loaded from the cache; flat after startup.",
              s.num_compilations),
@@ -104,7 +104,7 @@ class _EngineCollector:
             "Accepted tokens per draft position.",
             labels=[*LABELS, "position"],
         )
-        for position, value in enumerate(s.spec_num_accepted_per_pos):
+        for position, value in enumerate(s.spec_decoding.num_accepted_per_pos):
             per_pos.add_metric([*values, str(position)], value)
         yield per_pos
 

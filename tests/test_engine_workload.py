@@ -174,7 +174,7 @@ def test_random_workload_no_recompilation_and_outputs_match_alone(
     assert len(finished) + len(aborted) == len(work) and len(aborted) >= 5
     if spec is not None:
         stats = core.stats()
-        assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+        assert 0 < stats.spec_decoding.num_accepted_tokens <= stats.spec_decoding.num_draft_tokens
 
     mismatches = []
     for rid, prompt, params in work:

@@ -363,18 +363,18 @@ def test_engine_recovers_from_a_failed_step(tiny_llm):
     prompt = {"prompt_token_ids": [9, 8, 7, 6, 5] * 8}
     ref = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     runner = tiny_llm.runner
-    step = runner._forward
+    step = runner.forward
 
     def failing_step(state, kv_cache, *args, **kwargs):
         kv_cache.data.delete()  # as a device fault after donation would leave it
         raise RuntimeError("simulated device fault")
 
-    runner._forward = failing_step
+    runner.forward = failing_step
     try:
         with pytest.raises(RuntimeError, match="simulated device fault"):
             tiny_llm.generate(prompt, GREEDY, use_tqdm=False)
     finally:
-        runner._forward = step
+        runner.forward = step
     _assert_idle(tiny_llm)
     assert not runner.kv_cache.data.is_deleted() and not tiny_llm.kv_cache_manager.cached
     assert tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref

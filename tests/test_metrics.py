@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm.config import CacheConfig
 from jaxllm.engine.iteration_stats import IterationStats, RequestTimes
-from jaxllm.engine.step_data import Stats, StepEvents
+from jaxllm.engine.step_data import SpecDecodingStats, Stats, StepEvents
 from server.metrics import Metrics, build_1_2_5_buckets
 
 # vLLM V1's metrics (docs.vllm.ai, "Production Metrics", and the PrometheusStatLogger it is
@@ -123,7 +123,9 @@ def rendered(stats: Stats | None = None) -> dict[str, object]:
 def sample_names() -> set[str]:
     """Every sample name /metrics shows after one request (counters end in _total, histograms
     in _bucket, _sum and _count)."""
-    stats = Stats(spec_num_accepted_per_pos=[0])  # a sample per draft position
+    stats = Stats(
+        spec_decoding=SpecDecodingStats(num_accepted_per_pos=[0])
+    )  # a sample per draft position
     return {s.name for family in rendered(stats).values() for s in family.samples}
 
 
@@ -169,9 +171,8 @@ def test_histograms_have_vllms_buckets():
 def test_values_follow_one_request():
     stats = Stats(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=30,
                   prefix_cache_hits=16, num_preemptions=1, num_compilations=20, num_steps=3,
-                  num_scheduled_tokens=9, num_padded_tokens=48, spec_num_drafts=4,
-                  spec_num_draft_tokens=12, spec_num_accepted_tokens=7,
-                  spec_num_accepted_per_pos=[4, 2, 1])  # fmt: skip
+                  num_scheduled_tokens=9, num_padded_tokens=48,
+                  spec_decoding=SpecDecodingStats(4, 12, 7, [4, 2, 1]))  # fmt: skip
     families = rendered(stats)
 
     def value(name, suffix="", **labels):

@@ -38,13 +38,13 @@ from jaxllm.engine.core import EngineCore
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.step_data import (
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker import (
     NewRequestData,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
-from jaxllm.sampling_params import SamplingParams
 
 from conftest import write_tiny_checkpoint
 
@@ -154,7 +154,7 @@ def _worker_thread(address: str, engine, results: dict, key) -> threading.Thread
         try:
             subscriber = multihost.LockstepSubscriber(address)
             try:
-                results[key] = multihost.run_worker(engine, subscriber=subscriber)
+                results[key] = multihost.run_worker(engine.runner, subscriber=subscriber)
             finally:
                 subscriber.close()
         except Exception as e:
@@ -312,7 +312,7 @@ report = {"process_index": jax.process_index(), "devices": jax.device_count(),
           "local_devices": jax.local_device_count(),
           "mesh": dict(llm.mesh.shape) if llm.mesh is not None else None}
 if llm.engine.is_worker:
-    report["steps"] = multihost.run_worker(llm.engine)
+    report["steps"] = multihost.run_worker(llm.engine.runner, llm.engine.config.parallel)
 else:
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i, 17, 40 + 2 * i, 9] * (i + 2)} for i in range(5)]

@@ -74,4 +74,4 @@ def test_greedy_parity_with_transformers(name, spec):
     )
     assert not report, "\n".join(report)
     if spec is not None:
-        assert llm.engine.stats().spec_num_accepted_tokens > 0
+        assert llm.engine.stats().spec_decoding.num_accepted_tokens > 0

@@ -180,8 +180,8 @@ def test_engine_tokens_with_the_kernel(tiny_model_dir):
             max_num_batched_tokens=16,
         )
         runner = llm.runner
-        batch = runner._padding_batch(*runner.shapes[-1])
-        step = runner._forward.trace(runner._params, runner.kv_cache, runner.last_tokens, batch)
+        batch = runner.inputs.padding_batch(*runner.shapes[-1])
+        step = runner.forward.trace(runner.params, runner.kv_cache, runner.last_tokens, batch)
         assert ("quant_matmul_int4_gpu" in str(step.jaxpr)) == (backend == "pallas")
         before = runner.num_compilations
         outputs = llm.generate(prompts, params, use_tqdm=False)

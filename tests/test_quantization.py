@@ -251,7 +251,7 @@ def test_engine_runs_quantized_without_compiling(tiny_model_dir, fmt, kv_cache_d
     assert llm.runner.num_compilations == before
     assert batched == alone
     programs = [p for p in llm.runner.programs if p.updates_cache]
-    assert programs and all(llm.runner.updates_in_place(p) for p in programs)
+    assert programs and all(p.updates_in_place for p in programs)
     if kv_cache_dtype != "auto":
         assert llm.runner.kv_cache.scales is not None
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.runner import make_buckets, pick_shape
+from jaxllm.worker import make_buckets, pick_shape
 
 
 def test_buckets_fit_every_batch_tightly():
@@ -52,13 +52,13 @@ def test_every_program_updates_the_kv_cache_in_place(tiny_model_dir, attention_b
     forward = {p.shape: p for p in runner.programs if p.name == "forward"}
     assert set(forward) == set(runner.shapes)
     for shape, program in forward.items():
-        assert runner.updates_in_place(program), (shape, program, runner.kv_cache.nbytes)
+        assert program.updates_in_place, (shape, program, runner.kv_cache.nbytes)
 
 
 def test_cache_copies_are_read_from_the_compiled_program():
     """A step that keeps the old cache beside the new one copies it; a scatter into it does
     not. The TPU compiler's copy of the cache for an unaligned kv-head count had this form."""
-    from jaxllm.runner import cache_copy_ops
+    from jaxllm.worker import cache_copy_ops
 
     cache = jax.ShapeDtypeStruct((4, 64, 2, 16, 48), jnp.float32)
     i = jax.ShapeDtypeStruct((), jnp.int32)
@@ -75,12 +75,12 @@ def test_cache_copies_are_read_from_the_compiled_program():
 def test_a_cache_copy_fails_warmup(tiny_model_dir, monkeypatch):
     """A step program that would copy the KV cache stops the engine at warmup, naming it."""
     from jaxllm import LLM
-    from jaxllm.runner import ModelRunner
+    from jaxllm.worker import compiler
 
-    def copies(self, compiled, cache, array="data"):
+    def copies(compiled, cache, array="data"):
         return ("copy %copy.7",) if array == "data" else ()
 
-    monkeypatch.setattr(ModelRunner, "_cache_copy_ops", copies)
+    monkeypatch.setattr(compiler, "_cache_copy_ops", copies)
     with pytest.raises(RuntimeError, match=r"would copy the KV cache.*copied by copy %copy.7"):
         LLM(tiny_model_dir, max_model_len=64, num_pages=16, max_num_seqs=2,
             max_num_batched_tokens=16)  # fmt: skip
@@ -117,15 +117,18 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
         skip_warmup=True,
     )
     runner = llm.runner
-    batch = runner._padding_batch(*runner.shapes[-1])
+    batch = runner.inputs.padding_batch(*runner.shapes[-1])
     num_logits = len(batch.logits_indices)
-    sampling, verify = runner._padding_sampling(num_logits)
+    sampling = runner.inputs.sampling.padding(num_logits)
+    verify = runner.inputs.padding_verify(num_logits)
     with pallas_kernels.target_platform(platform):
-        forward = runner._forward.trace(runner._params, runner.kv_cache, runner.last_tokens, batch)
+        forward = runner.forward.trace(runner.params, runner.kv_cache, runner.last_tokens, batch)
         text = forward.lower(lowering_platforms=(platform,)).as_text()
         _, hidden, _ = forward.out_info
         rows = jax.ShapeDtypeStruct((num_logits, *hidden.shape[1:]), hidden.dtype)
-        head = runner._sample.trace(runner._params, rows, sampling, verify, runner.last_tokens)
+        head = runner.head_and_sample.trace(
+            runner.params, rows, sampling, verify, runner.last_tokens
+        )
         head.lower(lowering_platforms=(platform,))
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
     # Quantized weights: the GPU program through the Pallas matmul, the TPU's through XLA.

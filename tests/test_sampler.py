@@ -10,16 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampler import (
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxllm.worker.sampler import (
     NUM_CANDIDATES,
     SamplingInputs,
     _apply_penalties,
-    _argmax,
     _candidate_cut,
     _filter,
+    argmax,
     sample,
 )
-from jaxllm.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
 def inputs(
@@ -167,7 +167,7 @@ def test_argmax_is_the_first_index_of_the_maximum():
     x[1, [3, 200]] = 50.0  # a tie: the first wins
     x[2] = -np.inf  # all blocked: index 0, as jnp.argmax
     x[3, 299] = 99.0  # the last id
-    got = np.asarray(jax.jit(_argmax)(jnp.asarray(x)))
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
     assert got.tolist() == np.argmax(x, axis=-1).tolist()
     assert got[1] == 3
 

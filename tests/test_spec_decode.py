@@ -14,8 +14,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig, SpeculativeConfig, add_cli_args
-from jaxllm.spec_decode import NgramProposer
 from jaxllm.testing import write_tiny_checkpoint
+from jaxllm.worker.spec_decode.ngram import NgramProposer
 
 ENGINE = dict(max_model_len=256, num_pages=96, max_num_seqs=8, max_num_batched_tokens=64)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -115,7 +115,7 @@ def test_draft_model_must_share_the_vocabulary(tiny_model_dir, tokenizer_dir, tm
 
 
 def test_ngram_proposer():
-    propose = NgramProposer(k=4, min_n=2, max_n=3).propose
+    propose = NgramProposer(k=4, min_n=2, max_n=3).propose_after
     # vLLM's example: [4, 2, 3] has no earlier match, [2, 3] matches at 1: what followed it.
     assert propose(np.array([1, 2, 3, 4, 2, 3])) == [4, 2, 3]
     assert propose(np.array([1, 2, 3, 4, 5])) == []  # no earlier [4, 5]
@@ -123,8 +123,8 @@ def test_ngram_proposer():
     # The longest match wins over a later shorter one; among equals, the latest.
     tokens = np.array([9, 2, 3, 50, 51, 8, 2, 3, 60, 61, 9, 2, 3])
     assert propose(tokens) == [50, 51, 8, 2]  # [9, 2, 3] at 0
-    assert NgramProposer(k=2, min_n=2, max_n=2).propose(tokens) == [60, 61]  # [2, 3] at 6
-    assert NgramProposer(k=3, min_n=1, max_n=1).propose(np.array([5, 1, 5, 2, 5])) == [2, 5]
+    assert NgramProposer(k=2, min_n=2, max_n=2).propose_after(tokens) == [60, 61]  # [2, 3] at 6
+    assert NgramProposer(k=3, min_n=1, max_n=1).propose_after(np.array([5, 1, 5, 2, 5])) == [2, 5]
 
 
 # ---- exactness ---------------------------------------------------------------------------
@@ -155,9 +155,9 @@ def test_greedy_and_seeded_outputs_equal_no_speculation(plain, ngram):
                     assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
     stats = ngram.engine.stats()
     assert ngram.runner.num_compilations == compiled, "a program compiled after warmup"
-    assert stats.spec_num_draft_tokens > before.spec_num_draft_tokens + 200
-    assert stats.spec_num_accepted_tokens > before.spec_num_accepted_tokens + 50
-    assert sum(stats.spec_num_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert stats.spec_decoding.num_draft_tokens > before.spec_decoding.num_draft_tokens + 200
+    assert stats.spec_decoding.num_accepted_tokens > before.spec_decoding.num_accepted_tokens + 50
+    assert sum(stats.spec_decoding.num_accepted_per_pos) == stats.spec_decoding.num_accepted_tokens
 
 
 def test_stop_strings_and_tokens_end_inside_accepted_drafts(plain, ngram):
@@ -197,7 +197,7 @@ def test_chunked_prefill_and_preemption(tiny_model_dir, plain):
         plain.generate(prompts, params, use_tqdm=False)
     )
     assert small.engine.scheduler.num_preemptions > 0
-    assert small.engine.stats().spec_num_accepted_tokens > 0
+    assert small.engine.stats().spec_decoding.num_accepted_tokens > 0
     small.kv_cache_manager.check_invariants()
     assert small.kv_cache_manager.num_free_blocks == 12
 
@@ -220,13 +220,16 @@ def test_draft_model(tiny_model_dir, draft_dir, plain):
             )
         assert llm.runner.num_compilations == compiled
         stats = llm.engine.stats()
-        assert stats.spec_num_draft_tokens > 300
+        assert stats.spec_decoding.num_draft_tokens > 300
         if draft == tiny_model_dir:
             greedy = llm.engine.stats()
             llm.generate(prompts, params[0], use_tqdm=False)
             after = llm.engine.stats()
-            drafted = after.spec_num_draft_tokens - greedy.spec_num_draft_tokens
-            assert after.spec_num_accepted_tokens - greedy.spec_num_accepted_tokens == drafted
+            drafted = after.spec_decoding.num_draft_tokens - greedy.spec_decoding.num_draft_tokens
+            assert (
+                after.spec_decoding.num_accepted_tokens - greedy.spec_decoding.num_accepted_tokens
+                == drafted
+            )
 
 
 @pytest.mark.parametrize("n", [2048, pytest.param(20_480, marks=pytest.mark.slow)])
@@ -269,16 +272,15 @@ def test_distribution_equals_the_targets(tiny_model_dir, plain, n, request):
     # The 0.999 quantile of chi-square with 26 degrees of freedom is 54.05.
     assert chi2 < 54.05, (chi2, counts)
     stats = llm.engine.stats()
-    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
 
 
 def test_metrics_under_vllm_names():
-    from jaxllm.engine.step_data import Stats
+    from jaxllm.engine.step_data import SpecDecodingStats, Stats
     from server.metrics import Metrics
     from tests.test_metrics import fake_engine
 
-    stats = Stats(spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=7,
-                  spec_num_accepted_per_pos=[4, 2, 1])  # fmt: skip
+    stats = Stats(spec_decoding=SpecDecodingStats(4, 12, 7, [4, 2, 1]))  # fmt: skip
     text = Metrics(fake_engine(stats), "m").render().decode()
     labels = 'engine="0",model_name="m"'
     for line in (

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.sampler import sample
 from jaxllm.structured_outputs import StructuredOutputsParams
+from jaxllm.worker.sampler import sample
 
 ENGINE = dict(max_model_len=256, num_pages=128, max_num_seqs=16, max_num_batched_tokens=128)
 
@@ -211,7 +211,7 @@ def test_speculative_decoding_verifies_against_the_grammar(tiny_model_dir, llm):
         assert [c.token_ids for c in got] == [c.token_ids for c in want]
         for c in got:
             check(constraint, c.text)
-    assert spec.engine.stats().spec_num_accepted_tokens > 0
+    assert spec.engine.stats().spec_decoding.num_accepted_tokens > 0
 
 
 def test_a_grammar_that_does_not_compile_in_time_fails_its_request_only(llm):

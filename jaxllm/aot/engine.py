@@ -30,8 +30,8 @@ from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_cache import resolve_model
 from jaxllm.quantization import FORMATS
-from jaxllm.runner import ModelRunner
 from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
+from jaxllm.worker import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -151,18 +151,12 @@ def compile_engine(
         tensor_parallel_size=tp,
         attention_backend=backend,
     )
-    sched = config.scheduler
-    runner = ModelRunner(
+    runner = ModelRunner.from_config(
         model.model,
         model.config,
-        num_pages=num_pages,
-        page_size=cache.page_size,
-        max_model_len=max_model_len,
-        max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens,
-        dtype=kv_dtype,
+        config,
+        kv_dtype=kv_dtype,
         mesh=mesh,
-        speculative=spec,
         draft_model=None if len(weights) == 1 else (weights[1].model, weights[1].config),
     )
     build_seconds = time.perf_counter() - start

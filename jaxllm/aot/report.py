@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxllm.aot.engine import CompiledEngine
-from jaxllm.runner import pick_shape
+from jaxllm.worker import pick_shape
 from pallas_kernels.kv_cache import attention_cost
 
 _GIB = 2**30
@@ -88,7 +88,7 @@ def _kv_bytes_per_token(engine: CompiledEngine) -> float:
     from jaxllm.sharding import kv_cache_placement
 
     runner = engine.runner
-    device = next(iter(runner._replicated.device_set))
+    device = runner.device.device
     placement = kv_cache_placement(runner.mesh, engine.kv_dtype, device)
     page = device_page_bytes(
         engine.model_config, runner.page_size, engine.kv_dtype, placement,

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.engine.request import Request, check_prompt_ids, check_sampling_params
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.step_data import RequestUpdate, SchedulerOutput, Stats, StepEvents
+from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
+from jaxllm.worker import SchedulerOutput
 
 if TYPE_CHECKING:
-    from jaxllm.runner import InflightStep, ModelRunner
+    from jaxllm.worker import InflightStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ class EngineCore:
         )
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
-        from jaxllm.runner import ModelRunner
         from jaxllm.sharding import kv_cache_placement, make_mesh
+        from jaxllm.worker import ModelRunner
 
         comp, parallel = config.compilation, config.parallel
         xla_cache = comp.compilation_cache_dir
@@ -118,7 +119,7 @@ class EngineCore:
         spec = config.speculative.method
         draft = None
         if spec is not None and spec.method == "draft_model":
-            from jaxllm.draft_runner import check_draft_config
+            from jaxllm.worker import check_draft_config
 
             draft = load_model(
                 spec.model,
@@ -154,17 +155,12 @@ class EngineCore:
             attention_backend=backend,
         )
         sched, cache = config.scheduler, config.cache
-        runner = ModelRunner(
+        runner = ModelRunner.from_config(
             loaded.model,
             loaded.config,
-            num_pages=num_pages,
-            page_size=cache.page_size,
-            max_model_len=max_model_len,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            dtype=kv_dtype,
+            config,
+            kv_dtype=kv_dtype,
             mesh=mesh,
-            speculative=spec,
             draft_model=None if draft is None else (draft.model, draft.config),
         )
         kv = KVCacheManager(
@@ -260,10 +256,7 @@ class EngineCore:
             num_padded_tokens=self.runner.num_padded_tokens,
             grammar_bitmask_seconds=scheduler.grammar_bitmask_seconds,
             grammar_bitmask_steps=scheduler.grammar_bitmask_steps,
-            spec_num_drafts=scheduler.spec_num_drafts,
-            spec_num_draft_tokens=scheduler.spec_num_draft_tokens,
-            spec_num_accepted_tokens=scheduler.spec_num_accepted_tokens,
-            spec_num_accepted_per_pos=list(scheduler.spec_num_accepted_per_pos),
+            spec_decoding=scheduler.spec_decoding.copy(),
         )
 
     def step(self) -> list[RequestUpdate]:

@@ -69,11 +69,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from jaxllm.engine.step_data import SchedulerOutput
+from jaxllm.worker import SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxllm.config import ParallelConfig
-    from jaxllm.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -337,18 +336,19 @@ def process_index(parallel: ParallelConfig) -> int:
     return pid
 
 
-def run_worker(engine: EngineCore, *, subscriber: LockstepSubscriber | None = None) -> int:
+def run_worker(
+    runner, parallel: ParallelConfig | None = None, *, subscriber: LockstepSubscriber | None = None
+) -> int:
     """On a host other than 0: replays every step host 0 publishes, in order, until host 0
-    shuts down; returns the number of steps. `engine` is this host's engine, built from the
-    same config as host 0's (its scheduler stays unused).
+    shuts down; returns the number of steps. `runner` is the model runner of this host's
+    engine, built from the same config as host 0's (its scheduler stays unused); `parallel`:
+    its parallel config, which names the lockstep address (or the subscriber is given).
 
     The runner calls are host 0's, in host 0's order: a synchronous step is launched and
     collected at once; an async one is launched, and the step before it collected after the
     launch if host 0 had it still in flight (`overlap`), before it otherwise. The order matters
     beyond the programs launched: a row whose previous token is not collected yet reads it on
     the device, and the hosts' inputs must be the same."""
-    runner = engine.runner
-    parallel = engine.config.parallel if engine.config is not None else None
     own = subscriber is None
     if own:
         subscriber = LockstepSubscriber(

@@ -45,11 +45,10 @@ from typing import TYPE_CHECKING
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.step_data import (
-    FinishReason,
+from jaxllm.engine.step_data import FinishReason, RequestUpdate, SpecDecodingStats
+from jaxllm.worker import (
     GrammarBitmask,
     NewRequestData,
-    RequestUpdate,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -81,11 +80,7 @@ class Scheduler:
         # Requests failed outside a step (a grammar that did not compile): the engine core
         # reports them with its next step's updates.
         self.failed: list[RequestUpdate] = []
-        # Speculative decoding counters (see `Stats`).
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_num_accepted_per_pos: list[int] = []
+        self.spec_decoding = SpecDecodingStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -408,7 +403,7 @@ class Scheduler:
             if s.spec_token_ids:  # roll back to the accepted drafts
                 accepted = len(tokens) - 1
                 request.num_computed_tokens -= len(s.spec_token_ids) - accepted
-                self._count_spec(len(s.spec_token_ids), accepted)
+                self.spec_decoding.observe(len(s.spec_token_ids), accepted)
             scored = output.prompt_logprobs.get(rid)
             if scored:
                 request.next_prompt_logprob += len(scored)
@@ -444,15 +439,6 @@ class Scheduler:
                 )
             )
         return updates
-
-    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += num_accepted
-        per_pos = self.spec_num_accepted_per_pos
-        per_pos += [0] * (num_accepted - len(per_pos))
-        for j in range(num_accepted):
-            per_pos[j] += 1
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # The sampler cannot pick EOS or a stop id among the first min_tokens tokens; this

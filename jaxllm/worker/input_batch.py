@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.engine.step_data import NewRequestData, ScheduledRequest
-from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
-
-# Width of the per-request blocked-id array (EOS ids plus stop ids, while min_tokens holds).
-MAX_BLOCKED_IDS = MAX_STOP_TOKEN_IDS + 16
+from jaxllm.worker.sampling_inputs import SamplingRows
+from jaxllm.worker.step_data import NewRequestData, ScheduledRequest
 
 
 class InputBatch:
@@ -30,22 +27,7 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(n, np.int32)
         self.block_table = np.zeros((n, pages_per_seq), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
-        self.temperature = np.zeros(n, np.float32)
-        self.top_k = np.zeros(n, np.int32)
-        self.top_p = np.ones(n, np.float32)
-        self.min_p = np.zeros(n, np.float32)
-        self.seeds = np.zeros((n, 2), np.uint32)  # low and high words of the 64-bit seed
-        self.num_logprobs = np.full(n, -1, np.int32)  # -1: no logprobs
-        self.num_prompt_logprobs = np.zeros(n, np.int32)
-        self.min_tokens = np.zeros(n, np.int32)
-        self.blocked_ids = np.full((n, MAX_BLOCKED_IDS), vocab_size, np.int32)  # EOS, stop ids
-        self.has_logit_bias = np.zeros(n, np.bool_)
-        self.logit_bias_ids = np.full((n, MAX_LOGIT_BIAS), vocab_size, np.int32)
-        self.logit_bias = np.zeros((n, MAX_LOGIT_BIAS), np.float32)
-        self.uses_penalties = np.zeros(n, np.bool_)
-        self.presence_penalty = np.zeros(n, np.float32)
-        self.frequency_penalty = np.zeros(n, np.float32)
-        self.repetition_penalty = np.ones(n, np.float32)
+        self.sampling = SamplingRows(n, vocab_size, max_model_len)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -57,7 +39,6 @@ class InputBatch:
             raise RuntimeError("the persistent batch is full: more requests than max_num_seqs")
         i = self._free_rows.pop()
         self.row_of[new.request_id] = i
-        p = new.sampling_params
         n = len(new.token_ids)
         self.token_ids[i, :n] = new.token_ids
         self.token_ids[i, n:] = self.vocab_size
@@ -65,28 +46,7 @@ class InputBatch:
         self.num_prompt_tokens[i] = new.num_prompt_tokens
         self.num_blocks[i] = 0
         self.append_blocks(i, new.block_ids)
-        self.temperature[i] = p.temperature
-        self.top_k[i] = p.top_k if p.top_k < self.vocab_size else 0  # all tokens: off
-        self.top_p[i] = p.top_p
-        self.min_p[i] = p.min_p
-        seed = new.seed % 2**64
-        self.seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-        self.num_logprobs[i] = -1 if p.logprobs is None else p.logprobs
-        self.num_prompt_logprobs[i] = p.prompt_logprobs or 0
-        self.min_tokens[i] = min(p.min_tokens, self.token_ids.shape[1])  # past the end: all
-        blocked = [*new.eos_token_ids, *(p.stop_token_ids or [])][:MAX_BLOCKED_IDS]
-        self.blocked_ids[i] = self.vocab_size
-        self.blocked_ids[i, : len(blocked)] = blocked
-        bias = p.logit_bias or {}
-        self.has_logit_bias[i] = bool(bias)
-        self.logit_bias_ids[i] = self.vocab_size
-        self.logit_bias[i] = 0.0
-        self.logit_bias_ids[i, : len(bias)] = list(bias)
-        self.logit_bias[i, : len(bias)] = list(bias.values())
-        self.uses_penalties[i] = p.uses_penalties
-        self.presence_penalty[i] = p.presence_penalty
-        self.frequency_penalty[i] = p.frequency_penalty
-        self.repetition_penalty[i] = p.repetition_penalty
+        self.sampling.write(i, new)
 
     def remove(self, request_id: str) -> None:
         """Frees the request's row; an id not in the batch (it never ran) is ignored."""

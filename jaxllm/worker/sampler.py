@@ -327,7 +327,7 @@ def token_logprobs(raw: jax.Array, ids: jax.Array):
     return chosen, rank, jnp.pad(top_ids, pad).astype(jnp.int32), top_lp
 
 
-def _argmax(x: jax.Array) -> jax.Array:
+def argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (first index of the maximum) as two plain reductions, which
     XLA's CPU backend vectorizes: 2.5-3.5x faster than its variadic argmax reduce on
     [R, 49152] (0.07 against 0.24 ms at R = 1, 2.8 against 7.1 ms at R = 64, 2-core CPU)."""
@@ -344,7 +344,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f3
     modified = jnp.any(s.blocked_ids < vocab) | jnp.any(s.logit_bias_ids < vocab)
     modified |= _any_penalty(s) | constrained
     logits = jax.lax.cond(modified, _modify, lambda x, *_: x, logits, s, constrained)
-    greedy = _argmax(logits)
+    greedy = argmax(logits)
     random = s.temperature >= SAMPLING_EPS
     sampled = jax.lax.cond(
         jnp.any(random),

@@ -1,9 +1,10 @@
-"""The data of one engine step: what the scheduler hands the runner, what the runner returns,
-and what the engine core reports per request.
+"""The data of one step between the scheduler and the worker: the batch the scheduler hands
+the model runner (`SchedulerOutput`), and what the runner computed (`RunnerOutput`). What the
+engine core reports to its front ends is `jaxllm.engine.step_data`.
 
-A leaf module, imported by the scheduler, the runner, the engine core and the multi-host
+A leaf module, imported by the scheduler, the worker, the engine core and the multi-host
 channel (each message is a msgspec struct, so it crosses a socket as msgpack); it imports
-neither of them.
+none of them.
 
 A request's full data crosses the scheduler/runner boundary once, as `NewRequestData`, when it
 is scheduled for the first time or resumed after a preemption; the runner keeps it in its
@@ -15,18 +16,9 @@ appends the tokens it sampled to its own copy of each request.
 
 from __future__ import annotations
 
-import enum
-
 import msgspec
 
 from jaxllm.sampling_params import SamplingParams
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the end of the context
-    ABORT = "abort"  # the client went away or cancelled
-    ERROR = "error"  # the engine failed the step that held the request
 
 
 class NewRequestData(msgspec.Struct):
@@ -108,54 +100,3 @@ class RunnerOutput(msgspec.Struct):
     prompt_logprobs: dict[str, list[PromptTokenLogprobs]]  # prompt tokens scored this step
     # Speculative decoding: draft tokens proposed for each sampling request's next step.
     draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
-
-
-class RequestUpdate(msgspec.Struct):
-    """What one step produced for one request, as the engine core reports it."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    new_prompt_logprobs: list[PromptTokenLogprobs] | None = None
-
-
-class StepEvents(msgspec.Struct):
-    """What metrics need of one `EngineCore.step` beyond the counters in `Stats`."""
-
-    # (request id, seconds it waited since it arrived, time.monotonic() when it first ran) of
-    # the requests the step first admitted (a resumed request is not admitted again).
-    scheduled: list[tuple[str, float, float]] = msgspec.field(default_factory=list)
-    # Seconds the host worked on the step (scheduling, building the batch, dispatching, and
-    # updating the requests from the outputs), without the time it waited for the device;
-    # None when the call ran no step.
-    host_seconds: float | None = None
-
-
-class Stats(msgspec.Struct):
-    """The engine core's state and counters, as of its last step (`EngineCore.stats`)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # share of pages held by requests
-    prefix_cache_queries: int = 0  # counters, since start
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_compilations: int = 0
-    num_steps: int = 0
-    # Tokens the steps computed, and the token slots of the compiled shapes they ran (the
-    # difference is padding), since start.
-    num_scheduled_tokens: int = 0
-    num_padded_tokens: int = 0
-    # Structured outputs: seconds the host spent filling token bitmasks, and the steps that
-    # filled one, since start.
-    grammar_bitmask_seconds: float = 0.0
-    grammar_bitmask_steps: int = 0
-    # Speculative decoding, since start (vLLM's spec_decode counters): verifications (a
-    # request with drafts in a step), draft tokens verified, accepted ones, and accepted ones
-    # by their position among the drafts.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_accepted_per_pos: list[int] = msgspec.field(default_factory=list)

@@ -32,10 +32,13 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionMetadata
+from jaxllm.worker.programs import forward, merge
+from jaxllm.worker.sampler import argmax
 from pallas_kernels import get_kv_cache_shape
 
 if TYPE_CHECKING:
-    from jaxllm.runner import ModelRunner
+    from jaxllm.worker.compiler import Compiler
+    from jaxllm.worker.step_inputs import PreparedStep, StepInputs
 
 
 def check_draft_config(target: ModelConfig, draft: ModelConfig) -> None:
@@ -59,51 +62,59 @@ class ProposeInputs:
     active: jax.Array  # bool[R]  it sampled this step (padding and prefill chunks do not)
 
 
-class DraftRunner:
-    def __init__(self, model: nnx.Module, config: ModelConfig, runner: ModelRunner):
+class DraftModelProposer:
+    """The draft model's proposer (see `jaxllm.worker.spec_decode.Proposer`), beside the
+    runner: it reads the runner's step inputs and compiles with its compiler, and its cache
+    lives on the runner's devices."""
+
+    def __init__(
+        self, model: nnx.Module, config: ModelConfig, inputs: StepInputs, compiler: Compiler
+    ):
         self.config = config
-        self.k = runner.num_speculative_tokens
-        self.runner = runner
+        self.inputs = inputs
+        self.compiler = compiler
+        self.device = device = compiler.device
+        self.k = inputs.num_speculative_tokens
         self.graphdef, state = nnx.split(model)
         self._params, self._params_def = jax.tree.flatten(state)
         shape = get_kv_cache_shape(
             config.num_layers,
-            runner.num_pages,
-            runner.page_size,
+            inputs.num_pages,
+            inputs.page_size,
             config.num_kv_heads,
             config.head_dim,
         )
-        self.kv_cache = runner._zeros_cache(shape, runner.kv_cache.dtype)
+        self.kv_cache = device.zeros_cache(shape, device.kv_cache.dtype)
         self._step = jax.jit(
             functools.partial(
                 _draft_step,
                 self.graphdef,
                 self._params_def,
-                runner.mesh,
+                device.mesh,
                 self.k,
-                runner.page_size,
-                runner.num_pages * runner.page_size,
+                inputs.page_size,
+                inputs.num_pages * inputs.page_size,
             ),
             donate_argnums=(1,),
         )
 
     def warmup_jobs(self) -> list:
-        """One compile job per program."""
-        runner = self.runner
+        """One compile job per program: one per compiled shape of the target's."""
+        device = self.device
 
         def compile_step(shape):
-            batch = runner._padding_batch(*shape)
+            batch = self.inputs.padding_batch(*shape)
             n = len(batch.logits_indices)
-            sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=runner._replicated)
-            kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=runner._replicated)
+            sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=device.replicated)
+            kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=device.replicated)
             inputs, tables = self._padding_inputs(shape[1])
-            runner.compile_program(
+            self.compiler.compile(
                 "draft_step", shape, self._step, self._params, self.kv_cache,
-                runner.last_tokens, batch, sampled, kept, inputs, tables, updates_cache=True,
+                device.last_tokens, batch, sampled, kept, inputs, tables, updates_cache=True,
                 cache=self.kv_cache,
             )  # fmt: skip
 
-        return [functools.partial(compile_step, shape) for shape in runner.shapes]
+        return [functools.partial(compile_step, shape) for shape in self.inputs.shapes]
 
     def _padding_inputs(self, r: int) -> tuple[ProposeInputs, np.ndarray]:
         inputs = ProposeInputs(
@@ -113,26 +124,28 @@ class DraftRunner:
             num_slots=np.zeros(r, np.int32),
             active=np.zeros(r, np.bool_),
         )
-        return inputs, np.zeros((r, self.runner.pages_per_seq), np.int32)
+        return inputs, np.zeros((r, self.inputs.pages_per_seq), np.int32)
 
-    def launch(self, step, rows: np.ndarray, sampled: jax.Array, kept: jax.Array) -> jax.Array:
+    def launch(
+        self, step: PreparedStep, rows: np.ndarray, sampled: jax.Array, kept: jax.Array
+    ) -> jax.Array:
         """Dispatches the draft's step: its cache gets the batch's tokens, and every request
         that sampled gets k drafts, i32[R, k] on the device (junk in the other rows). `step`:
-        the runner's `PreparedStep`, launched; `sampled`, `kept`: its verification output."""
-        ib = self.runner.input_batch
+        the runner's step, launched; `sampled`, `kept`: its verification output."""
+        ib = self.inputs.input_batch
         r_pad = len(step.batch.attn.seq_lens)
         num_reqs = len(rows)
         inputs, tables = self._padding_inputs(r_pad)
         inputs.first_rows[:num_reqs] = step.first_row[:-1]
         inputs.num_rows[:num_reqs] = 1 + step.num_drafts
         inputs.positions[:num_reqs] = ib.num_tokens[rows]
-        inputs.num_slots[:num_reqs] = ib.num_blocks[rows] * self.runner.page_size
+        inputs.num_slots[:num_reqs] = ib.num_blocks[rows] * self.inputs.page_size
         inputs.active[:num_reqs] = step.samples
         tables[:num_reqs] = ib.block_table[rows]
         drafts, self.kv_cache = self._step(
             self._params,
             self.kv_cache,
-            self.runner.last_tokens,
+            self.device.last_tokens,
             step.batch,
             sampled,
             kept,
@@ -140,6 +153,12 @@ class DraftRunner:
             tables,
         )
         return drafts
+
+    def propose(
+        self, launched: jax.Array, held: list[tuple[str, int, int]]
+    ) -> dict[str, list[int]]:
+        drafts = np.asarray(launched)
+        return {rid: drafts[i].tolist() for rid, i, _ in held}
 
 
 def _draft_step(
@@ -160,11 +179,8 @@ def _draft_step(
 ):
     """The draft model over the batch, then k greedy draft tokens per request from the last
     token the step kept: (i32[R, k], the draft's cache)."""
-    from jaxllm.runner import _forward, _merge
-    from jaxllm.sampler import _argmax
-
-    _, _, kv_cache = _forward(graphdef, params_def, mesh, params, kv_cache, last_tokens, batch)
-    model = _merge(graphdef, params_def, params)
+    _, _, kv_cache = forward(graphdef, params_def, mesh, params, kv_cache, last_tokens, batch)
+    model = merge(graphdef, params_def, params)
     num_reqs = inputs.first_rows.shape[0]
     rows = jnp.arange(num_reqs)
     counts = jnp.cumsum(kept.astype(jnp.int32))
@@ -197,7 +213,7 @@ def _draft_step(
         logits = model.compute_logits(hidden)
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
-        nxt = _argmax(logits).astype(jnp.int32)
+        nxt = argmax(logits).astype(jnp.int32)
         return nxt, positions + 1, cache, drafts.at[:, j].set(nxt)
 
     drafts = jnp.zeros((num_reqs, k), jnp.int32)

@@ -1,27 +1,12 @@
-"""Speculative decoding: how a step verifies draft tokens (done on the device by
-`runner._head_and_sample`), and the n-gram proposer (the draft model's is `draft_runner`).
-
-A request that decodes with drafts d_1..d_k is granted 1 + k tokens: its last token and the
-drafts, computed in one forward pass, whose logits give the target's distributions p_0..p_k
-(p_j: the next token after d_j). The sampler draws a token y_j from every p_j with exactly the
-randomness it would use for that token without speculation (the request's seed and the token's
-index), and the step accepts the longest prefix of drafts with d_{j+1} == y_j; the request's new
-tokens are the accepted drafts and one more, y_a at the first mismatch (or y_k, the bonus
-token). So the output is token for token the output without speculation, greedy or random.
-
-This is rejection sampling (Leviathan et al., Chen et al.) for a proposer that puts all its
-probability on its draft (vLLM treats n-gram and its greedy draft models that way): it accepts
-d with probability p(d), and after a rejection the token is distributed as p without d,
-renormalised, which is the residual max(p - q, 0) for q one-hot on d. Drawing y ~ p and
-comparing couples the two events with one draw.
-
-The KV of rejected drafts is written and then overwritten: the scheduler rolls
-`num_computed_tokens` back to the accepted tokens, so the next step writes those positions again.
-"""
+"""The n-gram proposer (vLLM's `ngram` method): drafts from the sequence itself."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+from jaxllm.worker.input_batch import InputBatch
 
 
 class NgramProposer:
@@ -29,10 +14,24 @@ class NgramProposer:
     sequence's last n tokens, for n from `max_n` down to `min_n`, and proposes the (up to) k
     tokens that followed it."""
 
-    def __init__(self, k: int, min_n: int, max_n: int):
+    def __init__(self, k: int, min_n: int, max_n: int, input_batch: InputBatch | None = None):
+        """`input_batch`: the runner's persistent batch, whose rows `propose` reads."""
         self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.input_batch = input_batch
 
-    def propose(self, tokens: np.ndarray) -> list[int]:
+    def warmup_jobs(self) -> list:
+        return []  # it runs on the host
+
+    def launch(self, step: Any, rows: np.ndarray, sampled: Any, kept: Any) -> None:
+        return None
+
+    def propose(self, launched: None, held: list[tuple[str, int, int]]) -> dict[str, list[int]]:
+        ib = self.input_batch
+        return {
+            rid: self.propose_after(ib.token_ids[row, : ib.num_tokens[row]]) for rid, _, row in held
+        }
+
+    def propose_after(self, tokens: np.ndarray) -> list[int]:
         """Draft tokens to follow `tokens` (a 1-D int array), or [] when no n-gram matches."""
         total = len(tokens)
         if total <= self.min_n:

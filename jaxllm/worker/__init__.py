@@ -1,0 +1,68 @@
+"""The worker: the model runner and what it needs to run steps on the devices (see
+`jaxllm.worker.model_runner`). It never imports `jaxllm.engine`; the engine imports the names
+below only.
+
+The names load on first use, so importing the step data (the front end does, through the
+engine's reports) does not import JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "ModelRunner": "jaxllm.worker.model_runner",
+    "InflightStep": "jaxllm.worker.model_runner",
+    "CompiledProgram": "jaxllm.worker.compiler",
+    "cache_copy_ops": "jaxllm.worker.compiler",
+    "make_buckets": "jaxllm.worker.buckets",
+    "pick_shape": "jaxllm.worker.buckets",
+    "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
+    "GrammarBitmask": "jaxllm.worker.step_data",
+    "NewRequestData": "jaxllm.worker.step_data",
+    "PromptTokenLogprobs": "jaxllm.worker.step_data",
+    "RunnerOutput": "jaxllm.worker.step_data",
+    "ScheduledRequest": "jaxllm.worker.step_data",
+    "SchedulerOutput": "jaxllm.worker.step_data",
+    "TokenLogprobs": "jaxllm.worker.step_data",
+}
+__all__ = [
+    "CompiledProgram",
+    "GrammarBitmask",
+    "InflightStep",
+    "ModelRunner",
+    "NewRequestData",
+    "PromptTokenLogprobs",
+    "RunnerOutput",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "TokenLogprobs",
+    "cache_copy_ops",
+    "check_draft_config",
+    "make_buckets",
+    "pick_shape",
+]
+
+if TYPE_CHECKING:
+    from jaxllm.worker.buckets import make_buckets, pick_shape
+    from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
+    from jaxllm.worker.model_runner import InflightStep, ModelRunner
+    from jaxllm.worker.spec_decode.draft_model import check_draft_config
+    from jaxllm.worker.step_data import (
+        GrammarBitmask,
+        NewRequestData,
+        PromptTokenLogprobs,
+        RunnerOutput,
+        ScheduledRequest,
+        SchedulerOutput,
+        TokenLogprobs,
+    )
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxllm.worker' has no attribute {name!r}")

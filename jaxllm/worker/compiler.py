@@ -1,0 +1,280 @@
+"""Compiling a runner's programs: the `Compiler` compiles each one ahead of time (for this
+machine's devices, or for a target's that are not here, see `jaxllm.aot`), records what its
+compiler says of it (`CompiledProgram`), and checks that the step programs update the KV cache
+in place. `CompileCounter` counts every program the process had to produce, so the engine can
+prove that nothing compiles after warmup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+import pallas_kernels
+from jaxllm.worker.device_state import DeviceState
+from pallas_kernels.kv_cache import as_kv_cache
+
+logger = logging.getLogger(__name__)
+
+
+class CompileCounter:
+    """Counts the XLA programs this process had to produce, through jax.monitoring: backend
+    compilations plus executables loaded from the persistent compilation cache (a program
+    that was needed either way). Registered once per process."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def _bump(cls) -> None:
+        with cls._lock:
+            cls._count += 1
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+            cls._installed = True
+
+        def on_duration(event: str, *args, **kwargs) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                cls._bump()
+
+        def on_event(event: str, *args, **kwargs) -> None:
+            if event == "/jax/compilation_cache/cache_hits":
+                cls._bump()
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """One compiled program and what its compiler says of it (per device). On a target that is
+    not here (`jaxllm.aot`) the cost figures are the compiler's predictions, not measurements."""
+
+    name: str  # forward, head_and_sample, prompt_scorer, draft_step
+    shape: tuple  # its bucket: (tokens, requests) or (rows,)
+    compile_seconds: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs that reuse a donated input's buffer (the KV cache)
+    temp_bytes: int
+    code_bytes: int
+    flops: float | None  # the compiler's cost analysis, where it gives one
+    bytes_accessed: float | None  # in every memory the program touches (a TPU's VMEM too)
+    optimal_seconds: float | None  # the compiler's own estimate of its run time (XLA:TPU)
+    updates_cache: bool  # takes the donated KV cache and returns it
+    cache_bytes: int = 0  # per device, of the KV cache it updates (the draft model's, or not)
+    cache_copy_ops: tuple[str, ...] = ()  # its instructions that copy the cache, if any
+    scales_copy_ops: tuple[str, ...] = ()  # those that copy an 8-bit cache's scales
+
+    @classmethod
+    def of(
+        cls, name: str, shape: tuple, compiled, seconds: float, *, updates_cache: bool
+    ) -> CompiledProgram:
+        m = compiled.memory_analysis()
+        try:
+            cost = compiled.cost_analysis() or {}
+        except Exception:  # some backends have none
+            cost = {}
+        if isinstance(cost, list):  # older JAX: one dict per device
+            cost = cost[0] if cost else {}
+        return cls(
+            name,
+            tuple(shape),
+            seconds,
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.alias_size_in_bytes,
+            m.temp_size_in_bytes,
+            m.generated_code_size_in_bytes,
+            cost.get("flops"),
+            cost.get("bytes accessed"),
+            cost.get("optimal_seconds"),
+            updates_cache,
+        )
+
+    @property
+    def updates_in_place(self) -> bool:
+        """Whether a step program writes the donated KV cache in place, from what its compiler
+        says: its output aliases the cache, and no instruction of the compiled program makes a
+        new array of the cache's shape (see `cache_copy_ops`)."""
+        return self.alias_bytes >= self.cache_bytes and not self.cache_copy_ops
+
+    def describe(self) -> str:
+        text = f"{self.alias_bytes / 2**20:.1f} MiB aliased, {self.temp_bytes / 2**20:.1f} MiB of "
+        text += "temporaries"
+        if self.cache_copy_ops:
+            text += f", copied by {', '.join(self.cache_copy_ops[:3])}"
+        return text
+
+
+# Compiled HLO text: a computation's first line, and an instruction with an array result (its
+# name, dimensions and opcode).
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]\S* ([\w-]+)\(")
+# What makes a KV-cache-shaped array without copying the cache: the argument itself, a view of
+# it, in-place updates, and fusions whose root is one; custom calls (the kernels) alias their
+# outputs to operands or make none of the cache's shape.
+_IN_PLACE = {"parameter", "bitcast", "get-tuple-element", "scatter", "dynamic-update-slice"}
+
+
+class Compiler:
+    """Compiles programs for the devices of a runner's `DeviceState` and keeps their records
+    (`programs`); with `keep_executables` set, the executables too (`jaxllm compile
+    --save-executables` serializes them)."""
+
+    def __init__(self, device: DeviceState):
+        CompileCounter.install()
+        self.device = device
+        self.programs: list[CompiledProgram] = []
+        self.keep_executables = False
+        self.executables: dict[tuple[str, tuple], Any] = {}
+        self._lock = threading.Lock()
+
+    def compile(
+        self, name: str, shape: tuple, fn, *args, updates_cache: bool = False, cache=None
+    ) -> CompiledProgram:
+        """Compiles `fn(*args)` (a jitted function) and records it. An abstract runner compiles
+        for its parameters' devices with their platform's compiler (a TPU's or a GPU's, on this
+        machine), with the kernels traced for that platform. `updates_cache`: the program takes
+        the donated KV cache (the device state's, or `cache`) and returns it."""
+        device = self.device
+        start = time.perf_counter()
+        if not device.abstract:
+            compiled = fn.lower(*args).compile()
+        else:
+            args = jax.tree.map(device.abstract_input, args)
+            with device.traced_for_target():
+                traced = fn.trace(*args)
+                platforms = (pallas_kernels.lowering_platform(device.device),)
+                compiled = traced.lower(lowering_platforms=platforms).compile()
+        program = CompiledProgram.of(
+            name, shape, compiled, time.perf_counter() - start, updates_cache=updates_cache
+        )
+        if updates_cache:
+            cache = device.kv_cache if cache is None else cache
+            program = dataclasses.replace(
+                program,
+                cache_bytes=sum(
+                    int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+                    for x in jax.tree.leaves(cache)
+                ),
+                cache_copy_ops=_cache_copy_ops(compiled, cache),
+                scales_copy_ops=_cache_copy_ops(compiled, cache, "scales"),
+            )
+        with self._lock:
+            self.programs.append(program)
+            if self.keep_executables:
+                self.executables[name, tuple(shape)] = compiled
+        return program
+
+    def run(self, jobs: list[Callable[[], Any]], *, progress: bool) -> None:
+        """Runs compile jobs: XLA compiles without the GIL, so on one thread per CPU core.
+        Several processes (multi-host) compile one at a time: compiling a program that spans
+        them exchanges messages between them, which must come in the same order on each.
+        libtpu compiling two programs at once for compile-only devices (`jaxllm compile`)
+        crashes the process (SIGSEGV, measured with jax 0.10.2 / libtpu 0.0.42.1)."""
+        device = self.device
+        serial = jax.process_count() > 1 or (device.abstract and device.platform == "tpu")
+        workers = 1 if serial else max(1, min(os.cpu_count() or 1, 8))
+        with (
+            ThreadPoolExecutor(workers) as pool,
+            tqdm(total=len(jobs), desc="Compiling", disable=not progress, unit="program") as bar,
+        ):
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
+                bar.update(1)
+
+    def check_in_place(self) -> None:
+        """Raises if a step program copies the KV cache instead of updating it in place (slow
+        steps, and twice the cache's memory); warns of copies of an 8-bit cache's scales."""
+        if copies := self.cache_copies():
+            raise RuntimeError(
+                f"{len(copies)} step program(s) would copy the KV cache "
+                f"({self.device.kv_cache.nbytes / 2**20:.0f} MiB) instead of updating it in place "
+                f"(slow steps, and twice the cache's memory): "
+                + ", ".join(f"{p.name} {p.shape}: {p.describe()}" for p in copies)
+            )
+        # A copy of an 8-bit cache's scales (a 16th to a 32nd of the data) costs bandwidth, not
+        # twice the memory: XLA makes one in some steps, an open defect (issue 33), so it is
+        # named here rather than refused.
+        if scales := [p for p in self.programs if p.scales_copy_ops]:
+            logger.warning(
+                "%d step program(s) copy the KV cache's scales: %s",
+                len(scales),
+                ", ".join(f"{p.name} {p.shape}" for p in scales),
+            )
+
+    def cache_copies(self) -> list[CompiledProgram]:
+        """The compiled programs that take the KV cache and would copy it."""
+        return [p for p in self.programs if p.updates_cache and not p.updates_in_place]
+
+
+def _cache_copy_ops(compiled, cache, array: str = "data") -> tuple[str, ...]:
+    """The instructions of a compiled step program that copy the KV cache's `array` ("data", or
+    the 8-bit cache's "scales"). XLA has copied the data when a one-token write became a
+    dynamic-update-slice (see `write_kv`), when it widened a float8 cache for the scatter, and
+    when the TPU kernel wanted another tiling of the cache than the one it was given. A copy
+    needs temporaries of the array's size, so only a program that has that many is read (the
+    temporaries alone would also count a small cache's neighbours: an MoE layer's transposed
+    expert weights outweigh a 64-page one)."""
+    x = getattr(as_kv_cache(cache), array)
+    if x is None:
+        return ()
+    shape = x.sharding.shard_shape(x.shape)
+    if compiled.memory_analysis().temp_size_in_bytes < np.prod(shape) * x.dtype.itemsize:
+        return ()
+    return cache_copy_ops(compiled.as_text(), [shape])
+
+
+def cache_copy_ops(hlo_text: str, shapes: list[tuple[int, ...]]) -> tuple[str, ...]:
+    """The instructions of compiled HLO text (`Compiled.as_text()`, per device) that make a new
+    array of one of `shapes` (the KV cache's arrays): copies, converts, transposes, and fusions
+    that do not update their operand in place. Fusions' own computations are not read: what a
+    fusion makes is judged by its root."""
+    dims = {",".join(map(str, s)) for s in shapes}
+    roots: dict[str, str] = {}  # computation -> its root's opcode
+    fused: set[str] = set()  # computations that are fusions' bodies
+    candidates: list[tuple[str, str, str, str]] = []  # (computation, name, opcode, called)
+    computation = ""
+    for line in hlo_text.splitlines():
+        if m := _HLO_COMPUTATION.match(line):
+            computation = m.group(1)
+            continue
+        called = re.search(r"calls=%([\w.-]+)", line)
+        if " fusion(" in line and called:
+            fused.add(called.group(1))
+        if (m := _HLO_INSTRUCTION.match(line)) is None:
+            continue
+        name, shape, opcode = m.groups()
+        if line.lstrip().startswith("ROOT "):
+            roots[computation] = opcode
+        # A result in another memory space (`S(1)`: a TPU's VMEM) is a prefetch of a cache
+        # small enough to fit there, not a second copy of it in HBM.
+        in_hbm = "S(1)" not in line.split(" = ", 1)[1].split(" ", 1)[0]
+        if shape in dims and in_hbm and opcode not in _IN_PLACE | {"custom-call"}:
+            candidates.append((computation, name, opcode, called.group(1) if called else ""))
+    return tuple(
+        f"{opcode} %{name}"
+        for computation, name, opcode, called in candidates
+        if computation not in fused and not (opcode == "fusion" and roots.get(called) in _IN_PLACE)
+    )

@@ -1,0 +1,130 @@
+"""What a runner keeps on its devices between steps, besides the parameters: the paged KV
+cache and the token each batch row sampled last; where host inputs go; and how both are
+remade when a failed step took its donated buffers with it.
+
+A runner over abstract parameters (`jax.ShapeDtypeStruct`s placed on the devices of a target
+that may not be here, see `jaxllm.aot`) keeps abstract arrays here: it compiles every program
+and runs none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+import pallas_kernels
+from jaxllm import sharding
+from pallas_kernels import KVCache, is_quantized_dtype, zeros_kv_cache
+from pallas_kernels.kv_cache import abstract_kv_cache
+
+
+class DeviceState:
+    def __init__(
+        self,
+        first_param: jax.Array | jax.ShapeDtypeStruct,
+        mesh: Mesh | None,
+        cache_shape: tuple[int, ...],
+        cache_dtype: jnp.dtype,
+        max_num_seqs: int,
+    ):
+        """`first_param`: one of the model's parameters (abstract ones make an abstract state,
+        on their devices); `mesh`: the tensor-parallel mesh the model was loaded onto (the KV
+        cache is split over its kv heads the same way), None for one device."""
+        self.mesh = mesh
+        self.abstract = isinstance(first_param, jax.ShapeDtypeStruct)
+        # Where host inputs go: the default device (the target's, for an abstract state), or
+        # replicated over the mesh.
+        self.replicated = None if mesh is None else sharding.replicated(mesh)
+        if self.abstract and mesh is None:
+            self.replicated = first_param.sharding
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache = self.zeros_cache(cache_shape, cache_dtype)
+        self.kv_cache_lost = False  # set when a failed step took a cache with it
+        # The token each batch row sampled last, kept on the device: the next step's decode
+        # input for that row when it was scheduled before this step's output came back.
+        self.last_tokens = self.zeros_last_tokens()
+
+    @property
+    def device(self) -> jax.Device:
+        """One of the devices the programs run on (a compile-only target's, when abstract)."""
+        if self.replicated is None:
+            return jax.devices()[0]
+        return next(iter(self.replicated.device_set))
+
+    @property
+    def platform(self) -> str:
+        return self.device.platform
+
+    @property
+    def kv_cache_device_bytes(self) -> int:
+        """The KV cache's logical bytes on one device (all of it without a mesh)."""
+        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv_cache))
+        return nbytes // (1 if self.mesh is None else self.mesh.shape["model"])
+
+    def traced_for_target(self) -> contextlib.AbstractContextManager:
+        """For an abstract state, kernels traced for its devices' platform (see
+        `pallas_kernels.target_platform`); nothing to change otherwise."""
+        if not self.abstract:
+            return contextlib.nullcontext()
+        device = self.device
+        return pallas_kernels.target_platform(device.platform, device)
+
+    def abstract_input(self, x):
+        """A host input of an abstract runner's program, as an abstract value on its devices."""
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated)
+
+    def put(self, host):
+        """Host arrays (a pytree) placed where host inputs go (abstract values when abstract)."""
+        if self.abstract:
+            return jax.tree.map(self.abstract_input, host)
+        return jax.device_put(host, self.replicated)
+
+    def put_if_mesh(self, host):
+        """Host arrays that a program takes as they are on one device, placed on a mesh as the
+        device-resident inputs warmup saw were."""
+        return host if self.mesh is None else jax.device_put(host, self.replicated)
+
+    def zeros_last_tokens(self) -> jax.Array:
+        return self.put(np.zeros(self.max_num_seqs, np.int32))
+
+    def zeros_cache(self, shape, dtype) -> KVCache:
+        """A zero cache, created in place on its devices (split on kv heads under a mesh); an
+        abstract state's is abstract."""
+        if self.mesh is None:
+            if self.abstract:
+                return abstract_kv_cache(shape, dtype, (self.replicated,) * 2)
+            return zeros_kv_cache(shape, dtype)
+        out = sharding.kv_cache_sharding(self.mesh, is_quantized_dtype(dtype))
+        if self.abstract:
+            return abstract_kv_cache(shape, dtype, out)
+        return jax.jit(lambda: zeros_kv_cache(shape, dtype), out_shardings=out)()
+
+    def renewed(self, cache: KVCache) -> KVCache:
+        """`cache`, or a zero one in its place when a failed step deleted it."""
+        if not any(a.is_deleted() for a in jax.tree.leaves(cache)):
+            return cache
+        self.kv_cache_lost = True
+        return self.zeros_cache(cache.shape, cache.dtype)
+
+    @contextlib.contextmanager
+    def recovering(self, others: Iterable = ()):
+        """A failed step may take the buffers it was donated with it: start from fresh ones so
+        the engine can serve again (the caller drops every cached prefix). `others`: holders of
+        another KV cache (a draft model's), as their `kv_cache` attribute."""
+        try:
+            yield
+        except BaseException:
+            self.kv_cache = self.renewed(self.kv_cache)
+            for holder in others:
+                holder.kv_cache = self.renewed(holder.kv_cache)
+            if self.last_tokens.is_deleted():
+                self.last_tokens = self.zeros_last_tokens()
+            raise

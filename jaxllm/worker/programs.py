@@ -1,0 +1,84 @@
+"""The programs a step runs, as pure functions of the model's flat parameter list (the runner
+jits them with the model's graph bound): the layers (`forward`), the output head with the
+sampler (`head_and_sample`), and the prompt scorer (`score_prompt`, prompt_logprobs).
+
+Two programs per step: the forward pass per (token, request) shape, and the output head with
+the sampler per logit bucket only (the sampler compiles about as long as the 30 layers of the
+demo model; compiled into every shape it doubled startup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm import sharding
+from jaxllm.models import AttentionMetadata
+from jaxllm.worker.sampler import SamplingInputs, sample, token_logprobs
+from jaxllm.worker.spec_decode.verification import VerifyInputs, kept_rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BatchInputs:
+    input_ids: jax.Array  # i32[T]  flattened tokens of all scheduled requests (drafts included)
+    # i32[T]  -1, or the batch row whose token sampled by the previous step (still on the
+    # device, see `DeviceState.last_tokens`) is this input: async scheduling's decode inputs
+    token_src: jax.Array
+    positions: jax.Array  # i32[T]
+    # i32[L]  the tokens to sample after: each request's last token (with speculative decoding,
+    # also its draft tokens: L = `logit_rows`)
+    logits_indices: jax.Array
+    attn: AttentionMetadata
+
+
+def merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
+    """The model from its graph and its flat list of parameters (see `ModelRunner`)."""
+    return nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
+
+
+def forward(graphdef, params_def, mesh, params, kv_cache, last_tokens, batch: BatchInputs):
+    """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
+    the updated cache)."""
+    model = merge(graphdef, params_def, params)
+    src = batch.token_src
+    input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
+    hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn)
+    if mesh is not None:
+        hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
+    return hidden[batch.logits_indices], hidden, kv_cache
+
+
+def head_and_sample(
+    graphdef,
+    params_def,
+    mesh,
+    params,
+    last: jax.Array,  # [L, D]
+    sampling: SamplingInputs,
+    verify: VerifyInputs,
+    last_tokens: jax.Array,  # i32[max_num_seqs]
+):
+    """((the sampler's output, bool[L]: the rows whose tokens the step keeps), `last_tokens`
+    with each decode's token at its batch row).
+
+    A row is kept when every earlier row of its request sampled the draft it verifies (see
+    `jaxllm.worker.spec_decode`): the accepted drafts' rows and the one after them."""
+    model = merge(graphdef, params_def, params)
+    logits = model.compute_logits(last)
+    if mesh is not None:  # split on the vocabulary by the head: gather it for the sampler
+        logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
+    result = sample(logits, sampling)
+    kept = kept_rows(result.sampled, verify)
+    last_tokens = last_tokens.at[verify.sample_rows].set(result.sampled, mode="drop")
+    return (result, kept), last_tokens
+
+
+def score_prompt(graphdef, params_def, params, hidden: jax.Array, targets: jax.Array):
+    """prompt_logprobs: for each token row, the logprob and rank of `targets` (the next prompt
+    token; -1 rows are ignored) and the top MAX_LOGPROBS, from the raw logits."""
+    model = merge(graphdef, params_def, params)
+    return token_logprobs(model.compute_logits(hidden), jnp.maximum(targets, 0))

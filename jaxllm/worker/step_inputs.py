@@ -1,0 +1,132 @@
+"""A step's padded inputs, gathered from the persistent batch's rows: the forward pass's
+(`BatchInputs`), the sampler's (`SamplingInputsBuilder`) and the verification's.
+
+Every batch is padded to a compiled shape (`buckets`). Padding tokens write to an out-of-range
+slot (dropped) and padding requests have no tokens and length 0, so they never touch real data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxllm.models import AttentionMetadata
+from jaxllm.worker.buckets import logit_rows, pick_shape
+from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.programs import BatchInputs
+from jaxllm.worker.sampler import SamplingInputs
+from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
+from jaxllm.worker.spec_decode.verification import VerifyInputs, padding_verify
+from jaxllm.worker.step_data import SchedulerOutput
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """A step's inputs, as `StepInputs.prepare` builds them."""
+
+    batch: BatchInputs
+    sampling: SamplingInputs  # per logit row
+    verify: VerifyInputs  # per logit row
+    samples: np.ndarray  # bool[R]: the request's chunk reaches the end of its sequence
+    first_row: np.ndarray  # i32[R + 1]: each request's first logit row, then their number
+    num_drafts: np.ndarray  # i32[R]
+
+
+@dataclasses.dataclass
+class StepInputs:
+    input_batch: InputBatch
+    sampling: SamplingInputsBuilder
+    shapes: list[tuple[int, int]]  # the compiled (token bucket, request bucket) pairs
+    num_pages: int
+    page_size: int
+    pages_per_seq: int  # the block table's width
+    num_speculative_tokens: int
+
+    def padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
+        """Fresh arrays of the given padded shape holding no request: such a batch writes
+        nothing. `prepare` fills requests in."""
+        num_logits = logit_rows((t_pad, r_pad), self.num_speculative_tokens)
+        return BatchInputs(
+            input_ids=_ints(t_pad),
+            token_src=_ints(t_pad, fill=-1),
+            positions=_ints(t_pad),
+            logits_indices=_ints(num_logits),
+            attn=AttentionMetadata(
+                slot_mapping=_ints(t_pad, fill=self.num_pages * self.page_size),  # dropped
+                seq_lens=_ints(r_pad),
+                block_tables=_ints(r_pad, self.pages_per_seq),
+                cu_q_lens=_ints(r_pad + 1),
+                num_seqs=_ints(1),
+            ),
+        )
+
+    def padding_verify(self, n: int) -> VerifyInputs:
+        return padding_verify(n, dropped_row=len(self.input_batch.token_ids))
+
+    def prepare(self, out: SchedulerOutput, rows: np.ndarray) -> PreparedStep:
+        """The step's padded inputs, gathered from the batch rows, and which requests sample
+        (their chunk reaches the end of their sequence, not counting draft tokens).
+
+        Sampling happens per logit row: one per request, after its last scheduled token, and
+        with draft tokens one more per draft (row j samples the token after j drafts, with the
+        request's parameters, counter and history as they would be at that token)."""
+        ib = self.input_batch
+        num_reqs = len(out.requests)
+        computed = np.fromiter((s.num_computed_tokens for s in out.requests), np.int32, num_reqs)
+        lens = np.fromiter((s.num_scheduled_tokens for s in out.requests), np.int32, num_reqs)
+        num_drafts = np.fromiter((len(s.spec_token_ids) for s in out.requests), np.int32, num_reqs)
+        num_tokens = int(lens.sum())
+        t_pad, r_pad = pick_shape(num_tokens, num_reqs, self.shapes)
+        batch = self.padding_batch(t_pad, r_pad)
+        attn = batch.attn
+
+        starts = np.zeros(num_reqs + 1, np.int32)
+        np.cumsum(lens, out=starts[1:])
+        owner = np.repeat(np.arange(num_reqs), lens)  # the request of each token
+        pos = computed[owner] + np.arange(num_tokens, dtype=np.int32) - starts[owner]
+        token_rows = rows[owner]
+        ids = ib.token_ids[token_rows, pos]
+        # A placeholder (-1): the token the previous step samples, not back on the host yet.
+        batch.input_ids[:num_tokens] = np.maximum(ids, 0)
+        batch.token_src[:num_tokens] = np.where(ids < 0, token_rows, -1)
+        batch.positions[:num_tokens] = pos
+        attn.slot_mapping[:num_tokens] = (
+            ib.block_table[token_rows, pos // self.page_size] * self.page_size
+            + pos % self.page_size
+        )
+        attn.num_seqs[0] = num_reqs
+        attn.cu_q_lens[:num_reqs] = starts[:num_reqs]
+        attn.cu_q_lens[num_reqs:] = num_tokens  # padding requests: empty, after the last token
+        attn.seq_lens[:num_reqs] = computed + lens
+        attn.block_tables[:num_reqs] = ib.block_table[rows]
+
+        # Logit rows: request i has 1 + num_drafts[i], from first_row[i]; its row j samples
+        # the token after its last token and its first j drafts.
+        first_row = np.zeros(num_reqs + 1, np.int32)
+        np.cumsum(1 + num_drafts, out=first_row[1:])
+        num_logits = int(first_row[-1])
+        req = np.repeat(np.arange(num_reqs), 1 + num_drafts)  # the request of each logit row
+        j = np.arange(num_logits, dtype=np.int32) - first_row[req]
+        batch.logits_indices[:num_logits] = starts[req + 1] - 1 - num_drafts[req] + j
+
+        samples = computed + lens - num_drafts == ib.num_tokens[rows]
+        lrows = rows[req]
+        seq_len = ib.num_tokens[lrows] + j  # each row's sequence, its drafts included
+        n = len(batch.logits_indices)
+        sampling = self.sampling.build(n, lrows, seq_len, samples[req], out, first_row)
+        # Verification: row j is kept if rows 0..j-1 of its request sampled their drafts.
+        verify = self.padding_verify(n)
+        has_draft = j < num_drafts[req]
+        draft_pos = np.minimum(seq_len, ib.token_ids.shape[1] - 1)
+        verify.drafts[:num_logits] = np.where(has_draft, ib.token_ids[lrows, draft_pos], -1)
+        verify.first_rows[:num_logits] = first_row[req]
+        # A decode without drafts leaves its token on the device for the next step to read
+        # (async scheduling; an engine with speculative decoding steps synchronously).
+        single = samples & (num_drafts == 0)
+        verify.sample_rows[first_row[:-1][single]] = rows[single]
+        return PreparedStep(batch, sampling, verify, samples, first_row, num_drafts)
+
+
+def _ints(*shape: int, fill: int = 0) -> np.ndarray:
+    return np.full(shape, fill, np.int32)
