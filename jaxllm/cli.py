@@ -1,4 +1,5 @@
-"""The `jaxllm` command line: `serve` (the OpenAI-compatible server), `generate` for a quick
+"""The `jaxllm` command line: `serve` (the OpenAI-compatible server, which `server.cli`
+registers as a `jaxllm.commands` entry point), `generate` for a quick
 check, `bench serve|throughput|latency` (`jaxllm.bench`), `compile` for a TPU or GPU target
 without the hardware (`jaxllm.aot`), `fetch` for the demo models, `convert` to an orbax
 checkpoint.
@@ -13,12 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib.metadata import entry_points
 
 from jaxllm.config import EngineConfig, add_cli_args
 from jaxllm.model_cache import DEMO_MODELS, fetch_demo_model
 
 
-def _multihost_worker(config) -> int | None:
+def multihost_worker(config) -> int | None:
     """On a host other than 0 of a multi-host run: builds the engine and follows host 0 until
     it stops (returns 0). None on host 0, and when no multi-host run is asked for."""
     if not config.parallel.multihost:
@@ -32,7 +34,7 @@ def _multihost_worker(config) -> int | None:
 
     engine = EngineCore.from_config(config)
     logging.getLogger("jaxllm").info("multi-host: host %d follows host 0", index)
-    steps = multihost.run_worker(engine)
+    steps = multihost.run_worker(engine.runner, config.parallel)
     logging.getLogger("jaxllm").info("multi-host: host 0 stopped after %d steps", steps)
     return 0
 
@@ -49,7 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     config = EngineConfig.from_cli(args)
-    worker = _multihost_worker(config)
+    worker = multihost_worker(config)
     if worker is not None:
         return worker
     llm = LLM(config=config)
@@ -73,31 +75,6 @@ def _print_generations(llm, args: argparse.Namespace, params) -> None:
         print(f"### {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import os
-
-    from server.main import serve
-
-    config = EngineConfig.from_cli(args)
-    worker = _multihost_worker(config)  # hosts other than 0 serve no HTTP
-    if worker is not None:
-        return worker
-    api_key = args.api_key or os.environ.get("JAXLLM_API_KEY") or None
-    return serve(
-        config,
-        host=args.host,
-        port=args.port,
-        api_key=api_key,
-        served_model_names=args.served_model_name or [str(args.model)],
-        max_queued_requests=args.max_queued_requests,
-        chat_template=args.chat_template,
-        generation_config=args.generation_config,
-        shutdown_timeout=args.shutdown_timeout,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-    )
-
-
 def _bench_serve(args: argparse.Namespace) -> int:
     from jaxllm.bench import serve
 
@@ -110,7 +87,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
     from jaxllm import LLM
 
     config = args.bench.engine_config(args)
-    worker = _multihost_worker(config)
+    worker = multihost_worker(config)
     if worker is not None:
         return worker
     llm = LLM(config=config)
@@ -171,7 +148,7 @@ def _convert(args: argparse.Namespace) -> int:
     import time
 
     from jaxllm.config import resolve_dtype
-    from jaxllm.loaders.orbax import convert
+    from jaxllm.loaders.convert import convert
 
     start = time.perf_counter()
     dst = convert(args.src, args.dst, dtype=resolve_dtype(args.dtype))
@@ -181,8 +158,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from server.tool_parsers import TOOL_PARSERS
-
     parser = argparse.ArgumentParser(prog="jaxllm", description="LLM serving engine on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -198,48 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_cli_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument(
-        "--api-key", default=None, help="require this bearer key on /v1 (env JAXLLM_API_KEY)"
-    )
-    srv.add_argument(
-        "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
-    )
-    srv.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=1024,
-        help="unfinished requests beyond this get 503 with Retry-After",
-    )
-    srv.add_argument("--chat-template", default=None, help="a Jinja template, or a file of one")
-    srv.add_argument(
-        "--generation-config",
-        default="auto",
-        help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
-        "or a directory holding a generation_config.json",
-    )
-    srv.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds to drain in-flight requests on SIGTERM",
-    )
-    srv.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='allow tool_choice "auto": the model decides whether to call tools, and '
-        "--tool-call-parser reads its calls out of the text",
-    )
-    srv.add_argument(
-        "--tool-call-parser",
-        choices=list(TOOL_PARSERS),
-        default=None,
-        help="the format of the model's own tool calls, for tool_choice auto",
-    )
-    srv.set_defaults(func=_serve)
+    # Subcommands of other packages (the server's `serve`), registered as entry points.
+    for entry in sorted(entry_points(group="jaxllm.commands"), key=lambda e: e.name):
+        entry.load()(sub)
 
     bench = sub.add_parser(
         "bench",

@@ -366,11 +366,11 @@ class ModelConfig:
 # ---- how the model is served ------------------------------------------------------------
 #
 # Every field below is an `LLM(...)` keyword argument and a flag of `jaxllm generate` and
-# `jaxllm serve` (its name with dashes); its docstring is the flag's help. `_opt` adds what a
+# `jaxllm serve` (its name with dashes); its docstring is the flag's help. `option` adds what a
 # flag needs beyond that: vLLM's spelling as an alias, and the choices.
 
 
-def _opt(default: Any, *aliases: str, choices: tuple[str, ...] | None = None) -> Any:
+def option(default: Any, *aliases: str, choices: tuple[str, ...] | None = None) -> Any:
     return dataclasses.field(default=default, metadata={"aliases": aliases, "choices": choices})
 
 
@@ -420,12 +420,12 @@ class LoadConfig:
     model: str
     """HF checkpoint directory, .gguf file, orbax checkpoint (`jaxllm convert`), or a demo
     model's name (smollm2-135m)."""
-    dtype: str = _opt("auto", choices=("auto", *_DTYPES))
+    dtype: str = option("auto", choices=("auto", *_DTYPES))
     """The weights' dtype: auto is float32 on CPU (exact parity with references), bfloat16
     on accelerators."""
     seed: int = 0
     """Seeds the seeds of requests that give none, so a run repeats."""
-    quantization: str | None = _opt(None, "-q", choices=QUANTIZATIONS)
+    quantization: str | None = option(None, "-q", choices=QUANTIZATIONS)
     """Weight quantization: int8 (per channel), int4 (groups of 32, with offsets) or fp8
     (e4m3, per channel) quantize the linear layers and embedding at load; gguf keeps a GGUF
     file's quantized tensors as they are (none: on accelerators; on CPU none dequantizes
@@ -444,18 +444,18 @@ class LoadConfig:
 class CacheConfig:
     """The paged KV cache."""
 
-    page_size: int = _opt(16, "--block-size")
+    page_size: int = option(16, "--block-size")
     """Tokens per KV page (vLLM's block size); a power of two."""
-    num_pages: int | None = _opt(None, "--num-gpu-blocks-override")
+    num_pages: int | None = option(None, "--num-gpu-blocks-override")
     """Pages in the KV pool; default: as many as `memory_utilization` leaves room for."""
-    memory_utilization: float = _opt(0.9, "--gpu-memory-utilization")
+    memory_utilization: float = option(0.9, "--gpu-memory-utilization")
     """Share of device memory the weights and KV cache may use. On CPU, where JAX reports
     no memory limit, the KV cache gets `cpu_kv_cache_gib` instead."""
     cpu_kv_cache_gib: float = 1.0
     """The KV cache's size on CPU, in GiB."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes."""
-    kv_cache_dtype: str = _opt("auto", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES)
     """The KV cache's format: auto is the model's dtype (float32 on CPU); int8 and fp8 (e4m3,
     alias fp8_e4m3) store 8 bits per value with a float32 scale per token and head, for
     about 2x the pages of bfloat16 (4x float32) in the same memory."""
@@ -483,7 +483,7 @@ class SchedulerConfig:
     """Most requests in one step."""
     max_num_batched_tokens: int = 512
     """Most tokens (prefill chunks + decodes) in one step."""
-    scheduling_policy: str = _opt("fcfs", choices=("fcfs", "priority"))
+    scheduling_policy: str = option("fcfs", choices=("fcfs", "priority"))
     """fcfs: waiting requests in arrival order, the newest running one is preempted first.
     priority: by (priority, arrival), lower values first; the lowest-priority, newest running
     request is preempted first, and a waiting request may preempt lower-priority ones."""
@@ -545,11 +545,11 @@ class ParallelConfig:
 class CompilationConfig:
     """The runner's programs."""
 
-    attention_backend: str = _opt("auto", choices=ATTENTION_BACKENDS)
+    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS)
     """auto: the platform's kernel (on CPU the native `cpu` kernel, or `xla` where no C++
     compiler builds it); pallas: the platform's Pallas kernel (interpreted on CPU, for
     checking); or a backend by name."""
-    quant_matmul_backend: str = _opt("auto", choices=QUANT_MATMUL_BACKENDS)
+    quant_matmul_backend: str = option("auto", choices=QUANT_MATMUL_BACKENDS)
     """The matmul of quantized weights: auto is the native kernel on CPU and XLA's
     dequantization fused into the dot on TPU and GPU; xla those XLA ops everywhere; pallas the
     Pallas (Triton) kernel for NVIDIA GPUs, not yet measured on one (interpreted elsewhere,
@@ -748,6 +748,8 @@ def _cli_value(hint: Any):
     """argparse's `type` for a field: its type, with "none" for None where None is allowed."""
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     base = next(t for t in allowed if t is not type(None))
+    if typing.get_origin(base) is tuple:  # one or more values (`nargs="+"`)
+        base = typing.get_args(base)[0]
     if base is dict:  # JSON text, parsed by the section
         base = str
     if type(None) not in allowed:
@@ -761,25 +763,48 @@ def _cli_value(hint: Any):
 
 
 def add_cli_args(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:
-    """Adds a flag per engine field (`--max-num-seqs`; bools as `--x/--no-x`; vLLM's names
-    as aliases), the model positional (a required `--model` with `model_flag`, as `vllm bench`
-    spells it), each with the field's docstring as help."""
-    for name, (section, f) in _flat_fields().items():
-        cls = _hints(EngineConfig)[section]
-        hint, doc = _hints(cls)[name], field_docs(cls).get(name, "")
-        if name == "model":
+    """Adds a flag per engine field (see `add_dataclass_args`) and the model positional (a
+    required `--model` with `model_flag`, as `vllm bench` spells it)."""
+    for section in dataclasses.fields(EngineConfig):
+        cls = _hints(EngineConfig)[section.name]
+        if cls is LoadConfig:
+            doc = field_docs(cls)["model"]
             if model_flag:
                 parser.add_argument("--model", required=True, help=doc)
             else:
                 parser.add_argument("model", help=doc)
+        add_dataclass_args(parser, cls, skip=("model",))
+
+
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()
+) -> None:
+    """Adds a flag per field of the dataclass `cls`: `--max-num-seqs` for `max_num_seqs`,
+    bools as `--x/--no-x`, tuples as one or more values, `option`'s aliases (vLLM's names) and
+    choices, the field's docstring as help. `from_cli_args` reads them back."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
             continue
-        flags = ["--" + name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        hint, doc = _hints(cls)[f.name], field_docs(cls).get(f.name, "")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default
         if hint is bool:
             shown = "on" if default else "off"
             kind = {"action": argparse.BooleanOptionalAction}
         else:
             shown = default
-            kind = {"dest": name, "type": _cli_value(hint), "choices": f.metadata.get("choices")}
+            choices = f.metadata.get("choices")
+            kind = {"dest": f.name, "type": _cli_value(hint), "choices": choices}
+            allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            if any(typing.get_origin(t) is tuple for t in allowed):
+                kind["nargs"] = "+"
         help_text = doc if default is None else f"{doc} (default: {shown})"
         parser.add_argument(*flags, default=default, help=help_text.replace("%", "%%"), **kind)
+
+
+def from_cli_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """The dataclass `cls` from a command line `add_dataclass_args` made the flags of (lists
+    of values become tuples)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**{**values, **overrides})

@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API on FastAPI.
 
+A route is one module-level function on `router` (a new route is one function); what routes
+share is the `ServerState` of the app (`request.app.state.server`), which `build_app` makes
+with the lifespan that starts the engine, the error handlers and the guard middleware.
+
 Every check that can fail a request runs here, before the engine sees it (`server.protocol`
 validates the body; tokenization and length checks follow). Errors leave in OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, never with a traceback or a path. Response
@@ -7,11 +11,20 @@ bodies are the `server.protocol` models, serialized by pydantic: their JSON shap
 there and nowhere else. The engine starts in the background, so `/health` answers 503 until
 warmup is done.
 
-Admission: a handler checks its engine requests against `--max-queued-requests` and counts
-them in `ServerState.num_admitted` with no await in between, and gives them back when its
-response ends, however it ends. (The engine's own count of unfinished requests moves only once a
-generation task has started, after the handler returned: a burst of requests would all see
-the same count and all get in.)
+Intake: a body is read chunk by chunk and refused (413) the moment it passes `MAX_BODY_BYTES`,
+whatever its transfer encoding (a `Content-Length` past the cap is refused before any of it is
+read). The bodies being read share `MAX_BUFFERED_BODY_BYTES`: a body reserves its length (one of
+unknown length, chunked, the whole cap) before its first byte is read, and waits for room
+meanwhile (its client is held back by TCP), so concurrent uploads cannot grow the process past
+that bound (12 chunked 64 MiB uploads at once grew it by 703 MiB before). JSON parsing, the
+surrogate check and validation then run off the event loop.
+
+Admission: a handler checks its engine requests against `--max-queued-requests` before it
+tokenizes anything, and counts them in `ServerState.num_admitted` with no await in between; it
+gives them back when its response ends, however it ends. (The engine's own count of unfinished
+requests moves only once a generation task has started, after the handler returned: a burst of
+requests would all see the same count and all get in.) A request of more engine requests than
+the queue holds at all (`n`, times its prompts) is a 400: it could never get in.
 
 Tool calls: a chat request whose tool_choice forces a call, or is "auto" on a server started
 with a tool call parser (`--enable-auto-tool-choice --tool-call-parser NAME`), has its output
@@ -37,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import jinja2
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
@@ -47,6 +60,7 @@ from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
 from jaxllm.engine.core_client import EngineDeadError
 from jaxllm.engine.request import fan_out
 from server import protocol, tool_parsers
+from server.config import ServerConfig
 from server.metrics import Metrics
 from server.protocol import APIError
 from server.tool_parsers import TOOL_PARSERS, ToolCallStream
@@ -54,6 +68,8 @@ from server.tool_parsers import TOOL_PARSERS, ToolCallStream
 logger = logging.getLogger("jaxllm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_BUFFERED_BODY_BYTES = 3 * MAX_BODY_BYTES  # all bodies being read, together
+_BODY_ROOM_WAIT_S = 30.0  # how long a body waits for room before a 503
 # What a load balancer, a probe or a scraper reads without the API key; everything else (the
 # /v1 API, /tokenize, /detokenize) needs it.
 _OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
@@ -65,6 +81,9 @@ _DISCONNECT_POLL_S = 0.25
 
 
 class ServerState:
+    """What the routes share: the engine once it is ready, the admission count, and the
+    server's settings. Routes reach it as `request.app.state.server`."""
+
     def __init__(
         self,
         served_model_names: list[str],
@@ -83,31 +102,90 @@ class ServerState:
         self.draining = False  # set when the server is told to stop; never cleared
         self.engine_died = False  # the engine died while serving: the server exits non-zero
         self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenize")
+        self.body_room = _ByteBudget(MAX_BUFFERED_BODY_BYTES)
         self.created = int(time.time())
         self.metrics: Metrics | None = None  # once the engine is ready
 
+    def ready_engine(self) -> AsyncLLM:
+        if self.draining:
+            raise APIError.unavailable("the server is shutting down")
+        if self.engine is None or self.engine.dead:
+            raise APIError.unavailable("the engine is not ready")
+        return self.engine
 
-def build_app(
-    start_engine: Callable[[], Any],
-    *,
-    served_model_names: list[str],
-    api_key: str | None = None,
-    max_queued_requests: int = 1024,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
-) -> FastAPI:
-    """`start_engine` is an async callable returning a ready `AsyncLLM`. tool_choice "auto"
-    needs `enable_auto_tool_choice` and a `tool_call_parser` (a name in TOOL_PARSERS); a
-    ValueError if the first comes without the second, or the name is unknown."""
-    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
-        raise ValueError(
-            f"--tool-call-parser: unknown parser {tool_call_parser!r}; the parsers are "
-            f"{', '.join(TOOL_PARSERS)}"
-        )
-    if enable_auto_tool_choice and tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-    parser = TOOL_PARSERS[tool_call_parser] if enable_auto_tool_choice else None
-    state = ServerState(served_model_names, api_key, max_queued_requests, parser)
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.served_model_names:
+            return self.served_model_names[0] if name is None else name
+        raise APIError.model_not_found(name)
+
+    async def tokenizing(self, fn, *args, **kwargs):
+        """Tokenizing and templating, off the event loop (a 10 MB prompt takes seconds, and
+        `/health` must answer meanwhile), on one thread, so encodes never overlap one another.
+        (The output loop decodes on the event loop meanwhile: encode and decode only read the
+        tokenizer, which neither reconfigures.)"""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, call)
+
+    async def parse(self, request: Request, model_cls):
+        """The body, read under the cap and the shared bound (see the module's docstring),
+        parsed and validated on a worker thread."""
+        length = request.headers.get("content-length")
+        need = int(length) if length is not None else MAX_BODY_BYTES  # checked by `_guard`
+        async with self.body_room.reserve(need, timeout=_BODY_ROOM_WAIT_S):
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise APIError.too_large(MAX_BODY_BYTES)
+            return await asyncio.to_thread(_parse_body, body, model_cls)
+
+    def admit(self, n: int) -> Callable[[], None]:
+        """Counts `n` engine requests in, or raises (400: more than the queue ever holds; 503:
+        the queue is full now); returns what gives them back."""
+        if n > self.max_queued:
+            raise APIError.bad_request(
+                f"the request asks for {n} completions, more than this server queues at once "
+                f"({self.max_queued}, --max-queued-requests)",
+                "n",
+            )
+        if self.num_admitted + n > self.max_queued:
+            raise APIError.unavailable("too many requests are queued; retry later")
+        self.num_admitted += n
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.num_admitted -= n
+
+        return release
+
+    async def respond(self, request: Request, admitted: Callable[[], None], make_gen) -> Response:
+        """Builds the generation (`make_gen`, awaited: it tokenizes) of admitted requests and
+        runs it as a stream or to the end; the admission (`admitted` gives it back) ends with
+        the response, however it ends."""
+        try:
+            gen = await make_gen()
+        except BaseException:
+            admitted()
+            raise
+        if gen.req.stream:
+            return _EventStream(gen.stream(), on_close=admitted)
+        try:
+            return await until_done_or_gone(request, gen.full())
+        finally:
+            admitted()
+
+
+def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
+    """`start_engine` is an async callable returning a ready `AsyncLLM`; `config` names the
+    served models (`served_model_name`, which must be given here). The routes are `router`'s."""
+    if not config.served_model_name:
+        raise ValueError("served_model_name: give the names clients use for the model")
+    served_model_names = list(config.served_model_name)
+    parser = TOOL_PARSERS[config.tool_call_parser] if config.enable_auto_tool_choice else None
+    state = ServerState(served_model_names, config.api_key, config.max_queued_requests, parser)
 
     async def lifespan(app: FastAPI):
         async def start():
@@ -177,146 +255,164 @@ def build_app(
             return _error_response(APIError.too_large(MAX_BODY_BYTES))
         return await call_next(request)
 
-    async def tokenizing(fn, *args, **kwargs):
-        """Tokenizing and templating, off the event loop (a 10 MB prompt takes seconds, and
-        `/health` must answer meanwhile), on one thread, so encodes never overlap one another.
-        (The output loop decodes on the event loop meanwhile: encode and decode only read the
-        tokenizer, which neither reconfigures.)"""
-        call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, call)
-
-    def engine() -> AsyncLLM:
-        if state.draining:
-            raise APIError.unavailable("the server is shutting down")
-        if state.engine is None or state.engine.dead:
-            raise APIError.unavailable("the engine is not ready")
-        return state.engine
-
-    async def parse(request: Request, model_cls):
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError.too_large(MAX_BODY_BYTES)
-        try:
-            obj = json.loads(body)
-        except (ValueError, RecursionError):  # also integers past 4300 digits
-            raise APIError.bad_request("the request body is not valid JSON") from None
-        try:  # JSON may escape a lone surrogate ("\ud800"): no tokenizer takes that
-            json.dumps(obj, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise APIError.bad_request(
-                "the request body holds a lone surrogate (\\ud800-\\udfff), which is not text"
-            ) from None
-        try:
-            return protocol.parse_request(model_cls, obj)
-        except RecursionError:
-            raise APIError.bad_request("the request body is nested too deeply") from None
-
-    def check_model(name: str | None) -> str:
-        if name is None or name in state.served_model_names:
-            return state.served_model_names[0] if name is None else name
-        raise APIError.model_not_found(name)
-
-    async def respond(request: Request, gen: _Generation) -> Response:
-        """Admits `gen`'s engine requests (503 when the queue is full), then runs them as a
-        stream or to the end; the admission ends with the response, however it ends."""
-        n = gen.num_requests
-        if state.num_admitted + n > state.max_queued:
-            raise APIError.unavailable("too many requests are queued; retry later")
-        state.num_admitted += n
-
-        def release() -> None:
-            state.num_admitted -= n
-
-        if gen.req.stream:
-            return _EventStream(gen.stream(), on_close=release)
-        try:
-            return await until_done_or_gone(request, gen.full())
-        finally:
-            release()
-
-    # ---- plain routes ------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health():
-        if state.draining:
-            reason = "shutting down"
-        elif state.engine is None:
-            reason = state.startup_error or "warming up"
-        elif state.engine.dead:
-            reason = "engine core is dead"
-        else:
-            return Response(status_code=200)
-        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-
-    @app.get("/version")
-    async def version():
-        return {"version": jaxllm.__version__}
-
-    @app.get("/metrics")
-    async def metrics():
-        body = b"" if state.metrics is None else state.metrics.render()  # none until ready
-        return Response(body, media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models():
-        max_len = state.engine.max_model_len if state.engine is not None else None
-        cards = [
-            protocol.ModelCard(id=name, created=state.created, max_model_len=max_len)
-            for name in state.served_model_names
-        ]
-        return _json(protocol.ModelList(data=cards))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        req = await parse(request, protocol.TokenizeRequest)
-        eng = engine()
-        check_model(req.model)
-        if req.messages is not None:
-            ids = await tokenizing(render_chat, eng, req, add_special_tokens=req.add_special_tokens)
-        else:
-            encode = eng.tokenizer.encode
-            ids = await tokenizing(encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        return _json(
-            protocol.TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids)
-        )
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = await parse(request, protocol.DetokenizeRequest)
-        eng = engine()
-        check_model(req.model)
-        protocol.check_token_ids(req.tokens, eng.vocab_size, param="tokens")
-        text = await tokenizing(eng.tokenizer.decode, req.tokens)
-        return _json(protocol.DetokenizeResponse(prompt=text))
-
-    # ---- generation --------------------------------------------------------------------
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = await parse(request, protocol.CompletionRequest)
-        eng = engine()
-        model = check_model(req.model)
-        prompts = await tokenizing(completion_prompts, eng, req)
-        jobs = [(ids, sampling_params(eng, req, ids, "prompt"), text) for ids, text in prompts]
-        return await respond(request, Completion(req, model, jobs, eng))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = await parse(request, protocol.ChatCompletionRequest)
-        req.check_tool_choice(auto_tool_choice=state.tool_parser is not None)
-        eng = engine()
-        model = check_model(req.model)
-        ids = await tokenizing(render_chat, eng, req)
-        params = sampling_params(eng, req, ids, "messages")
-        if req.tool_choice == "auto" and not state.tool_parser.skip_special_tokens:
-            params.skip_special_tokens = False  # the parser reads special tokens (vLLM's rule)
-        gen = ChatCompletion(req, model, [(ids, params, None)], eng, state.tool_parser)
-        return await respond(request, gen)
-
+    app.include_router(router)
     return app
 
 
+# ---- routes: one function each ------------------------------------------------------------
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = _state(request)
+    if state.draining:
+        reason = "shutting down"
+    elif state.engine is None:
+        reason = state.startup_error or "warming up"
+    elif state.engine.dead:
+        reason = "engine core is dead"
+    else:
+        return Response(status_code=200)
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+
+@router.get("/version")
+async def version():
+    return {"version": jaxllm.__version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    state = _state(request)
+    body = b"" if state.metrics is None else state.metrics.render()  # none until ready
+    return Response(body, media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = _state(request)
+    max_len = state.engine.max_model_len if state.engine is not None else None
+    cards = [
+        protocol.ModelCard(id=name, created=state.created, max_model_len=max_len)
+        for name in state.served_model_names
+    ]
+    return _json(protocol.ModelList(data=cards))
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    state = _state(request)
+    req = await state.parse(request, protocol.TokenizeRequest)
+    eng = state.ready_engine()
+    state.check_model(req.model)
+    if req.messages is not None:
+        ids = await state.tokenizing(
+            render_chat, eng, req, add_special_tokens=req.add_special_tokens, check_fits=False
+        )
+    else:
+        encode = eng.tokenizer.encode
+        ids = await state.tokenizing(encode, req.prompt, add_special_tokens=req.add_special_tokens)
+    return _json(
+        protocol.TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids)
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    state = _state(request)
+    req = await state.parse(request, protocol.DetokenizeRequest)
+    eng = state.ready_engine()
+    state.check_model(req.model)
+    protocol.check_token_ids(req.tokens, eng.vocab_size, param="tokens")
+    text = await state.tokenizing(eng.tokenizer.decode, req.tokens)
+    return _json(protocol.DetokenizeResponse(prompt=text))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = _state(request)
+    req = await state.parse(request, protocol.CompletionRequest)
+    eng = state.ready_engine()
+    model = state.check_model(req.model)
+
+    async def make_gen():
+        prompts = await state.tokenizing(completion_prompts, eng, req)
+        jobs = [(ids, sampling_params(eng, req, ids, "prompt"), text) for ids, text in prompts]
+        return Completion(req, model, jobs, eng)
+
+    return await state.respond(request, state.admit(len(req.prompts()) * req.n), make_gen)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = _state(request)
+    req = await state.parse(request, protocol.ChatCompletionRequest)
+    req.check_tool_choice(auto_tool_choice=state.tool_parser is not None)
+    eng = state.ready_engine()
+    model = state.check_model(req.model)
+
+    async def make_gen():
+        ids = await state.tokenizing(render_chat, eng, req)
+        params = sampling_params(eng, req, ids, "messages")
+        if req.tool_choice == "auto" and not state.tool_parser.skip_special_tokens:
+            params.skip_special_tokens = False  # the parser reads special tokens (vLLM's rule)
+        return ChatCompletion(req, model, [(ids, params, None)], eng, state.tool_parser)
+
+    return await state.respond(request, state.admit(req.n), make_gen)
+
+
 # ---- helpers ----------------------------------------------------------------------------
+
+
+class _ByteBudget:
+    """Bytes shared by the request bodies being read (see the module's docstring)."""
+
+    def __init__(self, total: int):
+        self.total = self.free = total
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, n: int, *, timeout: float):
+        n = min(n, self.total)
+        try:
+            async with asyncio.timeout(timeout), self._changed:
+                await self._changed.wait_for(lambda: self.free >= n)
+                self.free -= n
+        except TimeoutError:
+            raise APIError.unavailable("the server is reading too many large bodies") from None
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.free += n
+                self._changed.notify_all()
+
+
+def _parse_body(body: bytearray, model_cls):
+    """A request body as the protocol model `model_cls` (on a worker thread: a large body
+    takes the event loop's thread for a while otherwise)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):  # also integers past 4300 digits
+        raise APIError.bad_request("the request body is not valid JSON") from None
+    try:  # JSON may escape a lone surrogate ("\ud800"): no tokenizer takes that
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError.bad_request(
+            "the request body holds a lone surrogate (\\ud800-\\udfff), which is not text"
+        ) from None
+    except RecursionError:
+        raise APIError.bad_request("the request body is nested too deeply") from None
+    try:
+        return protocol.parse_request(model_cls, obj)
+    except RecursionError:
+        raise APIError.bad_request("the request body is nested too deeply") from None
 
 
 def headers_too_large(max_bytes: int) -> APIError:
@@ -356,10 +452,26 @@ def sampling_params(eng: AsyncLLM, req, ids: list[int], param: str):
     )
 
 
+def check_text_fits(eng: AsyncLLM, text: str, param: str) -> None:
+    """Refuses a prompt that cannot fit before tokenizing it (megabytes of text take the
+    tokenizer seconds, and its output conversion holds the GIL, and so the event loop, for
+    seconds more): no token covers more than `max_token_chars` characters, so a text longer
+    than max_model_len of them has more tokens than fit. Twice that, since a normalizer may
+    shorten text."""
+    limit = 2 * eng.max_model_len * eng.max_token_chars
+    if limit and len(text) > limit:
+        raise APIError.bad_request(
+            f"{param} is {len(text)} characters long, more than max_model_len "
+            f"({eng.max_model_len}) tokens of this model can hold",
+            param,
+        )
+
+
 def completion_prompts(eng: AsyncLLM, req) -> list[tuple[list[int], str | None]]:
     out = []
     for p in req.prompts():
         if isinstance(p, str):
+            check_text_fits(eng, p, "prompt")
             ids = eng.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
             if not ids:
                 raise APIError.bad_request("prompt has no tokens", "prompt")
@@ -370,7 +482,9 @@ def completion_prompts(eng: AsyncLLM, req) -> list[tuple[list[int], str | None]]
     return out
 
 
-def render_chat(eng: AsyncLLM, req, *, add_special_tokens: bool = False) -> list[int]:
+def render_chat(
+    eng: AsyncLLM, req, *, add_special_tokens: bool = False, check_fits: bool = True
+) -> list[int]:
     try:
         text = eng.tokenizer.apply_chat_template(
             req.conversation(), tokenize=False, **req.template_kwargs()
@@ -379,6 +493,8 @@ def render_chat(eng: AsyncLLM, req, *, add_special_tokens: bool = False) -> list
         raise APIError.bad_request(
             "the chat template rejected these messages", "messages"
         ) from None
+    if check_fits:  # /tokenize counts any conversation's tokens
+        check_text_fits(eng, text, "messages")
     # The template already holds any BOS token, unless the caller asks for one.
     return eng.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

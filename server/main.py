@@ -2,7 +2,7 @@
 
 On SIGTERM or Ctrl-C the app starts draining at once (`/health` and new requests answer 503),
 uvicorn stops accepting connections (within 0.1 s), lets in-flight requests finish for up to
-`shutdown_timeout` seconds, then the app's shutdown stops the core process, so nothing is
+`--shutdown-timeout` seconds, then the app's shutdown stops the core process, so nothing is
 left running.
 
 HTTP/1.1 is parsed by h11 whatever else is installed (uvicorn's "auto" would take httptools):
@@ -25,6 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from jaxllm.config import EngineConfig
 from jaxllm.engine.async_llm import AsyncLLM
 from server.api import MAX_HEADER_BYTES, ServerState, build_app, headers_too_large
+from server.config import ServerConfig
 from server.protocol import APIError
 
 logger = logging.getLogger("jaxllm.server")
@@ -124,46 +125,28 @@ def _load_chat_template(option: str | None) -> str | None:
     return option
 
 
-def serve(
-    config: EngineConfig,
-    *,
-    host: str,
-    port: int,
-    api_key: str | None,
-    served_model_names: list[str],
-    max_queued_requests: int,
-    chat_template: str | None,
-    generation_config: str,
-    shutdown_timeout: float,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
-) -> int:
-    template = _load_chat_template(chat_template)
+def serve(config: EngineConfig, server_config: ServerConfig) -> int:
+    """Serves until told to stop; the exit code (non-zero when the engine could not start or
+    died). `server_config.served_model_name` must be resolved (`server.cli` does)."""
+    template = _load_chat_template(server_config.chat_template)
 
     async def start_engine() -> AsyncLLM:
         engine = await AsyncLLM.create(config)
         if template is not None:
             engine.tokenizer.chat_template = template
         engine.generation_config = _load_generation_config(
-            generation_config, engine.generation_config
+            server_config.generation_config, engine.generation_config
         )
         return engine
 
-    app = build_app(
-        start_engine,
-        served_model_names=served_model_names,
-        api_key=api_key,
-        max_queued_requests=max_queued_requests,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser,
-    )
+    app = build_app(start_engine, server_config)
     uv_config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
+        host=server_config.host,
+        port=server_config.port,
         log_level="info",
         http=_H11Protocol,
-        timeout_graceful_shutdown=shutdown_timeout,
+        timeout_graceful_shutdown=server_config.shutdown_timeout,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = _Server(uv_config, app.state.server)

@@ -807,11 +807,12 @@ def metric_names() -> set[str]:
 @functools.cache
 def app_routes() -> dict[str, set[str]]:
     from server.api import build_app
+    from server.config import ServerConfig
 
     async def never():  # the engine is not started: only the routes are read
         raise AssertionError
 
-    app = build_app(never, served_model_names=["smollm2-135m"])
+    app = build_app(never, ServerConfig(served_model_name=("smollm2-135m",)))
     return {r.path: set(getattr(r, "methods", ()) or ()) for r in app.routes}
 
 

@@ -17,6 +17,7 @@ import pytest
 from test_server_protocol import chat, completion
 
 from jaxllm.config import CacheConfig
+from jaxllm.engine.request import longest_token_chars
 from jaxllm.engine.step_data import Stats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.structured_outputs import StructuredOutputsParams
@@ -453,6 +454,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.texts, self.finish_reason = texts, finish_reason
         self.max_model_len = 4096
+        self.max_token_chars = longest_token_chars(tokenizer)
         self.vocab_size = len(tokenizer)
         self.generation_config: dict = {}
         self.dead = False
@@ -488,6 +490,7 @@ def serve(tokenizer):
     from fastapi.testclient import TestClient
 
     from server.api import build_app
+    from server.config import ServerConfig
 
     with contextlib.ExitStack() as stack:
 
@@ -497,7 +500,7 @@ def serve(tokenizer):
             async def start_engine():
                 return engine
 
-            app = build_app(start_engine, served_model_names=["m"], **kwargs)
+            app = build_app(start_engine, ServerConfig(served_model_name=("m",), **kwargs))
             client = stack.enter_context(TestClient(app))
             deadline = time.monotonic() + 10
             while client.get("/health").status_code != 200:
@@ -698,15 +701,12 @@ def test_no_tools_leaves_responses_as_they_were(serve):
 
 def test_build_app_and_cli_flags(capsys):
     from jaxllm.cli import build_parser, main
-    from server.api import build_app
-
-    async def never():
-        raise AssertionError
+    from server.config import ServerConfig
 
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
-        build_app(never, served_model_names=["m"], enable_auto_tool_choice=True)
+        ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="unknown parser 'x'"):
-        build_app(never, served_model_names=["m"], tool_call_parser="x")
+        ServerConfig(tool_call_parser="x")
     args = build_parser().parse_args(
         ["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
     )

@@ -13,11 +13,15 @@ import asyncio
 import json
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -115,9 +119,13 @@ def _wait_stopped(proc: subprocess.Popen, children: dict[int, str], timeout: flo
     return log
 
 
+_PIDS: dict[str, int] = {}  # server url -> its HTTP process
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     proc, url = _start_server(tiny_model_dir, "--api-key", API_KEY)
+    _PIDS[url] = proc.pid
     yield url
     log = _stop_server(proc)
     # Nothing the module's clients do (bad input included) is an internal error.
@@ -286,7 +294,6 @@ def test_tokenize_detokenize_round_trip(server):
 def test_health_answers_while_a_huge_prompt_is_tokenized(server):
     """Issue 13, defect 6: tokenizing a 10 MB prompt took the event loop for seconds, and
     /health with it (long enough for a probe to kill the pod)."""
-    import threading
 
     prompt = "hello world, " * 800_000  # 10.4 MB
     done: dict = {}
@@ -601,6 +608,24 @@ async def _stream(c, url: str, i: int, max_tokens: int, started: asyncio.Event |
         return r.status_code, finish, tokens, done
 
 
+def test_n_past_the_queue_is_400_and_the_flag_is_checked(small_server, tiny_model_dir):
+    """A request of more completions than the queue ever holds could never get in: a 400
+    naming n, not a 503 to retry forever; and a queue of no requests is refused at start."""
+    _, url = small_server
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 1, "n": 11}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 1, "n": 4}  # 12 > 10
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    body = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 1, "n": 5}  # 10 fits
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    cmd = [sys.executable, "-m", "jaxllm.cli", "serve", str(tiny_model_dir),
+           "--max-queued-requests", "0"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--max-queued-requests must be at least 1" in done.stderr
+
+
 def test_full_queue_is_503_with_retry_after(small_server):
     _, url = small_server
 
@@ -710,3 +735,104 @@ def test_engine_that_cannot_start_exits_nonzero(tmp_path):
     )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "engine failed to start" in proc.stdout + proc.stderr
+
+
+# ---- intake: bodies of any transfer encoding, under load ----------------------------------
+
+
+def _memory_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _chunked_upload(url: str, path: str, total: int, piece: int = 1 << 20) -> int:
+    """POSTs `total` bytes with Transfer-Encoding: chunked (no Content-Length: the server
+    cannot refuse it up front), reading the response as soon as one comes; its status."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=120)
+    s.setblocking(False)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    chunk = f"{piece:x}\r\n".encode() + b"x" * piece + b"\r\n"
+    out = bytearray(head.encode())
+    sent, response = 0, b""
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if not out and sent < total:
+                out += chunk
+                sent += piece
+                if sent >= total:
+                    out += b"0\r\n\r\n"
+            readable, writable, _ = select.select([s], [s] if out else [], [], 1.0)
+            if readable:
+                data = s.recv(65536)
+                response += data
+                if not data or b"\r\n\r\n" in response:
+                    break
+            elif writable:
+                try:
+                    del out[: s.send(out)]
+                except (BrokenPipeError, ConnectionResetError):
+                    out.clear()
+    finally:
+        s.close()
+    return int(response.split(b" ", 2)[1])
+
+
+def test_chunked_bodies_are_capped_as_they_arrive(server):
+    """12 chunked 64 MiB bodies at once: each gets a 413, and the server's memory grows by far
+    less than their size (each was read whole before its size was checked: +703 MiB)."""
+    pid = _PIDS[server]
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak RSS starts again from now
+    before = _memory_kib(pid, "VmRSS")
+    with ThreadPoolExecutor(12) as pool:
+        statuses = list(pool.map(
+            lambda _: _chunked_upload(server, "/v1/completions", 64 << 20), range(12)
+        ))  # fmt: skip
+    grown_mib = (_memory_kib(pid, "VmHWM") - before) / 1024
+    assert statuses == [413] * 12, statuses
+    assert grown_mib < 100, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_health_answers_while_clients_send_16_mib_prompts(server):
+    """Bodies just under the cap, from several clients at once: read and parsed off the event
+    loop, and refused before tokenizing (far more text than max_model_len tokens can hold:
+    tokenizing 16 MiB took the tokenizer 2 minutes here, and converting its output held the
+    event loop for 4.7 s), with /health answering all along."""
+    prompt = "hello world, " * ((16 << 20) // 13 - 1000)
+    statuses, waits = [], []
+    sending = threading.Event()
+
+    def send(i):
+        body = json.dumps({"model": "tiny", "prompt": f"{i}{prompt}", "max_tokens": 1}).encode()
+        assert len(body) < 16 << 20
+        r = httpx.post(f"{server}/v1/completions", content=body, timeout=600,
+                       headers={**AUTH, "content-type": "application/json"})  # fmt: skip
+        statuses.append((r.status_code, r.json()["error"]["param"]))
+
+    def probe():
+        with httpx.Client(timeout=30) as c:
+            while not sending.is_set():
+                time.sleep(0.01)
+            while sending.is_set():
+                start = time.monotonic()
+                assert c.get(f"{server}/health").status_code == 200
+                waits.append(time.monotonic() - start)
+                time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    sending.set()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sending.clear()
+    prober.join()
+    assert statuses == [(400, "prompt")] * 3, statuses
+    assert waits and max(waits) < 1.0, waits

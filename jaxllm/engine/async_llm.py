@@ -32,6 +32,7 @@ from jaxllm.engine.request import (
     check_prompt_ids,
     check_sampling_params,
     derive_seed,
+    longest_token_chars,
     resolve_eos_token_ids,
     resolve_max_tokens,
 )
@@ -82,6 +83,9 @@ class AsyncLLM:
         )
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        # A text longer than max_model_len tokens of this many characters cannot fit: the
+        # server refuses it before tokenizing it (see `server.api.check_text_fits`).
+        self.max_token_chars = longest_token_chars(tokenizer)
         self.stats: Stats = ready.stats
         self.processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}

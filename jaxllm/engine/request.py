@@ -197,3 +197,12 @@ def resolve_eos_token_ids(
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token of `tokenizer` covers, bounded by its longest
+    vocabulary entry (a byte-level BPE entry of n characters stands for n bytes; a
+    SentencePiece one for as many characters, its "▁" a space); 0 without a tokenizer."""
+    if tokenizer is None:
+        return 0
+    return max((len(token) for token in tokenizer.get_vocab()), default=0)

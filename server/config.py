@@ -1,0 +1,55 @@
+"""The HTTP server's own settings: `jaxllm serve`'s flags beyond the engine's, declared once
+(flag, keyword and help from each field, as `jaxllm.config.EngineConfig` does)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.config import option
+from server.tool_parsers import TOOL_PARSERS
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """The address to listen on."""
+    port: int = 8000
+    """The port to listen on."""
+    api_key: str | None = None
+    """Require this bearer key on /v1, /tokenize and /detokenize (env JAXLLM_API_KEY)."""
+    served_model_name: tuple[str, ...] | None = None
+    """The names clients use for the model (default: MODEL as given)."""
+    max_queued_requests: int = 1024
+    """Unfinished requests beyond this get 503 with Retry-After; a request of more than this
+    many completions (n, times its prompts) gets 400."""
+    chat_template: str | None = None
+    """A Jinja chat template, or a file holding one (default: the tokenizer's)."""
+    generation_config: str = "auto"
+    """Sampling defaults: auto (the model's generation_config.json), vllm (none), or a
+    directory holding a generation_config.json."""
+    shutdown_timeout: float = 30.0
+    """Seconds to drain in-flight requests on SIGTERM."""
+    enable_auto_tool_choice: bool = False
+    """Allow tool_choice "auto": the model decides whether to call tools, and
+    --tool-call-parser reads its calls out of the text."""
+    tool_call_parser: str | None = option(None, choices=tuple(TOOL_PARSERS))
+    """The format of the model's own tool calls, for tool_choice auto."""
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(
+                f"--max-queued-requests must be at least 1 (got {self.max_queued_requests})"
+            )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535] (got {self.port})")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser: unknown parser {self.tool_call_parser!r}; the parsers "
+                f"are {', '.join(TOOL_PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("--served-model-name: give at least one name")
