@@ -812,8 +812,15 @@ def app_routes() -> dict[str, set[str]]:
     async def never():  # the engine is not started: only the routes are read
         raise AssertionError
 
+    def flat(routes):  # an included router's routes are its own
+        for r in routes:
+            if hasattr(r, "original_router"):
+                yield from flat(r.original_router.routes)
+            else:
+                yield r
+
     app = build_app(never, ServerConfig(served_model_name=("smollm2-135m",)))
-    return {r.path: set(getattr(r, "methods", ()) or ()) for r in app.routes}
+    return {r.path: set(getattr(r, "methods", ()) or ()) for r in flat(app.routes)}
 
 
 def check_curl(argv: list[str]) -> None:

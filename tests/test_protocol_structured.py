@@ -430,7 +430,9 @@ def test_tools_and_history_render_through_a_chat_template(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = TOOLS_TEMPLATE
     req = parse_request(ChatCompletionRequest, chat(messages=HISTORY, tools=TOOLS))
-    text = tok.decode(render_chat(SimpleNamespace(tokenizer=tok), req))
+    text = tok.decode(
+        render_chat(SimpleNamespace(tokenizer=tok, max_model_len=4096, max_token_chars=64), req)
+    )
     assert text == (
         'TOOLS: weather {"type": "object", "properties": {"city": {"type": "string"}, '
         '"days": {"type": "integer"}}, "required": ["city"]}; now null;|'
