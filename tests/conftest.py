@@ -55,3 +55,15 @@ def _fresh_jax_caches():
     import jax
 
     jax.clear_caches()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` (long fuzz, soak, whole shape matrices, second and third variants
+    of an end-to-end check the default suite makes once) run only when `-m` names them
+    (`pytest -m slow`): the default suite must stay within CI's time."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

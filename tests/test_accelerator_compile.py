@@ -196,19 +196,22 @@ def _tiny_config(path: Path, *, moe: bool = False) -> Path:
 # (target, model, engine settings): TP 1 and 4 on v5e and v6e, TP 1 and 2 on an H100;
 # quantized weights, 8-bit caches, mixture of experts (ragged_dot) and speculative decoding
 # spread over them. The sampler with its grammar bitmask and draft verification is in every
-# engine's head program.
+# engine's head program. Each takes 2-5 minutes on 2 cores: the default suite compiles a TPU
+# slice under tensor parallelism and a GPU host with MoE; `-m slow` all six.
+SLOW = pytest.mark.slow
 ENGINES = [
-    ("v5e-1", "llama", dict(kv_cache_dtype="int8", speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2})),
-    ("v5e-4", "llama", dict(quantization="int8")),
-    ("v6e-1", "moe", dict(quantization="int4")),
-    ("v6e-4", "moe", dict(kv_cache_dtype="fp8")),
-    ("h100", "llama", dict(quantization="int8", kv_cache_dtype="fp8")),
-    ("h100x2", "moe", dict()),
+    pytest.param("v5e-1", "llama", dict(kv_cache_dtype="int8", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2}), marks=SLOW, id="v5e-1"),
+    pytest.param("v5e-4", "llama", dict(quantization="int8"), id="v5e-4"),
+    pytest.param("v6e-1", "moe", dict(quantization="int4"), marks=SLOW, id="v6e-1"),
+    pytest.param("v6e-4", "moe", dict(kv_cache_dtype="fp8"), marks=SLOW, id="v6e-4"),
+    pytest.param("h100", "llama", dict(quantization="int8", kv_cache_dtype="fp8"), marks=SLOW,
+                 id="h100"),
+    pytest.param("h100x2", "moe", dict(), id="h100x2"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("target,model,settings", ENGINES, ids=[e[0] for e in ENGINES])
+@pytest.mark.parametrize("target,model,settings", ENGINES)
 def test_every_program_compiles_for_the_target(tmp_path, target, model, settings):
     """Every program a tiny engine compiles at startup compiles for the target with its real
     compiler, each step program aliases the donated KV cache (updated in place) and holds no

@@ -101,9 +101,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     "model,async_scheduling,num_requests,spec",
     [
         ("llama", True, 240, None),
-        ("llama", False, 240, None),
-        ("gemma3", True, 80, None),
-        ("qwen3-moe", True, 80, None),
+        pytest.param("llama", False, 240, None, marks=pytest.mark.slow),
+        pytest.param("gemma3", True, 80, None, marks=pytest.mark.slow),
+        pytest.param("qwen3-moe", True, 80, None, marks=pytest.mark.slow),
         ("llama", True, 240, NGRAM),
         pytest.param("llama", True, 80, "draft", marks=pytest.mark.slow),
     ],

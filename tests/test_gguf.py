@@ -141,7 +141,8 @@ def test_runtime_needs_no_torch(hf_dir, tmp_path):
 import sys
 sys.modules["torch"] = None  # any import of torch now raises ImportError
 from jaxllm import LLM, SamplingParams
-llm = LLM({str(path)!r}, max_model_len=64, num_pages=8, max_num_seqs=8, max_num_batched_tokens=32)
+llm = LLM({str(path)!r}, max_model_len=64, num_pages=8, max_num_seqs=8, max_num_batched_tokens=32,
+          attention_backend="xla")  # the C++ kernel would be built anew in the fresh cache
 out = llm.generate("The quick brown", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 4
 assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]

@@ -358,6 +358,7 @@ def test_gemma3_demo_config_matches_transformers(gemma3_demo, request):
 
 
 @pytest.mark.demo_model
+@pytest.mark.slow  # the smollm2 demo's case runs by default
 def test_gemma3_demo_every_tensor_dequantizes(gemma3_demo):
     """Every tensor (F32, Q8_0, Q5_0, Q4_K, Q6_K) dequantizes to the name and shape of
     transformers' Gemma3ForCausalLM."""
@@ -404,6 +405,7 @@ def test_gemma3_demo_tensors_equal_transformers(gemma3_demo, request):
 
 
 @pytest.mark.demo_model
+@pytest.mark.slow  # 3.5 minutes: transformers converts the demo file's tokenizer
 def test_gemma3_demo_tokenizer_matches_transformers(gemma3_demo, tmp_path):
     """Ours (built without torch, then cached and reloaded) encodes and decodes like
     transformers' GGUF tokenizer, BOS included, and renders Gemma's chat template."""

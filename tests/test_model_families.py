@@ -112,7 +112,7 @@ def test_greedy_tokens_match_transformers(family):
         # 8 experts: split over the expert axis at every size (each device holds 8 / tp).
         ("qwen3-moe", dict(num_experts=8), True),
         # 6 experts do not split 4 ways: at 4 each expert's MLP width is split instead.
-        ("mixtral", dict(num_local_experts=6), False),
+        pytest.param("mixtral", dict(num_local_experts=6), False, marks=pytest.mark.slow),
     ],
 )
 def test_moe_under_tensor_and_expert_parallelism(case, extra, expert_parallel, tmp_path):

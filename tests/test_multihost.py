@@ -473,6 +473,7 @@ def _ask(url: str) -> dict:
     return {"texts": texts, "streamed": "".join(streamed)}
 
 
+@pytest.mark.slow  # 4 minutes: three servers (two hosts, one alone)
 def test_two_hosts_serve_http_like_one_process(tmp_path, tokenizer_dir):
     """`jaxllm serve` on two processes (one CPU device each; a tensor-parallel mesh of 2 over
     both): host 0 serves HTTP, host 1 follows, and the answers equal one process's. Stopping

@@ -156,6 +156,7 @@ _TP_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 4-5 minutes: TP 1, 2, 4, 8 restores in a subprocess
 def test_tensor_parallel_restore_on_8_fake_devices(tiny_model_dir, converted, tmp_path):
     """4 query / 2 kv heads: TP 2 splits the kv heads, TP 4 repeats each twice."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")

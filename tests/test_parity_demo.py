@@ -40,8 +40,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
 
 @pytest.mark.parametrize(
     "name,spec",
-    [(name, None) for name in parity_reference.DEMOS] + [("smollm2-135m", NGRAM)],
-    ids=[*parity_reference.DEMOS, "smollm2-135m-ngram"],
+    [
+        pytest.param(name, None, id=name, marks=() if name == "smollm2-135m" else pytest.mark.slow)
+        for name in parity_reference.DEMOS
+    ]
+    # Speculation's exactness is checked by default on tiny models (test_spec_decode.py).
+    + [pytest.param("smollm2-135m", NGRAM, id="smollm2-135m-ngram", marks=pytest.mark.slow)],
 )
 def test_greedy_parity_with_transformers(name, spec):
     """With n-gram speculative decoding too: the same tokens."""

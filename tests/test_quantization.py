@@ -193,7 +193,10 @@ def test_demo_gguf_kept_quantized(smollm2_path):
 
 
 @pytest.mark.demo_model
-@pytest.mark.parametrize("fmt,limit", [("int8", 0.27), ("int4", 0.16), ("fp8", 0.27)])
+@pytest.mark.parametrize(
+    "fmt,limit",
+    [("int8", 0.27), pytest.param("int4", 0.16, marks=pytest.mark.slow), ("fp8", 0.27)],
+)
 def test_demo_weight_bytes(smollm2_path, fmt, limit):
     """Bytes of weights, scales included, against float32 (the issue's bar): the embedding
     (the tied head) is quantized too."""
@@ -277,16 +280,13 @@ def test_8bit_kv_cache_pages_at_equal_memory():
     assert pages["int8"] / pages["bfloat16"] == pytest.approx(128 / 68, rel=1e-3)
 
 
-@pytest.mark.parametrize("fmt", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
-def test_tensor_parallel_same_tokens(request, tmp_path, tokenizer_dir, fmt):
+@pytest.mark.slow  # 1.5 minutes per format (test_tensor_parallel.py runs TP by default)
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_tensor_parallel_same_tokens(tmp_path, tokenizer_dir, fmt):
     """Quantized weights and their scales split together: TP 1, 2, 4 give the same tokens,
     with nothing compiled after warmup and each device holding about 1/TP of them; so do an
-    8-bit KV cache's data and scales (the int4 case runs with one). (int8 is `slow`: the same
-    code paths as int4 but the groups and packing, 40 s.)"""
+    8-bit KV cache's data and scales (the int4 case runs with one)."""
     from conftest import write_tiny_checkpoint
-
-    if fmt == "int8" and "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("pytest -m slow tests/test_quantization.py")
 
     model = write_tiny_checkpoint(
         tmp_path / "tp", tokenizer_dir, num_heads=8, num_kv_heads=2, vocab_size=512

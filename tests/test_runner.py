@@ -136,6 +136,7 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
     assert "jaxllm_" not in text, "a native CPU kernel was traced into an accelerator program"
 
 
+@pytest.mark.slow  # a benchmark: 3.5 minutes
 def test_host_step_benchmark_runs(tmp_path):
     """benchmarks/host_step.py (issue 11's measurement) at a tiny size: it reads the runner's
     in-flight step, so a change there must not break it unnoticed."""

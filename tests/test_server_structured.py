@@ -130,6 +130,7 @@ PARSE_CASES = [
 ]
 
 
+@pytest.mark.slow  # 2 minutes
 def test_parse_returns_a_parsed_object_for_every_prompt(server, client):
     """`chat.completions.parse(response_format=<pydantic model>)` (a strict json_schema)
     returns a parsed object on 20 of 20 varied prompts."""

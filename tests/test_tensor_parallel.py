@@ -35,6 +35,7 @@ def test_tiny_model_8_q_heads_2_kv_heads(tmp_path, tokenizer_dir):
         assert r["kv_bytes_per_device"] == whole_kv // min(tp, 2), r
 
 
+@pytest.mark.slow  # 2.5 minutes: the TPU kernel in interpret mode under TP
 def test_pallas_kernel_under_shard_map(tmp_path, tiny_model_dir):
     """The TPU kernel (interpreted) per device on its own heads: TP 4 (kv heads repeated, the
     case that covers TP 2's split too) gives TP 1's tokens. (TP 2 as well took 35 s more of
@@ -45,6 +46,7 @@ def test_pallas_kernel_under_shard_map(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.demo_model
+@pytest.mark.slow  # 2 minutes: the demo model twice
 def test_demo_model_tp3_matches_tp1(tmp_path):
     """SmolLM2: 9 query heads and 3 kv heads split evenly over 3 devices."""
     rows = tensor_parallel_report("smollm2-135m", "1,3", tmp_path)
