@@ -89,8 +89,9 @@ class ModelRunner:
         )
         self.device = DeviceState(self.params[0], mesh, cache_shape, dtype, max_num_seqs)
         self.compiler = Compiler(self.device)
+        pages_per_seq = -(-max_model_len // page_size)  # the block table's width
         self.input_batch = ib = InputBatch(
-            max_num_seqs, max_model_len, -(-max_model_len // page_size), config.vocab_size
+            max_num_seqs, max_model_len, pages_per_seq, config.vocab_size
         )
         self.inputs = StepInputs(
             ib,
@@ -98,7 +99,7 @@ class ModelRunner:
             self.shapes,
             num_pages,
             page_size,
-            -(-max_model_len // page_size),
+            pages_per_seq,
             k,
         )
         # Counters since start, for metrics: the tokens the steps computed, the token slots of

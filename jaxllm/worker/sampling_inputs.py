@@ -31,7 +31,7 @@ MAX_BLOCKED_IDS = MAX_STOP_TOKEN_IDS + 16
 VOCAB = "vocab"  # stands for the vocabulary size in `NEUTRAL`: an id the sampler drops
 
 # Per `SamplingInputs` field: (dtype, the value that changes nothing, the row's width: None for
-# one value, or the name of the width in `SamplingInputsBuilder._widths`).
+# one value, or the name of the width in `_FIXED_WIDTHS` or `SamplingInputsBuilder._widths`).
 NEUTRAL: dict[str, tuple[type, float | int | str, str | None]] = {
     "temperature": (np.float32, 0.0, None),  # greedy
     "top_k": (np.int32, 0, None),
@@ -50,6 +50,8 @@ NEUTRAL: dict[str, tuple[type, float | int | str, str | None]] = {
     "num_prompt_tokens": (np.int32, 0, None),
     "token_bitmask": (np.int32, -1, "bitmask"),  # every bit set: all tokens allowed
 }
+# The widths that do not depend on the model: a seed's two words, the blocked and biased ids.
+_FIXED_WIDTHS = {"seed_words": 2, "blocked": MAX_BLOCKED_IDS, "bias": MAX_LOGIT_BIAS}
 # Kept on the device at their neutral values (see the module's docstring).
 _BIAS = ("logit_bias_ids", "logit_bias")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -64,7 +66,7 @@ class SamplingRows:
     def __init__(self, max_num_reqs: int, vocab_size: int, max_model_len: int):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        widths = {"seed_words": 2, "blocked": MAX_BLOCKED_IDS, "bias": MAX_LOGIT_BIAS}
+        widths = _FIXED_WIDTHS
         for name in (*_PER_REQUEST, "blocked_ids", *_BIAS, *_PENALTIES):
             dtype, neutral, width = NEUTRAL[name]
             shape = (max_num_reqs,) if width is None else (max_num_reqs, widths[width])
@@ -112,9 +114,7 @@ class SamplingInputsBuilder:
         self.vocab_size = vocab_size
         self.bitmask_words = -(-vocab_size // 32)  # int32 words per grammar bitmask row
         self._widths = {
-            "seed_words": 2,
-            "blocked": MAX_BLOCKED_IDS,
-            "bias": MAX_LOGIT_BIAS,
+            **_FIXED_WIDTHS,
             "history": max_model_len,  # the longest a sequence can be
             "bitmask": self.bitmask_words,
         }
