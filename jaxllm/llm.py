@@ -3,36 +3,30 @@
     llm = LLM("smollm2-135m")
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
-All prompts of one `generate` call are validated first (a bad one raises `ValueError` naming
-the parameter and nothing is queued), then added to the engine together, so they share
-batches: continuous batching runs them side by side rather than one after another.
+All prompts of one `generate` call go through the front end's input path first
+(`InputProcessor`, the server's too: a bad one raises `InputError`, a `ValueError` naming the
+parameter, and nothing is queued), then to the engine together, so they share batches:
+continuous batching runs them side by side rather than one after another. The engine is driven
+by the same `CoreLoop` as the server's core process.
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
+from jaxllm.engine.core_proc import CoreLoop
+from jaxllm.engine.input_processor import InputError, InputProcessor
+from jaxllm.engine.messages import Abort
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import (
-    Request,
-    check_prompt_ids,
-    check_sampling_params,
-    derive_seed,
-    fan_out,
-    resolve_eos_token_ids,
-    resolve_max_tokens,
-)
 from jaxllm.loaders import load_tokenizer
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -72,11 +66,17 @@ class LLM:
         self.engine = EngineCore.from_config(config)
         self.config = self.engine.config
         self.tokenizer = tokenizer.result()[0]
-        self.eos_token_ids = resolve_eos_token_ids(
-            self.model_config.eos_token_ids, self.generation_config, self.tokenizer
+        self.input_processor = InputProcessor.create(
+            self.tokenizer,
+            self.generation_config,
+            model_eos_token_ids=self.model_config.eos_token_ids,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            seed=self.config.load.seed,
         )
-        self._rng = np.random.default_rng(self.config.load.seed)
-        self._ids = itertools.count()
+        # The engine is driven as the server's core process drives it (one loop, one way
+        # to fail a step), in this thread.
+        self.loop = CoreLoop(self.engine)
 
     # What researchers and tests reach for, all owned by the engine.
     runner = property(lambda self: self.engine.runner)
@@ -87,6 +87,7 @@ class LLM:
     mesh = property(lambda self: self.engine.mesh)
     attention_backend = property(lambda self: self.config.compilation.attention_backend)
     warmup_seconds = property(lambda self: self.engine.warmup_seconds)
+    eos_token_ids = property(lambda self: self.input_processor.eos_token_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False (nothing done) while requests hold blocks."""
@@ -101,33 +102,6 @@ class LLM:
 
     # ---- validation -------------------------------------------------------------------
 
-    def _tokenize(
-        self, prompt: Prompt, *, add_special_tokens: bool = True
-    ) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            text = prompt
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-            if not isinstance(ids, list | tuple) or not all(
-                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
-            ):
-                raise ValueError("prompt_token_ids must be a list of integers")
-            ids = [int(t) for t in ids]
-        else:
-            raise ValueError(
-                "prompt must be a string or a dict with 'prompt_token_ids', got "
-                f"{type(prompt).__name__}"
-            )
-        check_prompt_ids(
-            ids, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len
-        )
-        return text, ids
-
     def _normalize(self, prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -139,14 +113,13 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
+                raise InputError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one "
-                    f"SamplingParams or one per prompt"
+                    f"SamplingParams or one per prompt",
+                    "sampling_params",
                 )
         for p in params:
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            check_sampling_params(p, vocab_size=self.model_config.vocab_size)
+            self.input_processor.check_params(p)
         return prompts, params
 
     # ---- generation -------------------------------------------------------------------
@@ -162,19 +135,21 @@ class LLM:
         """`priority`: one int per prompt, lower first; needs scheduling_policy="priority"."""
         prompts, params = self._normalize(prompts, sampling_params)
         priorities = self._priorities(priority, len(prompts))
-        tokenized = [self._tokenize(p) for p in prompts]
+        tokenized = [self.input_processor.tokenize(p) for p in prompts]
         return self._run(tokenized, params, use_tqdm=use_tqdm, priorities=priorities)
 
     def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int] | None:
         if priority is None:
             return None  # everyone at the default priority (see _run)
         if self.scheduler_config.scheduling_policy != "priority":
-            raise ValueError('priority: requires LLM(..., scheduling_policy="priority")')
+            raise InputError(
+                'priority: requires LLM(..., scheduling_policy="priority")', "priority"
+            )
         priority = list(priority)
         if len(priority) != n or not all(
             isinstance(p, int) and not isinstance(p, bool) for p in priority
         ):
-            raise ValueError(f"priority must be {n} integers, one per prompt")
+            raise InputError(f"priority must be {n} integers, one per prompt", "priority")
         return priority
 
     def chat(
@@ -189,14 +164,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them (OpenAI-style messages)."""
         if self.tokenizer is None:
-            raise ValueError("messages: this model has no tokenizer or chat template")
+            raise InputError("messages: this model has no tokenizer or chat template", "messages")
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
+            raise InputError("messages must be a non-empty list", "messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
         texts = []
         for conv in conversations:
             if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
-                raise ValueError("messages: each message must be a dict with a 'role'")
+                raise InputError("messages: each message must be a dict with a 'role'", "messages")
             texts.append(
                 self.tokenizer.apply_chat_template(
                     conv,
@@ -208,7 +183,7 @@ class LLM:
             )
         prompts, params = self._normalize(texts, sampling_params)
         # The template already holds any BOS token, so none is added when tokenizing.
-        tokenized = [self._tokenize(p, add_special_tokens=False) for p in prompts]
+        tokenized = [self.input_processor.tokenize(p, add_special_tokens=False) for p in prompts]
         return self._run(tokenized, params, use_tqdm=use_tqdm)
 
     def _run(
@@ -219,43 +194,35 @@ class LLM:
         use_tqdm: bool,
         priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
-        processor = OutputProcessor(self.tokenizer)
+        output_processor = OutputProcessor(self.tokenizer)
         groups: list[tuple[str, str | None, list[int], list[str]]] = []
-        children: dict[str, int] = {}  # sub-request id -> index into groups
+        children: dict[str, int] = {}  # engine request id -> index into groups
         requests = []
         priorities = priorities or [0] * len(params)
         for (text, ids), sp, prio in zip(tokenized, params, priorities, strict=True):
-            rid = str(next(self._ids))
-            max_tokens = resolve_max_tokens(sp, len(ids), self.max_model_len)
-            sub_ids = []
-            for sub, i, parent in fan_out(rid, sp.n):
-                requests.append(
-                    Request(
-                        sub,
-                        ids,
-                        sp,
-                        eos_token_ids=self.eos_token_ids,
-                        max_tokens=max_tokens,
-                        seed=derive_seed(sp.seed, i, self._rng),
-                        priority=prio,
-                        prefix_parent=parent,
-                    )
-                )
-                processor.add_request(sub, i, ids, sp)
-                children[sub] = len(groups)
-                sub_ids.append(sub)
-            groups.append((rid, text, ids, sub_ids))
+            rid = self.input_processor.next_request_id()
+            subs = self.input_processor.fan_out(rid, ids, sp, priority=prio)
+            for i, request in subs:
+                output_processor.add_request(request.request_id, i, ids, sp)
+                children[request.request_id] = len(groups)
+                requests.append(request)
+            groups.append((rid, text, ids, [r.request_id for _, r in subs]))
 
         pending = {r.request_id for r in requests}
         remaining = [len(g[3]) for g in groups]
         bar = tqdm(total=len(groups), desc="Generating", disable=not use_tqdm, unit="prompt")
         try:
             for r in requests:
-                self.engine.add_request(r)
+                self.loop.handle(r)
             while pending:
-                finished, to_abort = processor.process(self.engine.step())
-                if to_abort:
-                    self.engine.abort_requests(to_abort)
+                out = self.loop.step()
+                if self.loop.step_error is not None:
+                    # The loop failed the step's requests, as the server's core does; a
+                    # batch call has no one to hand the rest to, so it ends with the error.
+                    raise self.loop.step_error
+                finished, to_abort = output_processor.process(out.updates)
+                if to_abort:  # stop strings: the core must stop generating them
+                    self.loop.handle(Abort(to_abort))
                 for rid in finished:
                     pending.discard(rid)
                     remaining[children[rid]] -= 1
@@ -268,18 +235,15 @@ class LLM:
         finally:
             bar.close()
             # On any error, leave the engine clean for the next call.
-            if pending:
-                self.engine.abort_requests(sorted(pending))
-            self.engine.drain()  # a step launched past the last stop: nothing of ours left
-            self.engine.forget_lost_cache()
+            self.loop.settle(abort=sorted(pending))
         return [
             RequestOutput(
                 request_id=rid,
                 prompt=text,
                 prompt_token_ids=ids,
-                outputs=[processor.output(s) for s in sub_ids],
+                outputs=[output_processor.output(s) for s in sub_ids],
                 finished=True,
-                prompt_logprobs=processor.prompt_logprobs(sub_ids[0]),
+                prompt_logprobs=output_processor.prompt_logprobs(sub_ids[0]),
             )
             for rid, text, ids, sub_ids in groups
         ]

@@ -58,7 +58,7 @@ from starlette.requests import ClientDisconnect
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
 from jaxllm.engine.core_client import EngineDeadError
-from jaxllm.engine.request import fan_out
+from jaxllm.engine.input_processor import InputError
 from server import protocol, tool_parsers
 from server.config import ServerConfig
 from server.metrics import Metrics
@@ -228,6 +228,10 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     async def _api_error(_: Request, exc: APIError):
         return _error_response(exc)
 
+    @app.exception_handler(InputError)
+    async def _input_error(_: Request, exc: InputError):
+        return _error_response(APIError.bad_request(str(exc), exc.param))
+
     @app.exception_handler(ClientDisconnect)
     async def _client_left(request: Request, _: ClientDisconnect):
         # The client closed its connection before its body arrived whole: no one to answer,
@@ -329,7 +333,7 @@ async def detokenize(request: Request):
     req = await state.parse(request, protocol.DetokenizeRequest)
     eng = state.ready_engine()
     state.check_model(req.model)
-    protocol.check_token_ids(req.tokens, eng.vocab_size, param="tokens")
+    eng.input_processor.check_token_ids(req.tokens, "tokens")
     text = await state.tokenizing(eng.tokenizer.decode, req.tokens)
     return _json(protocol.DetokenizeResponse(prompt=text))
 
@@ -444,40 +448,24 @@ def _sse(body: BaseModel) -> str:
 
 
 def sampling_params(eng: AsyncLLM, req, ids: list[int], param: str):
-    room = protocol.check_prompt_length(len(ids), eng.max_model_len, param=param)
-    return req.to_sampling_params(
-        default_max_tokens=room,
-        generation_defaults=eng.generation_config,
-        vocab_size=eng.vocab_size,
+    """The prompt's and the request's checks (the engine's input path: `InputError`s are
+    400s naming the parameter), and the request's `SamplingParams`."""
+    room = eng.input_processor.check_prompt(ids, param)
+    params = req.to_sampling_params(
+        default_max_tokens=room, generation_defaults=eng.generation_config
     )
-
-
-def check_text_fits(eng: AsyncLLM, text: str, param: str) -> None:
-    """Refuses a prompt that cannot fit before tokenizing it (megabytes of text take the
-    tokenizer seconds, and its output conversion holds the GIL, and so the event loop, for
-    seconds more): no token covers more than `max_token_chars` characters, so a text longer
-    than max_model_len of them has more tokens than fit. Twice that, since a normalizer may
-    shorten text."""
-    limit = 2 * eng.max_model_len * eng.max_token_chars
-    if limit and len(text) > limit:
-        raise APIError.bad_request(
-            f"{param} is {len(text)} characters long, more than max_model_len "
-            f"({eng.max_model_len}) tokens of this model can hold",
-            param,
-        )
+    eng.input_processor.check_params(params)
+    return params
 
 
 def completion_prompts(eng: AsyncLLM, req) -> list[tuple[list[int], str | None]]:
+    """(ids, text) of each prompt; texts that cannot fit are refused before tokenizing."""
     out = []
     for p in req.prompts():
         if isinstance(p, str):
-            check_text_fits(eng, p, "prompt")
-            ids = eng.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
-            if not ids:
-                raise APIError.bad_request("prompt has no tokens", "prompt")
-            out.append((ids, p))
+            eng.input_processor.check_text_fits(p, "prompt")
+            out.append((eng.tokenizer.encode(p, add_special_tokens=req.add_special_tokens), p))
         else:
-            protocol.check_token_ids(p, eng.vocab_size, param="prompt")
             out.append((list(p), None))
     return out
 
@@ -494,7 +482,7 @@ def render_chat(
             "the chat template rejected these messages", "messages"
         ) from None
     if check_fits:  # /tokenize counts any conversation's tokens
-        check_text_fits(eng, text, "messages")
+        eng.input_processor.check_text_fits(text, "messages")
     # The template already holds any BOS token, unless the caller asks for one.
     return eng.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -539,6 +527,8 @@ class _EventStream(StreamingResponse):
 def _error_event(exc: BaseException) -> str:
     if isinstance(exc, APIError):
         err = exc
+    elif isinstance(exc, InputError):
+        err = APIError.bad_request(str(exc), exc.param)
     elif isinstance(exc, EngineDeadError | RequestFailedError):
         err = APIError.internal("the engine failed this request")
     else:
@@ -560,29 +550,28 @@ class _Generation:
         self.prompt_logprobs: dict[int, list] = {}  # choice -> the engine's prompt_logprobs
         # The response model's own id form ("cmpl-...", "chatcmpl-..."), one for all chunks.
         self.id = self.response_cls.model_fields["id"].get_default(call_default_factory=True)
+        # The engine requests, in choice order: the n completions of each prompt.
+        self.requests = [
+            request
+            for p, (ids, params, _) in enumerate(jobs)
+            for request in eng.input_processor.fan_out(f"{self.id}-{p}", ids, params)
+        ]
         self.created = int(time.time())
         self.arrival = time.monotonic()
 
     @property
     def num_requests(self) -> int:
         """Engine requests: n per prompt."""
-        return sum(params.n for _, params, _ in self.jobs)
+        return len(self.requests)
 
     async def _events(self) -> AsyncIterator[tuple[int, Any]]:
         # Bounded: while the client does not read, the choices' tasks wait here, and the
         # engine's outputs pile up as one snapshot per request (AsyncLLM), not one per token.
         queue: asyncio.Queue = asyncio.Queue(maxsize=2 * self.num_requests)
 
-        async def run(choice: int, rid: str, ids: list[int], params, index: int, parent):
+        async def run(choice: int, index: int, request):
             try:
-                async for ro in self.eng.generate(
-                    ids,
-                    params,
-                    request_id=rid,
-                    index=index,
-                    prefix_parent=parent,
-                    arrival_time=self.arrival,
-                ):
+                async for ro in self.eng.generate(request, index=index, arrival_time=self.arrival):
                     if ro.prompt_logprobs is not None:
                         self.prompt_logprobs[choice] = ro.prompt_logprobs
                     await queue.put((choice, ro.outputs[0]))
@@ -591,12 +580,10 @@ class _Generation:
             except Exception as e:
                 await queue.put((choice, e))
 
-        tasks = []
-        choice = 0
-        for p, (ids, params, _) in enumerate(self.jobs):
-            for rid, i, parent in fan_out(f"{self.id}-{p}", params.n):
-                tasks.append(asyncio.create_task(run(choice, rid, ids, params, i, parent)))
-                choice += 1
+        tasks = [
+            asyncio.create_task(run(choice, index, request))
+            for choice, (index, request) in enumerate(self.requests)
+        ]
         try:
             done = 0
             while done < len(tasks):

@@ -9,11 +9,12 @@ rest):
                        | DetokenizeRequest, body)              every check of one field, or
                                                                of fields among themselves
       -> [server] model name (APIError.model_not_found), chat template
-         (req.conversation(), req.template_kwargs()), tokenization
-         (req.prompts(), check_token_ids, check_prompt_length)
+         (req.conversation(), req.template_kwargs()), tokenization (req.prompts()), and the
+         engine's input checks (InputProcessor: prompt length and ids, the room left)
       -> req.to_sampling_params(default_max_tokens=max_model_len - prompt_len,
-                                generation_defaults=...)       checks that need the prompt
-                                                               length or the vocabulary
+                                generation_defaults=...)       checks that need the room the
+                                                               prompt leaves
+      -> the engine's input checks of the SamplingParams (ids against the vocabulary)
       -> (request_id, prompt_token_ids, SamplingParams) to the engine
       -> CompletionResponse / ChatCompletionResponse, or their *StreamResponse chunks,
          with completion_logprobs / chat_logprobs formatting jaxllm's logprobs.
@@ -296,31 +297,6 @@ def parse_request(model: type[_M], body: Any) -> _M:
         return model.model_validate(body)
     except pydantic.ValidationError as exc:
         raise from_validation_error(exc) from None
-
-
-def check_token_ids(token_ids: Sequence[int], vocab_size: int, *, param: str) -> None:
-    """400 unless every id is a token of the vocabulary (for prompts given as ids, detokenize
-    requests): an id out of range must never reach the embedding lookup."""
-    for t in token_ids:
-        if not 0 <= t < vocab_size:
-            raise APIError.bad_request(
-                f"{param}: token id {_short(t)} is out of range for a vocabulary of "
-                f"{vocab_size} tokens",
-                param,
-            )
-
-
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int, *, param: str) -> int:
-    """The room the prompt leaves in the context (the `default_max_tokens` of
-    to_sampling_params); 400 naming `param` ("prompt" or "messages") when there is none."""
-    if num_prompt_tokens >= max_model_len:
-        raise APIError.bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
-            f"has {num_prompt_tokens} tokens; it must leave room for at least one generated "
-            "token.",
-            param,
-        )
-    return max_model_len - num_prompt_tokens
 
 
 # ------------------------------------------------------------------------- field types
@@ -730,15 +706,14 @@ class _SamplingRequest(_Model):
         *,
         default_max_tokens: int,
         generation_defaults: dict[str, Any],
-        vocab_size: int | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams for this request.
 
         default_max_tokens: the room the prompt leaves, max_model_len - prompt_len
-            (check_prompt_length). generation_defaults: the model's defaults for fields the
-            request left unset (keys: GENERATION_DEFAULT_KEYS; others are ignored).
-            vocab_size: when given, logit_bias keys and stop_token_ids must be tokens of the
-            vocabulary."""
+            (`InputProcessor.check_prompt`). generation_defaults: the model's defaults for
+            fields the request left unset (keys: GENERATION_DEFAULT_KEYS; others are
+            ignored). Token ids are checked against the vocabulary by the engine's
+            `InputProcessor.check_params`, not here."""
         if default_max_tokens < 1:
             raise APIError.bad_request(
                 "The prompt fills the model's context; no room is left to generate.",
@@ -761,10 +736,6 @@ class _SamplingRequest(_Model):
         logit_bias = None
         if self.logit_bias:
             logit_bias = {int(k): b for k, b in self.logit_bias.items()}
-            if vocab_size is not None:
-                check_token_ids(list(logit_bias), vocab_size, param="logit_bias")
-        if vocab_size is not None and self.stop_token_ids:
-            check_token_ids(self.stop_token_ids, vocab_size, param="stop_token_ids")
         kwargs.update(
             n=self.n,
             presence_penalty=self.presence_penalty or 0.0,

@@ -120,7 +120,7 @@ def test_a_failure_in_output_processing_fails_every_request(tiny_model_dir, prom
             def broken(updates):
                 raise RuntimeError("a bug")
 
-            eng.processor.process = broken
+            eng.output_processor.process = broken
 
             async def one(ids):
                 return [o async for o in eng.generate(ids, params)]

@@ -17,7 +17,7 @@ import pytest
 from test_server_protocol import chat, completion
 
 from jaxllm.config import CacheConfig
-from jaxllm.engine.request import longest_token_chars
+from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.step_data import Stats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.structured_outputs import StructuredOutputsParams
@@ -431,7 +431,7 @@ def test_tools_and_history_render_through_a_chat_template(tokenizer):
     tok.chat_template = TOOLS_TEMPLATE
     req = parse_request(ChatCompletionRequest, chat(messages=HISTORY, tools=TOOLS))
     text = tok.decode(
-        render_chat(SimpleNamespace(tokenizer=tok, max_model_len=4096, max_token_chars=64), req)
+        render_chat(SimpleNamespace(tokenizer=tok, input_processor=_inputs(tok)), req)
     )
     assert text == (
         'TOOLS: weather {"type": "object", "properties": {"city": {"type": "string"}, '
@@ -448,6 +448,12 @@ def test_tools_and_history_render_through_a_chat_template(tokenizer):
 # ------------------------------------------------------------------ the app, with a fake engine
 
 
+def _inputs(tokenizer) -> InputProcessor:
+    return InputProcessor(
+        tokenizer, eos_token_ids=(), vocab_size=len(tokenizer), max_model_len=4096
+    )
+
+
 class FakeEngine:
     """What the app uses of AsyncLLM; each choice's output is `texts[index]`, three
     characters per snapshot, the last with `finish_reason`."""
@@ -456,8 +462,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.texts, self.finish_reason = texts, finish_reason
         self.max_model_len = 4096
-        self.max_token_chars = longest_token_chars(tokenizer)
-        self.vocab_size = len(tokenizer)
+        self.input_processor = _inputs(tokenizer)
         self.generation_config: dict = {}
         self.dead = False
         self.on_step = None
@@ -466,9 +471,12 @@ class FakeEngine:
         self.stats = Stats()
         self.params: list = []  # the SamplingParams of each request
 
-    async def generate(
-        self, ids, params, *, request_id, index=0, prefix_parent=None, arrival_time=None
-    ):
+    async def generate(self, request, *, index=0, arrival_time=None):
+        request_id, ids, params = (
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+        )
         self.params.append(params)
         text = self.texts[index]
         ends = [*range(3, len(text), 3), len(text)]

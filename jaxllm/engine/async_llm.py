@@ -1,8 +1,9 @@
 """`AsyncLLM`: the server's front end to the engine core process.
 
-It owns the tokenizer, validates and tokenizes prompts, sends requests to the core, and turns
-the core's token updates into `RequestOutput` snapshots per request (incremental
-detokenization and stop strings through the same `OutputProcessor` the offline `LLM` uses).
+It owns the tokenizer, turns prompts into the core's requests through the same
+`InputProcessor` the offline `LLM` uses (checks, max_tokens, seeds, EOS ids), sends them to
+the core, and turns the core's token updates into `RequestOutput` snapshots per request
+(incremental detokenization and stop strings through the same `OutputProcessor`).
 Each request has a `_Stream` its handler reads with `generate`: a flag that new output is
 there, not a queue of outputs, so a handler that falls behind (a client that stops reading)
 costs one snapshot, built when it reads, however many tokens came meanwhile. A handler that
@@ -15,27 +16,17 @@ in-flight request at once if the core process dies.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import numpy as np
-
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
+from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
 from jaxllm.engine.messages import AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import (
-    check_prompt_ids,
-    check_sampling_params,
-    derive_seed,
-    longest_token_chars,
-    resolve_eos_token_ids,
-    resolve_max_tokens,
-)
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.loaders import load_tokenizer
 from jaxllm.outputs import RequestOutput
@@ -78,20 +69,19 @@ class AsyncLLM:
         # The model's sampling defaults (the server may replace them: --generation-config);
         # the EOS ids come from the model's own, whatever the server does with them.
         self.generation_config = generation_config
-        self.eos_token_ids = resolve_eos_token_ids(
-            ready.eos_token_ids, generation_config, tokenizer
-        )
         self.max_model_len = ready.max_model_len
-        self.vocab_size = ready.vocab_size
-        # A text longer than max_model_len tokens of this many characters cannot fit: the
-        # server refuses it before tokenizing it (see `server.api.check_text_fits`).
-        self.max_token_chars = longest_token_chars(tokenizer)
+        self.input_processor = InputProcessor.create(
+            tokenizer,
+            generation_config,
+            model_eos_token_ids=ready.eos_token_ids,
+            vocab_size=ready.vocab_size,
+            max_model_len=ready.max_model_len,
+            seed=config.load.seed,
+        )
+        self.output_processor = OutputProcessor(tokenizer)
         self.stats: Stats = ready.stats
-        self.processor = OutputProcessor(tokenizer)
         self._streams: dict[str, _Stream] = {}
         self._prompts: dict[str, list[int]] = {}
-        self._ids = itertools.count()
-        self._rng = np.random.default_rng(config.load.seed)
         self.dead = False
         # Optional callback(IterationStats) after each step's outputs and each abort, for
         # metrics; the requests' timelines it is made of, and their prompts' completions.
@@ -137,8 +127,8 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        prompt: list[int] | AddRequest,
+        params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         index: int = 0,
@@ -149,45 +139,45 @@ class AsyncLLM:
         """Yields a `RequestOutput` when new tokens came: its one completion is a snapshot of
         everything so far (tokens that came while the caller was not reading arrive together;
         the last snapshot has a finish_reason), its prompt_logprobs complete from the first
-        on, when asked for. Leaving the loop early aborts the request in the core. `index` is
-        the completion's place among the n of one prompt (it picks the seed); the siblings
-        pass the first one's id as `prefix_parent` to share its cached prompt."""
+        on, when asked for. Leaving the loop early aborts the request in the core.
+
+        `prompt`: token ids with their `params` (checked and resolved here by the input
+        processor, which raises `InputError` naming the parameter), or a request the input
+        processor made already (the server's path: `input_processor.fan_out`). `index` is the
+        completion's place among the n of one prompt (it picks the seed); the siblings pass
+        the first one's id as `prefix_parent` to share its cached prompt."""
         if self.dead:
             raise EngineDeadError("engine core is not running")
-        # The server checked already (answering 400s); this guards library callers.
-        check_prompt_ids(
-            prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
-        )
-        check_sampling_params(params, vocab_size=self.vocab_size)
+        if isinstance(prompt, AddRequest):
+            request = prompt
+        else:
+            params = SamplingParams() if params is None else params
+            self.input_processor.check_prompt(prompt)
+            self.input_processor.check_params(params)
+            request = self.input_processor.request(
+                request_id or f"req-{self.input_processor.next_request_id()}",
+                prompt,
+                params,
+                index=index,
+                priority=priority,
+                prefix_parent=prefix_parent,
+            )
+        request_id, params = request.request_id, request.sampling_params
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request_id = request_id or f"req-{next(self._ids)}"
         stream = self._streams[request_id] = _Stream()
-        self._prompts[request_id] = prompt_token_ids
+        self._prompts[request_id] = request.prompt_token_ids
         self._times[request_id] = RequestTimes(
             arrival=time.monotonic() if arrival_time is None else arrival_time,
-            num_prompt_tokens=len(prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
             max_tokens_param=params.max_tokens,
             n=params.n,
-            group=prefix_parent or request_id,
+            group=request.prefix_parent or request_id,
         )
-        self.processor.add_request(request_id, index, prompt_token_ids, params)
+        self.output_processor.add_request(request_id, index, request.prompt_token_ids, params)
         finished = False
         try:
-            self.client.add_request(
-                AddRequest(
-                    request_id,
-                    list(prompt_token_ids),
-                    params,
-                    max_tokens=resolve_max_tokens(
-                        params, len(prompt_token_ids), self.max_model_len
-                    ),
-                    seed=derive_seed(params.seed, index, self._rng),
-                    eos_token_ids=list(self.eos_token_ids),
-                    priority=priority,
-                    prefix_parent=prefix_parent,
-                )
-            )
+            self.client.add_request(request)
             while True:
                 await stream.ready.wait()
                 stream.ready.clear()
@@ -202,7 +192,7 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             self._prompts.pop(request_id, None)
-            self.processor.remove(request_id)
+            self.output_processor.remove(request_id)
             if not finished and not self.dead:
                 self.client.abort([request_id])
             # Still timed: it ended without its last output (left early, or the engine died).
@@ -244,7 +234,7 @@ class AsyncLLM:
                 times.queued_seconds, times.scheduled = queued_seconds, at
         failed = [u.request_id for u in out.updates if u.finish_reason == FinishReason.ERROR]
         updates = [u for u in out.updates if u.finish_reason != FinishReason.ERROR]
-        finished, to_abort = self.processor.process(updates)
+        finished, to_abort = self.output_processor.process(updates)
         if to_abort:  # stop strings: the core must stop generating them
             self.client.abort(to_abort)
         for u in updates:
@@ -255,7 +245,7 @@ class AsyncLLM:
                 stream.ready.set()
         for rid in finished:
             if (times := self._times.pop(rid, None)) is not None:
-                self._finish(times, self.processor.states[rid].finish_reason, stats)
+                self._finish(times, self.output_processor.states[rid].finish_reason, stats)
         for rid in failed:
             if (times := self._times.pop(rid, None)) is not None:
                 self._finish(times, FinishReason.ERROR, stats)
@@ -279,14 +269,14 @@ class AsyncLLM:
             stream.fail(error)
 
     def _snapshot(self, request_id: str) -> RequestOutput:
-        out = self.processor.output(request_id)
+        out = self.output_processor.output(request_id)
         return RequestOutput(
             request_id=request_id,
             prompt=None,
             prompt_token_ids=self._prompts[request_id],
             outputs=[out],
             finished=out.finish_reason is not None,
-            prompt_logprobs=self.processor.prompt_logprobs(request_id),
+            prompt_logprobs=self.output_processor.prompt_logprobs(request_id),
         )
 
     async def _watchdog(self) -> None:

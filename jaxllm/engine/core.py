@@ -25,7 +25,8 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxllm.config import EngineConfig, ModelConfig
-from jaxllm.engine.request import Request, check_prompt_ids, check_sampling_params
+from jaxllm.engine.input_processor import InputProcessor
+from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
 from jaxllm.worker import SchedulerOutput
@@ -71,6 +72,9 @@ class EngineCore:
         self.mesh = None
         self.warmup_seconds: float | None = None
         self.is_worker = False  # a multi-host host other than 0: runs `multihost.run_worker`
+        # The front end's checks, which the core applies again to what it is handed (a
+        # library caller of the core, or a front end with a bug, must not fail a step).
+        self.checks: InputProcessor | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -184,6 +188,9 @@ class EngineCore:
         core.model_config = loaded.config
         core.generation_config = loaded.generation_config
         core.mesh = mesh
+        core.checks = InputProcessor(
+            None, eos_token_ids=(), vocab_size=loaded.config.vocab_size, max_model_len=max_model_len
+        )
         logger.info(
             "buckets: tokens %s x requests %s; programs: %d forward shapes %s + %d output "
             "heads + %d prompt scorers = %d",
@@ -215,12 +222,9 @@ class EngineCore:
         """Queues a request; a ValueError (naming the parameter) if it cannot run here, before
         anything of it reaches a batch: one request's bad value must not fail a step that
         carries others."""
-        if self.model_config is not None:
-            vocab = self.model_config.vocab_size
-            check_prompt_ids(
-                request.prompt_token_ids, vocab_size=vocab, max_model_len=self.max_model_len
-            )
-            check_sampling_params(request.sampling_params, vocab_size=vocab)
+        if self.checks is not None:
+            self.checks.check_prompt(request.prompt_token_ids)
+            self.checks.check_params(request.sampling_params)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -346,7 +350,7 @@ _GRAMMAR_POLL_S = 0.05
 
 def _structured_outputs(model: str, model_config: ModelConfig):
     """The engine's grammar support; the tokenizer loads when a constrained request comes."""
-    from jaxllm.engine.request import resolve_eos_token_ids
+    from jaxllm.engine.input_processor import resolve_eos_token_ids
     from jaxllm.loaders import load_tokenizer
     from jaxllm.structured_outputs import StructuredOutputManager
 

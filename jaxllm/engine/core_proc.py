@@ -1,15 +1,12 @@
-"""The engine core in its own process, driven over ZMQ by `EngineCoreClient`.
+"""The engine core in its own process, driven over ZMQ by `EngineCoreClient`, and the
+`CoreLoop` every driver of the core runs (this process and the offline `LLM`).
 
 The process owns the accelerator: it builds the engine (`EngineCore.from_config`: loading
 weights, compiling every bucket; on host 0 of a multi-host run, joining the other hosts), says
-`Ready`, then loops: take every message waiting on the input socket, run one
-engine step if any request is unfinished, send that step's updates with the engine's stats.
-When idle it blocks on the input socket (with a timeout, to notice a dead parent).
-
-A step that raises fails the running requests, the ones the step held (finish reason "error";
-the message is logged here, never sent to clients), and the engine goes on serving the
-waiting ones. The process exits
-on `Shutdown`, or when its parent is gone.
+`Ready`, then loops: hand every message waiting on the input socket to the `CoreLoop`, run one
+step if any request is unfinished, send that step's `StepOutputs` (updates and the engine's
+stats). When idle it blocks on the input socket (with a timeout, to notice a dead parent).
+It exits on `Shutdown`, or when its parent is gone.
 """
 
 from __future__ import annotations
@@ -82,59 +79,23 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                 )
             )
         )
+        loop = CoreLoop(engine)
         while True:
-            busy = engine.has_unfinished_requests()
-            timeout = 0 if busy else _IDLE_POLL_MS
+            timeout = 0 if engine.has_unfinished_requests() else _IDLE_POLL_MS
             received = False
-            refused: list[RequestUpdate] = []
             while inputs.poll(timeout):
                 received = True
                 message = input_decoder.decode(inputs.recv())
-                if isinstance(message, AddRequest):
-                    try:
-                        engine.add_request(
-                            Request(
-                                message.request_id,
-                                message.prompt_token_ids,
-                                message.sampling_params,
-                                eos_token_ids=tuple(message.eos_token_ids),
-                                max_tokens=message.max_tokens,
-                                seed=message.seed,
-                                priority=message.priority,
-                                prefix_parent=message.prefix_parent,
-                            )
-                        )
-                    except Exception as e:  # fails this request only
-                        logger.warning("request %s refused: %s", message.request_id, e)
-                        refused.append(
-                            RequestUpdate(message.request_id, [], finish_reason=FinishReason.ERROR)
-                        )
-                elif isinstance(message, Abort):
-                    engine.abort_requests(message.request_ids)
-                elif isinstance(message, Shutdown):
+                if isinstance(message, Shutdown):
                     return
+                loop.handle(message)
                 timeout = 0
             if os.getppid() != parent:
                 logger.warning("front end is gone; exiting")
                 return
-            if not engine.has_unfinished_requests():
-                if received:  # e.g. the last requests were aborted: publish the idle stats
-                    outputs.send(encoder.encode(StepOutputs(refused, engine.stats())))
-                continue
-            try:
-                updates = engine.step()
-                step = engine.last_step
-            except Exception:
-                logger.error("engine step failed:\n%s", traceback.format_exc())
-                scheduler = engine.scheduler
-                failed = [r.request_id for r in scheduler.running]  # the step's requests
-                engine.abort_requests(failed)
-                engine.forget_lost_cache()
-                updates = [
-                    RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in failed
-                ]
-                step = StepEvents()
-            outputs.send(encoder.encode(StepOutputs(refused + updates, engine.stats(), step)))
+            # Idle after messages (e.g. the last requests were aborted): the idle stats.
+            if received or engine.has_unfinished_requests():
+                outputs.send(encoder.encode(loop.step()))
     finally:
         if engine is not None:
             try:
@@ -144,3 +105,72 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         inputs.close(linger=0)
         outputs.close(linger=1000)
         ctx.term()
+
+
+class CoreLoop:
+    """How the engine core is driven, whoever drives it: the core process runs it behind its
+    sockets, `LLM` in its own thread (vLLM's in-process client). One way to take a request,
+    one way to fail a step.
+
+    `handle` queues a request or an abort. A request the core refuses (a bad value a front
+    end let through) fails alone, reported by the next `step`. `step` runs one engine step
+    if any request is unfinished and returns its `StepOutputs`; a step that raises fails
+    the requests it held (finish reason "error"; the traceback is logged, never sent to
+    clients), leaves the engine serving the waiting ones, and keeps the exception in
+    `step_error` until the next step."""
+
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+        self.step_error: BaseException | None = None
+        self._refused: list[RequestUpdate] = []
+
+    def handle(self, message: AddRequest | Abort) -> None:
+        if isinstance(message, Abort):
+            self.engine.abort_requests(message.request_ids)
+            return
+        try:
+            self.engine.add_request(
+                Request(
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.sampling_params,
+                    eos_token_ids=tuple(message.eos_token_ids),
+                    max_tokens=message.max_tokens,
+                    seed=message.seed,
+                    priority=message.priority,
+                    prefix_parent=message.prefix_parent,
+                )
+            )
+        except Exception as e:  # fails this request only
+            logger.warning("request %s refused: %s", message.request_id, e)
+            self._refused.append(
+                RequestUpdate(message.request_id, [], finish_reason=FinishReason.ERROR)
+            )
+
+    def step(self) -> StepOutputs:
+        engine = self.engine
+        updates, self._refused = self._refused, []
+        self.step_error = None
+        step = StepEvents()
+        if engine.has_unfinished_requests():
+            try:
+                updates += engine.step()
+                step = engine.last_step
+            except Exception as e:
+                logger.error("engine step failed:\n%s", traceback.format_exc())
+                self.step_error = e
+                failed = [r.request_id for r in engine.scheduler.running]  # the step's
+                engine.abort_requests(failed)
+                engine.forget_lost_cache()
+                updates += [
+                    RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in failed
+                ]
+        return StepOutputs(updates, engine.stats(), step)
+
+    def settle(self, abort: list[str]) -> None:
+        """Leaves the engine idle for its next user: aborts `abort` (requests nobody waits
+        for any more), collects a step launched past the last stop and drops its updates,
+        and forgets a prefix cache a failed step lost."""
+        self.engine.abort_requests(abort)
+        self.engine.drain()
+        self.engine.forget_lost_cache()

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.sampling_params import SamplingParams
@@ -130,79 +127,3 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}"
             f"/{self.num_tokens})"
         )
-
-
-def check_prompt_ids(ids: list[int], *, vocab_size: int, max_model_len: int) -> None:
-    """Raises ValueError, naming the parameter, unless the prompt can run: not empty, every
-    id in the vocabulary, room left for at least one new token."""
-    if not ids:
-        raise ValueError("prompt must not be empty (it has no tokens)")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(
-            f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})"
-        )
-    if len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt is {len(ids)} tokens long, but max_model_len is {max_model_len} "
-            f"(the prompt plus at least one new token must fit)"
-        )
-
-
-def check_sampling_params(params: SamplingParams, *, vocab_size: int) -> None:
-    """Raises ValueError, naming the parameter, for a token id outside the vocabulary (what
-    `SamplingParams` alone cannot know). Values past the vocabulary elsewhere mean "all":
-    a top_k larger than the vocabulary is off."""
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-        bad = next((t for t in ids or () if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-
-
-def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The request's output bound: its max_tokens, never past the end of the context."""
-    room = max_model_len - num_prompt_tokens
-    return room if params.max_tokens is None else min(params.max_tokens, room)
-
-
-def derive_seed(seed: int | None, index: int, rng: np.random.Generator) -> int:
-    """The sampling seed of completion `index` of a request: a fresh one from `rng` when the
-    request has none; else `seed` itself for the first completion and distinct, reproducible
-    seeds for the other n - 1."""
-    if seed is None:
-        return int(rng.integers(0, 2**63))
-    if index == 0:
-        return seed
-    return int(np.random.default_rng([seed % 2**64, index]).integers(0, 2**63))
-
-
-def fan_out(request_id: str, n: int) -> list[tuple[str, int, str | None]]:
-    """The engine requests of one prompt's n completions, as (id, index, prefix_parent).
-    Completion `index` samples with `derive_seed(seed, index, ...)`; all but the first start
-    from the first's cached prompt (`prefix_parent`), so the prompt is computed once."""
-    if n == 1:
-        return [(request_id, 0, None)]
-    ids = [f"{request_id}-{i}" for i in range(n)]
-    return [(sub, i, ids[0] if i else None) for i, sub in enumerate(ids)]
-
-
-def resolve_eos_token_ids(
-    model_eos: Sequence[int], generation_config: dict, tokenizer
-) -> tuple[int, ...]:
-    """The ids that end a request: the model config's, the generation config's and the
-    tokenizer's EOS, together."""
-    ids = set(model_eos)
-    gen_eos = generation_config.get("eos_token_id")
-    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
-
-
-def longest_token_chars(tokenizer) -> int:
-    """The most characters of text one token of `tokenizer` covers, bounded by its longest
-    vocabulary entry (a byte-level BPE entry of n characters stands for n bytes; a
-    SentencePiece one for as many characters, its "▁" a space); 0 without a tokenizer."""
-    if tokenizer is None:
-        return 0
-    return max((len(token) for token in tokenizer.get_vocab()), default=0)

@@ -1,0 +1,242 @@
+"""The front end's one input path: a prompt and its `SamplingParams` become the engine core's
+`AddRequest` messages here, for `LLM`, `AsyncLLM` and the server alike.
+
+    check (prompt text fits, prompt ids, parameters against the vocabulary)
+      -> resolve (max_tokens against the context, seeds, EOS ids)
+      -> fan out n completions (the first computes the prompt, the others share its blocks)
+
+Every check raises `InputError`, a ValueError naming the parameter, which the server answers
+as a 400 with that `param`. What `SamplingParams` checks alone (ranges, types) it checks when
+it is built; what needs the model (the vocabulary, the context length) is checked here, once.
+The engine core guards its own socket with the same checks (`CoreLoop.handle`): a request
+that passed here never fails there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxllm.engine.messages import AddRequest
+from jaxllm.sampling_params import SamplingParams
+
+
+class InputError(ValueError):
+    """A request the engine cannot run, with the parameter to blame (a 400 on the server)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        max_model_len: int,
+        seed: int | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # A text longer than max_model_len tokens of this many characters cannot fit: it is
+        # refused before tokenizing (`check_text_fits`).
+        self.max_token_chars = longest_token_chars(tokenizer)
+        self._rng = np.random.default_rng(seed)  # seeds of requests that bring none
+        self._ids = itertools.count()
+
+    @classmethod
+    def create(
+        cls,
+        tokenizer,
+        generation_config: dict,
+        *,
+        model_eos_token_ids: Sequence[int],
+        vocab_size: int,
+        max_model_len: int,
+        seed: int | None = None,
+    ) -> InputProcessor:
+        """The ids that end a request are the model config's, the generation config's and
+        the tokenizer's EOS, together."""
+        return cls(
+            tokenizer,
+            eos_token_ids=resolve_eos_token_ids(model_eos_token_ids, generation_config, tokenizer),
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            seed=seed,
+        )
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def check_text_fits(self, text: str, param: str = "prompt") -> None:
+        """Refuses a text that cannot fit before it is tokenized (megabytes of text take the
+        tokenizer seconds, holding the GIL): no token covers more than `max_token_chars`
+        characters, so a text longer than max_model_len of them has more tokens than fit.
+        Twice that, since a normalizer may shorten text."""
+        limit = 2 * self.max_model_len * self.max_token_chars
+        if limit and len(text) > limit:
+            raise InputError(
+                f"{param} is {len(text)} characters long, more than max_model_len "
+                f"({self.max_model_len}) tokens of this model can hold",
+                param,
+            )
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """Every id a token of the vocabulary: an id out of range must never reach the
+        embedding lookup or a host array of int32."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            shown = str(bad) if abs(bad) < 10**20 else f"{str(bad)[:20]}..."
+            raise InputError(
+                f"{param}: token id {shown} is outside the vocabulary [0, {self.vocab_size})",
+                param,
+            )
+
+    def check_prompt(self, ids: Sequence[int], param: str = "prompt") -> int:
+        """Raises unless the prompt can run (not empty, in the vocabulary, room for at least
+        one new token); returns the room it leaves in the context."""
+        if not ids:
+            raise InputError(f"{param} must not be empty (it has no tokens)", param)
+        self.check_token_ids(ids, param)
+        if len(ids) >= self.max_model_len:
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens "
+                f"(max_model_len), but the {param} has {len(ids)} tokens; it must leave room "
+                "for at least one generated token.",
+                param,
+            )
+        return self.max_model_len - len(ids)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What `SamplingParams` alone cannot know: its token ids must be in the vocabulary.
+        (Values past the vocabulary elsewhere mean "all": a top_k larger than it is off.)"""
+        if not isinstance(params, SamplingParams):
+            raise InputError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}",
+                "sampling_params",
+            )
+        self.check_token_ids(params.stop_token_ids or (), "stop_token_ids")
+        self.check_token_ids(params.logit_bias or (), "logit_bias")
+
+    def tokenize(self, prompt: str | dict[str, Any], *, add_special_tokens: bool = True):
+        """(text or None, checked token ids) of `LLM`'s prompt forms: a string, or a dict with
+        `prompt_token_ids` (and optionally the `prompt` text they came from)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("prompt must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InputError(
+                    "prompt: this model has no tokenizer; pass prompt_token_ids", "prompt"
+                )
+            self.check_text_fits(prompt)
+            ids, text = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            if not isinstance(ids, list | tuple) or not all(
+                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
+            ):
+                raise InputError("prompt_token_ids must be a list of integers", "prompt_token_ids")
+            ids = [int(t) for t in ids]
+            self.check_prompt(ids, "prompt_token_ids")
+            return text, ids
+        else:
+            raise InputError(
+                "prompt must be a string or a dict with 'prompt_token_ids', got "
+                f"{type(prompt).__name__}",
+                "prompt",
+            )
+        self.check_prompt(ids)
+        return text, ids
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        priority: int = 0,
+        prefix_parent: str | None = None,
+    ) -> AddRequest:
+        """Completion `index` of a checked prompt, resolved for the core: its output bound
+        (max_tokens, never past the context), its seed, the model's EOS ids."""
+        room = self.max_model_len - len(prompt_token_ids)
+        return AddRequest(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            max_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
+            seed=derive_seed(params.seed, index, self._rng),
+            eos_token_ids=list(self.eos_token_ids),
+            priority=priority,
+            prefix_parent=prefix_parent,
+        )
+
+    def fan_out(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs
+    ) -> list[tuple[int, AddRequest]]:
+        """The n completions of one checked prompt, as (index, request): one request of that
+        id when n is 1, else "{id}-{index}", each but the first starting from the first's
+        cached prompt (`prefix_parent`), so the prompt is computed once."""
+        if params.n == 1:
+            return [(0, self.request(request_id, prompt_token_ids, params, **kwargs))]
+        first = f"{request_id}-0"
+        return [
+            (
+                i,
+                self.request(
+                    f"{request_id}-{i}",
+                    prompt_token_ids,
+                    params,
+                    index=i,
+                    prefix_parent=first if i else None,
+                    **kwargs,
+                ),
+            )
+            for i in range(params.n)
+        ]
+
+
+def derive_seed(seed: int | None, index: int, rng: np.random.Generator) -> int:
+    """The sampling seed of completion `index` of a request: a fresh one from `rng` when the
+    request has none; else `seed` itself for the first completion and distinct, reproducible
+    seeds for the other n - 1."""
+    if seed is None:
+        return int(rng.integers(0, 2**63))
+    if index == 0:
+        return seed
+    return int(np.random.default_rng([seed % 2**64, index]).integers(0, 2**63))
+
+
+def resolve_eos_token_ids(
+    model_eos: Sequence[int], generation_config: dict, tokenizer
+) -> tuple[int, ...]:
+    """The ids that end a request: the model config's, the generation config's and the
+    tokenizer's EOS, together."""
+    ids = set(model_eos)
+    gen_eos = generation_config.get("eos_token_id")
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token of `tokenizer` covers, bounded by its longest
+    vocabulary entry (a byte-level BPE entry of n characters stands for n bytes; a
+    SentencePiece one for as many characters, its "▁" a space); 0 without a tokenizer."""
+    if tokenizer is None:
+        return 0
+    return max((len(token) for token in tokenizer.get_vocab()), default=0)
