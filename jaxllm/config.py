@@ -24,35 +24,7 @@ import types
 import typing
 from typing import Any
 
-# Hugging Face `architectures` entries we can run, with the features each family turns on
-# beyond the Llama decoder (ModelConfig fields; values read from the HF config win). Every one
-# runs on the same decoder class (`jaxllm.models`): a new family that the shared layers
-# already cover is one line here.
-_GEMMA = {
-    "tie_word_embeddings": True,  # transformers' default for Gemma configs that omit it
-    "norm_offset": 1.0,
-    "sandwich_norms": True,
-    "scale_embeddings": True,
-    "hidden_act": "gelu_pytorch_tanh",
-}
-ARCHITECTURES: dict[str, dict[str, Any] | str] = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"attention_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-    "Gemma2ForCausalLM": _GEMMA,
-    "Gemma3ForCausalLM": {
-        **_GEMMA,
-        "qk_norm": True,
-        "rope_theta": 1_000_000.0,  # transformers' defaults, for configs that omit them
-        "rope_local_theta": 10_000.0,
-    },
-    # Gemma 3 4B/12B/27B are published as image-text models: we serve their text part (its
-    # config is `text_config`, its weights `language_model.*`; the vision tower is skipped).
-    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-    "MixtralForCausalLM": {"moe_renormalize": True},
-    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe_renormalize": False},
-}
+from jaxllm.families import FAMILIES, FULL_ATTENTION, SLIDING_ATTENTION, family_of
 
 _DTYPES = {
     "float32": "float32",
@@ -115,13 +87,10 @@ class RopeScaling:
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
 
 
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only transformer: the Llama layout plus the switches other
-    families need (`ARCHITECTURES` says which each family turns on)."""
+    families need (each family's module in `jaxllm.families` says which it turns on)."""
 
     architecture: str
     """The Hugging Face architecture name, e.g. "LlamaForCausalLM"."""
@@ -258,16 +227,18 @@ class ModelConfig:
         if not isinstance(config, dict):
             config = config.to_dict()
         archs = config.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
+        known = [a for a in archs if a in FAMILIES]
+        if not known:
             raise ValueError(
                 f"unsupported architecture {archs or config.get('model_type')!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
+                f"supported: {', '.join(FAMILIES)}"
             )
-        if isinstance(ARCHITECTURES[arch], str):  # a multimodal model: its text decoder
-            arch = ARCHITECTURES[arch]
+        family = family_of(known[0])
+        if family.text_of is not None:  # an image-text model: its text decoder
+            family = family_of(family.text_of)
             config = {**config, **config.get("text_config", {})}
-        features = dict(ARCHITECTURES[arch])
+        arch = family.architecture
+        features = dict(family.features)
         num_heads = config["num_attention_heads"]
         num_layers = config["num_hidden_layers"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
@@ -294,16 +265,7 @@ class ModelConfig:
         layer_types = tuple(config.get("layer_types") or ())
         if not layer_types and sliding_window is not None:
             # Older configs name no layer types: derive them as transformers does.
-            if arch == "Gemma2ForCausalLM":  # even layers slide
-                slides = [i % 2 == 0 for i in range(num_layers)]
-            elif arch == "Gemma3ForCausalLM":  # all but every `sliding_window_pattern`-th
-                period = config.get("sliding_window_pattern") or 6
-                slides = [(i + 1) % period != 0 for i in range(num_layers)]
-            elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # from max_window_layers on
-                first = config.get("max_window_layers") or 0
-                slides = [i >= first for i in range(num_layers)]
-            else:  # Mistral, Mixtral, Qwen3-MoE: every layer
-                slides = [True] * num_layers
+            slides = family.sliding_layers(config, num_layers)
             layer_types = tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in slides)
 
         num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
@@ -312,17 +274,16 @@ class ModelConfig:
             step = config.get("decoder_sparse_step") or 1
             only = set(config.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
-            if arch == "Qwen3MoeForCausalLM" and "norm_topk_prob" in config:
-                features["moe_renormalize"] = bool(config["norm_topk_prob"])  # Mixtral: always
-        # HF's `attention_bias` puts biases on q, k, v and o; Qwen2 has q/k/v biases and none
-        # on o whatever its config says (transformers ignores the key there).
-        if arch != "Qwen2ForCausalLM" and config.get("attention_bias") is not None:
+        # HF's `attention_bias` puts biases on q, k, v and o.
+        if config.get("attention_bias") is not None:
             features["attention_bias"] = features["attention_out_bias"] = bool(
                 config["attention_bias"]
             )
         activation = config.get("hidden_activation") or config.get("hidden_act")
         if activation:
             features["hidden_act"] = activation
+        if family.read_config is not None:  # what the family reads its own way
+            features.update(family.read_config(config))
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         factors = config.get("rope_freq_factors")

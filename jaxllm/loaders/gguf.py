@@ -30,7 +30,6 @@ cached beside our other caches, keyed by the file's path, size and modification 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import shutil
@@ -42,117 +41,21 @@ import numpy as np
 
 from jaxllm import quantization
 from jaxllm.config import ModelConfig
+from jaxllm.families import GGUF_FAMILIES, GGUF_GLOBAL_NAMES
 from jaxllm.loaders.gguf_file import GGUFFile, TensorInfo
 
 logger = logging.getLogger(__name__)
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# blk.N.<GGUF suffix> -> model.layers.N.<HF suffix>
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_QK_NORM_NAMES = {
-    **_LAYER_NAMES,
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm *before* the MLP, which
-# Gemma calls pre_feedforward_layernorm (its post_attention_layernorm is after attention).
-_GEMMA3_NAMES = {
-    **_QK_NORM_NAMES,
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Arch:
-    """How llama.cpp's converter wrote one `general.architecture`."""
-
-    hf_architecture: str
-    model_type: str
-    layer_names: dict[str, str]
-    permuted_qk: bool = False
-    """Q/K rows were permuted for llama.cpp's interleaved RoPE (its `LlamaModel.permute`)."""
-    norm_shift: float = 0.0
-    """Norm weights were stored as w + norm_shift (Gemma: 1)."""
-
-
-_ARCHITECTURES = {
-    "llama": _Arch("LlamaForCausalLM", "llama", _LAYER_NAMES, permuted_qk=True),
-    "mistral": _Arch("MistralForCausalLM", "mistral", _LAYER_NAMES, permuted_qk=True),
-    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", _LAYER_NAMES),
-    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", _QK_NORM_NAMES),
-    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_NAMES, norm_shift=1.0),
-}
-
-# Gemma's chat template (google/gemma-3-*-it): <bos> first, the roles user and model, and a
-# system prompt folded into the first user turn (text parts only: image parts are dropped).
-_GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- if messages[0]['content'] is string -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
-    "{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = '' -%}"
-    "{%- set loop_messages = messages -%}"
-    "{%- endif -%}"
-    "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
-    "{%- if message['content'] is string -%}"
-    "{{ message['content'] | trim }}"
-    "{%- else -%}"
-    "{%- for item in message['content'] if item['type'] == 'text' -%}"
-    "{{ item['text'] | trim }}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<end_of_turn>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{ '<start_of_turn>model\n' }}"
-    "{%- endif -%}"
-)
-
-# general.architecture -> (the chat template used when the file has no
-# tokenizer.chat_template, the token that ends a turn in it). The end-of-turn token also ends
-# generation whether or not the file has a template, as llama.cpp's end-of-generation set does.
-_CHAT_FORMATS = {
-    "gemma3": (_GEMMA_CHAT_TEMPLATE, "<end_of_turn>"),
-}
 
 
 def gguf_hf_config(reader: GGUFFile) -> dict:
     """The GGUF metadata as a Hugging Face `config.json` dict (plus `rope_freq_factors` for
     llama.cpp's `rope_freqs` tensor)."""
     arch = reader.field("general.architecture")
-    if arch not in _ARCHITECTURES:
+    if arch not in GGUF_FAMILIES:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_FAMILIES)}"
         )
+    family = GGUF_FAMILIES[arch]
     tensors = {t.name: t for t in reader.tensors}
     if any(".ffn_gate_inp." in name for name in tensors):
         raise ValueError(
@@ -163,8 +66,8 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
     hidden = reader.field(f"{arch}.embedding_length")
     head_dim = reader.field(f"{arch}.attention.key_length", hidden // heads)
     config = {
-        "architectures": [_ARCHITECTURES[arch].hf_architecture],
-        "model_type": _ARCHITECTURES[arch].model_type,
+        "architectures": [family.architecture],
+        "model_type": family.gguf.model_type,
         "vocab_size": reader.field(f"{arch}.vocab_size")
         or len(reader.field("tokenizer.ggml.tokens") or []),
         "hidden_size": hidden,
@@ -196,38 +99,9 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
                 f"({head_dim // 2},), one factor per RoPE frequency"
             )
         config["rope_freq_factors"] = factors.tolist()
-    if arch == "gemma3":
-        config.update(_gemma3_config(reader, config))
+    if family.gguf.read_config is not None:
+        config.update(family.gguf.read_config(reader, config))
     return config
-
-
-def _gemma3_config(reader: GGUFFile, config: dict) -> dict:
-    """What Gemma 3 needs beyond the common keys; llama.cpp hard-codes most of it."""
-    num_layers = config["num_hidden_layers"]
-    # Every 6th layer is global, the others slide (llama.cpp: `set_swa_pattern(6)`); a file
-    # may state the pattern as a period or as one flag per layer (true = sliding). Without a
-    # window (llama.cpp reads none as 0) every layer is global.
-    pattern = reader.field("gemma3.attention.sliding_window_pattern", 6)
-    if not config["sliding_window"]:
-        sliding = [False] * num_layers
-    elif isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    # llama.cpp scales queries by 1/sqrt(hidden / heads) in the 27B (its only 62-layer size)
-    # and by 1/sqrt(head_dim) in every other size.
-    if num_layers == 62:
-        scalar = config["hidden_size"] // config["num_attention_heads"]
-    else:
-        scalar = config["head_dim"]
-    return {
-        "layer_types": [
-            "sliding_attention" if s else "full_attention" for s in sliding[:num_layers]
-        ],
-        "rope_local_base_freq": reader.field("gemma3.rope.freq_base_swa", 10000.0),
-        "query_pre_attn_scalar": scalar,
-        "hidden_activation": "gelu_pytorch_tanh",
-    }
 
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
@@ -252,8 +126,9 @@ def _eos_token_ids(reader: GGUFFile, arch: str) -> int | list[int] | None:
         reader.field(f"tokenizer.ggml.{key}")
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
     ]
-    if arch in _CHAT_FORMATS:
-        ids.append(reader.string_index("tokenizer.ggml.tokens", _CHAT_FORMATS[arch][1]))
+    end_of_turn = GGUF_FAMILIES[arch].gguf.end_of_turn
+    if end_of_turn is not None:
+        ids.append(reader.string_index("tokenizer.ggml.tokens", end_of_turn))
     ids = list(dict.fromkeys(i for i in ids if i is not None))
     return ids[0] if len(ids) == 1 else ids or None
 
@@ -383,12 +258,12 @@ def iter_gguf(path: Path, *, keep_quantized: bool = False) -> Iterator[tuple[str
     `keep_quantized` a QArray for each tensor of a block type we keep (see above)."""
     reader = GGUFFile(path)
     config = gguf_hf_config(reader)
-    arch = _ARCHITECTURES[reader.field("general.architecture")]
+    arch = GGUF_FAMILIES[reader.field("general.architecture")].gguf
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # in the config, as rope_freq_factors
             continue
-        if t.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[t.name]
+        if t.name in GGUF_GLOBAL_NAMES:
+            name = GGUF_GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".", 2)
             if len(parts) != 3 or parts[0] != "blk" or parts[2] not in arch.layer_names:
@@ -416,7 +291,7 @@ def _tokenizer_from_metadata(path: Path):
     so we read the metadata with `GGUFFile` and hand it to them. Where this
     transformers version lacks those functions we fall back to the public path, which then
     needs torch; the tests check that both paths encode text the same way. A file without a
-    chat template gets its architecture's from `_CHAT_FORMATS`."""
+    chat template gets its family's (`GGUFFormat.chat_template`)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
@@ -426,9 +301,9 @@ def _tokenizer_from_metadata(path: Path):
         special = m._SPECIAL_TOKENS
     except (ImportError, AttributeError):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        arch = GGUFFile(path).field("general.architecture")
-        if tokenizer.chat_template is None and arch in _CHAT_FORMATS:
-            tokenizer.chat_template = _CHAT_FORMATS[arch][0]
+        family = GGUF_FAMILIES.get(GGUFFile(path).field("general.architecture"))
+        if tokenizer.chat_template is None and family is not None:
+            tokenizer.chat_template = family.gguf.chat_template
         return tokenizer
     metadata = {
         key: value
@@ -454,8 +329,9 @@ def _tokenizer_from_metadata(path: Path):
             tokenizer_dict["tokens"][token_id] if token_id is not None else None
         )
     arch = metadata["general.architecture"]
-    if arch in _CHAT_FORMATS:
-        tokenizer_config.setdefault("chat_template", _CHAT_FORMATS[arch][0])
+    family = GGUF_FAMILIES.get(arch)
+    if family is not None and family.gguf.chat_template is not None:
+        tokenizer_config.setdefault("chat_template", family.gguf.chat_template)
     backend, extra = convert(arch, tokenizer_dict)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 

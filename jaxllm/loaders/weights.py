@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import ModelConfig
+from jaxllm.families import family_of
 from jaxllm.models.layers import _num_in_axes
 from jaxllm.quantization import (
     FORMATS,
@@ -80,47 +81,25 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
         "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w: w.T),
         # Mixture of experts: the router, and (below) each expert's slice of [E, ...] weights.
         "mlp.gate.weight": (("mlp", "router"), lambda w: w.T),
-        "block_sparse_moe.gate.weight": (("mlp", "router"), lambda w: w.T),
     }
 
 
-# An expert's projection (Qwen3-MoE's names, Mixtral's w1/w3/w2) -> our stacked weight.
-_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_EXPERT_WEIGHTS = {
-    "gate_proj": "gate_proj",
-    "up_proj": "up_proj",
-    "down_proj": "down_proj",
-    "w1": "gate_proj",
-    "w3": "up_proj",
-    "w2": "down_proj",
-}
+# An expert's projection -> our stacked weight (Qwen3-MoE's names; a family with names of its
+# own renames them to these, see `Family.tensor_name`).
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 Target = tuple[tuple[str | int, ...], Callable[[np.ndarray], np.ndarray], int | None]
 
 
-# Image-text checkpoints (Gemma 3 4B and up): the text decoder's tensors under a prefix, which
-# comes off, and the vision tower's, which are skipped.
-_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
-_VISION_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
-
-
 def hf_to_path(name: str, config: ModelConfig) -> Target | None:
     """(our parameter path, layout transform, index) for an HF tensor name, or None to skip
     the tensor. `index` is an expert's row of a stacked [E, ...] weight; None: the whole
-    parameter."""
+    parameter. The family renames its own tensor names to Llama's first."""
     same = lambda w: w  # noqa: E731
-    if name.startswith(_VISION_PREFIXES):
+    original, name = name, family_of(config.architecture).tensor_name(name)
+    if name is None:
         return None
-    if name.startswith(_TEXT_PREFIXES):
-        name = "model." + name.split(".", 2)[2]
-    elif name == "language_model.lm_head.weight":
-        name = "lm_head.weight"
     if name == "model.embed_tokens.weight":
         return ("embed_tokens",), same, None
     if name == "model.norm.weight":
@@ -137,10 +116,9 @@ def hf_to_path(name: str, config: ModelConfig) -> Target | None:
         if rule is not None:
             return ("layers", layer, *rule[0]), rule[1], None
         e = _EXPERT.match(suffix)
-        if e and e.group(2) in _EXPERT_WEIGHTS and int(e.group(1)) < config.num_experts:
-            path = ("layers", layer, "mlp", _EXPERT_WEIGHTS[e.group(2)])
-            return path, lambda w: w.T, int(e.group(1))
-    raise ValueError(f"unexpected tensor {name!r} in checkpoint for {config.architecture}")
+        if e and int(e.group(1)) < config.num_experts:
+            return ("layers", layer, "mlp", e.group(2)), lambda w: w.T, int(e.group(1))
+    raise ValueError(f"unexpected tensor {original!r} in checkpoint for {config.architecture}")
 
 
 def _to_numpy(x) -> np.ndarray:

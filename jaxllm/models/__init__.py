@@ -1,20 +1,19 @@
 """Model classes and the registry from Hugging Face `architectures` names to them.
 
-Every family in `config.ARCHITECTURES` runs on the one config-driven decoder; a family whose
+Every family of `jaxllm.families` runs on the one config-driven decoder; a family whose
 layers the decoder cannot express gets a class of its own here."""
 
 from __future__ import annotations
 
 from flax import nnx
 
-from jaxllm.config import ARCHITECTURES, ModelConfig
+from jaxllm.config import ModelConfig
+from jaxllm.families import FAMILIES
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.layers import AttentionMetadata
 
 MODEL_REGISTRY: dict[str, type[nnx.Module]] = {
-    arch: DecoderForCausalLM
-    for arch, features in ARCHITECTURES.items()
-    if isinstance(features, dict)
+    arch: DecoderForCausalLM for arch, family in FAMILIES.items() if family.text_of is None
 }
 
 

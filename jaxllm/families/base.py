@@ -1,0 +1,110 @@
+"""What a model family is: the few facts that set one architecture apart from the Llama
+decoder every family runs on (`jaxllm.models`), in one record per Hugging Face architecture.
+
+A family module (`llama.py`, `qwen.py`, `gemma.py`, `mixtral.py`) registers its records:
+the `ModelConfig` features it turns on, how its Hugging Face config differs (older configs
+that name no layer types, keys read differently), its tensor names where they differ from
+Llama's, and how llama.cpp's converter wrote it to GGUF. Nothing here imports the rest of
+the library: `ModelConfig.from_hf_config` and the loaders read these records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def every_layer_slides(config: dict, num_layers: int) -> list[bool]:
+    return [True] * num_layers
+
+
+def llama_tensor_name(name: str) -> str:
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFormat:
+    """How llama.cpp's converter (`convert_hf_to_gguf.py`) wrote a family: its
+    `general.architecture`, and what it did to the tensors on the way in."""
+
+    name: str
+    """`general.architecture`, e.g. "llama"."""
+    model_type: str
+    """Hugging Face's `model_type` of the family."""
+    layer_names: Mapping[str, str]
+    """blk.N.<GGUF suffix> -> model.layers.N.<HF suffix>."""
+    permuted_qk: bool = False
+    """Q/K rows were permuted for llama.cpp's interleaved RoPE (its `LlamaModel.permute`)."""
+    norm_shift: float = 0.0
+    """Norm weights were stored as w + norm_shift (Gemma: 1)."""
+    chat_template: str | None = None
+    """The chat template for a file that carries none."""
+    end_of_turn: str | None = None
+    """The token that ends a turn in that template; it also ends generation whether or not
+    the file has a template, as llama.cpp's end-of-generation set does."""
+    read_config: Callable[[Any, dict], dict] | None = None
+    """(GGUF reader, the common config keys) -> the family's further HF config keys, for
+    what llama.cpp hard-codes instead of storing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    architecture: str
+    """The Hugging Face `architectures` entry, e.g. "LlamaForCausalLM"."""
+    features: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """`ModelConfig` fields beyond the Llama decoder's defaults; values read from the HF
+    config win (`rope_theta` and `rope_local_theta` here are defaults for configs that
+    omit them)."""
+    sliding_layers: Callable[[dict, int], list[bool]] = every_layer_slides
+    """Which layers slide, for configs with a `sliding_window` but no `layer_types` (as
+    transformers derives them for the family)."""
+    read_config: Callable[[dict], dict] | None = None
+    """HF config -> `ModelConfig` fields the family reads its own way; they win over all."""
+    tensor_name: Callable[[str], str | None] = llama_tensor_name
+    """A checkpoint tensor's name -> the Llama name the loader knows (None: skip it)."""
+    text_of: str | None = None
+    """An image-text architecture served as its text decoder (that architecture): its config
+    is `text_config`, its vision tower skipped."""
+    gguf: GGUFFormat | None = None
+
+
+FAMILIES: dict[str, Family] = {}
+GGUF_FAMILIES: dict[str, Family] = {}  # by `general.architecture`
+
+
+def register(*families: Family) -> None:
+    for family in families:
+        FAMILIES[family.architecture] = family
+        if family.gguf is not None:
+            GGUF_FAMILIES[family.gguf.name] = family
+
+
+# The GGUF names most families share (llama.cpp's `gguf-py/gguf/constants.py`).
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_QK_NORM_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
