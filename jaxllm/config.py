@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -336,12 +338,11 @@ def option(default: Any, *aliases: str, choices: tuple[str, ...] | None = None) 
 
 
 # pallas_kernels.ATTENTION_BACKENDS, spelled out here so the command line need not import JAX
-# (tests/test_cli_and_cache.py checks that they agree).
-# jaxllm.quantization.QUANTIZATIONS and MATMUL_BACKENDS, restated for the same reason (checked by
-# the same test).
+# (tests/test_cli_and_cache.py checks that they agree). `jaxllm.quantization` takes its names
+# from here (see its docstring).
 QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
 ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
-QUANT_MATMUL_BACKENDS = ("auto", "xla", "pallas")  # jaxllm.quantization.MATMUL_BACKENDS
+QUANT_MATMUL_BACKENDS = ("auto", "xla", "pallas")
 # The KV cache's formats: the float dtypes, and pallas_kernels.QUANTIZED_KV_DTYPES (plus vLLM's
 # alias fp8_e4m3), checked against it by the same test.
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8")
@@ -769,3 +770,30 @@ def from_cli_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return cls(**{**values, **overrides})
+
+
+# The kernel choices travel one way: the model is built with the engine's (resolved)
+# `CompilationConfig` and puts it in this context around its forward pass and head, where the
+# kernels' call sites read it while the step is traced (`kernel_choices()`). A new choice is
+# one field of `CompilationConfig` and its use.
+REFERENCE_KERNELS = CompilationConfig(attention_backend="reference")
+"""The choices of a model built without an engine (tests, researchers): the reference
+attention, the platform's quantized matmul."""
+_KERNEL_CHOICES: contextvars.ContextVar[CompilationConfig] = contextvars.ContextVar(
+    "jaxllm_kernel_choices", default=REFERENCE_KERNELS
+)
+
+
+@contextlib.contextmanager
+def using_kernels(compilation: CompilationConfig):
+    """Within it (while a function is traced), the kernels follow `compilation`."""
+    token = _KERNEL_CHOICES.set(compilation)
+    try:
+        yield
+    finally:
+        _KERNEL_CHOICES.reset(token)
+
+
+def kernel_choices() -> CompilationConfig:
+    """The `CompilationConfig` the function being traced was built with."""
+    return _KERNEL_CHOICES.get()

@@ -33,8 +33,9 @@ last three);
 GGUF file: for exact comparisons with it).
 Norms, biases, routers and mixture-of-experts weights stay float.
 
-The matmul (`qmatmul`) has three implementations, picked by `matmul_backend` (the engine's
-`quant_matmul_backend`, one of `MATMUL_BACKENDS`):
+The matmul (`qmatmul`) has three implementations, picked by the engine's
+`quant_matmul_backend` (one of `config.QUANT_MATMUL_BACKENDS`, read from
+`config.kernel_choices()` while the step is traced):
 - "auto" on the CPU: a native kernel (`pallas_kernels/quant_matmul_cpu.py`) reads each weight
   once as stored (XLA's CPU backend would write the whole float weight to memory first: 12x
   slower than float32 at batch 1);
@@ -55,8 +56,6 @@ split an FFI or Pallas call); the XLA ops split with the weight.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 import jax
@@ -65,11 +64,10 @@ import ml_dtypes
 import numpy as np
 
 import pallas_kernels
+from jaxllm.config import kernel_choices
 from pallas_kernels import quant_matmul_cpu, quant_matmul_gpu
 
-QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
 FORMATS = ("int8", "int4", "fp8")
-MATMUL_BACKENDS = ("auto", "xla", "pallas")
 INT4_BLOCK = 32  # elements per packed int4 block (16 bytes)
 # Elements per scale when quantizing to int4 here: llama.cpp's Q4 granularity. With float16
 # scales and offsets that is 5 bits a weight. Measured on the demo model (held-out text,
@@ -335,30 +333,12 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     return _dequantize(w, jnp, dtype)
 
 
-_MATMUL_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "jaxllm_quant_matmul_backend", default="auto"
-)
-
-
-@contextlib.contextmanager
-def matmul_backend(backend: str):
-    """Within it (while a function is traced), `qmatmul` uses `backend`, one of
-    `MATMUL_BACKENDS` (see the module docstring). The decoder sets it from its own
-    `quant_matmul_backend` around its forward pass and head."""
-    if backend not in MATMUL_BACKENDS:
-        raise ValueError(f"quant_matmul_backend must be one of {MATMUL_BACKENDS}, got {backend!r}")
-    token = _MATMUL_BACKEND.set(backend)
-    try:
-        yield
-    finally:
-        _MATMUL_BACKEND.reset(token)
-
-
 def _implementation() -> str:
-    """ "native", "pallas" or "xla": `matmul_backend`'s choice, "auto" resolved by platform.
+    """ "native", "pallas" or "xla": `quant_matmul_backend`'s choice, "auto" resolved by
+    platform.
     "pallas" is the Triton kernel: it runs on NVIDIA GPUs, and interpreted on the CPU (for
     checking); anywhere else it is refused rather than interpreted slowly."""
-    backend = _MATMUL_BACKEND.get()
+    backend = kernel_choices().quant_matmul_backend
     platform = pallas_kernels.current_platform()
     if backend == "pallas" and platform not in ("gpu", "cpu"):
         raise ValueError(

@@ -11,10 +11,17 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from jaxllm.quantization import dequantize, dequantize_np, matmul_backend, qmatmul
+from jaxllm.config import CompilationConfig, using_kernels
+from jaxllm.quantization import dequantize, dequantize_np, qmatmul
 from jaxllm.testing import random_qarray
 from pallas_kernels import quant_matmul_cpu
 from pallas_kernels.quant_matmul_gpu import QuantMatmulBlocks, quant_matmul_gpu
+
+
+def matmul_backend(name: str):
+    """The kernel choice `qmatmul` reads while traced, as the decoder sets it."""
+    return using_kernels(CompilationConfig(quant_matmul_backend=name))
+
 
 # (num_in, group size, offsets, scale dtype)
 GROUPINGS = [
@@ -96,7 +103,7 @@ def _kernels_in(fn, *args) -> str:
 
 
 def test_qmatmul_runs_the_kernel_and_falls_back_where_it_cannot_tile():
-    """With matmul_backend("pallas"), `qmatmul` runs the kernel, reading an act-order
+    """With quant_matmul_backend "pallas", `qmatmul` runs the kernel, reading an act-order
     (GPTQ `g_idx`) weight's columns in its order; 70 output rows have no power-of-two tiling,
     so that weight goes through the XLA ops; both equal the numpy reading of the weight."""
     rng = np.random.default_rng(2)

@@ -12,7 +12,7 @@ gate/up and down. Weights are random codes with random scales (and, for int4, of
 x is random in `--dtype`. Each backend's call is jitted, compiled, run `--warmup` times and
 timed `--iters` times with `block_until_ready`; median and min are reported.
 
-Backends (`quantization.MATMUL_BACKENDS` plus "native"): "xla" dequantizes with XLA ops (the
+Backends (`config.QUANT_MATMUL_BACKENDS` plus "native"): "xla" dequantizes with XLA ops (the
 TPU's path), "pallas" is the Pallas kernel (`pallas_kernels/quant_matmul_gpu.py`, the GPU's;
 interpreted off a GPU, so its CPU times say nothing), "native" the CPU's C++ kernel. Default:
 xla plus the platform's own (pallas on GPU, native on CPU).
@@ -35,7 +35,8 @@ import numpy as np
 from ragged_attention import dispatch_floor_us, int_list, opt, peak_hbm_gb_s, time_call
 
 from jaxllm.bench import write_json
-from jaxllm.quantization import matmul_backend, qmatmul
+from jaxllm.config import CompilationConfig, using_kernels
+from jaxllm.quantization import qmatmul
 from jaxllm.testing import random_qarray
 
 DEFAULTS = {
@@ -50,7 +51,8 @@ QUICK = {"tokens": [1, 8], "shapes": [(256, 512)], "iters": 3, "warmup": 1}
 def _matmul(backend: str, x, w):
     if backend == "native":  # the CPU's kernel is what "auto" picks there
         backend = "auto"
-    with matmul_backend(backend):  # inside the traced function: read while tracing
+    # Inside the traced function: read while tracing, as the decoder sets it.
+    with using_kernels(CompilationConfig(quant_matmul_backend=backend)):
         return qmatmul(x, w)
 
 

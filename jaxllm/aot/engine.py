@@ -24,7 +24,7 @@ from jax.sharding import SingleDeviceSharding
 import pallas_kernels
 from jaxllm import loaders
 from jaxllm.aot.targets import Target
-from jaxllm.config import EngineConfig, ModelConfig, resolve_dtype
+from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
 from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
@@ -101,18 +101,19 @@ def compile_engine(
         )
     mesh = make_mesh(tp, devices=devices) if tp > 1 else None
     dtype = resolve_dtype(config.load.dtype, platform)
-    backend = pallas_kernels.resolve_backend(config.compilation.attention_backend, platform)
+    # The kernel choices, resolved for the target's platform, travel in the config from here.
+    config = config.replace(
+        attention_backend=pallas_kernels.resolve_backend(
+            config.compilation.attention_backend, platform
+        )
+    )
     comp = config.compilation
     quantization = config.load.quantization
-    model = abstract_model(
-        config.load.model, dtype, backend, comp.quant_matmul_backend, mesh, devices[0], quantization
-    )
+    model = abstract_model(config.load.model, dtype, comp, mesh, devices[0], quantization)
     weights = [model]
     spec = config.speculative.method
     if spec is not None and spec.method == "draft_model":
-        weights.append(
-            abstract_model(spec.model, dtype, backend, comp.quant_matmul_backend, mesh, devices[0])
-        )
+        weights.append(abstract_model(spec.model, dtype, comp, mesh, devices[0]))
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype, platform)
     cache = config.cache
     placement = kv_cache_placement(mesh, kv_dtype, devices[0])
@@ -149,7 +150,6 @@ def compile_engine(
         max_model_len=max_model_len,
         num_pages=num_pages,
         tensor_parallel_size=tp,
-        attention_backend=backend,
     )
     runner = ModelRunner.from_config(
         model.model,
@@ -182,8 +182,7 @@ def compile_engine(
 def abstract_model(
     model: str,
     dtype,
-    attention_backend: str,
-    quant_matmul_backend: str,
+    compilation: CompilationConfig,
     mesh,
     device: jax.Device,
     quantization: str | None = None,
@@ -204,9 +203,7 @@ def abstract_model(
             f"{path}: a {method} checkpoint's tensors are not compiled here; compile the float "
             "model, with --quantization int8, int4 or fp8 if wanted"
         )
-    config, graphdef, abstract_state = loaders.abstract_model(
-        config, dtype, attention_backend, quant_matmul_backend, mesh
-    )
+    config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
     if mesh is not None:
         shardings = param_shardings(abstract_state, mesh)
     else:

@@ -109,13 +109,15 @@ class EngineCore:
             )
         multi = jax.process_count() > 1
         tp = parallel.tensor_parallel_size or (jax.device_count() if multi else 1)
-        backend = pallas_kernels.resolve_backend(comp.attention_backend)
+        # The kernel choices, resolved for this platform, travel in the config from here on.
+        config = config.replace(
+            attention_backend=pallas_kernels.resolve_backend(comp.attention_backend)
+        )
         mesh = make_mesh(tp) if tp != 1 else None
         loaded = load_model(
             config.load.model,
             dtype=resolve_dtype(config.load.dtype),
-            attention_backend=backend,
-            quant_matmul_backend=comp.quant_matmul_backend,
+            compilation=config.compilation,
             mesh=mesh,
             load_tokenizer=False,
             quantization=config.load.quantization,
@@ -128,8 +130,7 @@ class EngineCore:
             draft = load_model(
                 spec.model,
                 dtype=resolve_dtype(config.load.dtype),
-                attention_backend=backend,
-                quant_matmul_backend=comp.quant_matmul_backend,
+                compilation=config.compilation,
                 mesh=mesh,
                 load_tokenizer=False,
             )
@@ -156,7 +157,6 @@ class EngineCore:
             max_model_len=max_model_len,
             num_pages=num_pages,
             tensor_parallel_size=tp,
-            attention_backend=backend,
         )
         sched, cache = config.scheduler, config.cache
         runner = ModelRunner.from_config(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import QUANTIZATIONS, REFERENCE_KERNELS, CompilationConfig, ModelConfig
 from jaxllm.loaders import gguf as gguf_loader
 from jaxllm.loaders import hf as hf_loader
 from jaxllm.loaders import orbax as orbax_loader
@@ -25,7 +25,6 @@ from jaxllm.loaders.loaded import LoadedModel
 from jaxllm.loaders.weights import build_state
 from jaxllm.model_cache import cache_dir, resolve_model
 from jaxllm.models import get_model_class
-from jaxllm.quantization import QUANTIZATIONS
 from jaxllm.sharding import param_shardings, shard_config
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def abstract_model(
-    config: ModelConfig, dtype, attention_backend: str, quant_matmul_backend: str, mesh
+    config: ModelConfig, dtype, compilation: CompilationConfig, mesh
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """The model of `config` as shapes only (the weights come from a checkpoint, or stay
     abstract for `jaxllm compile`): its config as sharded over `mesh` (kv heads repeated),
@@ -51,14 +50,7 @@ def abstract_model(
         config = shard_config(config, mesh.shape["model"])
     cls = get_model_class(config)
     abstract = nnx.eval_shape(
-        lambda: cls(
-            config,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            quant_matmul_backend=quant_matmul_backend,
-            mesh=mesh,
-            rngs=None,
-        )
+        lambda: cls(config, dtype=dtype, compilation=compilation, mesh=mesh, rngs=None)
     )
     graphdef, abstract_state = nnx.split(abstract)
     return config, graphdef, abstract_state
@@ -80,8 +72,7 @@ def load_model(
     model: str | os.PathLike,
     *,
     dtype: jnp.dtype = jnp.float32,
-    attention_backend: str = "reference",
-    quant_matmul_backend: str = "auto",
+    compilation: CompilationConfig = REFERENCE_KERNELS,
     load_tokenizer: bool = True,
     mesh: Mesh | None = None,
     quantization: str | None = None,
@@ -91,8 +82,8 @@ def load_model(
     orbax checkpoint (a directory with a `jaxllm_orbax.json` marker) is restored straight
     into that layout, each device reading its own shard. `quantization`: see
     `jaxllm.quantization` (None: as the checkpoint is stored; a GGUF file's tensors are
-    dequantized on the CPU, kept quantized on accelerators); `quant_matmul_backend` the
-    matmul of quantized weights (`jaxllm.quantization.matmul_backend`)."""
+    dequantized on the CPU, kept quantized on accelerators). `compilation`: the kernel
+    choices the model is traced with (resolved: see `DecoderForCausalLM`)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
@@ -115,9 +106,7 @@ def load_model(
         # `quantization="gguf"` keeps them quantized (0.18x the bytes of the demo model).
         quantization = "float"
     start = time.perf_counter()
-    config, graphdef, abstract_state = abstract_model(
-        load_config(path), dtype, attention_backend, quant_matmul_backend, mesh
-    )
+    config, graphdef, abstract_state = abstract_model(load_config(path), dtype, compilation, mesh)
     shardings = None if mesh is None else param_shardings(abstract_state, mesh)
     if orbax_loader.is_orbax_checkpoint(path):
         if quantization not in (None, "float"):

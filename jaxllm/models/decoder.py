@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import REFERENCE_KERNELS, CompilationConfig, ModelConfig, using_kernels
 from jaxllm.models.layers import (
     MLP,
     Attention,
@@ -37,7 +37,7 @@ from jaxllm.models.layers import (
     rope_inv_freq,
 )
 from jaxllm.models.moe import MoE
-from jaxllm.quantization import QArray, matmul_backend, qmatmul, take_rows
+from jaxllm.quantization import QArray, qmatmul, take_rows
 from pallas_kernels import KVCache, as_kv_cache
 
 
@@ -48,7 +48,6 @@ class DecoderLayer(nnx.Module):
         layer: int,
         *,
         dtype,
-        attention_backend: str,
         mesh,
         rngs: nnx.Rngs | None,
     ):
@@ -58,9 +57,7 @@ class DecoderLayer(nnx.Module):
             )
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(
-            config, layer, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
-        )
+        self.self_attn = Attention(config, layer, dtype=dtype, mesh=mesh, rngs=rngs)
         # Llama: post_attention_layernorm is the norm before the MLP. Sandwich (Gemma): it
         # normalises the attention output, and two more norms wrap the MLP.
         self.post_attention_layernorm = norm()
@@ -91,24 +88,22 @@ class DecoderForCausalLM(nnx.Module):
         config: ModelConfig,
         *,
         dtype=jnp.float32,
-        attention_backend: str = "reference",
-        quant_matmul_backend: str = "auto",
+        compilation: CompilationConfig = REFERENCE_KERNELS,
         mesh: Mesh | None = None,
         rngs: nnx.Rngs | None,
     ):
-        """`mesh`: tensor parallelism over its "model" axis (attention runs per device on its
-        own heads); None for one device. `quant_matmul_backend`: the matmul of quantized
-        weights (`jaxllm.quantization.matmul_backend`)."""
+        """`compilation`: the engine's kernel choices, resolved (`attention_backend` one of
+        the kernels, not "auto"); the forward pass and head are traced under them
+        (`config.using_kernels`). `mesh`: tensor parallelism over its "model" axis
+        (attention runs per device on its own heads); None for one device."""
         self.config = config
-        self.quant_matmul_backend = quant_matmul_backend
+        self.compilation = compilation
         self.embed_tokens = param(
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype
         )
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
         self.layers = nnx.List(
-            DecoderLayer(
-                config, i, dtype=dtype, attention_backend=attention_backend, mesh=mesh, rngs=rngs
-            )
+            DecoderLayer(config, i, dtype=dtype, mesh=mesh, rngs=rngs)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(
@@ -140,7 +135,7 @@ class DecoderForCausalLM(nnx.Module):
         kv_cache: KVCache | jax.Array,  # [L, num_pages, K, page_size, 2H]; an array: float
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
-        with matmul_backend(self.quant_matmul_backend):
+        with using_kernels(self.compilation):
             return self._forward(input_ids, positions, as_kv_cache(kv_cache), meta)
 
     def _forward(self, input_ids, positions, kv_cache: KVCache, meta):
@@ -160,7 +155,7 @@ class DecoderForCausalLM(nnx.Module):
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
-        with matmul_backend(self.quant_matmul_backend):
+        with using_kernels(self.compilation):
             return self._logits(hidden)
 
     def _logits(self, hidden: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from jaxllm.config import ModelConfig, RopeScaling
+from jaxllm.config import ModelConfig, RopeScaling, kernel_choices
 from jaxllm.quantization import QArray, qmatmul
 from jaxllm.sharding import kv_cache_specs
 from pallas_kernels import KVCache
@@ -190,7 +190,6 @@ class Attention(nnx.Module):
         layer: int,
         *,
         dtype,
-        attention_backend: str,
         mesh=None,
         rngs: nnx.Rngs | None,
     ):
@@ -221,7 +220,6 @@ class Attention(nnx.Module):
         # Static per layer: the layers are unrolled (see decoder.py), so each layer's kernel
         # call is its own; the kernels take it as data either way.
         self.sliding_window = config.layer_window(layer)
-        self.attention_backend = attention_backend
         self.mesh = mesh  # static: tensor parallelism runs the cache ops per device
 
     def __call__(
@@ -269,7 +267,7 @@ class Attention(nnx.Module):
                 sm_scale=self.sm_scale,
                 sliding_window=self.sliding_window,
                 soft_cap=self.soft_cap,
-                backend=self.attention_backend,
+                backend=kernel_choices().attention_backend,
             )
             return out.astype(q.dtype), kv_cache
 
