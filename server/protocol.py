@@ -134,8 +134,13 @@ GENERATION_DEFAULT_KEYS = (
     "repetition_penalty",
     "max_new_tokens",
 )
-# What an unset sampling field is when the model has no default either (vLLM's values).
-_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# What an unset sampling field is when the model has no default either: SamplingParams' own
+# defaults (vLLM's values).
+_NEUTRAL = {
+    f.name: f.default
+    for f in dataclasses.fields(SamplingParams)
+    if f.name in GENERATION_DEFAULT_KEYS
+}
 _ANY_OBJECT = {"type": "object"}  # the arguments of a function that declares no parameters
 _COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 _SAMPLING_PARAMS_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
