@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllm.models import AttentionMetadata
 from jaxllm.testing import write_tiny_tokenizer
@@ -122,6 +123,22 @@ MIXES = {
     "chunked": [(16, 513), (3, 17), (17, 255)],
     "mixed": [(1, 513), (17, 17), (16, 255), (1, 1), (3, 16)],
 }
+
+
+def shape_matrix(configs: list, ids) -> list:
+    """pytest params (config, mix) of every config with every mix in `MIXES`. By default
+    (the suite's time) each config runs once, with "mixed", and each mix once, with the
+    second config; the rest of the matrix is `slow`."""
+    return [
+        pytest.param(
+            config,
+            mix,
+            id=f"{ids(config)}-{mix}",
+            marks=() if mix == "mixed" or config is configs[1] else pytest.mark.slow,
+        )
+        for config in configs
+        for mix in MIXES
+    ]
 
 
 TENSOR_PARALLEL_CHECK = Path(__file__).parent.parent / "scripts" / "tensor_parallel_check.py"

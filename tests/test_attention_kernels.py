@@ -32,10 +32,11 @@ from pallas_kernels import (
 )
 from pallas_kernels.tuning import device_family
 
-from helpers import MIXES, dense_attention, make_case, quantize_case_cache
+from helpers import MIXES, dense_attention, make_case, quantize_case_cache, shape_matrix
 
 # (num_heads, num_kv_heads, head_dim, page_size, dtype): GQA ratios 1, 3 and 8, head_dim 64
-# and 128, page sizes 16 and 128, f32 and bf16, each appearing with every mix below.
+# and 128, page sizes 16 and 128, f32 and bf16, each appearing with every mix (`shape_matrix`:
+# the whole matrix under -m slow).
 CONFIGS = [
     (2, 2, 128, 16, jnp.float32),
     (6, 2, 64, 16, jnp.bfloat16),
@@ -92,9 +93,10 @@ class KernelCases:
     def tol(self, dtype=jnp.float32) -> float:
         return _tolerance(dtype, tf32=self.backend == "pallas_gpu" and not self.interpret)
 
-    @pytest.mark.parametrize("mix", list(MIXES))
-    @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}")
-    def test_matches_reference(self, mix, config):
+    @pytest.mark.parametrize(
+        "config,mix", shape_matrix(CONFIGS, lambda c: f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}")
+    )
+    def test_matches_reference(self, config, mix):
         *shape, dtype = config
         args, (q, cu, ks, vs, total) = _case(np.random.default_rng(0), mix, *shape, dtype)
         sm_scale = shape[2] ** -0.5
@@ -414,7 +416,7 @@ def test_bad_sliding_window_is_named():
             ragged_paged_attention(*args, sm_scale=0.1, sliding_window=bad)
 
 
-@pytest.mark.parametrize("backend", ["pallas", "pallas_gpu"])
+@pytest.mark.parametrize("backend", [pytest.param("pallas", marks=pytest.mark.slow), "pallas_gpu"])
 def test_whole_model_greedy_tokens_match_the_reference(
     tiny_model_dir, tiny_llm, backend, monkeypatch
 ):

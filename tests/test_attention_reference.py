@@ -21,23 +21,26 @@ from pallas_kernels import (
 )
 from pallas_kernels.kv_cache import dequantize_kv_cache, read_kv
 
-from helpers import MIXES, dense_attention, make_case, quantize_case_cache
+from helpers import MIXES, dense_attention, make_case, quantize_case_cache, shape_matrix
 
 XLA_BACKENDS = ("reference", "xla", "cpu")
 
 
+_DENSE_CONFIGS = [
+    (4, 4, 64, 16, jnp.float32),
+    (6, 2, 128, 16, jnp.float32),
+    (8, 1, 64, 128, jnp.float32),
+    (6, 2, 64, 16, jnp.bfloat16),
+]
+
+
 @pytest.mark.parametrize("backend", XLA_BACKENDS)
-@pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim,page_size,dtype",
-    [
-        (4, 4, 64, 16, jnp.float32),
-        (6, 2, 128, 16, jnp.float32),
-        (8, 1, 64, 128, jnp.float32),
-        (6, 2, 64, 16, jnp.bfloat16),
-    ],
+    "config,mix",
+    shape_matrix(_DENSE_CONFIGS, lambda c: "-".join(map(str, c[:4])) + f"-{c[4].dtype.name}"),
 )
-def test_matches_dense(backend, mix, num_heads, num_kv_heads, head_dim, page_size, dtype):
+def test_matches_dense(backend, config, mix):
+    num_heads, num_kv_heads, head_dim, page_size, dtype = config
     rng = np.random.default_rng(0)
     seqs = MIXES[mix]
     q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(

@@ -110,7 +110,7 @@ def test_greedy_tokens_match_transformers(family):
     "case,extra,expert_parallel",
     [
         # 8 experts: split over the expert axis at every size (each device holds 8 / tp).
-        ("qwen3-moe", dict(num_experts=8), True),
+        pytest.param("qwen3-moe", dict(num_experts=8), True, marks=pytest.mark.slow),
         # 6 experts do not split 4 ways: at 4 each expert's MLP width is split instead.
         pytest.param("mixtral", dict(num_local_experts=6), False, marks=pytest.mark.slow),
     ],

@@ -168,6 +168,7 @@ def test_bad_shapes_are_named():
         quant_matmul_gpu(x, w.q, w.scale, w.offset, "int4", blocks=blocks, interpret=True)
 
 
+@pytest.mark.slow
 def test_engine_tokens_with_the_kernel(tiny_model_dir):
     """The whole engine with int4 weights through the kernel (interpreted) gives the greedy
     tokens of the XLA path, and compiles nothing after warmup."""

@@ -161,6 +161,7 @@ def test_gguf_block_types_are_bit_exact(kind):
 
 
 @pytest.mark.demo_model
+@pytest.mark.slow
 def test_demo_gguf_kept_quantized(smollm2_path):
     """SmolLM2's Q4_1 / Q8_0 tensors stay integers: bit-exact to the float loader's (which
     dequantizes with the gguf package, Q/K rows un-permuted), the model holds 0.18x the

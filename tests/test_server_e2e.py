@@ -291,6 +291,7 @@ def test_tokenize_detokenize_round_trip(server):
     assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "hello world"
 
 
+@pytest.mark.slow
 def test_health_answers_while_a_huge_prompt_is_tokenized(server):
     """Issue 13, defect 6: tokenizing a 10 MB prompt took the event loop for seconds, and
     /health with it (long enough for a probe to kill the pod)."""

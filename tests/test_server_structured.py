@@ -196,12 +196,12 @@ def random_schema(rng: np.random.Generator, depth: int = 0) -> dict:
             "additionalProperties": False}  # fmt: skip
 
 
-@pytest.mark.parametrize("count", [16, pytest.param(52, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("count", [6, pytest.param(52, marks=pytest.mark.slow)])
 def test_generated_json_schemas_validate(server, client, count, request):
     """Generated schemas (nested objects, bounded arrays, enums, integer and number ranges,
     optional fields) as `response_format: json_schema`: every response validates. 52 under
-    -m slow, the first 16 of them by default (the suite's time)."""
-    if count > 16 and "slow" not in (request.config.getoption("markexpr") or ""):
+    -m slow, the first 6 of them by default (the suite's time)."""
+    if count > 6 and "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("slow: run with -m slow")
     rng = np.random.default_rng(17)
     schemas = [random_schema(rng) for _ in range(52)][:count]
