@@ -201,7 +201,7 @@ FUZZ_SETTINGS = dict(
 )
 
 
-@settings(max_examples=100, derandomize=True, **FUZZ_SETTINGS)
+@settings(max_examples=300, derandomize=True, **FUZZ_SETTINGS)
 @given(case=requests())
 def test_fuzzed_bodies_get_no_5xx(server, case):
     _send(server, *case)

@@ -4,7 +4,8 @@ The container is read by `gguf_file.GGUFFile` (fast: string arrays are skipped u
 tokenizer must be built) and tensors are dequantized by the `gguf` package. The metadata
 becomes a Hugging Face style config dict (`gguf_hf_config`); each tensor is dequantized to
 float32 and renamed to its Hugging Face name (`iter_gguf`), undoing what llama.cpp's converter
-(`convert_hf_to_gguf.py`) did to it on the way in:
+(`convert_hf_to_gguf.py`) did to it on the way in, as each family's `GGUFFormat` says
+(`jaxllm/families/`):
 
 - llama / mistral: the rows of the Q and K projections are permuted for llama.cpp's
   interleaved RoPE; we put them back in Hugging Face order.
@@ -23,8 +24,8 @@ those of its dequantization (tests/test_quantization.py; only a Q4_0 zero can di
 sign). Other types are dequantized.
 
 What llama.cpp hard-codes instead of storing (Gemma 3's local RoPE base and its 5:1 pattern
-of sliding-window and global layers) is filled in here the same way. The tokenizer and chat
-template come from the metadata through transformers' converters; the converted tokenizer is
+of sliding-window and global layers) its family module fills in the same way
+(`GGUFFormat.read_config`). The tokenizer and chat template come from the metadata through transformers' converters; the converted tokenizer is
 cached beside our other caches, keyed by the file's path, size and modification time.
 """
 
