@@ -229,13 +229,12 @@ class ModelConfig:
         if not isinstance(config, dict):
             config = config.to_dict()
         archs = config.get("architectures") or []
-        known = [a for a in archs if a in FAMILIES]
-        if not known:
+        family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+        if family is None:
             raise ValueError(
                 f"unsupported architecture {archs or config.get('model_type')!r}; "
                 f"supported: {', '.join(FAMILIES)}"
             )
-        family = family_of(known[0])
         if family.text_of is not None:  # an image-text model: its text decoder
             family = family_of(family.text_of)
             config = {**config, **config.get("text_config", {})}

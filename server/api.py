@@ -527,8 +527,6 @@ class _EventStream(StreamingResponse):
 def _error_event(exc: BaseException) -> str:
     if isinstance(exc, APIError):
         err = exc
-    elif isinstance(exc, InputError):
-        err = APIError.bad_request(str(exc), exc.param)
     elif isinstance(exc, EngineDeadError | RequestFailedError):
         err = APIError.internal("the engine failed this request")
     else:
