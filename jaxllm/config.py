@@ -392,6 +392,10 @@ class LoadConfig:
     file's quantized tensors as they are (none: on accelerators; on CPU none dequantizes
     them), as gptq, awq and compressed-tensors (or none) do a checkpoint's of that method;
     float dequantizes them at load (see jaxllm/quantization.py)."""
+    load_format: str = option("auto", choices=("auto", "dummy"))
+    """auto reads the weights from the model; dummy makes random ones in its shapes (a
+    directory with config.json alone will do), to measure speed and memory without a
+    checkpoint: the tokens mean nothing."""
 
     def __post_init__(self) -> None:
         if hasattr(self.model, "__fspath__"):  # a Path is welcome

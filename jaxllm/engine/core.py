@@ -121,6 +121,7 @@ class EngineCore:
             mesh=mesh,
             load_tokenizer=False,
             quantization=config.load.quantization,
+            load_format=config.load.load_format,
         )
         spec = config.speculative.method
         draft = None
@@ -133,6 +134,7 @@ class EngineCore:
                 compilation=config.compilation,
                 mesh=mesh,
                 load_tokenizer=False,
+                load_format=config.load.load_format,
             )
             check_draft_config(loaded.config, draft.config)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)

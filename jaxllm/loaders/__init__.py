@@ -21,6 +21,7 @@ from jaxllm.loaders import gguf as gguf_loader
 from jaxllm.loaders import hf as hf_loader
 from jaxllm.loaders import orbax as orbax_loader
 from jaxllm.loaders import quantized_hf
+from jaxllm.loaders.dummy import LOAD_FORMATS, dummy_state
 from jaxllm.loaders.loaded import LoadedModel
 from jaxllm.loaders.weights import build_state
 from jaxllm.model_cache import cache_dir, resolve_model
@@ -76,6 +77,7 @@ def load_model(
     load_tokenizer: bool = True,
     mesh: Mesh | None = None,
     quantization: str | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """With a `mesh`, the model is built for tensor parallelism over its "model" axis (see
     `jaxllm.sharding`) and each device receives only its shard of each parameter. A converted
@@ -83,10 +85,21 @@ def load_model(
     into that layout, each device reading its own shard. `quantization`: see
     `jaxllm.quantization` (None: as the checkpoint is stored; a GGUF file's tensors are
     dequantized on the CPU, kept quantized on accelerators). `compilation`: the kernel
-    choices the model is traced with (resolved: see `DecoderForCausalLM`)."""
+    choices the model is traced with (resolved: see `DecoderForCausalLM`). `load_format`
+    "dummy" makes random weights in the model's shapes instead of reading any (see
+    `loaders/dummy.py`): a checkpoint directory needs only its `config.json`."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
+    if load_format == "dummy" and quantization not in (None, "float"):
+        raise ValueError(
+            f"quantization {quantization} cannot be used with load_format dummy: random "
+            "weights are made in the model's float dtype"
         )
     path = resolve_model(model)
     method = None  # the checkpoint's own quantization
@@ -108,7 +121,10 @@ def load_model(
     start = time.perf_counter()
     config, graphdef, abstract_state = abstract_model(load_config(path), dtype, compilation, mesh)
     shardings = None if mesh is None else param_shardings(abstract_state, mesh)
-    if orbax_loader.is_orbax_checkpoint(path):
+    if load_format == "dummy":
+        state = dummy_state(abstract_state, dtype, shardings)
+        generation_config = hf_loader.load_generation_config(path) if path.is_dir() else {}
+    elif orbax_loader.is_orbax_checkpoint(path):
         if quantization not in (None, "float"):
             raise ValueError(
                 f"quantization {quantization} is not supported for orbax checkpoints; load the "

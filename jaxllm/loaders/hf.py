@@ -78,7 +78,15 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, tensor
 
 
+# A checkpoint directory has a tokenizer if it has one of these.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_hf_tokenizer(path: Path):
+    """The directory's tokenizer, or None where it has none (a `config.json` alone, as
+    `--load-format dummy` and `jaxllm compile` take): requests then give token ids."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
