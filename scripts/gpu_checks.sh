@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Everything that needs an NVIDIA GPU, in one run: the on-device kernel tests, the kernel
+# benchmarks, the attention block-size sweep, and an 8B-shaped model end to end against
+# transformers (parity, then decode speed with the full model's random weights).
+#
+#   bash scripts/gpu_checks.sh [OUT_DIR]      # default: $OUT, else ./gpu-checks
+#
+# Each stage has its own time limit and the script goes on when one fails, so one run brings
+# back whatever could be measured; logs and JSON land in OUT_DIR, a summary prints last.
+# Runs with the machine's own python3 (its jax, flax, torch, transformers). Where packages
+# the engine needs are missing there, wheels in .whl/ (from `pip download`) are installed
+# into a private directory first.
+set -u
+out=${1:-${OUT:-gpu-checks}}
+mkdir -p "$out"
+log="$out/log.txt"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 JAXLLM_TEST_DEVICE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+summary=()
+
+stage() {  # stage NAME SECONDS COMMAND...
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+    timeout "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    summary+=("$name: rc $rc in $(($(date +%s) - start)) s")
+    echo "=== $name: rc $rc in $(($(date +%s) - start)) s" | tee -a "$log"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    "$py" -c 'import jax, flax, transformers, torch; print("jax", jax.__version__, jax.devices(), "flax", flax.__version__, "transformers", transformers.__version__, "torch", torch.__version__)'
+} 2>&1 | tee -a "$log"
+
+stage kernel-tests "${T_TESTS:-110}" "$py" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+    -k "OnDevice" tests/test_attention_kernels.py tests/test_quant_matmul_gpu.py -rfE --durations=5
+stage attention-bench "${T_BENCH:-60}" "$py" benchmarks/kernels/ragged_attention.py --check \
+    --batch 1,8,64,256 --context 1024,8192 --iters 20 --json "$out/attention.json"
+stage tune "${T_TUNE:-100}" "$py" benchmarks/kernels/tune_attention.py --threads 12 \
+    --json "$out/tune.json"
+stage qmatmul-bench "${T_QMM:-35}" "$py" benchmarks/kernels/quant_matmul.py --tokens 1,16,64 \
+    --json "$out/qmatmul.json"
+stage e2e-parity "${T_PARITY:-95}" "$py" benchmarks/e2e_vs_transformers.py --skip-speed \
+    --json "$out/e2e-parity.json"
+stage e2e-speed "${T_SPEED:-130}" "$py" benchmarks/e2e_vs_transformers.py --skip-parity \
+    --json "$out/e2e-speed.json"
+
+echo "--- summary"
+grep -E "passed|failed|error" "$log" | grep -E "^[0-9]+ (passed|failed)|= .*(passed|failed)" | tail -3
+grep -E "^(float32|bfloat16|speed) " "$log"
+grep -E "compiled in" "$log"
+printf '%s\n' "${summary[@]}"
