@@ -51,14 +51,26 @@ def reference(model_dir: Path, config_dir: Path, layers: int, out: Path, max_tok
     config = AutoConfig.from_pretrained(config_dir)
     config.num_hidden_layers = layers
     torch.manual_seed(SEED)
+    # Made in float32 and rounded to bfloat16 values, parameters only: casting the whole
+    # module (`.to(bfloat16)`) would also round its rotary inv_freq buffer, which a model
+    # loaded with `from_pretrained(dtype=bfloat16)` keeps in float32.
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    model.save_pretrained(model_dir, safe_serialization=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    state = {k: v.bfloat16() for k, v in model.state_dict().items()}
+    config.torch_dtype = "bfloat16"
+    model.save_pretrained(model_dir, state_dict=state, safe_serialization=True)
+    del state
     rng = np.random.default_rng(SEED)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in PROMPT_LENS]
     answers = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
-    for dtype in ("bfloat16", "float32"):
-        model = model.to(getattr(torch, dtype))
+    for dtype in ("float32", "bfloat16"):
+        if dtype == "bfloat16":  # as a user loads the checkpoint
+            del model
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+            model = model.to(device).eval()
         rows = []
         for ids in prompts:
             x = torch.tensor([ids], device=device)
@@ -108,6 +120,7 @@ def parity(args, work: Path) -> dict:
                 dtype=dtype,
                 max_model_len=max(PROMPT_LENS) + args.max_tokens + 16,
                 max_num_seqs=len(PROMPT_LENS),
+                attention_backend=args.attention_backend,
                 num_pages=len(PROMPT_LENS) * ((max(PROMPT_LENS) + args.max_tokens) // 16 + 2),
                 skip_warmup=True,
             )
@@ -206,6 +219,7 @@ def main() -> None:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--json", type=Path)

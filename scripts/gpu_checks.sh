@@ -7,6 +7,7 @@
 #
 # Each stage has its own time limit and the script goes on when one fails, so one run brings
 # back whatever could be measured; logs and JSON land in OUT_DIR, a summary prints last.
+# STAGES="e2e-parity matmul-rows" runs only the stages named.
 # Runs with the machine's own python3 (its jax, flax, torch, transformers). Where packages
 # the engine needs are missing there, wheels in .whl/ (from `pip download`) are installed
 # into a private directory first.
@@ -23,9 +24,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 summary=()
 
-stage() {  # stage NAME SECONDS COMMAND...
+stage() {  # stage NAME SECONDS COMMAND...; STAGES="a b" runs only those
     local name=$1 limit=$2 start rc
     shift 2
+    [[ " ${STAGES:-$name} " == *" $name "* ]] || return 0
     start=$(date +%s)
     echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
     timeout "$limit" "$@" >>"$log" 2>&1
@@ -39,15 +41,18 @@ stage() {  # stage NAME SECONDS COMMAND...
     "$py" -c 'import jax, flax, transformers, torch; print("jax", jax.__version__, jax.devices(), "flax", flax.__version__, "transformers", transformers.__version__, "torch", torch.__version__)'
 } 2>&1 | tee -a "$log"
 
-stage kernel-tests "${T_TESTS:-110}" "$py" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
-    -k "OnDevice" tests/test_attention_kernels.py tests/test_quant_matmul_gpu.py -rfE --durations=5
+stage attention-tests "${T_TESTS:-110}" "$py" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+    -k "OnDevice" tests/test_attention_kernels.py -rfE --durations=5
+stage qmatmul-tests "${T_QTESTS:-60}" "$py" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+    -k "OnDevice" tests/test_quant_matmul_gpu.py -rfE --durations=5
 stage attention-bench "${T_BENCH:-60}" "$py" benchmarks/kernels/ragged_attention.py --check \
     --batch 1,8,64,256 --context 1024,8192 --iters 20 --json "$out/attention.json"
 stage tune "${T_TUNE:-100}" "$py" benchmarks/kernels/tune_attention.py --threads 12 \
     --json "$out/tune.json"
 stage qmatmul-bench "${T_QMM:-35}" "$py" benchmarks/kernels/quant_matmul.py --tokens 1,16,64 \
     --json "$out/qmatmul.json"
-stage e2e-parity "${T_PARITY:-95}" "$py" benchmarks/e2e_vs_transformers.py --skip-speed \
+stage matmul-rows "${T_ROWS:-40}" "$py" benchmarks/kernels/matmul_rows.py --json "$out/matmul-rows.json"
+stage e2e-parity "${T_PARITY:-150}" "$py" benchmarks/e2e_vs_transformers.py --skip-speed \
     --json "$out/e2e-parity.json"
 stage e2e-speed "${T_SPEED:-130}" "$py" benchmarks/e2e_vs_transformers.py --skip-parity \
     --json "$out/e2e-speed.json"
