@@ -207,6 +207,9 @@ def speed(args) -> dict:
         }
         print("speed", json.dumps(row), flush=True)
         report[f"batch_{batch}"] = row
+        if args.profile is not None and batch == args.batches[0]:
+            with jax.profiler.trace(str(args.profile), create_perfetto_trace=True):
+                run(args.output_len)
     return report
 
 
@@ -220,6 +223,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--profile", type=Path, help="a JAX profile of the first batch size's run")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--json", type=Path)

@@ -23,6 +23,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 summary=()
+read -ra speed_args <<<"${SPEED_ARGS:-}"  # more flags for the e2e-speed stage
 
 stage() {  # stage NAME SECONDS COMMAND...; STAGES="a b" runs only those
     local name=$1 limit=$2 start rc
@@ -55,7 +56,7 @@ stage matmul-rows "${T_ROWS:-40}" "$py" benchmarks/kernels/matmul_rows.py --json
 stage e2e-parity "${T_PARITY:-150}" "$py" benchmarks/e2e_vs_transformers.py --skip-speed \
     --json "$out/e2e-parity.json"
 stage e2e-speed "${T_SPEED:-130}" "$py" benchmarks/e2e_vs_transformers.py --skip-parity \
-    --json "$out/e2e-speed.json"
+    --json "$out/e2e-speed.json" "${speed_args[@]}"
 
 echo "--- summary"
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9]+ (passed|failed)|= .*(passed|failed)" | tail -3
