@@ -160,7 +160,7 @@ def compile_engine(
         draft_model=None if len(weights) == 1 else (weights[1].model, weights[1].config),
     )
     build_seconds = time.perf_counter() - start
-    runner.keep_executables = keep_executables
+    runner.compiler.keep_executables = keep_executables
     compile_seconds = runner.warmup(
         progress=progress, check_in_place=False, decode_only=decode_only
     )
@@ -301,7 +301,7 @@ def save_executables(engine: CompiledEngine, directory: str) -> int:
         "jax": jax.__version__,
         "programs": [],
     }
-    for (name, shape), compiled in sorted(engine.runner.executables.items()):
+    for (name, shape), compiled in sorted(engine.runner.compiler.executables.items()):
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         file = f"{name}-{'x'.join(map(str, shape))}.xla"
         (out / file).write_bytes(pickle.dumps((payload, in_tree, out_tree)))
