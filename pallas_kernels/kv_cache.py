@@ -269,6 +269,12 @@ def write_kv(
     else:
         kv, scales = kv.astype(cache.dtype), None
     kv = kv.reshape(num_tokens, num_kv_heads, 2 * head_dim)
+    # The new rows are computed before the scatter, not inside it. Without the barrier
+    # XLA:GPU fused a one-token step's K/V projection (a matrix-vector product, not a GEMM
+    # there) and its RoPE into the scatter kernel, which computed each of its few thousand
+    # elements as its own 4096-long dot product: 355 us per layer, 11 of the 21 ms of an
+    # 8B decode step on an H200 (benchmarks/results/gpu-h200-checks.md).
+    kv, scales = jax.lax.optimization_barrier((kv, scales))
     if num_tokens == 1:
         # XLA rewrites a one-row scatter as a dynamic-update-slice that reads the old row back
         # (to keep it if the slot is out of range), and that second use of the cache makes it
