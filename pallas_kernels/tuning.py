@@ -11,12 +11,13 @@ query block (`q_block`: query tokens per TPU grid step; the most query tokens pe
 the KV block in tokens (`kv_tokens`, turned into whole pages) and, for Triton, warps and
 pipeline stages.
 
-Provenance: no TPU or GPU was available where these were chosen, so the accelerator entries are
-starting points reasoned from the hardware (TPU: 512-token KV blocks keep a double-buffered
-block of one layer's K/V for 8 kv heads x 128 dims at 2 x 2 MiB of VMEM in bf16, and 32 query
-tokens give the MXU 32 x G rows; GPU: 64-token KV blocks keep the Triton program's
-`[rows, kv]` scores and `[rows, H]` accumulator in registers). Replace them with measured
-values from `benchmarks/kernels/ragged_attention.py`, one row per device and shape. The "cpu"
+Provenance: the H200 rows (and the H100's, the same chip) were measured on an H200 with
+`benchmarks/kernels/tune_attention.py`. The TPU entries and the GPU fallback ("*") are starting
+points reasoned from the hardware (TPU: 512-token KV blocks keep a double-buffered block of one
+layer's K/V for 8 kv heads x 128 dims at 2 x 2 MiB of VMEM in bf16, and 32 query tokens give
+the MXU 32 x G rows; GPU: 64-token KV blocks keep the Triton program's `[rows, kv]` scores and
+`[rows, H]` accumulator in registers): replace them with measured rows, one per device and
+shape, from that sweep. An entry's `decode` sizes apply where every request has one query. The "cpu"
 entries only make interpret mode fast: fewer, larger blocks.
 """
 
@@ -41,6 +42,10 @@ class _Entry:
     kv_tokens: int
     num_warps: int = 4
     num_stages: int = 2
+    # (kv_tokens, num_warps, num_stages) for a decode call (one query per request), where
+    # they differ: there a program streams one sequence's pages with a few query rows, and
+    # longer KV blocks with more warps keep more loads in flight.
+    decode: tuple[int, int, int] | None = None
 
 
 _TABLE: dict[tuple[str, str, int | None, int | None], _Entry] = {
@@ -50,8 +55,16 @@ _TABLE: dict[tuple[str, str, int | None, int | None], _Entry] = {
     ("pallas_tpu", "v5p", None, None): _Entry(q_block=64, kv_tokens=512),
     ("pallas_tpu", "cpu", None, None): _Entry(q_block=64, kv_tokens=256),
     ("pallas_gpu", "*", None, None): _Entry(q_block=16, kv_tokens=64),
-    ("pallas_gpu", "h100", 128, None): _Entry(q_block=16, kv_tokens=64, num_warps=4, num_stages=3),
-    ("pallas_gpu", "h200", 128, None): _Entry(q_block=16, kv_tokens=64, num_warps=4, num_stages=3),
+    # Measured on an H200 (benchmarks/results/gpu-h200-tune.json, bfloat16, page size 16;
+    # against the entries before, which were reasoned: 8B decode 1.40x and 1.79x faster, 8B
+    # prefill 1.12x, head_dim 256 decode 1.04x, head_dim 64 decode 1.05x). The H100 is the
+    # same SM90 chip with slower memory: it takes the H200's rows until measured itself.
+    ("pallas_gpu", "h200", 128, None): _Entry(32, 32, 4, 3, decode=(256, 8, 2)),
+    ("pallas_gpu", "h200", 256, None): _Entry(16, 64, 4, 3, decode=(64, 4, 3)),
+    ("pallas_gpu", "h200", 64, None): _Entry(16, 64, 4, 2, decode=(256, 4, 2)),
+    ("pallas_gpu", "h100", 128, None): _Entry(32, 32, 4, 3, decode=(256, 8, 2)),
+    ("pallas_gpu", "h100", 256, None): _Entry(16, 64, 4, 3, decode=(64, 4, 3)),
+    ("pallas_gpu", "h100", 64, None): _Entry(16, 64, 4, 2, decode=(256, 4, 2)),
     ("pallas_gpu", "cpu", None, None): _Entry(q_block=32, kv_tokens=256),
 }
 
@@ -84,26 +97,39 @@ _GPU_SHARED_MEMORY = {"h100": 232448, "h200": 232448, "a100": 166912, "*": 10137
 
 
 def gpu_shared_memory(
-    sizes: BlockSizes, *, page_size: int, head_dim: int, group: int, kv_itemsize: int, q_itemsize
+    sizes: BlockSizes,
+    *,
+    page_size: int,
+    head_dim: int,
+    group: int,
+    kv_itemsize: int,
+    q_itemsize: int,
+    hopper: bool | None = True,
 ) -> int:
-    """An upper estimate of the shared memory the Triton kernel's program takes: the K and V
-    tiles of every pipeline stage, the query block and the [rows, kv] probabilities (checked
-    against the real compiler for H100 in tests/test_accelerator_compile.py)."""
+    """An upper estimate of the shared memory the Triton kernel's program takes, fitted to
+    what XLA:GPU's Triton asks for on an H100 (tests/test_accelerator_compile.py checks it
+    against the compiler): the query block, and the [kv, 2H] K/V tile (widened to q's dtype).
+    Pipeline stages add nothing (the pages are gathered through registers, not copied in
+    asynchronously). On Hopper a block of 64 rows or more runs its dots as wgmma, which reads
+    its second operand from shared memory: the K/V tile is there twice. Fewer rows (a decode
+    block) use mma.sync, which stages the [rows, kv] probabilities in q's dtype instead.
+    `hopper` None (a GPU not known): the larger of the two."""
     group_padded = 1 << (group - 1).bit_length()
     rows = max(sizes.q_block * group_padded, 16)
     kv = sizes.kv_pages * page_size
-    tiles = sizes.num_stages * kv * 2 * head_dim * max(kv_itemsize, q_itemsize)
-    return tiles + rows * head_dim * q_itemsize + rows * kv * 4
+    tile = kv * 2 * head_dim * max(kv_itemsize, q_itemsize)
+    staged = tile + rows * kv * q_itemsize
+    if hopper is not False and rows >= 64:
+        staged = 2 * tile if hopper else max(staged, 2 * tile)
+    return staged + rows * head_dim * q_itemsize + 1024  # 1 KiB: the compiler's own scratch
 
 
 def _fit_gpu(sizes: BlockSizes, limit: int, **shape) -> BlockSizes:
-    """Halves the KV block, then the pipeline depth, then the query block, until the program's
-    shared memory fits `limit` (head_dim 256 with 16-token query blocks did not fit an H100)."""
+    """Halves the KV block, then the query block, until the program's shared memory fits
+    `limit` (head_dim 256 with 16-token query blocks did not fit an H100)."""
     while gpu_shared_memory(sizes, **shape) > limit:
         if sizes.kv_pages > 1 and sizes.kv_pages * shape["page_size"] > 16:
             sizes = dataclasses.replace(sizes, kv_pages=sizes.kv_pages // 2)
-        elif sizes.num_stages > 1:
-            sizes = dataclasses.replace(sizes, num_stages=sizes.num_stages - 1)
         elif sizes.q_block > 1:
             sizes = dataclasses.replace(sizes, q_block=sizes.q_block // 2)
         else:
@@ -140,16 +166,20 @@ def get_block_sizes(
             break
     if entry is None:
         raise ValueError(f"no block sizes for backend {backend!r}")
-    kv_pages = max(1, entry.kv_tokens // page_size)
+    mean_q = -(-num_tokens // max(max_reqs, 1))
+    kv_tokens, num_warps, num_stages = entry.kv_tokens, entry.num_warps, entry.num_stages
+    if mean_q == 1 and entry.decode is not None:
+        kv_tokens, num_warps, num_stages = entry.decode
+    kv_pages = max(1, kv_tokens // page_size)
     # A work item (a GPU program, a TPU grid step) serves one request's block of queries, so a
     # block longer than the batch's mean query length is mostly padding (a decode batch has
     # one token per request). Powers of two: Triton's block shapes must be.
-    mean_q = -(-num_tokens // max(max_reqs, 1))
     q_block = min(entry.q_block, 1 << (mean_q - 1).bit_length())
     kv_pages = 1 << (kv_pages.bit_length() - 1)
-    sizes = BlockSizes(q_block, kv_pages, entry.num_warps, entry.num_stages)
+    sizes = BlockSizes(q_block, kv_pages, num_warps, num_stages)
     if backend == "pallas_gpu" and family != "cpu":
         limit = _GPU_SHARED_MEMORY.get(family, _GPU_SHARED_MEMORY["*"])
-        shape = dict(page_size=page_size, head_dim=head_dim, group=group)
+        hopper = {"h100": True, "h200": True, "a100": False}.get(family)
+        shape = dict(page_size=page_size, head_dim=head_dim, group=group, hopper=hopper)
         sizes = _fit_gpu(sizes, limit, kv_itemsize=kv_itemsize, q_itemsize=q_itemsize, **shape)
     return sizes

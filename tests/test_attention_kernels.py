@@ -289,7 +289,15 @@ def test_tuning_table_lookup():
     prefill = get_block_sizes(
         "pallas_gpu", head_dim=128, page_size=16, num_tokens=512, max_reqs=8, device_kind="H100"
     )
-    assert decode.q_block == 1 and prefill.q_block == 16
+    assert decode.q_block == 1 and prefill.q_block == 32
+    # Decode and prefill take the H100's measured rows apart: long KV blocks with more warps
+    # for one query per program, short ones under a query block.
+    assert (decode.kv_pages * 16, decode.num_warps) == (256, 8)
+    assert prefill.kv_pages * 16 == 32
+    unknown = get_block_sizes(
+        "pallas_gpu", head_dim=128, page_size=16, num_tokens=64, max_reqs=64, device_kind="L4"
+    )
+    assert (unknown.kv_pages * 16, unknown.num_warps) == (64, 4)  # the fallback row
 
 
 def test_bad_kernel_shapes_are_named():
