@@ -325,16 +325,19 @@ def _run_cli(*args: str) -> tuple[int, str]:
 def test_compile_report_adds_up(tmp_path):
     """`jaxllm compile` from a config.json alone: the weights' and the KV cache's bytes per
     device match a hand computation, the pool fills what memory_utilization leaves, no program
-    copies the cache, and the decode prediction is labelled as one."""
+    copies the cache, the decode prediction is labelled as one, and the executables are saved."""
     path = _tiny_config(tmp_path / "tiny")
     report = tmp_path / "report.json"
     rc, text = _run_cli(
         "compile", str(path), "--target", "v5e-4", "--tensor-parallel-size", "2",
         "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--programs", "decode",
-        "--json", str(report), "--quiet",
+        "--json", str(report), "--save-executables", str(tmp_path / "xla"), "--quiet",
     )  # fmt: skip
     assert rc == 0, text
     assert "PREDICTED" in text
+    manifest = json.loads((tmp_path / "xla" / "manifest.json").read_text())
+    assert manifest["programs"] and manifest["target"] == "v5e-4"
+    assert all((tmp_path / "xla" / p["file"]).stat().st_size > 0 for p in manifest["programs"])
     data = json.loads(report.read_text())
     m = data["memory_per_device"]
     # By hand: 2 layers of q/k/v/o (128 x 256, 128 x 128 twice, 256 x 128) and gate/up/down
