@@ -355,6 +355,28 @@ def test_compile_report_adds_up(tmp_path):
     assert [r["batch"] for r in rows] == [1, 4] and all(r["tokens_per_s"] > 0 for r in rows)
 
 
+@gpu_only
+def test_compile_report_for_a_gpu(tmp_path):
+    """XLA:GPU gives no cost analysis for compile-only devices: `jaxllm compile --target h100`
+    still reports, its decode prediction counted from the weights and the cache and saying so."""
+    path = _tiny_config(tmp_path / "tiny")
+    report = tmp_path / "report.json"
+    rc, text = _run_cli(
+        "compile", str(path), "--target", "h100", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "16", "--programs", "decode", "--json", str(report), "--quiet",
+    )  # fmt: skip
+    assert rc == 0, text
+    assert "PREDICTED from the weights' and KV cache's bytes" in text
+    data = json.loads(report.read_text())
+    rows = data["decode_prediction"]["rows"]
+    assert [r["source"] for r in rows] == ["counted", "counted"]
+    m = data["memory_per_device"]
+    for r in rows:
+        kv_read = r["batch"] * r["context"] * m["kv_page_bytes"] / data["page_size"]
+        assert r["bytes_per_step"] == pytest.approx(m["weight_device_bytes"] + kv_read)
+    assert data["kv_cache_copies"] == []
+
+
 @tpu_only
 @pytest.mark.xfail(
     strict=True,

@@ -8,7 +8,10 @@ reach of their block tables (`pallas_kernels.kv_cache.attention_cost`), so for a
 that declared part is replaced by the context's own: the KV bytes `batch x context` tokens take,
 and their flops. The roofline is the bytes a decode step cannot avoid (the weights as laid out,
 and the KV cache it reads) over the bandwidth; the share is the prediction over it.
-Collectives under tensor parallelism are not counted.
+XLA:GPU gives no cost analysis for compile-only devices: for a GPU target the step's bytes and
+flops are counted from the weights and the KV cache instead, so its prediction is the roofline
+itself (share 100%) and says so (`source`). Collectives under tensor parallelism are not
+counted.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class DecodePrediction:
     step_seconds: float
     tokens_per_s: float
     roofline_tokens_per_s: float
+    source: str  # "cost analysis", or "counted" where the compiler gave none
 
     @property
     def share(self) -> float:
@@ -48,8 +52,6 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     shape = pick_shape(batch, batch, runner.shapes)
     forward = _program(engine, "forward", shape)
     head = _program(engine, "head_and_sample", (shape[1],))
-    if forward.bytes_accessed is None or head.bytes_accessed is None:
-        raise ValueError(f"{engine.target.name}'s compiler gave no cost analysis")
     cfg = engine.model_config
     tp = engine.tensor_parallel_size
     heads, kv_heads = cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1)
@@ -69,16 +71,25 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     layers = cfg.num_layers
     per_token = _kv_bytes_per_token(engine)
     kv_read = batch * context * per_token
-    nbytes = forward.bytes_accessed + head.bytes_accessed - layers * (bytes_a - 2 * q_bytes)
-    nbytes += kv_read
-    flops = (forward.flops or 0.0) + (head.flops or 0.0) - layers * flops_a
-    flops += 4 * cfg.head_dim * heads * batch * context * layers
+    attention_flops = 4 * cfg.head_dim * heads * batch * context * layers
+    weights = engine.weights[0]
+    if forward.bytes_accessed is None or head.bytes_accessed is None:
+        source = "counted"  # each weight read once, 2 flops per weight and row
+        nbytes = weights.weight_device_bytes + kv_read
+        params = weights.weight_bytes / jnp.dtype(dtype).itemsize
+        flops = 2 * params * batch + attention_flops
+    else:
+        source = "cost analysis"
+        nbytes = forward.bytes_accessed + head.bytes_accessed - layers * (bytes_a - 2 * q_bytes)
+        nbytes += kv_read
+        flops = (forward.flops or 0.0) + (head.flops or 0.0) - layers * flops_a
+        flops += attention_flops
     chip = engine.target.chip
     peak = chip.int8_ops if engine.config.load.quantization in ("int8", "fp8") else chip.bf16_flops
     step = max(nbytes / chip.hbm_bytes_per_s, flops / peak)
-    roofline = (engine.weights[0].weight_device_bytes + kv_read) / chip.hbm_bytes_per_s
+    roofline = (weights.weight_device_bytes + kv_read) / chip.hbm_bytes_per_s
     return DecodePrediction(
-        batch, context, shape, nbytes, flops, step, batch / step, batch / roofline
+        batch, context, shape, nbytes, flops, step, batch / step, batch / roofline, source
     )
 
 
@@ -171,13 +182,20 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
         "kv_cache_copies": [f"{p.name} {p.shape}" for p in copies],
         "kv_scales_copies": [f"{p.name} {p.shape}" for p in forward if p.scales_copy_ops],
         "decode_prediction": {
-            "note": "predicted from the compiler's cost analysis and the chip's published "
-            "peaks; not a measurement",
+            "note": "predicted from the compiler's cost analysis (or, where it gives none, "
+            "the weights' and the KV cache's bytes) and the chip's published peaks; not a "
+            "measurement",
             "hbm_bytes_per_s": target.chip.hbm_bytes_per_s,
             "peak_flops": target.chip.bf16_flops,
             "rows": [dataclasses.asdict(p) | {"share": p.share} for p in predictions],
         },
     }
+
+
+def _source(data: dict[str, Any]) -> str:
+    if all(r["source"] == "cost analysis" for r in data["decode_prediction"]["rows"]):
+        return "the compiler's cost analysis"
+    return "the weights' and KV cache's bytes (this compiler gives no cost analysis: the roofline)"
 
 
 def render(data: dict[str, Any]) -> str:
@@ -218,7 +236,7 @@ def render(data: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "decode, PREDICTED from the compiler's cost analysis (not measured): "
+        f"decode, PREDICTED from {_source(data)} (not measured): "
         f"{data['decode_prediction']['hbm_bytes_per_s'] / 1e9:,.0f} GB/s, "
         f"{data['decode_prediction']['peak_flops'] / 1e12:,.0f} TFLOP/s peak",
         "  batch  context  GiB/step  GFLOP/step  step ms   tok/s  roofline tok/s  share",
