@@ -165,7 +165,8 @@ def parity(args, work: Path) -> dict:
 def speed(args) -> dict:
     import jax
 
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
+    from jaxllm.bench.throughput import measure, random_token_prompts
 
     llm = LLM(
         args.config,
@@ -176,23 +177,13 @@ def speed(args) -> dict:
         num_pages=max(args.batches) * ((args.input_len + args.output_len) // 16 + 2),
         skip_warmup=True,
     )
-    import numpy as np
-
-    rng = np.random.default_rng(SEED)
     vocab = llm.model_config.vocab_size
     report = {"device": jax.devices()[0].device_kind, "attention_backend": llm.attention_backend}
     for batch in args.batches:
-        prompts = [
-            {"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()}
-            for _ in range(batch)
-        ]
+        prompts = random_token_prompts(batch, args.input_len, vocab, SEED + batch)
 
         def run(n: int, prompts=prompts) -> float:
-            llm.reset_prefix_cache()
-            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - start
+            return measure(llm, prompts, n, use_tqdm=False)["elapsed_time"]
 
         compile_s = run(args.output_len)  # compiles what these shapes need
         first, full = min(run(1) for _ in range(2)), min(run(args.output_len) for _ in range(2))

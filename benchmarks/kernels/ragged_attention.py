@@ -161,6 +161,20 @@ def time_call(fn, inputs, warmup: int, iters: int) -> tuple[jax.Array, float, li
     return out, compile_s, times
 
 
+def pipelined_seconds(call, iters: int, repeats: int = 3) -> float:
+    """Seconds per call of `call(i)` (which launches call i and returns its output) issued
+    `iters` times back to back and waited for once, the best of `repeats`: for calls short
+    enough that waiting on each would time the host, not the device."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(iters):
+            out = call(i)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
 def dispatch_floor_us(iters: int = 50) -> float:
     """Median time of an empty jitted call with block_until_ready: the host's share of a call."""
     x = jnp.zeros((), jnp.int32)
