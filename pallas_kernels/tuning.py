@@ -55,17 +55,21 @@ _TABLE: dict[tuple[str, str, int | None, int | None], _Entry] = {
     ("pallas_tpu", "v5p", None, None): _Entry(q_block=64, kv_tokens=512),
     ("pallas_tpu", "cpu", None, None): _Entry(q_block=64, kv_tokens=256),
     ("pallas_gpu", "*", None, None): _Entry(q_block=16, kv_tokens=64),
-    # Measured on an H200 (benchmarks/results/gpu-h200-tune.json, bfloat16, page size 16;
-    # against the entries before, which were reasoned: 8B decode 1.40x and 1.79x faster, 8B
-    # prefill 1.12x, head_dim 256 decode 1.04x, head_dim 64 decode 1.05x). The H100 is the
-    # same SM90 chip with slower memory: it takes the H200's rows until measured itself.
-    ("pallas_gpu", "h200", 128, None): _Entry(32, 32, 4, 3, decode=(256, 8, 2)),
-    ("pallas_gpu", "h200", 256, None): _Entry(16, 64, 4, 3, decode=(64, 4, 3)),
-    ("pallas_gpu", "h200", 64, None): _Entry(16, 64, 4, 2, decode=(256, 4, 2)),
-    ("pallas_gpu", "h100", 128, None): _Entry(32, 32, 4, 3, decode=(256, 8, 2)),
-    ("pallas_gpu", "h100", 256, None): _Entry(16, 64, 4, 3, decode=(64, 4, 3)),
-    ("pallas_gpu", "h100", 64, None): _Entry(16, 64, 4, 2, decode=(256, 4, 2)),
     ("pallas_gpu", "cpu", None, None): _Entry(q_block=32, kv_tokens=256),
+}
+# By head_dim, measured on an H200 (benchmarks/results/gpu-h200-tune.json, bfloat16, page size
+# 16; against the entries before, which were reasoned: 8B decode 1.40x and 1.79x faster, 8B
+# prefill 1.12x, head_dim 256 decode 1.04x, head_dim 64 decode 1.05x). The H100 is the same
+# SM90 chip with slower memory: it takes the H200's rows until measured itself.
+_HOPPER = {
+    128: _Entry(32, 32, 4, 3, decode=(256, 8, 2)),
+    256: _Entry(16, 64, 4, 3, decode=(64, 4, 3)),
+    64: _Entry(16, 64, 4, 2, decode=(256, 4, 2)),
+}
+_TABLE |= {
+    ("pallas_gpu", family, head_dim, None): entry
+    for family in ("h200", "h100")
+    for head_dim, entry in _HOPPER.items()
 }
 
 _DEVICE_FAMILIES = (  # (substring of device_kind, family), first match wins
