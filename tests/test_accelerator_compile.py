@@ -45,9 +45,10 @@ def _target(name: str):
 
 
 def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype,
-                    *, num_tokens=64, max_reqs=8, pages_per_seq=64, num_pages=2048):  # fmt: skip
-    """The attention kernel of `target` compiled for one call shape (two layers of cache):
-    (compiled executable, the cache's bytes)."""
+                    *, num_tokens=64, max_reqs=8, pages_per_seq=64, num_pages=2048,
+                    block_sizes=None):  # fmt: skip
+    """The attention kernel of `target` compiled for one call shape (two layers of cache), with
+    the tuning table's block sizes or `block_sizes`: (compiled executable, the cache's bytes)."""
     t = _target(target)
     device = t.devices()[0]
     sh = jax.sharding.SingleDeviceSharding(device)
@@ -65,6 +66,7 @@ def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, d
         sliding_window=jnp.int32(100),
         soft_cap=30.0,
         backend=backend,
+        block_sizes=block_sizes,
         interpret=False,
     )
     args = (q, cache, i32(), i32(max_reqs), i32(max_reqs, pages_per_seq), i32(max_reqs + 1))
@@ -156,31 +158,13 @@ def test_gpu_shared_memory_estimate_matches_the_compiler(head_dim, q_block, kv_p
     """Block sizes over an H100's shared memory, so the compiler's refusal says what it asked
     for: the estimate the table cuts block sizes by is that, within 2%, and never under it
     (decode blocks and prefill blocks, whose dots Triton lays out differently)."""
-    import re
-
     from pallas_kernels.tuning import BlockSizes
 
-    device = _target("h100").devices()[0]
-    sh = jax.sharding.SingleDeviceSharding(device)
     sizes = BlockSizes(q_block, kv_pages, num_warps=4, num_stages=2)
-    cache = jax.ShapeDtypeStruct(
-        get_kv_cache_shape(1, 4096, 16, 8, head_dim), jnp.bfloat16, sharding=sh
-    )
-    q = jax.ShapeDtypeStruct((64, 32, head_dim), jnp.bfloat16, sharding=sh)
-
-    def i32(*s):
-        return jax.ShapeDtypeStruct(s, jnp.int32, sharding=sh)
-
-    fn = functools.partial(
-        ragged_paged_attention,
-        sm_scale=0.1,
-        backend="pallas_gpu",
-        interpret=False,
-        block_sizes=sizes,
-    )
-    with pallas_kernels.target_platform("gpu", device), pytest.raises(Exception) as refused:
-        traced = jax.jit(fn).trace(q, cache, i32(), i32(64), i32(64, 64), i32(65), i32(1))
-        traced.lower(lowering_platforms=(pallas_kernels.lowering_platform(device),)).compile()
+    with pytest.raises(Exception) as refused:
+        _compile_kernel(
+            "h100", 32, 8, head_dim, 16, jnp.bfloat16, jnp.bfloat16, max_reqs=64, block_sizes=sizes
+        )
     asked = int(
         re.search(r"Shared memory size limit exceeded: requested (\d+)", str(refused.value))[1]
     )
