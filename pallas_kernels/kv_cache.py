@@ -340,12 +340,15 @@ def attention_cost(
 ) -> tuple[int, int, int]:
     """(flops, transcendentals, bytes accessed) of one attention call over one layer, as the
     kernels declare it to their compilers (`pl.CostEstimate`): an upper bound, every request
-    at the full reach of its block table (capped by the pool), since the lengths are data.
-    The compilers' cost analyses of whole programs count the kernels by these figures."""
+    that can have a query at the full reach of its block table (capped by the pool), since
+    the lengths are data. A request without a query token reads nothing, so no more than
+    `num_tokens` requests read (a one-token decode step reads one block table's pages, not
+    the whole pool the block tables could reach). The compilers' cost analyses of whole
+    programs count the kernels by these figures."""
     num_tokens, num_heads, head_dim = q_shape
     _, num_pages, num_kv_heads, page_size, _ = cache_shape
     max_reqs, pages_per_seq = block_tables_shape
-    pages = min(max_reqs * pages_per_seq, num_pages)
+    pages = min(min(num_tokens, max_reqs) * pages_per_seq, num_pages)
     page_bytes = num_kv_heads * page_size * 2 * head_dim * jnp.dtype(cache_dtype).itemsize
     if quantized:
         page_bytes += 2 * num_kv_heads * page_size * 4

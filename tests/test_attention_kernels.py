@@ -300,6 +300,30 @@ def test_tuning_table_lookup():
     assert (unknown.kv_pages * 16, unknown.num_warps) == (64, 4)  # the fallback row
 
 
+def test_declared_cost_counts_only_requests_that_can_have_a_query():
+    """The kernels declare (to XLA's cost analysis, and so to `jaxllm compile`'s predictions)
+    the KV bytes at the full reach of the block tables of the requests that can have a query:
+    a one-token step, whatever the block table's rows, one request's pages; capped by the pool."""
+    from pallas_kernels.kv_cache import attention_cost
+
+    heads, kv_heads, head_dim, page, pages_per_seq, pool = 8, 2, 64, 16, 32, 1024
+    page_bytes = kv_heads * page * 2 * head_dim * 2  # bfloat16 keys and values
+    cache = (1, pool, kv_heads, page, 2 * head_dim)
+
+    def kv_bytes(tokens: int, rows: int) -> int:
+        q_bytes = tokens * heads * head_dim * 2
+        _, _, nbytes = attention_cost(
+            (tokens, heads, head_dim), jnp.bfloat16, cache, jnp.bfloat16,
+            (rows, pages_per_seq), False,
+        )  # fmt: skip
+        return nbytes - 2 * q_bytes
+
+    assert kv_bytes(1, 256) == pages_per_seq * page_bytes
+    assert kv_bytes(4, 256) == 4 * pages_per_seq * page_bytes
+    assert kv_bytes(64, 4) == 4 * pages_per_seq * page_bytes  # a prefill of 4 requests
+    assert kv_bytes(256, 256) == pool * page_bytes  # the pool holds no more
+
+
 def test_bad_kernel_shapes_are_named():
     args, _ = _case(np.random.default_rng(6), "decode", 2, 2, 128, 16, jnp.float32)
     with pytest.raises(ValueError, match="block_sizes.kv_pages a power of two"):
