@@ -1,9 +1,14 @@
 """Host time per engine step and decode throughput where the host is the bottleneck: a tiny
-random model (2 layers, width 64) decoding many requests at once, as a small or medium model
-is on an accelerator.
+random model (2 layers, width 64, a real vocabulary) decoding many requests at once, as a small
+or medium model is on an accelerator.
 
     .venv/bin/python benchmarks/host_step.py [--requests 1 64 256] [--output-len 64] \
-        [--against ../old-checkout] [--json PATH]
+        [--vocab 49152] [--against ../old-checkout] [--json PATH]
+
+The vocabulary is a real model's (49,152 as SmolLM2's by default; 151,936 as Qwen's): the
+output head and the sampler over [requests, vocab] are then what a step's device time is
+mostly made of, as in a real model's decode at high batch; a vocabulary of a few hundred
+would measure the host alone.
 
 For each request count, `--requests` prompts of 16 random tokens decode `--output-len` tokens
 each (greedy, ignore_eos) through `LLM.generate`, after a warm-up run of the same batch.
@@ -66,9 +71,11 @@ import numpy as np
 HERE = Path(__file__).resolve()
 
 
-def write_tiny_model(path: Path) -> Path:
+def write_tiny_model(path: Path, vocab_size: int) -> Path:
     """The random model measured: Llama, 2 layers, width 64 (MLP 128), 4 query heads and 2
-    kv heads of 16, vocabulary 512, with `jaxllm.testing`'s tiny tokenizer."""
+    kv heads of 16, a vocabulary of `vocab_size` (a real model's: the output head and the
+    sampler over [requests, vocab] are most of a step's device work at this width), with
+    `jaxllm.testing`'s tiny tokenizer (ids past its 445 decode to nothing)."""
     from jaxllm.testing import write_tiny_checkpoint, write_tiny_tokenizer
 
     tokenizer = write_tiny_tokenizer(path.parent / f"{path.name}-tokenizer")
@@ -81,7 +88,7 @@ def write_tiny_model(path: Path) -> Path:
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        vocab_size=512,
+        vocab_size=vocab_size,
     )
 
 
@@ -243,6 +250,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=49152,
+        help="the model's vocabulary (SmolLM2 49152, Qwen 151936)",
+    )
     p.add_argument("--against", type=Path, help="another jaxllm checkout to compare with")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
@@ -252,10 +265,11 @@ def main() -> None:
         sides["against"] = (args.against.resolve(), "default")
     results: dict = {
         "output_len": args.output_len,
+        "vocab_size": args.vocab,
         "sides": {k: [str(c), mode] for k, (c, mode) in sides.items()},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(write_tiny_model(Path(tmp) / "tiny-llama"))
+        model = str(write_tiny_model(Path(tmp) / "tiny-llama", args.vocab))
         print(_HEADER, flush=True)
         for n in args.requests:
             row = {}
