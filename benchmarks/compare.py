@@ -43,12 +43,12 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import platform
 import time
 
 import numpy as np
 
 from jaxllm import host_memory
+from jaxllm.bench import cpu_name
 
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 
@@ -225,16 +225,6 @@ class Remote:
         return info
 
 
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -324,7 +314,7 @@ def main() -> None:
                     )
     infos = {e.name: e.close() for e in engines}
     report = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "model": args.model,

@@ -31,6 +31,7 @@ _SOURCES = Path(__file__).parent / "cpu"
 # flag only: linked with it, GCC (before 13) adds crtfastmath.o, whose constructor turns on
 # flush-to-zero and denormals-are-zero for the whole process the moment the library loads
 # (every numpy and XLA computation then loses its subnormals).
+# -fopenmp for the `omp simd` hints only: the kernels' threads are XLA's (cpu/parallel.h).
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC"]
 _LINK_FLAGS = ["-shared", "-fopenmp", "-fPIC"]
 
@@ -63,8 +64,10 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(name: str) -> Path:
-    """The compiled library of `cpu/<name>.cc`, building it if it is not cached yet."""
+def _build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library of `cpu/<name>.cc`, building it if it is not cached yet.
+    `extra_flags` follow `-march=native`: the tests build a kernel's other variants with them
+    (`-mno-avx512f` takes away what an older CPU lacks)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
@@ -73,8 +76,9 @@ def _build(name: str) -> Path:
     source = source_path.read_bytes() + b"".join(
         h.read_bytes() for h in sorted(_SOURCES.glob("*.h"))
     )
+    flags = [*_FLAGS, *extra_flags]
     key = hashlib.sha256(
-        source + " ".join([cxx, *_FLAGS, *_LINK_FLAGS]).encode() + _cpu_signature().encode()
+        source + " ".join([cxx, *flags, *_LINK_FLAGS]).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"{name}_{key}.so"
     if out.exists():
@@ -85,7 +89,7 @@ def _build(name: str) -> Path:
         obj = Path(tmp) / f"{name}.o"
         include = f"-I{jax.ffi.include_dir()}"
         for cmd in (
-            [cxx, *_FLAGS, include, "-c", str(source_path), "-o", str(obj)],
+            [cxx, *flags, include, "-c", str(source_path), "-o", str(obj)],
             [cxx, *_LINK_FLAGS, str(obj), "-o", str(tmp_out)],
         ):
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -97,11 +101,17 @@ def _build(name: str) -> Path:
 
 
 @functools.cache
-def load(name: str, symbol: str, target: str) -> str | None:
+def library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """`cpu/<name>.cc` built (see `_build`) and loaded, once per process."""
+    return ctypes.cdll.LoadLibrary(str(_build(name, extra_flags)))
+
+
+@functools.cache
+def load(name: str, symbol: str, target: str, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Builds `cpu/<name>.cc`, loads it and registers its handler `symbol` as the FFI target
     `target`, once per process; None when that worked, else the reason (also logged)."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build(name)))
+        lib = library(name, extra_flags)
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # no compiler, a failed build, a library that will not load
         logger.warning("the native CPU kernel %s is unavailable (%s); using XLA", name, e)

@@ -7,6 +7,11 @@ L1-resident buffer and multiplies there. The weight layout is `jaxllm.quantizati
 (output-major [O, I], group-wise scales and offsets along I); the .cc file's header says it
 exactly. Built on first use (`native.py`); `available()` is False where it cannot be built,
 and callers then dequantize with XLA ops.
+
+Where the CPU has 8-bit dot products (AVX-512 VNNI, AVX-VNNI) int8 and int4 take an integer
+path: x rounded to int8 per 16 inputs, `vpdpbusd` against the codes (`path()` names the one
+built). `VARIANTS` are the builds a test or benchmark can ask for on a CPU that has them all:
+each one is checked against the reference in tests/test_quantization.py.
 """
 
 from __future__ import annotations
@@ -18,15 +23,33 @@ from pallas_kernels import native
 
 _TARGET = "jaxllm_quant_matmul"
 FORMATS = {"int8": 0, "int4": 1, "fp8": 2}
+# Extra compiler flags per variant, after -march=native: "native" is what this CPU gets;
+# "avx_vnni" is the 256-bit integer path of CPUs with AVX-VNNI but no AVX-512 (on a CPU
+# without AVX-VNNI either, it is the float path); "float" dequantizes to float32.
+VARIANTS = {
+    "native": (),
+    "avx_vnni": ("-mno-avx512f",),
+    "float": ("-mno-avx512f", "-mno-avxvnni"),
+}
 
 
-def _load() -> str | None:
-    return native.load("quant_matmul", "JaxllmQuantMatmul", _TARGET)
+def _load(variant: str = "native") -> str | None:
+    target = _TARGET if variant == "native" else f"{_TARGET}_{variant}"
+    return native.load("quant_matmul", "JaxllmQuantMatmul", target, VARIANTS[variant])
 
 
-def available() -> bool:
+def available(variant: str = "native") -> bool:
     """Whether the kernel could be built and registered (builds it on the first call)."""
-    return _load() is None
+    return _load(variant) is None
+
+
+def path(variant: str = "native") -> str:
+    """The path int8 and int4 take in that build: "avx512_vnni", "avx_vnni" or "float"."""
+    import ctypes
+
+    fn = native.library("quant_matmul", VARIANTS[variant]).JaxllmQuantMatmulPath
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 def quant_matmul_cpu(
@@ -35,14 +58,16 @@ def quant_matmul_cpu(
     scale: jax.Array,  # [O, G] float32 or float16
     offset: jax.Array | None,  # [O, G], scale's dtype
     fmt: str,
+    variant: str = "native",
 ) -> jax.Array:  # f32[T, O]
-    error = _load()
+    error = _load(variant)
     if error is not None:
         raise RuntimeError(f"the cpu quantized matmul is unavailable: {error}")
+    target = _TARGET if variant == "native" else f"{_TARGET}_{variant}"
     has_offset = offset is not None
     if offset is None:
         offset = jnp.zeros((1, 1), scale.dtype)
-    return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))(
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))(
         x.astype(jnp.float32),
         q,
         scale,

@@ -9,7 +9,7 @@ and attention written with XLA ops copies and transposes the gathered pages for 
 XLA's CPU backend runs slowly at these shapes (see the .cc file's header). JAX's FFI is the
 supported way to add such an op; the call is a custom call inside the same jitted step, reads
 the KV cache in place (no copy: checked by the runner's in-place test), and runs on the
-step's own threads (OpenMP inside the call).
+step's own threads (XLA's intra-op thread pool, `cpu/parallel.h`).
 
 The sliding window is an operand of the call (i32[1], <= 0: none), not an attribute, so a
 traced window (a layer scan's) works; the kernel still reads no token before a work item's

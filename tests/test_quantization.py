@@ -39,8 +39,9 @@ from helpers import prefill_logits, tensor_parallel_report
     ],
 )
 def test_native_matmul_matches_xla_dequantization(fmt, num_in, group, offset, scale_dtype):
-    """Every row count the micro-kernel special-cases (1-3 leftovers, blocks of 4), output
-    rows that do not fill a block (O = 70), each dequantization loop, float16 and float32
+    """The float path (fp8's, and int8 and int4's where the CPU has no 8-bit dot products):
+    every row count the micro-kernel special-cases (1-3 leftovers, blocks of 4), output rows
+    that do not fill a block (O = 70), each dequantization loop, float16 and float32
     factors."""
     if fmt == "int4" and (group % 32 or num_in % 32):
         pytest.skip("int4 groups are whole 32-blocks")
@@ -50,11 +51,80 @@ def test_native_matmul_matches_xla_dequantization(fmt, num_in, group, offset, sc
     for t in (1, 2, 3, 4, 7):
         x = rng.standard_normal((t, num_in)).astype(np.float32)
         got = jax.jit(
-            lambda x, w: quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt)
+            lambda x, w: quant_matmul_cpu.quant_matmul_cpu(
+                x, w.q, w.scale, w.offset, w.fmt, "float"
+            )
         )(x, jax.tree.map(jnp.asarray, w))
         xla = x @ np.asarray(dequantize(jax.tree.map(jnp.asarray, w))).T
         np.testing.assert_allclose(got, x @ dense.T, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(xla, x @ dense.T, rtol=1e-4, atol=1e-3)
+
+
+def _rounded_per_16(x: np.ndarray) -> np.ndarray:
+    """x as the integer path sees it: int8 codes per 16 inputs, scale max|x| / 127."""
+    v = x.reshape(x.shape[0], -1, 16)
+    amax = np.abs(v).max(-1, keepdims=True)
+    inv = np.where(amax > 0, 127 / np.where(amax > 0, amax, 1), 0)
+    return (np.rint(v * inv) * (amax / 127)).reshape(x.shape).astype(np.float32)
+
+
+def _native_product(x: np.ndarray, w: QArray, variant: str = "native") -> tuple[np.ndarray, bool]:
+    """x @ w.T as that build of the native kernel computes it (up to summation order), and
+    whether it takes the integer path (int8 / int4 codes, whole vectors of inputs, groups of
+    16, 32 or whole vectors)."""
+    vector = {"avx512_vnni": 64, "avx_vnni": 32}.get(quant_matmul_cpu.path(variant))
+    integer = (
+        w.fmt != "fp8"
+        and vector is not None
+        and w.num_in % vector == 0
+        and (w.group_size in (16, 32) or w.group_size % vector == 0)
+    )
+    return (_rounded_per_16(x) if integer else x) @ dequantize_np(w).T, integer
+
+
+@pytest.mark.skipif(not quant_matmul_cpu.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("variant", list(quant_matmul_cpu.VARIANTS))
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "num_in,group,offset,scale_dtype",
+    [
+        (256, 256, False, np.float32),  # per channel: groups of whole vectors
+        (576, 32, True, np.float16),  # GGUF's blocks (the demo model's width)
+        (256, 16, False, np.float32),  # Q6_K's sub-blocks
+        (512, 128, True, np.float16),  # our int4's groups
+        (96, 32, False, np.float32),  # not a whole 64-input vector: the float path
+    ],
+)
+def test_native_matmul_variants_match_their_reference(
+    variant, fmt, num_in, group, offset, scale_dtype
+):
+    """Each build of the kernel this CPU can run: the integer paths (AVX-512 VNNI, AVX-VNNI)
+    equal the dense matmul of x rounded to int8 per 16 inputs, up to float32 summation order,
+    and stay within the rounding's error of the exact product; the float path equals the exact
+    product. Rows alone give what they give in a batch."""
+    if fmt == "int4" and group % 32:
+        pytest.skip("int4 groups are whole 32-blocks")
+    if not quant_matmul_cpu.available(variant):
+        pytest.skip(f"the {variant} build is unavailable here")
+    rng = np.random.default_rng(1)
+    w = random_qarray(rng, fmt, 70, num_in, num_in // group, offset, scale_dtype)
+    dense = dequantize_np(w)
+    wj = jax.tree.map(jnp.asarray, w)
+    matmul = jax.jit(
+        lambda x, w: quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt, variant)
+    )
+    x = rng.standard_normal((7, num_in)).astype(np.float32)
+    x[3] = 0.0  # a row of zeros (scale 0) gives zeros
+    got = np.asarray(matmul(x, wj))
+    exact = x @ dense.T
+    ref, integer = _native_product(x, w, variant)
+    scale = np.abs(exact).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * scale)
+    assert np.all(got[3] == 0)
+    if integer:  # int8 rounding of x: about 0.4% of x's range per input
+        assert 1e-4 * scale < np.abs(got - exact).max() < 2e-2 * scale
+    for rows in ((0, 1), (5, 6), (1, 3)):  # batch-invariant: the same bits alone or in two
+        np.testing.assert_array_equal(np.asarray(matmul(x[slice(*rows)], wj)), got[slice(*rows)])
 
 
 def test_int4_packing_is_gguf_q4_order_and_inverts():
@@ -88,7 +158,9 @@ def test_quantize_error_is_bounded(fmt):
     ids = jnp.asarray([0, 5, 47])
     np.testing.assert_allclose(take_rows(dev, ids), dequantize_np(qa)[[0, 5, 47]], rtol=1e-6)
     x = rng.standard_normal((3, 128)).astype(np.float32)
-    np.testing.assert_allclose(qmatmul(x, dev), x @ dequantize_np(qa).T, rtol=1e-4, atol=1e-4)
+    native = quant_matmul_cpu.available() and fmt != "fp8"
+    want = _native_product(x, qa)[0] if native else x @ dequantize_np(qa).T
+    np.testing.assert_allclose(qmatmul(x, dev), want, rtol=1e-4, atol=1e-4)
 
 
 def test_int4_importance_refits_groups_to_the_weighted_error():

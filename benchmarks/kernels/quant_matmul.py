@@ -14,7 +14,9 @@ timed `--iters` times with `block_until_ready`; median and min are reported.
 
 Backends (`config.QUANT_MATMUL_BACKENDS` plus "native"): "xla" dequantizes with XLA ops (the
 TPU's path), "pallas" is the Pallas kernel (`pallas_kernels/quant_matmul_gpu.py`, the GPU's;
-interpreted off a GPU, so its CPU times say nothing), "native" the CPU's C++ kernel. Default:
+interpreted off a GPU, so its CPU times say nothing), "native" the CPU's C++ kernel, and
+"native:VARIANT" one build of it (`quant_matmul_cpu.VARIANTS`: "native:float" is its float
+path, for the integer path's gain in one run). Default:
 xla plus the platform's own (pallas on GPU, native on CPU).
 
 Bytes = codes + scales + offsets + x + output: what a kernel must move through memory once.
@@ -38,6 +40,7 @@ from jaxllm.bench import write_json
 from jaxllm.config import CompilationConfig, using_kernels
 from jaxllm.quantization import qmatmul
 from jaxllm.testing import random_qarray
+from pallas_kernels import quant_matmul_cpu
 
 DEFAULTS = {
     "tokens": [1, 16, 64, 256],
@@ -49,6 +52,9 @@ QUICK = {"tokens": [1, 8], "shapes": [(256, 512)], "iters": 3, "warmup": 1}
 
 
 def _matmul(backend: str, x, w):
+    if backend.startswith("native:"):  # one build of the CPU kernel, by its variant's name
+        variant = backend.split(":", 1)[1]
+        return quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt, variant)
     if backend == "native":  # the CPU's kernel is what "auto" picks there
         backend = "auto"
     # Inside the traced function: read while tracing, as the decoder sets it.

@@ -7,7 +7,20 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from typing import Any
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for results measured on it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_json(path: str, res: dict[str, Any]) -> None:

@@ -14,10 +14,10 @@
 // the demo model), which XLA runs at a few GFLOP/s; 64 decodes of 256 tokens took ~7 ms per
 // layer for 25 MB of K/V. Here each page is read in place, once per work item.
 //
-// Work items: (request, block of up to kQueryBlock query rows, kv head), spread over OpenMP
-// threads. An item walks the tokens its rows can see (causal, and the sliding window: no token
-// before its first row's window is read) in tiles of kTile tokens, each token's row found
-// through the block table (any page size):
+// Work items: (request, block of up to kQueryBlock query rows, kv head), spread over XLA's
+// intra-op threads (parallel.h). An item walks the tokens its rows can see (causal, and the
+// sliding window: no token before its first row's window is read) in tiles of kTile tokens,
+// each token's row found through the block table (any page size):
 //   - the tile's K and V rows for the item's kv head are read once into f32 buffers;
 //   - scores: a decode item has few query vectors (the GQA group of one row), so each score is
 //     a dot product over H; a prefill item has many, so the keys are transposed to [H][kTile]
@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "e4m3.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -254,9 +255,9 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
 }
 
 template <typename QT, typename CT>
-void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, const float* scales,
-         int64_t layer, const int32_t* seq_lens, const int32_t* block_tables, const int32_t* cu,
-         int64_t num_seqs, QT* out) {
+void Run(ffi::ThreadPool& pool, const Shape& s, const Params& prm, const QT* q, const CT* kv,
+         const float* scales, int64_t layer, const int32_t* seq_lens,
+         const int32_t* block_tables, const int32_t* cu, int64_t num_seqs, QT* out) {
   std::memset(out, 0, sizeof(QT) * s.num_tokens * s.num_heads * s.head_dim);
   std::vector<Item> items;
   for (int32_t r = 0; r < num_seqs; ++r) {
@@ -271,10 +272,11 @@ void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, const flo
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto run = [&](auto head_dim) {
     constexpr int HD = decltype(head_dim)::value;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i)
-      RunItem<HD, QT, CT>(items[i], s, prm, q, layer_kv, layer_scales, seq_lens, block_tables,
-                          cu, out);
+    jaxllm::ParallelFor(pool, num_items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        RunItem<HD, QT, CT>(items[i], s, prm, q, layer_kv, layer_scales, seq_lens, block_tables,
+                            cu, out);
+    });
   };
   switch (s.head_dim) {
     case 16: run(std::integral_constant<int, 16>()); break;
@@ -286,7 +288,8 @@ void Run(const Shape& s, const Params& prm, const QT* q, const CT* kv, const flo
   }
 }
 
-ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32> kv_scales,
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                ffi::Buffer<ffi::F32> kv_scales,
                 ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
@@ -330,18 +333,18 @@ ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32>
   }
   const float* scales = quantized ? kv_scales.typed_data() : nullptr;
   if (qt == ffi::F32 && ct == ffi::F32) {
-    Run<float, float>(s, prm, q.typed_data<float>(), kv_cache.typed_data<float>(), nullptr, lay,
-                      sl, bt, cu, n, out->typed_data<float>());
+    Run<float, float>(pool, s, prm, q.typed_data<float>(), kv_cache.typed_data<float>(),
+                      nullptr, lay, sl, bt, cu, n, out->typed_data<float>());
   } else if (qt == ffi::BF16 && ct == ffi::BF16) {
-    Run<uint16_t, uint16_t>(s, prm, reinterpret_cast<const uint16_t*>(q.untyped_data()),
+    Run<uint16_t, uint16_t>(pool, s, prm, reinterpret_cast<const uint16_t*>(q.untyped_data()),
                             reinterpret_cast<const uint16_t*>(kv_cache.untyped_data()), nullptr,
                             lay, sl, bt, cu, n, reinterpret_cast<uint16_t*>(out->untyped_data()));
   } else if (ct == ffi::S8) {
-    Run<float, int8_t>(s, prm, q.typed_data<float>(),
+    Run<float, int8_t>(pool, s, prm, q.typed_data<float>(),
                        reinterpret_cast<const int8_t*>(kv_cache.untyped_data()), scales, lay, sl,
                        bt, cu, n, out->typed_data<float>());
   } else if (ct == ffi::U8) {  // float8_e4m3fn, as its bytes
-    Run<float, E4M3>(s, prm, q.typed_data<float>(),
+    Run<float, E4M3>(pool, s, prm, q.typed_data<float>(),
                      reinterpret_cast<const E4M3*>(kv_cache.untyped_data()), scales, lay, sl, bt,
                      cu, n, out->typed_data<float>());
   } else {
@@ -356,6 +359,7 @@ ffi::Error Impl(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32>
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, Impl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()          // q
                                   .Arg<ffi::AnyBuffer>()          // kv_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()   // kv_scales (or a dummy [1])
