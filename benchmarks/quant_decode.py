@@ -59,8 +59,9 @@ def main() -> None:
     except (KeyError, ValueError):
         model = args.model
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    quantizations = args.quantizations.split(",")
     rows = []
-    for quantization in args.quantizations.split(","):
+    for quantization in quantizations:
         llm = LLM(
             model,
             quantization=quantization,
@@ -76,8 +77,8 @@ def main() -> None:
             )
         del llm
     by = {(r["quantization"], r["batch"]): r["tpot_ms"] for r in rows}
-    for q in args.quantizations.split(",")[1:]:
-        first = args.quantizations.split(",")[0]
+    first = quantizations[0]
+    for q in quantizations[1:]:
         for b in batches:
             print(f"{q} vs {first}, batch {b}: {by[first, b] / by[q, b]:.2f}x")
     if args.json:

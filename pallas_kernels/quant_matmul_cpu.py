@@ -33,9 +33,12 @@ VARIANTS = {
 }
 
 
+def _target(variant: str) -> str:
+    return _TARGET if variant == "native" else f"{_TARGET}_{variant}"
+
+
 def _load(variant: str = "native") -> str | None:
-    target = _TARGET if variant == "native" else f"{_TARGET}_{variant}"
-    return native.load("quant_matmul", "JaxllmQuantMatmul", target, VARIANTS[variant])
+    return native.load("quant_matmul", "JaxllmQuantMatmul", _target(variant), VARIANTS[variant])
 
 
 def available(variant: str = "native") -> bool:
@@ -63,11 +66,12 @@ def quant_matmul_cpu(
     error = _load(variant)
     if error is not None:
         raise RuntimeError(f"the cpu quantized matmul is unavailable: {error}")
-    target = _TARGET if variant == "native" else f"{_TARGET}_{variant}"
     has_offset = offset is not None
     if offset is None:
         offset = jnp.zeros((1, 1), scale.dtype)
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))(
+    return jax.ffi.ffi_call(
+        _target(variant), jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
+    )(
         x.astype(jnp.float32),
         q,
         scale,

@@ -178,6 +178,20 @@ void MicroKernel(const float* x, int64_t t0, const float* buf, int nr, int64_t i
   }
 }
 
+// kernel(NT, t0) over the input rows in blocks of kT, then one block of the 1-3 left: NT is a
+// std::integral_constant, so each micro-kernel is compiled for its row count.
+template <typename Kernel>
+void ForInputRowBlocks(int64_t num_t, const Kernel& kernel) {
+  int64_t t0 = 0;
+  for (; t0 + kT <= num_t; t0 += kT) kernel(std::integral_constant<int, kT>(), t0);
+  switch (num_t - t0) {
+    case 3: kernel(std::integral_constant<int, 3>(), t0); break;
+    case 2: kernel(std::integral_constant<int, 2>(), t0); break;
+    case 1: kernel(std::integral_constant<int, 1>(), t0); break;
+    default: break;
+  }
+}
+
 template <Format kFormat, typename ST>
 void Run(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* scale,
          const ST* offset, bool has_offset, int64_t num_t, int64_t in, int64_t num_out,
@@ -199,14 +213,9 @@ void Run(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* scal
         dequant(q, scale, offset, has_offset, o0 + r, in, groups, buf + r * in);
       // Rows past the last real one are zero, so the micro-kernel may always run kRows rows.
       for (int r = nr; r < kRows; ++r) std::fill(buf + r * in, buf + (r + 1) * in, 0.f);
-      int64_t t0 = 0;
-      for (; t0 + kT <= num_t; t0 += kT) MicroKernel<kT>(x, t0, buf, nr, in, out, num_out, o0);
-      switch (num_t - t0) {
-        case 3: MicroKernel<3>(x, t0, buf, nr, in, out, num_out, o0); break;
-        case 2: MicroKernel<2>(x, t0, buf, nr, in, out, num_out, o0); break;
-        case 1: MicroKernel<1>(x, t0, buf, nr, in, out, num_out, o0); break;
-        default: break;
-      }
+      ForInputRowBlocks(num_t, [&](auto nt, int64_t t0) {
+        MicroKernel<decltype(nt)::value>(x, t0, buf, nr, in, out, num_out, o0);
+      });
     }
   });
 }
@@ -420,19 +429,11 @@ void RunInt(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* s
         ToFloats(scale + o * groups, groups, gf.data() + r * groups);
         if (has_offset) ToFloats(offset + o * groups, groups, gm.data() + r * groups);
       }
-      auto kernel = [&](auto nt, int64_t t0) {
+      ForInputRowBlocks(num_t, [&](auto nt, int64_t t0) {
         IntMicroKernel<kFormat, kMode, decltype(nt)::value>(
             xq, group_sum.data(), t0, rows, gf.data(), gm.data(), chunk_group.data(),
             has_offset, nr, in, groups, out, num_out, o0);
-      };
-      int64_t t0 = 0;
-      for (; t0 + kT <= num_t; t0 += kT) kernel(std::integral_constant<int, kT>(), t0);
-      switch (num_t - t0) {
-        case 3: kernel(std::integral_constant<int, 3>(), t0); break;
-        case 2: kernel(std::integral_constant<int, 2>(), t0); break;
-        case 1: kernel(std::integral_constant<int, 1>(), t0); break;
-        default: break;
-      }
+      });
     }
   });
 }
