@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/profile_step.py [--model smollm2-135m] [--batch 1] \
         [--context 128] [--steps 32] [--temperature 0] [--top-p 1] [--dtype float32] \
-        [--json PATH]
+        [--quantization gguf] [--json PATH]
 
 Runs `--batch` requests of `--context` random prompt tokens (seeded) through `LLM.generate`,
 then times `--steps` decode steps (every request decoding one token per step) stage by stage:
@@ -63,6 +63,7 @@ def profile(args) -> dict:
         max_num_seqs=max(args.batch, 1),
         attention_backend=args.attention_backend,
         **extra,
+        **({"quantization": args.quantization} if args.quantization else {}),
     )
     rng = np.random.default_rng(0)
     vocab = llm.runner.config.vocab_size
@@ -87,7 +88,10 @@ def profile(args) -> dict:
     _timed(times, runner, "prepare", "prepare")
     if hasattr(runner, "update_batch"):  # the persistent batch's diffs count as prepare
         _timed(times, runner, "update_batch", "update_batch")
-    if hasattr(runner, "_forward"):
+    if hasattr(runner, "head_and_sample"):
+        _timed(times, runner, "forward", "forward", block=True)
+        _timed(times, runner, "head_and_sample", "head+sample", block=True)
+    elif hasattr(runner, "_forward"):  # before the worker package (for before/after tables)
         _timed(times, runner, "_forward", "forward", block=True)
         _timed(times, runner, "_sample", "head+sample", block=True)
     else:  # before the step was split in two (for before/after tables): one program
@@ -169,6 +173,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", help="the engine's quantization (gguf, int8, ...)")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args()
     result = profile(args)

@@ -5,7 +5,7 @@
         [--num-q-heads 32] [--num-kv-heads 8] [--head-dim 128] [--page-size 16] \
         [--dtype bfloat16] [--kv-cache-dtype int8|fp8] [--iters 20] [--warmup 3] [--check] \
         [--json PATH]
-    .venv/bin/python benchmarks/kernels/ragged_attention.py --quick --interpret  # CPU, seconds
+    .venv/bin/python benchmarks/kernels/ragged_attention.py --quick [--interpret]  # CPU, seconds
 
 For each (batch, context) it builds one layer of a random paged KV cache (fixed seed) with
 `batch * ceil(context / page_size)` pages plus a few spare, and block tables that are a random
@@ -23,8 +23,8 @@ call is printed as the host dispatch floor: a config timed near it measures the 
 kernel. K/V smaller than a GPU's L2 cache may be served partly from L2 across iterations.
 
 Backends default to "reference" plus the Pallas backend of the platform (pallas_gpu on GPU,
-pallas_tpu on TPU) if `pallas_kernels.BACKENDS` has it; on CPU with --interpret, every Pallas
-backend it has (the interpreter checks correctness; its times say nothing about hardware).
+pallas_tpu on TPU) if `pallas_kernels.BACKENDS` has it; on CPU the native kernel ("cpu") and,
+with --interpret, every Pallas backend it has (the interpreter checks correctness; its times say nothing about hardware).
 --quick sets tiny sizes and iteration counts; flags given explicitly still win. A config that
 does not fit device memory is skipped with a message, as is a Pallas backend that rejects a
 shape (ValueError / NotImplementedError).
@@ -85,8 +85,8 @@ def peak_hbm_gb_s(device_kind: str) -> float | None:
 
 def default_backends(platform: str, interpret: bool) -> list[str]:
     pallas = [b for b in pallas_kernels.BACKENDS if b.startswith("pallas_")]
-    if platform == "cpu":
-        return ["reference"] + (pallas if interpret else [])
+    if platform == "cpu":  # the native C++ kernel, and interpreted Pallas ones when asked
+        return ["reference", "cpu"] + (pallas if interpret else [])
     native = pallas_kernels.resolve_backend("pallas", platform)
     return ["reference"] + ([native] if native in pallas else [])
 
@@ -134,7 +134,7 @@ def make_inputs(args, batch: int, context: int) -> tuple:
 
 def make_fn(backend: str, args):
     # `interpret` exists only beside the Pallas backends; the reference has no such keyword.
-    extra = {} if backend == "reference" else {"interpret": args.interpret}
+    extra = {"interpret": args.interpret} if backend.startswith("pallas_") else {}
     return jax.jit(
         functools.partial(
             pallas_kernels.ragged_paged_attention,
@@ -312,7 +312,11 @@ def main() -> None:
         p.error(f"unknown backend(s) {unknown}; available: {pallas_kernels.BACKENDS}")
     # Reference first, so every other backend's row can show its ratio and error against it.
     args.backend = sorted(dict.fromkeys(args.backend), key=lambda b: b != "reference")
-    if platform == "cpu" and not args.interpret and args.backend != ["reference"]:
+    if (
+        platform == "cpu"
+        and not args.interpret
+        and any(b.startswith("pallas_") for b in args.backend)
+    ):
         p.error("Pallas backends run on CPU only with --interpret")
     if args.q_len < 1 or args.q_len > min(args.context):
         p.error(f"--q-len must be in [1, {min(args.context)}] (the smallest context)")
