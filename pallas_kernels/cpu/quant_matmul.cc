@@ -74,6 +74,17 @@ constexpr int kLanes = 8;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 
 constexpr int kRows = 4;  // output rows per block
+// How far ahead of the block in use its thread prefetches codes. A decode reads each weight
+// once, too fast for the hardware prefetcher alone: out of cache, a [1, 576] x [576, 1536]
+// int4 matmul went 49 -> 38 us on one core, int8 71 -> 48 us (2-core AMD EPYC).
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Prefetches block `next` of a thread's blocks [.., end) (block_bytes each, from q).
+inline void PrefetchBlock(const uint8_t* q, int64_t next, int64_t end, int64_t block_bytes) {
+  if (next >= end) return;
+  const char* p = reinterpret_cast<const char*>(q + next * block_bytes);
+  for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
 constexpr int kT = 4;     // input rows per micro-kernel call
 
 inline vf load(const float* p) {
@@ -206,9 +217,12 @@ void Run(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* scal
     thread_local std::vector<float> buffer;
     buffer.resize(kRows * in);
     float* buf = buffer.data();
+    const int64_t block_bytes = kRows * (kFormat == kInt4 ? in / 2 : in);
+    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / block_bytes);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t o0 = blk * kRows;
       const int nr = static_cast<int>(std::min<int64_t>(kRows, num_out - o0));
+      PrefetchBlock(q, blk + ahead, b1, block_bytes);
       for (int r = 0; r < nr; ++r)
         dequant(q, scale, offset, has_offset, o0 + r, in, groups, buf + r * in);
       // Rows past the last real one are zero, so the micro-kernel may always run kRows rows.
@@ -340,6 +354,8 @@ inline void ToFloats(const uint16_t* p, int64_t n, float* out) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i,
                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+  for (; i + 4 <= n; i += 4)
+    _mm_storeu_ps(out + i, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i))));
 #endif
   for (; i < n; ++i) out[i] = to_float(p[i]);
 }
@@ -419,15 +435,21 @@ void RunInt(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* s
     thread_local std::vector<float> gf, gm;
     gf.resize(kRows * groups);
     gm.resize(has_offset ? kRows * groups : 0);
+    const int64_t block_bytes = kRows * row_bytes;
+    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / block_bytes);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t o0 = blk * kRows;
       const int nr = static_cast<int>(std::min<int64_t>(kRows, num_out - o0));
+      PrefetchBlock(q, blk + ahead, b1, block_bytes);
+      // The block's rows are contiguous in q, scale and offset: their factors convert in one
+      // run. Past the last row: repeat it (computed, never written).
       const uint8_t* rows[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t o = o0 + std::min(r, nr - 1);  // past the last row: repeat it, unwritten
-        rows[r] = q + o * row_bytes;
-        ToFloats(scale + o * groups, groups, gf.data() + r * groups);
-        if (has_offset) ToFloats(offset + o * groups, groups, gm.data() + r * groups);
+      for (int r = 0; r < kRows; ++r) rows[r] = q + (o0 + std::min(r, nr - 1)) * row_bytes;
+      ToFloats(scale + o0 * groups, nr * groups, gf.data());
+      if (has_offset) ToFloats(offset + o0 * groups, nr * groups, gm.data());
+      for (int r = nr; r < kRows; ++r) {
+        std::copy_n(gf.data() + (nr - 1) * groups, groups, gf.data() + r * groups);
+        if (has_offset) std::copy_n(gm.data() + (nr - 1) * groups, groups, gm.data() + r * groups);
       }
       ForInputRowBlocks(num_t, [&](auto nt, int64_t t0) {
         IntMicroKernel<kFormat, kMode, decltype(nt)::value>(
