@@ -58,6 +58,7 @@ split an FFI or Pallas call); the XLA ops split with the weight.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -381,6 +382,30 @@ def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
         return quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt)
     interpret = pallas_kernels.current_platform() != "gpu"
     return quant_matmul_gpu.quant_matmul_gpu(x, w.q, w.scale, w.offset, w.fmt, interpret=interpret)
+
+
+def qmatmuls(x: jax.Array, ws: Sequence[QArray]) -> list[jax.Array]:
+    """[x @ w.T for w in ws] (f32[T, O] each), the weights that share their format, group
+    count, scale dtype and offsets in one native kernel call on the CPU: q, k and v of a layer
+    (gate and up) then cost one call instead of three (two), one rounding of x and one spread
+    over the threads (the demo model's 30 layers at T = 1: 5.4 -> 4.4 ms, 2-core AMD EPYC).
+    Each result is bit for bit the weight's own `qmatmul`. Elsewhere: one qmatmul each."""
+    if _implementation() != "native" or len(ws) < 2:
+        return [qmatmul(x, w) for w in ws]
+    calls: dict[tuple, list[int]] = {}  # weights that may share a call -> their indices
+    for i, w in enumerate(ws):
+        key = (w.fmt, w.scale.shape[1], w.scale.dtype, w.offset is None, w.perm is None)
+        calls.setdefault(key if w.perm is None else (i,), []).append(i)
+    out: list[jax.Array | None] = [None] * len(ws)
+    for indices in calls.values():
+        if len(indices) == 1:
+            out[indices[0]] = qmatmul(x, ws[indices[0]])
+            continue
+        matrices = [(ws[i].q, ws[i].scale, ws[i].offset) for i in indices]
+        results = quant_matmul_cpu.quant_matmuls_cpu(x, matrices, ws[indices[0]].fmt)
+        for i, r in zip(indices, results, strict=True):
+            out[i] = r
+    return out
 
 
 def take_rows(w: QArray, ids: jax.Array) -> jax.Array:

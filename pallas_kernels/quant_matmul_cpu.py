@@ -16,6 +16,8 @@ each one is checked against the reference in tests/test_quantization.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -63,19 +65,42 @@ def quant_matmul_cpu(
     fmt: str,
     variant: str = "native",
 ) -> jax.Array:  # f32[T, O]
+    (out,) = quant_matmuls_cpu(x, [(q, scale, offset)], fmt, variant)
+    return out
+
+
+def quant_matmuls_cpu(
+    x: jax.Array,  # f32[T, I]
+    matrices: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]],  # (q, scale, offset)
+    fmt: str,
+    variant: str = "native",
+) -> list[jax.Array]:  # f32[T, O] each
+    """x times each matrix in one kernel call (q, k and v of a layer: one quantization of x,
+    one spread of all their rows over the threads, one call instead of three). The matrices
+    share `fmt`, their group count G and scale dtype, and all have offsets or none. Each
+    result equals the matrix's own call bit for bit."""
     error = _load(variant)
     if error is not None:
         raise RuntimeError(f"the cpu quantized matmul is unavailable: {error}")
-    has_offset = offset is not None
-    if offset is None:
-        offset = jnp.zeros((1, 1), scale.dtype)
-    return jax.ffi.ffi_call(
-        _target(variant), jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-    )(
-        x.astype(jnp.float32),
-        q,
-        scale,
-        offset,
-        format=FORMATS[fmt],
-        has_offset=has_offset,
+    if not matrices:
+        raise ValueError("matrices must not be empty")
+    _, scale0, offset0 = matrices[0]
+    has_offset = offset0 is not None
+    for _, scale, offset in matrices:
+        if (offset is not None) != has_offset or scale.dtype != scale0.dtype:
+            raise ValueError(
+                "matrices of one call must all have offsets or none, and one scale dtype"
+            )
+        if scale.shape[1] != scale0.shape[1]:
+            raise ValueError(
+                f"matrices of one call must share G, got {scale.shape[1]} and {scale0.shape[1]}"
+            )
+    operands = []
+    for q, scale, offset in matrices:
+        operands += [q, scale, offset if has_offset else jnp.zeros((1, 1), scale.dtype)]
+    results = [jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32) for q, _, _ in matrices]
+    return list(
+        jax.ffi.ffi_call(_target(variant), results)(
+            x.astype(jnp.float32), *operands, format=FORMATS[fmt], has_offset=has_offset
+        )
     )

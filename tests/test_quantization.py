@@ -16,6 +16,7 @@ from jaxllm.quantization import (
     dequantize_np,
     pack_int4,
     qmatmul,
+    qmatmuls,
     quantize,
     take_rows,
     unpack_int4,
@@ -125,6 +126,67 @@ def test_native_matmul_variants_match_their_reference(
         assert 1e-4 * scale < np.abs(got - exact).max() < 2e-2 * scale
     for rows in ((0, 1), (5, 6), (1, 3)):  # batch-invariant: the same bits alone or in two
         np.testing.assert_array_equal(np.asarray(matmul(x[slice(*rows)], wj)), got[slice(*rows)])
+
+
+@pytest.mark.skipif(not quant_matmul_cpu.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("variant", list(quant_matmul_cpu.VARIANTS))
+@pytest.mark.parametrize(
+    "fmt,group,offset,scale_dtype",
+    [
+        ("int4", 32, True, np.float16),
+        ("int8", 576, False, np.float32),
+        ("fp8", 576, False, np.float32),
+    ],
+)
+def test_native_matmuls_in_one_call_equal_their_own_calls(variant, fmt, group, offset, scale_dtype):
+    """Several matrices of one x in one call (a layer's q, k and v: different output sizes,
+    some not filling a block of rows): each result is bit for bit its matrix's own call, at
+    every row count; and `qmatmuls` makes that one call of the matrices that can share it."""
+    if not quant_matmul_cpu.available(variant):
+        pytest.skip(f"the {variant} build is unavailable here")
+    rng = np.random.default_rng(2)
+    ws = [
+        jax.tree.map(
+            jnp.asarray, random_qarray(rng, fmt, o, 576, 576 // group, offset, scale_dtype)
+        )
+        for o in (576, 70, 192)
+    ]
+    one = jax.jit(
+        lambda x, w: quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt, variant)
+    )
+    many = jax.jit(
+        lambda x, ws: quant_matmul_cpu.quant_matmuls_cpu(
+            x, [(w.q, w.scale, w.offset) for w in ws], fmt, variant
+        )
+    )
+    for t in (1, 3, 9):
+        x = rng.standard_normal((t, 576)).astype(np.float32)
+        for w, got in zip(ws, many(x, ws), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(one(x, w)))
+
+
+def test_qmatmuls_shares_calls_only_between_alike_matrices():
+    """One kernel call per set of matrices with the same format, group count, scale dtype and
+    offsets; a matrix unlike the others gets its own; results as `qmatmul`'s."""
+    if not quant_matmul_cpu.available():
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(3)
+    ws = [
+        random_qarray(rng, "int4", 64, 128, 4, True, np.float16),
+        random_qarray(rng, "int8", 32, 128, 1, False, np.float32),
+        random_qarray(rng, "int4", 96, 128, 4, True, np.float16),
+        random_qarray(rng, "int4", 16, 128, 2, True, np.float16),  # other group size
+    ]
+    ws = [jax.tree.map(jnp.asarray, w) for w in ws]
+    x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
+    hlo = jax.jit(qmatmuls).lower(x, ws).as_text()
+    assert hlo.count("jaxllm_quant_matmul") == 3, hlo
+    for w, got in zip(ws, jax.jit(qmatmuls)(x, ws), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(qmatmul)(x, w)))
+    with pytest.raises(ValueError, match="share G"):
+        quant_matmul_cpu.quant_matmuls_cpu(
+            x, [(w.q, w.scale, w.offset) for w in (ws[0], ws[3])], "int4"
+        )
 
 
 def test_int4_packing_is_gguf_q4_order_and_inverts():

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxllm.config import ModelConfig, RopeScaling, kernel_choices
-from jaxllm.quantization import QArray, qmatmul
+from jaxllm.quantization import QArray, qmatmul, qmatmuls
 from jaxllm.sharding import kv_cache_specs
 from pallas_kernels import KVCache
 
@@ -138,6 +138,19 @@ def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     return out.reshape(*x.shape[:-1], *w.shape[_num_in_axes(w.shape, num_in) :])
 
 
+def linears(x: jax.Array, ws: list[jax.Array | QArray]) -> list[jax.Array]:
+    """[linear(x, w) for w in ws], the quantized ones through `qmatmuls` (on the CPU, one
+    kernel call for those that share a format: a layer's q, k and v, its gate and up)."""
+    quantized = [i for i, w in enumerate(ws) if isinstance(w, QArray)]
+    if len(quantized) < 2:
+        return [linear(x, w) for w in ws]
+    out = [None if isinstance(w, QArray) else linear(x, w) for w in ws]
+    products = qmatmuls(x, [ws[i] for i in quantized])
+    for i, y in zip(quantized, products, strict=True):
+        out[i] = y.astype(x.dtype).reshape(*x.shape[:-1], *ws[i].out_shape)
+    return out
+
+
 def matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Array:
     """x [T, I] @ w [I, O] (or w [O, I] with `w_transposed`), in float32.
 
@@ -230,7 +243,7 @@ class Attention(nnx.Module):
         layer: int,  # this layer's index into the cache
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
-        q, k, v = (linear(x, w.get_value()) for w in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = linears(x, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)])
         if self.q_bias is not None:
             q = q + self.q_bias.get_value()
             k = k + self.k_bias.get_value()
@@ -293,6 +306,6 @@ class MLP(nnx.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.act(linear(x, self.gate_proj.get_value()))
-        up = linear(x, self.up_proj.get_value())
+        gate, up = linears(x, [self.gate_proj.get_value(), self.up_proj.get_value()])
+        gate = self.act(gate)
         return linear(gate * up, self.down_proj.get_value())

@@ -76,16 +76,9 @@ typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 constexpr int kRows = 4;  // output rows per block
 // How far ahead of the block in use its thread prefetches codes. A decode reads each weight
 // once, too fast for the hardware prefetcher alone: out of cache, a [1, 576] x [576, 1536]
-// int4 matmul went 49 -> 38 us on one core, int8 71 -> 48 us (2-core AMD EPYC).
+// int4 matmul went 49 -> 33 us on one core, int8 71 -> 39 us (2-core AMD EPYC).
 constexpr int64_t kPrefetchBytes = 4096;
-
-// Prefetches block `next` of a thread's blocks [.., end) (block_bytes each, from q).
-inline void PrefetchBlock(const uint8_t* q, int64_t next, int64_t end, int64_t block_bytes) {
-  if (next >= end) return;
-  const char* p = reinterpret_cast<const char*>(q + next * block_bytes);
-  for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
-}
-constexpr int kT = 4;     // input rows per micro-kernel call
+constexpr int kT = 4;  // input rows per micro-kernel call
 
 inline vf load(const float* p) {
   vf v;
@@ -123,6 +116,49 @@ inline float hsum(vf v) {
   for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
 }
+
+
+// The matrices of one call, all multiplied by the same x: one format, input size, group
+// count and factor type (float32 or float16 `ST`), each with its own output rows and result.
+// Their row blocks are numbered one after another, so one ParallelFor spreads all of them
+// (q, k and v in one call: fewer calls, one quantization of x, and work enough for every
+// thread).
+template <typename ST>
+struct Weights {
+  struct One {
+    const uint8_t* q;
+    const ST* scale;
+    const ST* offset;
+    int64_t num_out;
+    float* out;
+    int64_t first_block;
+  };
+  std::vector<One> w;
+  int64_t num_blocks = 0;
+  int64_t row_bytes = 0;  // of q
+
+  void Add(const uint8_t* q, const ST* scale, const ST* offset, int64_t num_out, float* out) {
+    w.push_back({q, scale, offset, num_out, out, num_blocks});
+    num_blocks += (num_out + kRows - 1) / kRows;
+  }
+  // The matrix holding block b (they are few: a scan), and the block's first row in it.
+  const One& Of(int64_t b, int64_t* o0) const {
+    size_t i = 0;
+    while (i + 1 < w.size() && w[i + 1].first_block <= b) ++i;
+    *o0 = (b - w[i].first_block) * kRows;
+    return w[i];
+  }
+  // Prefetches block `next` of a thread's blocks [.., end).
+  void Prefetch(int64_t next, int64_t end) const {
+    if (next >= end) return;
+    int64_t o0;
+    const One& m = Of(next, &o0);
+    const char* p = reinterpret_cast<const char*>(m.q + o0 * row_bytes);
+    const int64_t bytes = std::min<int64_t>(kRows, m.num_out - o0) * row_bytes;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  }
+  int64_t Ahead() const { return std::max<int64_t>(1, kPrefetchBytes / (kRows * row_bytes)); }
+};
 
 // Dequantizes output row o into buf[0:I].
 template <Format kFormat, typename ST, int kGroup>
@@ -204,31 +240,29 @@ void ForInputRowBlocks(int64_t num_t, const Kernel& kernel) {
 }
 
 template <Format kFormat, typename ST>
-void Run(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* scale,
-         const ST* offset, bool has_offset, int64_t num_t, int64_t in, int64_t num_out,
-         int64_t groups, float* out) {
-  const int64_t num_blocks = (num_out + kRows - 1) / kRows;
+void Run(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool has_offset,
+         int64_t num_t, int64_t in, int64_t groups) {
   const int64_t group_size = in / groups;
   auto dequant = group_size == 32   ? DequantRow<kFormat, ST, 32>
                  : group_size == 16 ? DequantRow<kFormat, ST, 16>
                                     : DequantRow<kFormat, ST, 0>;
-  const int64_t grain = jaxllm::Grain(pool, num_blocks);
-  jaxllm::ParallelFor(pool, num_blocks, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t grain = jaxllm::Grain(pool, ws.num_blocks);
+  jaxllm::ParallelFor(pool, ws.num_blocks, grain, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> buffer;
     buffer.resize(kRows * in);
     float* buf = buffer.data();
-    const int64_t block_bytes = kRows * (kFormat == kInt4 ? in / 2 : in);
-    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / block_bytes);
+    const int64_t ahead = ws.Ahead();
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t o0 = blk * kRows;
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, num_out - o0));
-      PrefetchBlock(q, blk + ahead, b1, block_bytes);
+      int64_t o0;
+      const auto& m = ws.Of(blk, &o0);
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, m.num_out - o0));
+      ws.Prefetch(blk + ahead, b1);
       for (int r = 0; r < nr; ++r)
-        dequant(q, scale, offset, has_offset, o0 + r, in, groups, buf + r * in);
+        dequant(m.q, m.scale, m.offset, has_offset, o0 + r, in, groups, buf + r * in);
       // Rows past the last real one are zero, so the micro-kernel may always run kRows rows.
       for (int r = nr; r < kRows; ++r) std::fill(buf + r * in, buf + (r + 1) * in, 0.f);
       ForInputRowBlocks(num_t, [&](auto nt, int64_t t0) {
-        MicroKernel<decltype(nt)::value>(x, t0, buf, nr, in, out, num_out, o0);
+        MicroKernel<decltype(nt)::value>(x, t0, buf, nr, in, m.out, m.num_out, o0);
       });
     }
   });
@@ -416,13 +450,11 @@ void IntMicroKernel(const QuantizedX& xq, const float* group_sum, int64_t t0,
 }
 
 template <Format kFormat, ScaleMode kMode, typename ST>
-void RunInt(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* scale,
-            const ST* offset, bool has_offset, int64_t num_t, int64_t in, int64_t num_out,
-            int64_t groups, float* out) {
+void RunInt(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool has_offset,
+            int64_t num_t, int64_t in, int64_t groups) {
   const QuantizedX xq = QuantizeX(pool, x, num_t, in);
   const int64_t subs = in / kSub, group_size = in / groups, subs_per_group = group_size / kSub;
-  const int64_t row_bytes = kFormat == kInt4 ? in / 2 : in;
-  const int64_t num_blocks = (num_out + kRows - 1) / kRows;
+  const int64_t row_bytes = ws.row_bytes;
   std::vector<int32_t> chunk_group(in / Vec::kChunk);
   for (size_t c = 0; c < chunk_group.size(); ++c)
     chunk_group[c] = static_cast<int32_t>(c * Vec::kChunk / group_size);
@@ -430,23 +462,23 @@ void RunInt(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* s
   for (int64_t t = 0; t < num_t; ++t)
     for (int64_t s = 0; s < subs; ++s)
       group_sum[t * groups + s / subs_per_group] += xq.scaled_sum[t * subs + s];
-  const int64_t grain = jaxllm::Grain(pool, num_blocks);
-  jaxllm::ParallelFor(pool, num_blocks, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t grain = jaxllm::Grain(pool, ws.num_blocks);
+  jaxllm::ParallelFor(pool, ws.num_blocks, grain, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> gf, gm;
     gf.resize(kRows * groups);
     gm.resize(has_offset ? kRows * groups : 0);
-    const int64_t block_bytes = kRows * row_bytes;
-    const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / block_bytes);
+    const int64_t ahead = ws.Ahead();
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t o0 = blk * kRows;
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, num_out - o0));
-      PrefetchBlock(q, blk + ahead, b1, block_bytes);
+      int64_t o0;
+      const auto& m = ws.Of(blk, &o0);
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, m.num_out - o0));
+      ws.Prefetch(blk + ahead, b1);
       // The block's rows are contiguous in q, scale and offset: their factors convert in one
       // run. Past the last row: repeat it (computed, never written).
       const uint8_t* rows[kRows];
-      for (int r = 0; r < kRows; ++r) rows[r] = q + (o0 + std::min(r, nr - 1)) * row_bytes;
-      ToFloats(scale + o0 * groups, nr * groups, gf.data());
-      if (has_offset) ToFloats(offset + o0 * groups, nr * groups, gm.data());
+      for (int r = 0; r < kRows; ++r) rows[r] = m.q + (o0 + std::min(r, nr - 1)) * row_bytes;
+      ToFloats(m.scale + o0 * groups, nr * groups, gf.data());
+      if (has_offset) ToFloats(m.offset + o0 * groups, nr * groups, gm.data());
       for (int r = nr; r < kRows; ++r) {
         std::copy_n(gf.data() + (nr - 1) * groups, groups, gf.data() + r * groups);
         if (has_offset) std::copy_n(gm.data() + (nr - 1) * groups, groups, gm.data() + r * groups);
@@ -454,7 +486,7 @@ void RunInt(ffi::ThreadPool& pool, const float* x, const uint8_t* q, const ST* s
       ForInputRowBlocks(num_t, [&](auto nt, int64_t t0) {
         IntMicroKernel<kFormat, kMode, decltype(nt)::value>(
             xq, group_sum.data(), t0, rows, gf.data(), gm.data(), chunk_group.data(),
-            has_offset, nr, in, groups, out, num_out, o0);
+            has_offset, nr, in, groups, m.out, m.num_out, o0);
       });
     }
   });
@@ -477,79 +509,106 @@ bool IntPathTakes(Format format, int64_t in, int64_t groups, int* mode) {
   return false;
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                ffi::AnyBuffer scale,
-                ffi::AnyBuffer offset, int64_t format, bool has_offset,
-                ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions();
+// Checks matrix i of the call (q, scale, offset, and its result) against x and the first
+// matrix, and adds it to `ws`.
+template <typename ST>
+ffi::Error AddMatrix(Weights<ST>& ws, Format format, bool has_offset, int64_t in,
+                     int64_t* groups, ffi::AnyBuffer q, ffi::AnyBuffer scale,
+                     ffi::AnyBuffer offset, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                     int64_t num_t) {
   auto qd = q.dimensions();
   auto sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("quant_matmul_cpu: x, q and scale must be 2-D");
-  const int64_t num_t = xd[0], in = xd[1], num_out = qd[0], groups = sd[1];
-  if (sd[0] != num_out || groups < 1 || in % groups)
+  if (qd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: q and scale must be 2-D");
+  const int64_t num_out = qd[0], g = sd[1];
+  if (sd[0] != num_out || g < 1 || in % g)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: scale must be [O, G], G dividing I");
+  if (*groups == 0) *groups = g;
+  if (g != *groups)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: the matrices of a call must share G");
   if (has_offset && (offset.dimensions().size() != 2 || offset.dimensions()[0] != num_out ||
-                     offset.dimensions()[1] != groups))
+                     offset.dimensions()[1] != g))
     return ffi::Error::InvalidArgument("quant_matmul_cpu: offset must be shaped as scale");
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.untyped_data());
-  if (scale.element_type() != offset.element_type() ||
-      (scale.element_type() != ffi::F32 && scale.element_type() != ffi::F16))
+  const ffi::DataType st = std::is_same_v<ST, float> ? ffi::F32 : ffi::F16;
+  if (scale.element_type() != st || offset.element_type() != st)
     return ffi::Error::InvalidArgument(
-        "quant_matmul_cpu: scale and offset must both be float32 or both float16");
-  const bool half = scale.element_type() == ffi::F16;
+        "quant_matmul_cpu: scale and offset must both be float32 or both float16, alike in "
+        "every matrix of a call");
+  auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != num_t || od[1] != num_out)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: each result must be f32[T, O]");
+  if (format == kInt8) {
+    if (q.element_type() != ffi::S8 || qd[1] != in)
+      return ffi::Error::InvalidArgument("quant_matmul_cpu: int8 q must be int8 [O, I]");
+  } else if (format == kInt4) {
+    if (q.element_type() != ffi::U8 || qd[1] * 2 != in || (in / g) % 32)
+      return ffi::Error::InvalidArgument(
+          "quant_matmul_cpu: int4 q must be uint8 [O, I / 2] with groups of 32k elements");
+  } else if (q.element_type() != ffi::F8E4M3FN || qd[1] != in) {
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: fp8 q must be float8_e4m3fn [O, I]");
+  }
+  ws.row_bytes = format == kInt4 ? in / 2 : in;
+  ws.Add(reinterpret_cast<const uint8_t*>(q.untyped_data()),
+         static_cast<const ST*>(scale.untyped_data()), static_cast<const ST*>(offset.untyped_data()),
+         num_out, out->typed_data());
+  return ffi::Error::Success();
+}
+
+template <typename ST>
+ffi::Error RunAll(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs& mats,
+                  ffi::RemainingRets& outs, Format format, bool has_offset) {
+  const int64_t num_t = x.dimensions()[0], in = x.dimensions()[1];
+  Weights<ST> ws;
+  int64_t groups = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto q = mats.get<ffi::AnyBuffer>(3 * i);
+    auto scale = mats.get<ffi::AnyBuffer>(3 * i + 1);
+    auto offset = mats.get<ffi::AnyBuffer>(3 * i + 2);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (q.has_error() || scale.has_error() || offset.has_error() || out.has_error())
+      return ffi::Error::InvalidArgument("quant_matmul_cpu: bad operands");
+    ffi::Error error = AddMatrix(ws, format, has_offset, in, &groups, *q, *scale, *offset, *out,
+                                 num_t);
+    if (error.failure()) return error;
+  }
   auto run = [&](auto fmt) {
     constexpr Format F = decltype(fmt)::value;
     if constexpr (F != kFp8) {
 #ifdef JAXLLM_INT_PATH_ENABLED
       int mode = 0;
       if (IntPathTakes(F, in, groups, &mode)) {
-        auto run_int = [&](auto m) {
-          constexpr ScaleMode M = decltype(m)::value;
-          if (half)
-            RunInt<F, M, uint16_t>(pool, x.typed_data(), qp,
-                                   static_cast<const uint16_t*>(scale.untyped_data()),
-                                   static_cast<const uint16_t*>(offset.untyped_data()),
-                                   has_offset, num_t, in, num_out, groups, out->typed_data());
-          else
-            RunInt<F, M, float>(pool, x.typed_data(), qp,
-                                static_cast<const float*>(scale.untyped_data()),
-                                static_cast<const float*>(offset.untyped_data()), has_offset,
-                                num_t, in, num_out, groups, out->typed_data());
-        };
-        if (mode == kGroup16) run_int(std::integral_constant<ScaleMode, kGroup16>());
-        else if (mode == kGroup32) run_int(std::integral_constant<ScaleMode, kGroup32>());
-        else run_int(std::integral_constant<ScaleMode, kGroupChunks>());
+        if (mode == kGroup16) RunInt<F, kGroup16, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
+        else if (mode == kGroup32) RunInt<F, kGroup32, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
+        else RunInt<F, kGroupChunks, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
         return;
       }
 #endif
     }
-    if (half)
-      Run<F, uint16_t>(pool, x.typed_data(), qp, static_cast<const uint16_t*>(scale.untyped_data()),
-                       static_cast<const uint16_t*>(offset.untyped_data()), has_offset, num_t,
-                       in, num_out, groups, out->typed_data());
-    else
-      Run<F, float>(pool, x.typed_data(), qp, static_cast<const float*>(scale.untyped_data()),
-                    static_cast<const float*>(offset.untyped_data()), has_offset, num_t, in,
-                    num_out, groups, out->typed_data());
+    Run<F, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
   };
-  if (format == kInt8) {
-    if (q.element_type() != ffi::S8 || qd[1] != in)
-      return ffi::Error::InvalidArgument("quant_matmul_cpu: int8 q must be int8 [O, I]");
-    run(std::integral_constant<Format, kInt8>());
-  } else if (format == kInt4) {
-    if (q.element_type() != ffi::U8 || qd[1] * 2 != in || (in / groups) % 32)
-      return ffi::Error::InvalidArgument(
-          "quant_matmul_cpu: int4 q must be uint8 [O, I / 2] with groups of 32k elements");
-    run(std::integral_constant<Format, kInt4>());
-  } else if (format == kFp8) {
-    if (q.element_type() != ffi::F8E4M3FN || qd[1] != in)
-      return ffi::Error::InvalidArgument("quant_matmul_cpu: fp8 q must be float8_e4m3fn [O, I]");
-    run(std::integral_constant<Format, kFp8>());
-  } else {
-    return ffi::Error::InvalidArgument("quant_matmul_cpu: format must be 0, 1 or 2");
-  }
+  if (format == kInt8) run(std::integral_constant<Format, kInt8>());
+  else if (format == kInt4) run(std::integral_constant<Format, kInt4>());
+  else run(std::integral_constant<Format, kFp8>());
   return ffi::Error::Success();
+}
+
+// x [T, I] times each matrix of the call: operands (q, scale, offset) per matrix after x, one
+// result f32[T, O] per matrix.
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs mats,
+                int64_t format, bool has_offset, ffi::RemainingRets outs) {
+  if (x.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: x must be 2-D");
+  if (outs.size() < 1 || mats.size() != 3 * outs.size())
+    return ffi::Error::InvalidArgument(
+        "quant_matmul_cpu: each matrix needs q, scale and offset, and one result");
+  if (format != kInt8 && format != kInt4 && format != kFp8)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: format must be 0, 1 or 2");
+  auto scale = mats.get<ffi::AnyBuffer>(1);
+  if (scale.has_error()) return ffi::Error::InvalidArgument("quant_matmul_cpu: bad operands");
+  const Format f = static_cast<Format>(format);
+  if (scale->element_type() == ffi::F16)
+    return RunAll<uint16_t>(pool, x, mats, outs, f, has_offset);
+  return RunAll<float>(pool, x, mats, outs, f, has_offset);
 }
 
 }  // namespace
@@ -558,12 +617,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQuantMatmul, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, I]
-                                  .Arg<ffi::AnyBuffer>()         // q
-                                  .Arg<ffi::AnyBuffer>()         // scale [O, G]
-                                  .Arg<ffi::AnyBuffer>()         // offset [O, G] or [1, 1]
+                                  .RemainingArgs()  // per matrix: q, scale [O, G], offset
                                   .Attr<int64_t>("format")
                                   .Attr<bool>("has_offset")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingRets());  // per matrix: f32[T, O]
 
 // Which path int8 and int4 matmuls take in this build: "avx512_vnni", "avx_vnni" or "float".
 extern "C" const char* JaxllmQuantMatmulPath() { return JAXLLM_INT_PATH; }
