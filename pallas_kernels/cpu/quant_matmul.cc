@@ -35,6 +35,10 @@
 // and a batch-1 decode of the demo GGUF kept quantized 142 -> 40 ms (benchmarks/results/
 // qmatmul-int-path-cpu.json).
 //
+// One call takes any number of matrices of the same x (a layer's q, k and v; its gate and
+// up): x is rounded once, and their row blocks, numbered one after another, are spread over
+// the threads together (`Weights`). Each thread prefetches its codes kPrefetchBytes ahead.
+//
 // The float path (fp8, shapes the integer path does not take, CPUs without 8-bit dot
 // products): output rows in blocks of kRows, spread over XLA's intra-op threads (parallel.h,
 // as the integer path's). A block's rows are dequantized into an f32 buffer once (at most
