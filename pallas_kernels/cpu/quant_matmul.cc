@@ -553,8 +553,8 @@ ffi::Error AddMatrix(Weights<ST>& ws, Format format, bool has_offset, int64_t in
   }
   ws.row_bytes = format == kInt4 ? in / 2 : in;
   ws.Add(reinterpret_cast<const uint8_t*>(q.untyped_data()),
-         static_cast<const ST*>(scale.untyped_data()), static_cast<const ST*>(offset.untyped_data()),
-         num_out, out->typed_data());
+         static_cast<const ST*>(scale.untyped_data()),
+         static_cast<const ST*>(offset.untyped_data()), num_out, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -581,9 +581,13 @@ ffi::Error RunAll(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
 #ifdef JAXLLM_INT_PATH_ENABLED
       int mode = 0;
       if (IntPathTakes(F, in, groups, &mode)) {
-        if (mode == kGroup16) RunInt<F, kGroup16, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
-        else if (mode == kGroup32) RunInt<F, kGroup32, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
-        else RunInt<F, kGroupChunks, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
+        const float* xp = x.typed_data();
+        if (mode == kGroup16)
+          RunInt<F, kGroup16, ST>(pool, xp, ws, has_offset, num_t, in, groups);
+        else if (mode == kGroup32)
+          RunInt<F, kGroup32, ST>(pool, xp, ws, has_offset, num_t, in, groups);
+        else
+          RunInt<F, kGroupChunks, ST>(pool, xp, ws, has_offset, num_t, in, groups);
         return;
       }
 #endif

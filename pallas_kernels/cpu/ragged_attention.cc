@@ -324,9 +324,11 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   const bool quantized = ct == ffi::S8 || ct == ffi::U8;
   if (quantized) {
     auto sd = kv_scales.dimensions();
-    if (sd.size() != 4 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != 1 || sd[3] != 2 * cd[2] * cd[3])
+    if (sd.size() != 4 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != 1 ||
+        sd[3] != 2 * cd[2] * cd[3])
       return ffi::Error::InvalidArgument(
-          "ragged_paged_attention_cpu: an 8-bit cache needs scales [L, num_pages, 1, 2K * page_size]");
+          "ragged_paged_attention_cpu: an 8-bit cache needs scales "
+          "[L, num_pages, 1, 2K * page_size]");
     if (qt != ffi::F32)
       return ffi::Error::InvalidArgument(
           "ragged_paged_attention_cpu: q must be float32 with an 8-bit cache");
