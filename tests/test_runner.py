@@ -32,6 +32,38 @@ def test_buckets_fit_every_batch_tightly():
     assert pick_shape(500, 48, shapes) == (500, 48)
 
 
+def test_fine_buckets_pad_to_at_most_twice_the_rows():
+    """Where a step's work grows with its rows from the first (quantized weights on the CPU),
+    every batch pads to under twice its tokens and requests: 8 decodes run 8 rows, not 16."""
+    tokens, requests, shapes = make_buckets(512, 64, fine=True)
+    assert tokens[:5] == [1, 2, 4, 8, 16] and requests[:5] == [1, 2, 4, 8, 16]
+    for num_tokens in range(1, 513):
+        for num_reqs in {1, 2, 3, 7, 8, 33, 64, min(num_tokens, 64)}:
+            if num_reqs > num_tokens:
+                continue
+            t, r = pick_shape(num_tokens, num_reqs, shapes)
+            assert num_tokens <= t < 2 * num_tokens or t == num_tokens == 1
+            assert r >= num_reqs and r <= max(2 * num_reqs - 1, min(t, 64) / 4), (t, r)
+    assert pick_shape(8, 8, shapes) == (8, 8)
+    assert pick_shape(3, 3, shapes) == (4, 4)
+
+
+def test_runner_pads_finely_for_quantized_weights_on_the_cpu(tiny_model_dir):
+    """The runner picks the fine ladder for weights its CPU kernel multiplies, not for float
+    weights (XLA's matmuls cost about the same for 1 to 16 rows)."""
+    from jaxllm import LLM
+    from pallas_kernels import quant_matmul_cpu
+
+    if not quant_matmul_cpu.available():
+        pytest.skip("no C++ compiler: quantized weights go through XLA")
+    small = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+    quantized = LLM(tiny_model_dir, quantization="int8", **small).runner
+    dense = LLM(tiny_model_dir, **small).runner
+    assert quantized.token_buckets == [1, 2, 4, 8, 16, 32]
+    assert dense.token_buckets == [1, 4, 16, 32]
+    assert (8, 8) in quantized.shapes and (8, 8) not in dense.shapes
+
+
 @pytest.mark.parametrize("attention_backend", ["cpu", "xla"])
 def test_every_program_updates_the_kv_cache_in_place(tiny_model_dir, attention_backend):
     """From each compiled step program's memory analysis: the output aliases the donated cache

@@ -8,18 +8,22 @@ The token count pads to a token bucket, the request count to a request bucket pa
 from __future__ import annotations
 
 
-def _ladder(stop: int) -> list[int]:
-    """Bucket sizes 1, 4, 16, then doubling, below `stop`, then `stop`.
+def _ladder(stop: int, fine: bool = False) -> list[int]:
+    """Bucket sizes 1, 4, 16, then doubling, below `stop`, then `stop`; with `fine`, doubling
+    from 1.
 
     Steps of 4 at the small end: XLA's CPU matmuls take about as long for 2 to 16 rows as for
     16 (1.2-1.6 ms per layer of the demo model on a 2-core AMD EPYC, against 0.5-0.65 ms for
     one row), and on accelerators a weight-streaming matmul costs the same for any row count
     that small; so buckets of 2 and 8 would only add programs to compile. Past 16 the work
-    grows with the rows, and doubling keeps padding under 2x."""
+    grows with the rows, and doubling keeps padding under 2x. `fine` is for steps whose work
+    grows with the rows from the first: quantized weights on the CPU, whose native kernel is
+    bound by its arithmetic (8 rows padded to 16 made the demo GGUF's decode step 24 ms
+    instead of about 12 in its matmuls)."""
     out, b = [], 1
     while b < stop:
         out.append(b)
-        b = b * 4 if b < 16 else b * 2
+        b = b * 4 if b < 16 and not fine else b * 2
     return [*out, stop]
 
 
@@ -32,14 +36,19 @@ _REQUEST_SPAN = 4
 
 
 def make_buckets(
-    max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int = 0
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    num_speculative_tokens: int = 0,
+    *,
+    fine: bool = False,
 ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """(token buckets, request buckets, compiled shapes): both bucket lists follow `_ladder` up
-    to their maximum, so a one-request decode is a (1, 1) program (no 16-token, 8-row floor);
+    to their maximum (`fine`: see there), so a one-request decode is a (1, 1) program (no
+    16-token, 8-row floor);
     the shapes are the (token bucket, request bucket) pairs a batch can pad to, at most three
     request buckets per token bucket (see `_REQUEST_SPAN`). With speculative decoding of k
     tokens, r requests verifying k drafts each fill a token bucket of r * (1 + k)."""
-    tokens, requests = _ladder(max_num_batched_tokens), _ladder(max_num_seqs)
+    tokens, requests = _ladder(max_num_batched_tokens, fine), _ladder(max_num_seqs, fine)
     if num_speculative_tokens:
         spec = (r * (1 + num_speculative_tokens) for r in requests)
         tokens = sorted({*tokens, *(t for t in spec if t < max_num_batched_tokens)})

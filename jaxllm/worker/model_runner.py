@@ -36,7 +36,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+import pallas_kernels
 from jaxllm.config import EngineConfig, ModelConfig, SpecMethod
+from jaxllm.quantization import QArray
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
 from jaxllm.worker.device_state import DeviceState
@@ -50,7 +52,17 @@ from jaxllm.worker.spec_decode.ngram import NgramProposer
 from jaxllm.worker.spec_decode.verification import accepted_rows
 from jaxllm.worker.step_data import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jaxllm.worker.step_inputs import PreparedStep, StepInputs
-from pallas_kernels import get_kv_cache_shape
+from pallas_kernels import get_kv_cache_shape, quant_matmul_cpu
+
+
+def _work_grows_with_rows(model: nnx.Module) -> bool:
+    """Whether a step's cost grows with its rows from the first: quantized weights through the
+    CPU's native kernel, which is bound by its arithmetic (XLA's float matmuls there, and every
+    matmul on an accelerator, stream the weights at about the same cost for 1 to 16 rows)."""
+    if pallas_kernels.current_platform() != "cpu" or not quant_matmul_cpu.available():
+        return False
+    leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, QArray))
+    return any(isinstance(x, QArray) for x in leaves)
 
 
 class ModelRunner:
@@ -78,7 +90,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = k = speculative.num_speculative_tokens if speculative else 0
         self.token_buckets, self.request_buckets, self.shapes = make_buckets(
-            max_num_batched_tokens, max_num_seqs, k
+            max_num_batched_tokens, max_num_seqs, k, fine=_work_grows_with_rows(model)
         )
         # The head-and-sampler programs, by rows sampled (`logit_rows` of each shape).
         self.logit_buckets = sorted({logit_rows(shape, k) for shape in self.shapes})
