@@ -3,14 +3,14 @@ the same prompts, at several concurrencies, from one run (issue 35's table).
 
     .venv/bin/python benchmarks/peer_serve.py [--llama-server PATH] [--model smollm2-135m] \
         [--jaxllm "float:,gguf:-q gguf"] [--concurrency 1,8,32] [--input-len 128] \
-        [--output-len 128] [--threads 2] [--json PATH]
+        [--output-len 128] [--threads 2] [--min-prompts 16] [--json PATH]
 
 The servers run one at a time, each alone on the machine: llama-server with `-t --threads`,
 `-np` = the largest concurrency and a context of that many times (input + output + 64)
 tokens, as PEERS.md describes; then each `--jaxllm` configuration, `NAME:ARGS` (extra
 `jaxllm serve` arguments, e.g. `-q gguf`). Each server is started, waited for (`/health`), warmed
 up with one request, then measured at every concurrency C with `jaxllm bench serve`'s client
-(`jaxllm/bench/serve.py`): max(8, 2C) streamed completions of --input-len random common words
+(`jaxllm/bench/serve.py`): max(--min-prompts, 2C) streamed completions of --input-len random common words
 (seeded: the same prompts for every server), --output-len tokens each (`ignore_eos`), greedy.
 Reported per server and C: output tok/s, median TTFT and TPOT; and each jaxllm configuration's
 ratio to llama-server (tok/s: higher is better for jaxllm; TTFT: llama-server's over jaxllm's,
@@ -76,7 +76,7 @@ def measure(name: str, cmd: list[str], port: int, args) -> dict[int, dict]:
                 [
                     "--base-url", url,
                     "--backend", "openai",
-                    "--num-prompts", str(max(8, 2 * c)),
+                    "--num-prompts", str(max(args.min_prompts, 2 * c)),
                     "--max-concurrency", str(c),
                     "--random-input-len", str(args.input_len),
                     "--random-output-len", str(args.output_len),
@@ -109,6 +109,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="llama-server's -t")
+    p.add_argument(
+        "--min-prompts", type=int, default=16, help="requests at concurrency C: max(this, 2C)"
+    )
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
     p.add_argument("--json")
