@@ -23,8 +23,9 @@ there.
 
 `quantization` (engine argument, vLLM's names): None keeps a checkpoint as it is stored (GPTQ,
 AWQ and compressed-tensors checkpoints and, on accelerators, a GGUF file's quantized tensors
-stay quantized; float checkpoints stay float; on the CPU a GGUF file is dequantized, since its
-float32 step is still faster there past batch 1); "int8", "int4" or
+stay quantized; float checkpoints stay float; on the CPU a GGUF file is dequantized: kept
+quantized it decodes faster up to 8 clients or more, but its prefill is slower, and float32
+serves more at 32 clients (benchmarks/results/README.md)); "int8", "int4" or
 "fp8" quantize every linear layer and the embedding at load (from the float weights, or from
 a GGUF file's dequantized ones); "gguf", "gptq", "awq" and "compressed-tensors" are None,
 spelled as vLLM does, and checked against the checkpoint (loaders/quantized_hf.py reads the

@@ -114,9 +114,11 @@ def load_model(
             f"({method or 'not quantized'})"
         )
     if quantization is None and method == "gguf" and jax.default_backend() == "cpu":
-        # On the CPU a GGUF file's weights are dequantized unless asked otherwise: there the
-        # float32 step is still the faster one past batch 1 (benchmarks/results/README.md);
-        # `quantization="gguf"` keeps them quantized (0.18x the bytes of the demo model).
+        # On the CPU a GGUF file's weights are dequantized unless asked otherwise: kept
+        # quantized, decode is faster (2.2-2.7x at batch 1, 1.5x at 8 on the demo model) but a
+        # prefill through the integer kernel is slower than XLA's float32 GEMM, and float32
+        # serves more at 32 clients (benchmarks/results/README.md); `quantization="gguf"`
+        # keeps them quantized (0.18x the bytes of the demo model).
         quantization = "float"
     start = time.perf_counter()
     config, graphdef, abstract_state = abstract_model(load_config(path), dtype, compilation, mesh)
