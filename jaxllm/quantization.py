@@ -336,9 +336,9 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     return _dequantize(w, jnp, dtype)
 
 
-def _implementation() -> str:
-    """ "native", "pallas" or "xla": `quant_matmul_backend`'s choice, "auto" resolved by
-    platform.
+def matmul_implementation() -> str:
+    """ "native", "pallas" or "xla": `quant_matmul_backend`'s choice (of the kernel choices in
+    force: `config.using_kernels`), "auto" resolved by platform.
     "pallas" is the Triton kernel: it runs on NVIDIA GPUs, and interpreted on the CPU (for
     checking); anywhere else it is refused rather than interpreted slowly."""
     backend = kernel_choices().quant_matmul_backend
@@ -374,7 +374,7 @@ def _xla_matmul(x: jax.Array, w: QArray) -> jax.Array:
 
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
     """x [T, I] @ w.T -> f32[T, O]."""
-    kernel = _implementation()
+    kernel = matmul_implementation()
     if kernel == "xla" or (kernel == "pallas" and not _pallas_runs(x.shape[0], w)):
         return _xla_matmul(x, w)
     if w.perm is not None:  # the kernels read q's columns in order
@@ -391,12 +391,12 @@ def qmatmuls(x: jax.Array, ws: Sequence[QArray]) -> list[jax.Array]:
     (gate and up) then cost one call instead of three (two), one rounding of x and one spread
     over the threads (the demo model's 30 layers at T = 1: 5.4 -> 4.4 ms, 2-core AMD EPYC).
     Each result is bit for bit the weight's own `qmatmul`. Elsewhere: one qmatmul each."""
-    if _implementation() != "native" or len(ws) < 2:
+    if matmul_implementation() != "native" or len(ws) < 2:
         return [qmatmul(x, w) for w in ws]
     calls: dict[tuple, list[int]] = {}  # weights that may share a call -> their indices
     for i, w in enumerate(ws):
-        key = (w.fmt, w.scale.shape[1], w.scale.dtype, w.offset is None, w.perm is None)
-        calls.setdefault(key if w.perm is None else (i,), []).append(i)
+        key = (w.fmt, w.scale.shape[1], w.scale.dtype, w.offset is None)
+        calls.setdefault(key if w.perm is None else (i,), []).append(i)  # perm: x reordered
     out: list[jax.Array | None] = [None] * len(ws)
     for indices in calls.values():
         if len(indices) == 1:

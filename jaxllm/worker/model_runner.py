@@ -36,9 +36,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-import pallas_kernels
-from jaxllm.config import EngineConfig, ModelConfig, SpecMethod
-from jaxllm.quantization import QArray
+from jaxllm.config import EngineConfig, ModelConfig, SpecMethod, using_kernels
+from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
 from jaxllm.worker.device_state import DeviceState
@@ -52,17 +51,19 @@ from jaxllm.worker.spec_decode.ngram import NgramProposer
 from jaxllm.worker.spec_decode.verification import accepted_rows
 from jaxllm.worker.step_data import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jaxllm.worker.step_inputs import PreparedStep, StepInputs
-from pallas_kernels import get_kv_cache_shape, quant_matmul_cpu
+from pallas_kernels import get_kv_cache_shape
 
 
 def _work_grows_with_rows(model: nnx.Module) -> bool:
     """Whether a step's cost grows with its rows from the first: quantized weights through the
-    CPU's native kernel, which is bound by its arithmetic (XLA's float matmuls there, and every
-    matmul on an accelerator, stream the weights at about the same cost for 1 to 16 rows)."""
-    if pallas_kernels.current_platform() != "cpu" or not quant_matmul_cpu.available():
-        return False
+    CPU's native kernel (the one `qmatmul` picks under the model's kernel choices), which is
+    bound by its arithmetic (XLA's float matmuls there, and every matmul on an accelerator,
+    stream the weights at about the same cost for 1 to 16 rows)."""
     leaves = jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, QArray))
-    return any(isinstance(x, QArray) for x in leaves)
+    if not any(isinstance(x, QArray) for x in leaves):
+        return False
+    with using_kernels(model.compilation):
+        return matmul_implementation() == "native"
 
 
 class ModelRunner:

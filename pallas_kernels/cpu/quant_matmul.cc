@@ -551,7 +551,6 @@ ffi::Error AddMatrix(Weights<ST>& ws, Format format, bool has_offset, int64_t in
   } else if (q.element_type() != ffi::F8E4M3FN || qd[1] != in) {
     return ffi::Error::InvalidArgument("quant_matmul_cpu: fp8 q must be float8_e4m3fn [O, I]");
   }
-  ws.row_bytes = format == kInt4 ? in / 2 : in;
   ws.Add(reinterpret_cast<const uint8_t*>(q.untyped_data()),
          static_cast<const ST*>(scale.untyped_data()),
          static_cast<const ST*>(offset.untyped_data()), num_out, out->typed_data());
@@ -563,6 +562,7 @@ ffi::Error RunAll(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
                   ffi::RemainingRets& outs, Format format, bool has_offset) {
   const int64_t num_t = x.dimensions()[0], in = x.dimensions()[1];
   Weights<ST> ws;
+  ws.row_bytes = format == kInt4 ? in / 2 : in;
   int64_t groups = 0;
   for (size_t i = 0; i < outs.size(); ++i) {
     auto q = mats.get<ffi::AnyBuffer>(3 * i);
