@@ -101,6 +101,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace) -> int:
     import json
     import os
+    import warnings
 
     # The target's compiler runs here, on the CPU: no accelerator backend is started (libtpu
     # would look for TPUs, the CUDA plugin for GPUs).
@@ -116,6 +117,12 @@ def _compile(args: argparse.Namespace) -> int:
 
         default = comp.compilation_cache_dir == "default"
         setup_compilation_cache(cache_dir() / "xla" if default else comp.compilation_cache_dir)
+        # Compile-only devices have no client to load an executable with: JAX warns "Error
+        # reading persistent compilation cache entry" for every program a previous run wrote,
+        # then compiles it, as this command must anyway. The entries are for the TPU VM.
+        warnings.filterwarnings(
+            "ignore", message="Error reading persistent compilation cache entry.*PjRtCompiler"
+        )
     compiled = engine.compile_engine(
         config,
         target,

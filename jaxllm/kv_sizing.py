@@ -18,7 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import CacheConfig, ModelConfig, resolve_dtype
-from pallas_kernels import QUANTIZED_KV_DTYPES, get_kv_cache_shape, kv_bytes_per_token_head
+from pallas_kernels import (
+    QUANTIZED_KV_DTYPES,
+    cache_head_dim,
+    get_kv_cache_shape,
+    kv_bytes_per_token_head,
+)
 from pallas_kernels.kv_cache import abstract_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -43,10 +48,14 @@ def resolve_kv_cache_dtype(
     return jnp.dtype(resolve_dtype(model_dtype, platform))
 
 
-def bytes_per_page(config: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
-    """Logical bytes of one page of every layer, an 8-bit cache's scales included."""
+def bytes_per_page(
+    config: ModelConfig, page_size: int, dtype: jnp.dtype, platform: str | None = None
+) -> int:
+    """Logical bytes of one page of every layer, an 8-bit cache's scales included, with the
+    heads as wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
     heads = config.num_layers * 2 * config.num_kv_heads
-    return heads * page_size * kv_bytes_per_token_head(config.head_dim, dtype)
+    head_dim = config.head_dim if platform is None else cache_head_dim(config.head_dim, platform)
+    return heads * page_size * kv_bytes_per_token_head(head_dim, dtype)
 
 
 def device_page_bytes(
@@ -56,12 +65,12 @@ def device_page_bytes(
     cache: on a TPU, from the compiled allocation of a cache (tiles pad its minor dimensions);
     elsewhere the logical bytes split over `num_devices`. `sharding`: the cache's (a `KVCache`
     of shardings, see `jaxllm.sharding.kv_cache_sharding`), or a single device's sharding."""
-    logical = -(-bytes_per_page(config, page_size, dtype) // num_devices)
     if sharding is None:
-        return logical
+        return -(-bytes_per_page(config, page_size, dtype) // num_devices)
     if not isinstance(sharding, tuple):  # one sharding for the data and the scales
         sharding = (sharding, sharding)
     device = next(iter(sharding[0].device_set))
+    logical = -(-bytes_per_page(config, page_size, dtype, device.platform) // num_devices)
     if device.platform != "tpu":
         return logical
     args = (config.num_layers, page_size, config.num_kv_heads, config.head_dim)
@@ -74,7 +83,8 @@ def _compiled_cache_bytes(
     num_pages, num_layers, page_size, num_kv_heads, head_dim, dtype, sharding
 ):
     """The per-device bytes of an allocated cache of `num_pages`, from its compiled program."""
-    shape = get_kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    platform = next(iter(sharding[0].device_set)).platform
+    shape = get_kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim, platform)
     abstract = abstract_kv_cache(shape, dtype, sharding)
     outs = jax.tree.map(lambda a: a.sharding, abstract)
     zeros = jax.jit(

@@ -32,6 +32,7 @@ from pallas_kernels.kv_cache import (
     QUANTIZED_KV_DTYPES,
     KVCache,
     as_kv_cache,
+    cache_head_dim,
     get_kv_cache_shape,
     is_quantized_dtype,
     kv_bytes_per_token_head,
@@ -133,11 +134,22 @@ def ragged_paged_attention(
     """
     kv_cache, kv_scales = as_kv_cache(kv_cache)
     num_tokens, num_heads, head_dim = q.shape
-    if kv_cache.ndim != 5 or kv_cache.shape[4] != 2 * head_dim:
+    if kv_cache.ndim != 5 or kv_cache.shape[4] % 2 or kv_cache.shape[4] < 2 * head_dim:
         raise ValueError(
-            f"kv_cache must be [layers, pages, K, page_size, {2 * head_dim}] for head_dim "
-            f"{head_dim}, got {kv_cache.shape}"
+            f"kv_cache must be [layers, pages, K, page_size, 2W], W >= head_dim {head_dim} "
+            f"(see get_kv_cache_shape), got {kv_cache.shape}"
         )
+    if kv_cache.shape[4] > 2 * head_dim:
+        # A cache padded to the platform's lanes (`cache_head_dim`): zero query lanes meet its
+        # zero key lanes, and the output's padding lanes (zero values) are dropped.
+        width = kv_cache.shape[4] // 2
+        padded = jnp.pad(q, ((0, 0), (0, 0), (0, width - head_dim)))
+        out = ragged_paged_attention(
+            padded, KVCache(kv_cache, kv_scales), layer, seq_lens, block_tables, cu_q_lens,
+            num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            backend=backend, block_sizes=block_sizes, interpret=interpret,
+        )  # fmt: skip
+        return out[..., :head_dim]
     if num_heads % kv_cache.shape[2]:
         raise ValueError(
             f"q heads ({num_heads}) must be a multiple of kv heads ({kv_cache.shape[2]})"
@@ -231,6 +243,7 @@ __all__ = [
     "BlockSizes",
     "KVCache",
     "as_kv_cache",
+    "cache_head_dim",
     "compute_capability",
     "current_device",
     "current_device_kind",

@@ -33,9 +33,14 @@ the page. A page costs (2H + 8) bytes per token and kv head instead of 8H (float
 (bfloat16). Every backend reads the 8-bit data and scales in place and widens only what it
 computes with.
 
-The bytes a cache takes on a device can exceed its logical size where the device pads the
-tiles (a TPU pads 2H to a multiple of 128 lanes, e.g. head_dim 80); `jaxllm.kv_sizing` sizes
-the pool from the compiled layout's bytes, not from this module's arithmetic.
+A head is `W = cache_head_dim(H, platform)` wide in the cache: H itself on the CPU; on a TPU,
+2W is 2H rounded up to whole 128-lane tiles (head_dim 80 and 96 take 128), since a TPU lays out
+a cache whose rows are not whole tiles with its pages minor, and the kernel would copy it into
+row-major on every call; on a GPU, W is the power of two Triton's blocks need. Keys and values
+are written with zeros in the extra lanes and queries padded with zeros (the results are the
+same). A device may still pad a page's rows (the sublanes: e.g. 8 bfloat16 rows), so
+`jaxllm.kv_sizing` sizes a TPU pool from the compiled layout's bytes, not from this module's
+arithmetic.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.target import current_platform
 
 # The cache formats `kv_cache_dtype` names, beyond the model's float dtypes.
 QUANTIZED_KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -215,10 +222,41 @@ def dequantize_kv_cache(kv_cache: KVCache) -> jax.Array:
     return widen_kv(data) * s
 
 
+# The lanes a TPU tiles an array's minor dimension by.
+_TPU_LANES = 128
+
+
+def cache_head_dim(head_dim: int, platform: str | None = None) -> int:
+    """The width a key or value head takes in the cache on `platform` (default: the one
+    kernels are traced for, `target.current_platform`): `head_dim` on the CPU; on a TPU a row
+    of `2H` lanes that is not whole 128-lane tiles is padded to them (H 80 or 96 take 128, H 32
+    takes 64); on a GPU H is padded to a power of two, the only widths Triton's blocks take
+    (H 80 or 96 take 128).
+
+    Unpadded on a TPU, XLA lays such a cache out with its pages as the minor dimension, and
+    every kernel call copies it into the row-major layout the kernel reads (found by compiling
+    head_dim 96 for v6e: 64 MiB of temporaries for a 48 MiB cache); padded, it is read in place
+    and the pool is charged the bytes the tiles take anyway. On a GPU the kernel refused such
+    heads. The padding lanes hold zeros, and queries are padded with zeros too
+    (`ragged_paged_attention`), so scores and outputs are unchanged."""
+    platform = platform or current_platform()
+    if platform == "tpu":
+        return -(-2 * head_dim // _TPU_LANES) * _TPU_LANES // 2
+    if platform in ("gpu", "cuda", "rocm"):
+        return 1 << (head_dim - 1).bit_length()
+    return head_dim
+
+
 def get_kv_cache_shape(
-    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    platform: str | None = None,
 ) -> tuple[int, int, int, int, int]:
-    """The shape of the paged KV cache: `[L, num_pages, K, page_size, 2H]`."""
+    """The shape of the paged KV cache on `platform` (default: the one kernels are traced
+    for): `[L, num_pages, K, page_size, 2 * cache_head_dim(head_dim, platform)]`."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_pages", num_pages),
@@ -228,11 +266,12 @@ def get_kv_cache_shape(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return (num_layers, num_pages, num_kv_heads, page_size, 2 * head_dim)
+    return (num_layers, num_pages, num_kv_heads, page_size, 2 * cache_head_dim(head_dim, platform))
 
 
 def cache_dims(shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
-    """(num_layers, num_pages, num_kv_heads, page_size, head_dim) of a cache of `shape`."""
+    """(num_layers, num_pages, num_kv_heads, page_size, head width) of a cache of `shape`: the
+    width is `cache_head_dim`, the model's head_dim or more where the platform pads it."""
     num_layers, num_pages, num_kv_heads, page_size, two_h = shape
     return num_layers, num_pages, num_kv_heads, page_size, two_h // 2
 
@@ -246,6 +285,7 @@ def write_kv(
 ) -> jax.Array | KVCache:
     """Writes the new tokens' keys and values into their slots of one layer; returns the cache
     in the form it was given (an array, or a `KVCache`, whose 8-bit data is quantized here).
+    Heads narrower than the cache's (`cache_head_dim`) are padded with zeros.
 
     Slots at or past `num_pages * page_size` are dropped: the runner marks padding tokens with
     such a slot. (Negative slots would wrap around, so padding must never use -1.)
@@ -256,11 +296,14 @@ def write_kv(
     cache = as_kv_cache(kv_cache)
     num_layers, num_pages, num_kv_heads, page_size, head_dim = cache_dims(cache.shape)
     num_tokens = k.shape[0]
-    if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
+    if k.shape != v.shape or k.ndim != 3 or k.shape[1] != num_kv_heads or k.shape[2] > head_dim:
         raise ValueError(
-            f"k and v must be [T, {num_kv_heads}, {head_dim}] for this cache; got k {k.shape}, "
-            f"v {v.shape}"
+            f"k and v must be [T, {num_kv_heads}, H <= {head_dim}] for this cache; got k "
+            f"{k.shape}, v {v.shape}"
         )
+    if k.shape[2] < head_dim:  # the platform's padded width (`cache_head_dim`)
+        pad = ((0, 0), (0, 0), (0, head_dim - k.shape[2]))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {slot_mapping.shape}")
     kv = jnp.stack([k, v], axis=2)  # [T, K, 2, H]

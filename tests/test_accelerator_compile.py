@@ -52,7 +52,7 @@ def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, d
     t = _target(target)
     device = t.devices()[0]
     sh = jax.sharding.SingleDeviceSharding(device)
-    shape = get_kv_cache_shape(2, num_pages, page_size, num_kv_heads, head_dim)
+    shape = get_kv_cache_shape(2, num_pages, page_size, num_kv_heads, head_dim, device.platform)
     cache = abstract_kv_cache(shape, kv_dtype, (sh, sh))
     q = jax.ShapeDtypeStruct((num_tokens, num_heads, head_dim), dtype, sharding=sh)
 
@@ -81,19 +81,28 @@ def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, d
 
 
 def _assert_no_cache_copy(compiled, cache_bytes: int) -> None:
+    """No temporary of the cache's size, and the cache taken in the row-major layout the kernel
+    reads: the device's layout for an unpadded head_dim 80 cache put its pages minor, and the
+    relayout went to a TPU's VMEM (no temporary) while the cache was small enough to fit."""
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < cache_bytes // 4, f"{temp / 2**20:.1f} MiB of temporaries: a copy of the cache"
+    data = compiled.input_formats[0][1].data
+    assert data.layout.major_to_minor == tuple(range(5)), data.layout
 
 
 # (q heads, kv heads per device, head_dim, page_size, dtype, cache dtype): kv-head counts that
-# do not tile a TPU's sublanes (3, 5, 6, 7), head_dim 64 (K and V share a 128-lane row) and 256
-# (over an H100's shared memory with 16-token query blocks), every cache format, both page sizes.
+# do not tile a TPU's sublanes (3, 5, 6, 7), head_dim 64 (K and V share a 128-lane row), 256
+# (over an H100's shared memory with 16-token query blocks), 96 and 80 (rows of 192 and 160
+# lanes, which a TPU laid out pages-minor and copied, and Triton refused, until the cache padded
+# them: `cache_head_dim`), every cache format, both page sizes.
 KERNEL_CASES = [
     (9, 3, 64, 16, jnp.bfloat16, jnp.bfloat16),
     (8, 1, 256, 32, jnp.float32, jnp.float32),
     (20, 5, 128, 16, jnp.bfloat16, jnp.int8),
     (12, 6, 128, 32, jnp.bfloat16, jnp.float8_e4m3fn),
     (16, 16, 64, 16, jnp.bfloat16, jnp.bfloat16),
+    (16, 4, 96, 16, jnp.bfloat16, jnp.bfloat16),
+    (8, 2, 80, 32, jnp.bfloat16, jnp.int8),
 ]
 KERNEL_IDS = [f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}-{jnp.dtype(c[5]).name}" for c in KERNEL_CASES]
 
@@ -401,11 +410,6 @@ def test_bad_targets_are_named(bad):
 
 
 @tpu_only
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect (issue 33): device_page_bytes gives the logical 160 lanes for "
-    "head_dim 80 on v6e, not the padded 256",
-)
 def test_pool_is_sized_from_the_compiled_layout():
     """A TPU pads the cache's lanes to 128: with head_dim 80 (2H = 160 lanes) a page takes the
     bytes of 256 lanes, and the pool is sized by those, not the logical ones."""

@@ -324,6 +324,56 @@ def test_declared_cost_counts_only_requests_that_can_have_a_query():
     assert kv_bytes(256, 256) == pool * page_bytes  # the pool holds no more
 
 
+@pytest.mark.parametrize(
+    "backend,platform,kv_dtype",
+    [
+        ("reference", "tpu", jnp.float32),
+        ("xla", "tpu", jnp.float32),
+        ("cpu", "tpu", jnp.int8),
+        ("pallas_tpu", "tpu", jnp.float32),
+        ("pallas_gpu", "gpu", jnp.float32),
+    ],
+)
+def test_heads_padded_to_the_platforms_width_change_nothing(backend, platform, kv_dtype):
+    """head_dim 80 in the cache a TPU or GPU lays out (rows of 128-wide heads, see
+    `cache_head_dim`): write_kv pads the new keys and values with zeros, attention pads the
+    queries and drops the output's padding, and every backend gives the unpadded result."""
+    from pallas_kernels import cache_head_dim, write_kv
+    from pallas_kernels.kv_cache import as_kv_cache, zeros_kv_cache
+
+    if backend == "cpu" and not ragged_attention_cpu.available():
+        pytest.skip("the native CPU kernel cannot be built here")
+    heads, kv_heads, head_dim, page = 4, 2, 80, 16
+    assert cache_head_dim(head_dim, platform) == 128 and cache_head_dim(head_dim, "cpu") == 80
+    rng = np.random.default_rng(7)
+    seq_lens = [20, 37]  # queries: all 20 tokens of the first, the last of the second
+    tables = np.array([[0, 1, 5], [2, 3, 4]], np.int32)
+    slots = np.concatenate(
+        [
+            tables[r, np.arange(n) // page] * page + np.arange(n) % page
+            for r, n in enumerate(seq_lens)
+        ]
+    ).astype(np.int32)
+    k, v = (jnp.asarray(rng.standard_normal((len(slots), kv_heads, head_dim)), jnp.float32)
+            for _ in range(2))  # fmt: skip
+
+    def written(platform):
+        shape = get_kv_cache_shape(2, 8, page, kv_heads, head_dim, platform)
+        return write_kv(zeros_kv_cache(shape, kv_dtype), 1, k, v, jnp.asarray(slots))
+
+    padded = written(platform)
+    assert padded.shape[-1] == 256
+    rows = np.asarray(as_kv_cache(padded).data[1].astype(jnp.float32)).reshape(-1, 2, 128)
+    assert not rows[..., head_dim:].any(), "the padding lanes must hold zeros"
+    q = jnp.asarray(rng.standard_normal((24, heads, head_dim)), jnp.float32)
+    args = (1, jnp.asarray(seq_lens), jnp.asarray(tables), jnp.asarray([0, 20, 21]),
+            jnp.asarray([2], jnp.int32))  # fmt: skip
+    ref = ragged_paged_attention(q, written("cpu"), *args, sm_scale=0.1, backend="reference")
+    out = ragged_paged_attention(q, padded, *args, sm_scale=0.1, backend=backend, interpret=True)
+    assert out.shape == q.shape
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
 def test_bad_kernel_shapes_are_named():
     args, _ = _case(np.random.default_rng(6), "decode", 2, 2, 128, 16, jnp.float32)
     with pytest.raises(ValueError, match="block_sizes.kv_pages a power of two"):

@@ -97,8 +97,9 @@ class ModelRunner:
         self.logit_buckets = sorted({logit_rows(shape, k) for shape in self.shapes})
         self.graphdef, state = nnx.split(model)
         self.params, self._params_def = jax.tree.flatten(state)
+        platform = next(iter(self.params[0].sharding.device_set)).platform  # the target's
         cache_shape = get_kv_cache_shape(
-            config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim
+            config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, platform
         )
         self.device = DeviceState(self.params[0], mesh, cache_shape, dtype, max_num_seqs)
         self.compiler = Compiler(self.device)

@@ -83,6 +83,7 @@ class DraftModelProposer:
             inputs.page_size,
             config.num_kv_heads,
             config.head_dim,
+            device.platform,
         )
         self.kv_cache = device.zeros_cache(shape, device.kv_cache.dtype)
         self._step = jax.jit(
