@@ -371,11 +371,6 @@ def test_compile_report_for_a_gpu(tmp_path):
 
 
 @tpu_only
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect (issue 33): compile_engine compiles before refusing, and XLA:TPU "
-    "fails with RESOURCE_EXHAUSTED (131 GB of temporaries) instead of DoesNotFit",
-)
 def test_compile_refuses_what_does_not_fit():
     """Llama-3.1-70B in bfloat16 on one v5e chip: a clear refusal that names what would fit,
     before anything is compiled."""
@@ -388,6 +383,28 @@ def test_compile_refuses_what_does_not_fit():
     message = str(e.value)
     assert "does not fit v5e-1" in message and "GiB per device" in message
     assert "--target v5e-8" in message or "--quantization" in message
+
+
+@pytest.mark.parametrize(
+    "target,advice",
+    [
+        ("v5e-1", "--target v5e-4 --quantization int4 (tensor parallelism 4: ~10.3 GiB"),
+        ("v6e-1", "--target v6e-8 (tensor parallelism 8: ~16.4 GiB"),
+        (
+            "h100",
+            "--target h100x4 (tensor parallelism 4: ~32.8 GiB of weights per device); or --quantization int4 (~41.1 GiB",
+        ),
+    ],
+)
+def test_fit_advice_names_what_would_hold_the_weights(target, advice):
+    """Llama-3.1-70B's 131.4 GiB of bfloat16 weights: the fewest devices that hold them, or
+    smaller weights, and both together only where neither alone would do."""
+    from jaxllm.aot.engine import fit_advice
+    from jaxllm.config import EngineConfig
+
+    config = EngineConfig.create(CONFIGS / "llama-3.1-70b")
+    text = fit_advice(config, _target(target), jnp.bfloat16, int(131.4 * 2**30), 2**20)
+    assert advice in text, text
 
 
 def test_compile_names_a_missing_compiler(monkeypatch):

@@ -45,7 +45,7 @@ class AbstractModel:
     config: ModelConfig  # as sharded (kv heads repeated under tensor parallelism)
     model: nnx.Module  # with abstract parameters on the target's devices
     weight_bytes: int  # per device, logical
-    weight_device_bytes: int  # per device, as the target lays the parameters out
+    weight_device_bytes: int | None  # per device, as laid out; None: over the device's memory
 
 
 @dataclasses.dataclass
@@ -109,19 +109,29 @@ def compile_engine(
     )
     comp = config.compilation
     quantization = config.load.quantization
-    model = abstract_model(config.load.model, dtype, comp, mesh, devices[0], quantization)
+    memory = target.usable_memory_bytes
+    model = abstract_model(config.load.model, dtype, comp, mesh, devices[0], quantization, memory)
     weights = [model]
     spec = config.speculative.method
     if spec is not None and spec.method == "draft_model":
-        weights.append(abstract_model(spec.model, dtype, comp, mesh, devices[0]))
+        weights.append(abstract_model(spec.model, dtype, comp, mesh, devices[0], None, memory))
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype, platform)
     cache = config.cache
     placement = kv_cache_placement(mesh, kv_dtype, devices[0])
     page_bytes = sum(
         device_page_bytes(w.config, cache.page_size, kv_dtype, placement, tp) for w in weights
     )
+    if any(w.weight_device_bytes is None for w in weights):
+        logical = sum(w.weight_bytes for w in weights)
+        raise DoesNotFit(
+            f"{config.load.model} does not fit {target.name}: its weights take "
+            f"{_gib(logical)} per device, "
+            + ("more than" if logical > memory else "and more as the chip lays them out than")
+            + f" the {_gib(memory)} of the chip. "
+            + fit_advice(config, target, dtype, logical, page_bytes)
+        )
     weight_device_bytes = sum(w.weight_device_bytes for w in weights)
-    usable = target.usable_memory_bytes * cache.memory_utilization
+    usable = memory * cache.memory_utilization
     budget = int(usable - weight_device_bytes)
     if budget < 2 * page_bytes and cache.num_pages is None:
         raise DoesNotFit(
@@ -186,10 +196,12 @@ def abstract_model(
     mesh,
     device: jax.Device,
     quantization: str | None = None,
+    memory_bytes: int | None = None,
 ) -> AbstractModel:
     """The model at `model` (a directory whose config.json is all that is read, a .gguf file's
     metadata, or a demo name) built with abstract parameters placed on `mesh`, or on `device`
-    without one."""
+    without one. Its `weight_device_bytes` are None where the weights exceed `memory_bytes`
+    (a device's) as the target lays them out."""
     path = resolve_model(model)
     if path.suffix == ".gguf" and quantization not in ("float", *FORMATS):
         raise ValueError(
@@ -212,7 +224,8 @@ def abstract_model(
     state = abstract_state_for(abstract_state, config, dtype, shardings, quantization)
     leaves = jax.tree.leaves(state)
     logical = sum(_shard_bytes(a) for a in leaves)
-    return AbstractModel(config, nnx.merge(graphdef, state), logical, _device_bytes(leaves))
+    device_bytes = None if memory_bytes and logical > memory_bytes else _device_bytes(leaves)
+    return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes)
 
 
 def _hf_config(path) -> dict:
@@ -228,14 +241,20 @@ def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
     return size * jnp.dtype(a.dtype).itemsize
 
 
-def _device_bytes(leaves: list[jax.ShapeDtypeStruct]) -> int:
+def _device_bytes(leaves: list[jax.ShapeDtypeStruct]) -> int | None:
     """Bytes the parameters take on one device in the target's layouts: the output size of a
-    compiled program that creates them (a TPU pads the two minor dimensions to its tiles)."""
+    compiled program that creates them (a TPU pads the two minor dimensions to its tiles);
+    None where the compiler finds that they exceed the device's memory."""
     make = jax.jit(
         lambda: [jnp.zeros(a.shape, a.dtype) for a in leaves],
         out_shardings=[a.sharding for a in leaves],
     )
-    return make.lower().compile().memory_analysis().output_size_in_bytes
+    try:
+        return make.lower().compile().memory_analysis().output_size_in_bytes
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
 
 
 def fit_advice(
@@ -245,27 +264,42 @@ def fit_advice(
     (quantization), a shorter context."""
     usable = target.usable_memory_bytes * config.cache.memory_utilization
     tp = config.parallel.tensor_parallel_size or target.num_devices
-    total = weight_bytes * tp  # the whole model, as laid out
-    tips = []
     chip = target.chip
-    for n in chip.counts:
-        if n > tp and total / n < 0.8 * usable:
-            name = (
-                f"{chip.name}x{n}"
-                if chip.platform == "cuda"
-                else f"{chip.name}-{n * chip.cores_per_chip}"
-            )
-            tips.append(
-                f"--target {name} (tensor parallelism {n}: ~{_gib(total / n)} of weights per device)"
-            )
-            break
+
+    def target_name(n: int) -> str:
+        return (
+            f"{chip.name}x{n}"
+            if chip.platform == "cuda"
+            else f"{chip.name}-{n * chip.cores_per_chip}"
+        )
+
+    # Smaller weights: (flag, bytes per device) for each format that shrinks these.
+    formats = [("", weight_bytes)]
     if config.load.quantization in (None, "float"):
         linear = jnp.dtype(dtype).itemsize
         for fmt, bits in (("int8", 8), ("int4", 5)):  # int4: 4 bits and a scale per 32
-            shrunk = weight_bytes * bits / (8 * linear)
-            if shrunk < 0.8 * usable:
-                tips.append(f"--quantization {fmt} (~{_gib(shrunk)} of weights per device)")
-                break
+            formats.append((f"--quantization {fmt}", weight_bytes * bits / (8 * linear)))
+    more = [n for n in chip.counts if n > tp]
+
+    def tip(n: int, flag: str, per_device: float) -> str | None:
+        """The flags for `n` devices and weights of `per_device` bytes at `tp`, if they fit."""
+        per_device = per_device * tp / n
+        if per_device >= 0.8 * usable:
+            return None
+        flags = " ".join(filter(None, [f"--target {target_name(n)}" if n > tp else "", flag]))
+        parallel = f"tensor parallelism {n}: " if n > tp else ""
+        return f"{flags} ({parallel}~{_gib(per_device)} of weights per device)"
+
+    # More devices (the fewest that hold it), smaller weights, and only where neither alone
+    # does, both.
+    first = [
+        next(filter(None, (tip(n, *formats[0]) for n in more)), None),
+        next(filter(None, (tip(tp, *f) for f in formats[1:])), None),
+    ]
+    tips = [t for t in first if t]
+    if not tips:
+        both = (tip(n, *f) for n in more for f in formats[1:])
+        tips = [t for t in [next(filter(None, both), None)] if t]
     free = usable - weight_bytes
     if free > 2 * page_bytes:
         tokens = int(free // page_bytes) * config.cache.page_size
