@@ -107,10 +107,24 @@ def widen_kv(x: jax.Array, dtype=jnp.float32) -> jax.Array:
     return x.astype(dtype)
 
 
-def scales_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """The scales' shape of an 8-bit cache of data `shape` `[L, num_pages, K, page_size, 2H]`."""
+def scales_shape(
+    shape: tuple[int, ...], platform: str | None = None, shards: int = 1
+) -> tuple[int, int, int, int]:
+    """The scales' shape of an 8-bit cache of data `shape` `[L, num_pages, K, page_size, 2H]`
+    on `platform` (default: the one kernels are traced for), split on its kv heads over
+    `shards` devices: `[L, num_pages, 1, shards * lanes]`, each device's `lanes` its
+    `2 * (K / shards) * page_size` scales. On a TPU the lanes are rounded up to whole 128-lane
+    tiles and the pages to a multiple of 8 (a float32 tile's rows): with fewer lanes XLA:TPU
+    laid the scales out pages-minor, and with a page count off the 8 it scattered into them in
+    another layout; either way every step copied them (1.7 GB for an int8 pool filling a v5e,
+    which then did not compile). Readers take the first `2K * page_size` lanes of a page's row;
+    the extra pages' rows are never read."""
     num_layers, num_pages, num_kv_heads, page_size, _ = shape
-    return (num_layers, num_pages, 1, 2 * num_kv_heads * page_size)
+    lanes = 2 * (num_kv_heads // shards) * page_size
+    if (platform or current_platform()) == "tpu":
+        lanes = -(-lanes // _TPU_LANES) * _TPU_LANES
+        num_pages = -(-num_pages // 8) * 8
+    return (num_layers, num_pages, 1, shards * lanes)
 
 
 def as_kv_cache(kv_cache: jax.Array | KVCache) -> KVCache:
@@ -123,25 +137,31 @@ def as_kv_cache(kv_cache: jax.Array | KVCache) -> KVCache:
             f"a {data.dtype} KV cache needs {'float32 scales' if scales is None else 'no scales'}"
         )
     if scales is not None:
-        want = scales_shape(data.shape)
-        if scales.shape != want or scales.dtype != jnp.float32:
+        want = scales_shape(data.shape, "cpu")  # or more lanes, where the platform pads them
+        short = any(a < b for a, b in zip(scales.shape[1::2], want[1::2], strict=True))
+        if scales.shape[::2] != want[::2] or short or scales.dtype != jnp.float32:
             raise ValueError(
-                f"kv cache scales must be f32{list(want)}, got {scales.dtype}{list(scales.shape)}"
+                f"kv cache scales must be f32{list(want)} (or wider, see scales_shape), got "
+                f"{scales.dtype}{list(scales.shape)}"
             )
     return kv_cache
 
 
-def zeros_kv_cache(shape: tuple[int, ...], dtype) -> KVCache:
-    """An empty cache of `shape` (`get_kv_cache_shape`) and `dtype` (float or 8-bit)."""
+def zeros_kv_cache(
+    shape: tuple[int, ...], dtype, platform: str | None = None, shards: int = 1
+) -> KVCache:
+    """An empty cache of `shape` (`get_kv_cache_shape`) and `dtype` (float or 8-bit); an 8-bit
+    cache's scales as `scales_shape(shape, platform, shards)` lays them out."""
     if not is_quantized_dtype(dtype):
         return KVCache(jnp.zeros(shape, dtype))
     data = jnp.zeros(shape, _STORAGE[_format(dtype)])
-    return KVCache(data, jnp.zeros(scales_shape(shape), jnp.float32))
+    return KVCache(data, jnp.zeros(scales_shape(shape, platform, shards), jnp.float32))
 
 
 def abstract_kv_cache(shape: tuple[int, ...], dtype, sharding: KVCache | None = None) -> KVCache:
-    """`zeros_kv_cache`'s result as `jax.ShapeDtypeStruct`s (with `sharding`'s leaves), for
-    compiling a program without allocating the cache."""
+    """`zeros_kv_cache`'s result as `jax.ShapeDtypeStruct`s (with `sharding`'s leaves, whose
+    devices' platform and split lay out the scales), for compiling a program without
+    allocating the cache."""
     if not is_quantized_dtype(dtype):
         data = jax.ShapeDtypeStruct(
             shape, dtype, sharding=None if sharding is None else sharding[0]
@@ -150,8 +170,15 @@ def abstract_kv_cache(shape: tuple[int, ...], dtype, sharding: KVCache | None = 
     data = jax.ShapeDtypeStruct(
         shape, _STORAGE[_format(dtype)], sharding=None if sharding is None else sharding[0]
     )
+    platform, shards = None, 1
+    if sharding is not None:
+        platform = next(iter(sharding[1].device_set)).platform
+        unpadded = scales_shape(shape, "cpu")
+        shards = unpadded[3] // sharding[1].shard_shape(unpadded)[3]
     scales = jax.ShapeDtypeStruct(
-        scales_shape(shape), jnp.float32, sharding=None if sharding is None else sharding[1]
+        scales_shape(shape, platform, shards),
+        jnp.float32,
+        sharding=None if sharding is None else sharding[1],
     )
     return KVCache(data, scales)
 
@@ -193,12 +220,14 @@ def read_kv(kv_cache: KVCache, layer, pages: jax.Array, offsets: jax.Array | Non
     if offsets is None:
         kv = _interleaved(jnp.swapaxes(widen_kv(data[layer, pages]), -3, -2))  # [.., S, 2K, H]
         if scales is not None:
-            s = scales[layer, pages].reshape(*kv.shape[:-3], 2 * num_kv_heads, page_size)
+            s = scales[layer, pages, :, : 2 * num_kv_heads * page_size]
+            s = s.reshape(*kv.shape[:-3], 2 * num_kv_heads, page_size)
             kv = kv * jnp.swapaxes(s, -1, -2)[..., None]
         return kv
     kv = _interleaved(widen_kv(data[layer, pages, :, offsets]))  # [..., 2K, H]
     if scales is not None:
-        s = scales[layer, pages, 0].reshape(*kv.shape[:-2], 2 * num_kv_heads, page_size)
+        s = scales[layer, pages, 0, : 2 * num_kv_heads * page_size]
+        s = s.reshape(*kv.shape[:-2], 2 * num_kv_heads, page_size)
         kv = kv * jnp.take_along_axis(s, offsets[..., None, None], axis=-1)
     return kv
 
@@ -209,7 +238,7 @@ def quantize_kv_cache(cache: jax.Array, dtype) -> KVCache:
     num_layers, num_pages, num_kv_heads, page_size, head_dim = cache_dims(cache.shape)
     rows = cache.reshape(*cache.shape[:-1], 2, head_dim)  # [L, P, K, S, 2, H]
     data, scales = quantize_kv(rows, dtype)
-    scales = jnp.swapaxes(scales, -1, -2).reshape(scales_shape(cache.shape))  # (k, j, t) lanes
+    scales = jnp.swapaxes(scales, -1, -2).reshape(scales_shape(cache.shape, "cpu"))  # (k, j, t)
     return KVCache(data.reshape(cache.shape), scales)
 
 
@@ -217,7 +246,8 @@ def dequantize_kv_cache(kv_cache: KVCache) -> jax.Array:
     """An 8-bit cache's values as a float32 cache of the same layout (for checking)."""
     data, scales = kv_cache
     num_layers, num_pages, num_kv_heads, page_size, head_dim = cache_dims(data.shape)
-    s = scales.reshape(num_layers, num_pages, num_kv_heads, 2, page_size)
+    s = scales[:, :num_pages, :, : 2 * num_kv_heads * page_size]
+    s = s.reshape(num_layers, num_pages, num_kv_heads, 2, page_size)
     s = jnp.repeat(jnp.swapaxes(s, -1, -2), head_dim, axis=-1)  # [L, P, K, S, 2H]
     return widen_kv(data) * s
 

@@ -205,7 +205,7 @@ def _kernel(
         if quantized:
             # Slots past the request's data, and pages that were not copied, hold anything:
             # zero their scales before the matmul that spreads them.
-            shape = (kv_pages, 2 * num_kv_heads * page_size)
+            shape = (kv_pages, scale_buf.shape[-1])  # 2K * page_size, or padded lanes
             slot_pos = (
                 kb * kv_tokens
                 + page_size * jax.lax.broadcasted_iota(jnp.int32, shape, 0)

@@ -37,15 +37,43 @@ class Chip:
     int8_ops: float  # dense int8 (TPU) / fp8 (GPU) peak per device
     counts: tuple[int, ...]  # devices one host of it holds, the counts a target may name
     cores_per_chip: int = 1  # TensorCores per chip (a v4 or v5p slice name counts these)
+    # The HBM a program may use where it is less than `memory_bytes`: on a TPU, what XLA:TPU
+    # says is available when it refuses a program too large (libtpu for jax 0.10.2: "exceeds
+    # available HBM (15.75G)" on v5e); the runtime keeps the rest.
+    program_bytes: int | None = None
 
 
 CHIPS = {
     c.name: c
     for c in (
-        Chip("v5e", "tpu", "TPU v5 lite", 16 * _GIB, 819e9, 197e12, 394e12, (1, 4, 8)),
-        Chip("v6e", "tpu", "TPU v6 lite", 32 * _GIB, 1640e9, 918e12, 1836e12, (1, 4, 8)),
+        Chip(
+            "v5e",
+            "tpu",
+            "TPU v5 lite",
+            16 * _GIB,
+            819e9,
+            197e12,
+            394e12,
+            (1, 4, 8),
+            1,
+            int(15.75 * _GIB),
+        ),
+        Chip(
+            "v6e",
+            "tpu",
+            "TPU v6 lite",
+            32 * _GIB,
+            1640e9,
+            918e12,
+            1836e12,
+            (1, 4, 8),
+            1,
+            int(31.25 * _GIB),
+        ),
         Chip("v5p", "tpu", "TPU v5", 95 * _GIB, 2765e9, 459e12, 918e12, (1, 4), 2),
-        Chip("v4", "tpu", "TPU v4", 32 * _GIB, 1228e9, 275e12, 275e12, (1, 4), 2),
+        Chip(
+            "v4", "tpu", "TPU v4", 32 * _GIB, 1228e9, 275e12, 275e12, (1, 4), 2, int(15.25 * _GIB)
+        ),
         # nvidia-smi's totals for the 80 GB and 141 GB parts; 3.35 and 4.8 TB/s; 989 dense
         # bf16 TFLOP/s and twice that in fp8 (SXM).
         Chip(
@@ -106,11 +134,12 @@ class Target:
 
     @property
     def usable_memory_bytes(self) -> int:
-        """Device memory JAX lets a program use: all of a TPU's; on a GPU the share JAX
-        preallocates (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 unless set), as `jaxllm serve` on
-        that GPU would see in its memory stats."""
+        """Device memory JAX lets a program use: on a TPU what XLA:TPU allows (`program_bytes`,
+        a little under the chip's HBM); on a GPU the share JAX preallocates
+        (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 unless set), as `jaxllm serve` on that GPU
+        would see in its memory stats."""
         if self.platform != "cuda":
-            return self.chip.memory_bytes
+            return self.chip.program_bytes or self.chip.memory_bytes
         fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
         return int(self.chip.memory_bytes * fraction)
 

@@ -8,7 +8,6 @@ prove that nothing compiles after warmup.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import re
 import threading
@@ -24,8 +23,6 @@ from tqdm.auto import tqdm
 import pallas_kernels
 from jaxllm.worker.device_state import DeviceState
 from pallas_kernels.kv_cache import as_kv_cache
-
-logger = logging.getLogger(__name__)
 
 
 class CompileCounter:
@@ -116,14 +113,16 @@ class CompiledProgram:
     def updates_in_place(self) -> bool:
         """Whether a step program writes the donated KV cache in place, from what its compiler
         says: its output aliases the cache, and no instruction of the compiled program makes a
-        new array of the cache's shape (see `cache_copy_ops`)."""
-        return self.alias_bytes >= self.cache_bytes and not self.cache_copy_ops
+        new array of the cache's shape, its data's or an 8-bit cache's scales' (see
+        `cache_copy_ops`)."""
+        copies = self.cache_copy_ops or self.scales_copy_ops
+        return self.alias_bytes >= self.cache_bytes and not copies
 
     def describe(self) -> str:
         text = f"{self.alias_bytes / 2**20:.1f} MiB aliased, {self.temp_bytes / 2**20:.1f} MiB of "
         text += "temporaries"
-        if self.cache_copy_ops:
-            text += f", copied by {', '.join(self.cache_copy_ops[:3])}"
+        if copies := self.cache_copy_ops + self.scales_copy_ops:
+            text += f", copied by {', '.join(copies[:3])}"
         return text
 
 
@@ -205,23 +204,16 @@ class Compiler:
                 bar.update(1)
 
     def check_in_place(self) -> None:
-        """Raises if a step program copies the KV cache instead of updating it in place (slow
-        steps, and twice the cache's memory); warns of copies of an 8-bit cache's scales."""
+        """Raises if a step program copies the KV cache (an 8-bit cache's scales included)
+        instead of updating it in place: slow steps, and twice the cache's memory (a copy of
+        the scales alone, a 16th to a 32nd of the data, kept a v5e's full int8 pool from
+        compiling)."""
         if copies := self.cache_copies():
             raise RuntimeError(
                 f"{len(copies)} step program(s) would copy the KV cache "
                 f"({self.device.kv_cache.nbytes / 2**20:.0f} MiB) instead of updating it in place "
                 f"(slow steps, and twice the cache's memory): "
                 + ", ".join(f"{p.name} {p.shape}: {p.describe()}" for p in copies)
-            )
-        # A copy of an 8-bit cache's scales (a 16th to a 32nd of the data) costs bandwidth, not
-        # twice the memory: XLA makes one in some steps, an open defect (issue 33), so it is
-        # named here rather than refused.
-        if scales := [p for p in self.programs if p.scales_copy_ops]:
-            logger.warning(
-                "%d step program(s) copy the KV cache's scales: %s",
-                len(scales),
-                ", ".join(f"{p.name} {p.shape}" for p in scales),
             )
 
     def cache_copies(self) -> list[CompiledProgram]:

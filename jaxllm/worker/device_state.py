@@ -101,11 +101,14 @@ class DeviceState:
         if self.mesh is None:
             if self.abstract:
                 return abstract_kv_cache(shape, dtype, (self.replicated,) * 2)
-            return zeros_kv_cache(shape, dtype)
+            return zeros_kv_cache(shape, dtype, self.platform)
         out = sharding.kv_cache_sharding(self.mesh, is_quantized_dtype(dtype))
         if self.abstract:
             return abstract_kv_cache(shape, dtype, out)
-        return jax.jit(lambda: zeros_kv_cache(shape, dtype), out_shardings=out)()
+        shards = self.mesh.shape["model"]
+        return jax.jit(
+            lambda: zeros_kv_cache(shape, dtype, self.platform, shards), out_shardings=out
+        )()
 
     def renewed(self, cache: KVCache) -> KVCache:
         """`cache`, or a zero one in its place when a failed step deleted it."""
