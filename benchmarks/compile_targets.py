@@ -74,7 +74,8 @@ def run(name: str, programs: str, context: int) -> dict:
 
 
 def table() -> str:
-    rows = [json.loads(f.read_text()) for f in sorted(OUT.glob("*.json"))]
+    # A report `jaxllm compile --json` wrote by hand is named by its file.
+    rows = [{"run": f.stem} | json.loads(f.read_text()) for f in sorted(OUT.glob("*.json"))]
     lines = [
         "| run | fits | weights / KV per device | max_model_len | programs, compile | "
         "decode b=1 (PREDICTED) | decode b=64 (PREDICTED) | KV copies |",
@@ -99,7 +100,7 @@ def table() -> str:
         lines.append(
             f"| {name} | {'yes' if m['fits'] else 'NO'} | {m['weight_device_bytes'] / 2**30:.1f}"
             f" / {m['kv_cache_bytes'] / 2**30:.1f} GiB ({m['kv_cache_tokens']:,} tokens) | "
-            f"{d['max_model_len']:,} | {d['num_programs']} ({d['programs_compiled']}), "
+            f"{d['max_model_len']:,} | {d['num_programs']} ({d.get('programs_compiled', 'all')}), "
             f"{d['compile_seconds']:,.0f} s | {cell(1)} | {cell(64)} | "
             f"{len(d['kv_cache_copies'])} |"
         )
