@@ -1,0 +1,113 @@
+"""BERT-style encoders (`jaxllm.models.bert`) and pooling (`jaxllm.pooling`) against Hugging
+Face transformers on torch, with tiny random checkpoints it writes itself."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.models.bert import EncoderConfig, load_encoder
+from jaxllm.pooling import PoolerConfig, pool, read_pooler_config
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = [5, 12, 1, 9]
+
+
+def _checkpoint(tmp_path, kind: str):
+    """A tiny random encoder saved as safetensors; returns (dir, the torch model)."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=40, hidden_act="gelu",
+    )  # fmt: skip
+    if kind == "bert":
+        model = transformers.BertModel(transformers.BertConfig(**common, type_vocab_size=2))
+    else:  # XLM-R: positions from pad_token_id + 1, one token type
+        config = transformers.XLMRobertaConfig(**common, type_vocab_size=1, pad_token_id=1)
+        model = transformers.XLMRobertaModel(config)
+    model.eval()
+    path = tmp_path / kind
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def _reference(model, ids: np.ndarray, length: int) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids[None, :length], dtype=torch.long))
+    return out.last_hidden_state[0].numpy()
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_encoder_matches_transformers_batched_and_alone(tmp_path, kind):
+    """Hidden states equal transformers' for each sequence encoded alone, whether it is
+    encoded alone or padded into a batch with longer and shorter ones."""
+    path, ref_model = _checkpoint(tmp_path, kind)
+    encoder = load_encoder(path)
+    assert encoder.config.position_offset == (0 if kind == "bert" else 2)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 99, size=(len(LENGTHS), 16)).astype(np.int32)
+    lengths = np.array(LENGTHS, np.int32)
+    batched = np.asarray(encoder(jnp.asarray(ids), jnp.asarray(lengths)))
+    for r, n in enumerate(LENGTHS):
+        expect = _reference(ref_model, ids[r], n)
+        np.testing.assert_allclose(batched[r, :n], expect, atol=2e-5, rtol=2e-5)
+        alone = np.asarray(encoder(jnp.asarray(ids[r : r + 1, :n]), jnp.asarray([n])))
+        np.testing.assert_allclose(alone[0], expect, atol=2e-5, rtol=2e-5)
+
+
+def test_pooling_as_sentence_transformers_does(tmp_path):
+    """MEAN over a sequence's own tokens, CLS, LAST, each with and without L2 normalization."""
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((len(LENGTHS), 12, 8)).astype(np.float32)
+    lengths = np.array(LENGTHS, np.int32)
+    for pooling_type in ("MEAN", "CLS", "LAST"):
+        for normalize in (False, True):
+            got = np.asarray(pool(jnp.asarray(hidden), jnp.asarray(lengths),
+                                  PoolerConfig(pooling_type, normalize)))  # fmt: skip
+            for r, n in enumerate(LENGTHS):
+                rows = hidden[r, :n]
+                want = {"MEAN": rows.mean(0), "CLS": rows[0], "LAST": rows[-1]}[pooling_type]
+                if normalize:
+                    want = want / np.linalg.norm(want)
+                np.testing.assert_allclose(got[r], want, atol=1e-6, rtol=1e-5)
+
+
+def test_pooler_config_read_from_sentence_transformers_files(tmp_path):
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]  # fmt: skip
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})
+    )
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert read_pooler_config(tmp_path) == PoolerConfig("CLS", normalize=False)
+    modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert read_pooler_config(tmp_path) == PoolerConfig("CLS", normalize=True)
+    override = PoolerConfig.from_json('{"pooling_type": "last"}', read_pooler_config(tmp_path))
+    assert override == PoolerConfig("LAST", normalize=True)
+    with pytest.raises(ValueError, match="pooling_type"):
+        PoolerConfig.from_json('{"pooling_type": "max"}')
+    with pytest.raises(ValueError, match="unknown keys"):
+        PoolerConfig.from_json('{"dimension": 3}')
+    assert read_pooler_config(tmp_path / "1_Pooling") == PoolerConfig()  # no modules.json
+
+
+def test_bad_encoder_configs_are_named():
+    base = dict(vocab_size=10, hidden_size=30, num_hidden_layers=1, num_attention_heads=4,
+                intermediate_size=8, max_position_embeddings=16)  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of num_attention_heads"):
+        EncoderConfig.from_hf({"architectures": ["BertModel"], **base})
+    with pytest.raises(ValueError, match="not an encoder"):
+        EncoderConfig.from_hf({"architectures": ["LlamaForCausalLM"], **base})
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        EncoderConfig.from_hf({"architectures": ["BertModel"], **base, "hidden_size": 32,
+                               "position_embedding_type": "relative_key"})  # fmt: skip
