@@ -111,3 +111,42 @@ def test_bad_encoder_configs_are_named():
     with pytest.raises(ValueError, match="position_embedding_type"):
         EncoderConfig.from_hf({"architectures": ["BertModel"], **base, "hidden_size": 32,
                                "position_embedding_type": "relative_key"})  # fmt: skip
+
+
+def test_encoder_runner_pools_each_sequence_as_alone_with_no_compilation_after_warmup(tmp_path):
+    """Sequences of 1 to 40 tokens packed into the bucketed programs give each one's pooled
+    vector encoded alone; warmup compiles every shape and nothing compiles after it."""
+    from jaxllm.worker.pooling_runner import EncoderRunner, make_encoder_buckets
+
+    path, _ = _checkpoint(tmp_path, "bert")
+    encoder = load_encoder(path)
+    pooler = PoolerConfig("MEAN", normalize=True)
+    runner = EncoderRunner(
+        encoder, pooler, max_model_len=40, max_num_seqs=8, max_num_batched_tokens=64
+    )
+    assert runner.buckets == make_encoder_buckets(40, 8, 64)
+    assert runner.buckets.token_buckets == (16, 32, 40)
+    assert (1, 40) in runner.buckets.shapes and all(
+        b == 1 or b * t <= 64 for b, t in runner.buckets.shapes
+    )
+    runner.warmup()
+    rng = np.random.default_rng(2)
+    lengths = [1, 40, 17, 3, 3, 16, 33, 8, 2, 25, 5]
+    seqs = [rng.integers(3, 99, size=n).tolist() for n in lengths]
+    got = runner.run(seqs)
+    assert runner.num_compilations == 0
+    for ids, row in zip(seqs, got, strict=True):
+        hidden = encoder(jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)]))
+        want = np.asarray(pool(hidden, jnp.asarray([len(ids)]), pooler))[0]
+        np.testing.assert_allclose(row, want, atol=1e-5, rtol=1e-5)
+    batches = runner.pack(lengths)
+    assert sorted(i for _, rows in batches for i in rows) == list(range(len(lengths)))
+    for (b, t), rows in batches:
+        assert (b, t) in runner.buckets.shapes and len(rows) <= b
+        assert all(lengths[i] <= t for i in rows)
+    with pytest.raises(ValueError, match="max_model_len"):
+        runner.run([[5] * 41])
+    with pytest.raises(ValueError, match="1 to max_model_len"):
+        runner.run([[]])
+    with pytest.raises(ValueError, match="longer than the encoder's positions"):
+        EncoderRunner(encoder, pooler, max_model_len=41)
