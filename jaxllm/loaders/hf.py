@@ -13,13 +13,22 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxllm.config import ModelConfig
+from jaxllm.models.bert import ENCODER_ARCHITECTURES
 
 
 def load_hf_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json")
-    return ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    config = json.loads(config_file.read_text())
+    encoder = [a for a in config.get("architectures") or [] if a in ENCODER_ARCHITECTURES]
+    if encoder:
+        raise ValueError(
+            f"{path}: {encoder[0]} is an encoder (a pooling model: embeddings), which this "
+            "engine does not serve yet; jaxllm.loaders.encoder.load_encoder and "
+            "jaxllm.worker.pooling_runner.EncoderRunner run it as a library"
+        )
+    return ModelConfig.from_hf_config(config)
 
 
 def load_generation_config(path: Path) -> dict:
