@@ -19,16 +19,21 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.core_proc import CoreLoop
 from jaxllm.engine.input_processor import InputError, InputProcessor
-from jaxllm.engine.messages import Abort
+from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.pooling_core import PoolingEngineCore
 from jaxllm.loaders import load_tokenizer
-from jaxllm.outputs import RequestOutput
+from jaxllm.loaders.encoder import is_encoder
+from jaxllm.model_cache import resolve_model
+from jaxllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,6 +68,18 @@ class LLM:
         tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
         tokenizer = tokenizer_pool.submit(load_tokenizer, config.load.model)
         tokenizer_pool.shutdown(wait=False)
+        if is_encoder(resolve_model(config.load.model)):  # a pooling model: `embed`
+            self.engine = PoolingEngineCore.from_config(config)
+            self.config = self.engine.config
+            self.tokenizer = tokenizer.result()[0]
+            self.input_processor = InputProcessor(
+                self.tokenizer,
+                eos_token_ids=(),
+                vocab_size=self.engine.runner.config.vocab_size,
+                max_model_len=self.engine.max_model_len,
+            )
+            self.loop = CoreLoop(self.engine)
+            return
         self.engine = EngineCore.from_config(config)
         self.config = self.engine.config
         self.tokenizer = tokenizer.result()[0]
@@ -102,7 +119,16 @@ class LLM:
 
     # ---- validation -------------------------------------------------------------------
 
+    @property
+    def is_pooling_model(self) -> bool:
+        return isinstance(self.engine, PoolingEngineCore)
+
     def _normalize(self, prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        if self.is_pooling_model:
+            raise InputError(
+                "this is a pooling model (an encoder): it embeds (LLM.embed), it does not generate",
+                "model",
+            )
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -185,6 +211,92 @@ class LLM:
         # The template already holds any BOS token, so none is added when tokenizing.
         tokenized = [self.input_processor.tokenize(p, add_special_tokens=False) for p in prompts]
         return self._run(tokenized, params, use_tqdm=use_tqdm)
+
+    # ---- pooling ----------------------------------------------------------------------
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, or a dict with `prompt_token_ids`), as vLLM's
+        `LLM.embed`: pooled as the checkpoint says, then cut to `dimensions` and normalized as
+        each `PoolingParams` asks. `truncate_prompt_tokens` keeps a prompt's last k tokens
+        (-1: the last max_model_len); without it a longer prompt is refused."""
+        if not self.is_pooling_model:
+            raise InputError(
+                "this is a generative model: it has no embeddings (serve a pooling model)",
+                "model",
+            )
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise InputError(
+                "prompts must be a string, a dict with 'prompt_token_ids', or a list of them; "
+                f"got {type(prompts).__name__}",
+                "prompt",
+            )
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise InputError(
+                    f"pooling_params: got {len(params)} for {len(prompts)} prompts; pass one "
+                    "PoolingParams or one per prompt",
+                    "pooling_params",
+                )
+        if truncate_prompt_tokens is not None:
+            params = [msgspec.structs.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                      for p in params]  # fmt: skip
+        requests = []
+        for prompt, p in zip(prompts, params, strict=True):
+            if not isinstance(p, PoolingParams):
+                raise InputError(
+                    f"pooling_params must be PoolingParams, got {type(p).__name__}",
+                    "pooling_params",
+                )
+            try:
+                p.check(self.engine.hidden_size)
+            except ValueError as e:
+                raise InputError(str(e), "pooling_params") from None
+            text, ids = self.input_processor.pooling_prompt(prompt, p.truncate_prompt_tokens)
+            rid = self.input_processor.next_request_id()
+            requests.append((text, AddPooling(rid, ids, p)))
+        vectors: dict[str, list[float]] = {}
+        bar = tqdm(total=len(requests), desc="Embedding", disable=not use_tqdm, unit="prompt")
+        try:
+            for _, r in requests:
+                self.loop.handle(r)
+            while len(vectors) < len(requests):
+                out = self.loop.step()
+                if self.loop.step_error is not None:
+                    raise self.loop.step_error
+                for u in out.updates:
+                    if u.pooled is None:
+                        raise RuntimeError(f"request {u.request_id} failed ({u.finish_reason})")
+                    vectors[u.request_id] = u.pooled
+                    bar.update(1)
+                if len(vectors) < len(requests) and not self.engine.has_unfinished_requests():
+                    raise RuntimeError("engine went idle with requests unfinished")
+        finally:
+            bar.close()
+            self.loop.settle(
+                abort=[r.request_id for _, r in requests if r.request_id not in vectors]
+            )
+        return [
+            EmbeddingRequestOutput(
+                r.request_id,
+                EmbeddingOutput(vectors[r.request_id]),
+                r.prompt_token_ids,
+                prompt=text,
+            )  # fmt: skip
+            for text, r in requests
+        ]
 
     def _run(
         self,

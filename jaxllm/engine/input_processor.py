@@ -158,6 +158,51 @@ class InputProcessor:
         self.check_prompt(ids)
         return text, ids
 
+    def pooling_prompt(
+        self, prompt: str | dict[str, Any], truncate_prompt_tokens: int | None = None
+    ):
+        """(text or None, checked token ids) of a pooling request's prompt, tokenized with the
+        model's special tokens (BERT's [CLS] and [SEP]) and, with `truncate_prompt_tokens`,
+        cut to its last k tokens (-1: the last max_model_len). Unlike a generative prompt it
+        may fill max_model_len: nothing is generated after it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("prompt must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InputError(
+                    "prompt: this model has no tokenizer; pass prompt_token_ids", "prompt"
+                )
+            self.check_text_fits(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            param = "prompt"
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids, param = prompt.get("prompt"), prompt["prompt_token_ids"], "prompt_token_ids"
+            if not isinstance(ids, list | tuple) or not all(
+                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
+            ):
+                raise InputError("prompt_token_ids must be a list of integers", param)
+            ids = [int(t) for t in ids]
+        else:
+            raise InputError(
+                "prompt must be a string or a dict with 'prompt_token_ids', got "
+                f"{type(prompt).__name__}",
+                "prompt",
+            )
+        k = truncate_prompt_tokens
+        if k is not None:
+            ids = ids[-(self.max_model_len if k == -1 else k) :]
+        if not ids:
+            raise InputError(f"{param} must not be empty (it has no tokens)", param)
+        self.check_token_ids(ids, param)
+        if len(ids) > self.max_model_len:
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens "
+                f"(max_model_len), but the {param} has {len(ids)} tokens; shorten it or set "
+                "truncate_prompt_tokens.",
+                param,
+            )
+        return text, ids
+
     # ---- requests ----------------------------------------------------------------------
 
     def request(

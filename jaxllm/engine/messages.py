@@ -1,8 +1,9 @@
 """What the front end and the engine core process say to each other, as msgpack (msgspec).
 
-Front end -> core: `AddRequest`, `Abort`, `Shutdown`. Core -> front end: `Ready` once warmup
-is done (or `Failed` if the engine could not start), then one `StepOutputs` per engine step.
-No pickle crosses the socket: every message is a typed struct.
+Front end -> core: `AddRequest` (`AddPooling` for a pooling model), `Abort`, `Shutdown`.
+Core -> front end: `Ready` once warmup is done (or `Failed` if the engine could not start),
+then one `StepOutputs` per engine step. No pickle crosses the socket: every message is a typed
+struct.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -22,6 +24,14 @@ class AddRequest(msgspec.Struct, tag="add"):
     eos_token_ids: list[int]  # resolved by the front end (model, generation config, tokenizer)
     priority: int = 0
     prefix_parent: str | None = None  # see Request.prefix_parent
+
+
+class AddPooling(msgspec.Struct, tag="pool"):
+    """A pooling request (an embedding): its checked, truncated token ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    pooling_params: PoolingParams
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -52,7 +62,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     step: StepEvents = msgspec.field(default_factory=StepEvents)
 
 
-Input = AddRequest | Abort | Shutdown
+Input = AddRequest | AddPooling | Abort | Shutdown
 Output = Ready | Failed | StepOutputs
 
 encoder = msgspec.msgpack.Encoder()

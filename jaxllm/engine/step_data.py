@@ -28,6 +28,7 @@ class RequestUpdate(msgspec.Struct):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     new_prompt_logprobs: list[PromptTokenLogprobs] | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
 
 
 class StepEvents(msgspec.Struct):

@@ -12,7 +12,17 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.loaders.hf import iter_safetensors
-from jaxllm.models.bert import BertEncoder, EncoderConfig
+from jaxllm.models.bert import ENCODER_ARCHITECTURES, BertEncoder, EncoderConfig
+
+
+def is_encoder(path: str | Path) -> bool:
+    """Whether the checkpoint directory at `path` holds an encoder (a pooling model)."""
+    config = Path(path) / "config.json"
+    if not Path(path).is_dir() or not config.is_file():
+        return False
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    return any(a in ENCODER_ARCHITECTURES for a in architectures)
+
 
 # The prefixes task checkpoints (`BertForMaskedLM`, ...) put before the encoder's tensors.
 _PREFIXES = ("bert.", "roberta.", "model.")

@@ -24,9 +24,8 @@ def load_hf_config(path: Path) -> ModelConfig:
     encoder = [a for a in config.get("architectures") or [] if a in ENCODER_ARCHITECTURES]
     if encoder:
         raise ValueError(
-            f"{path}: {encoder[0]} is an encoder (a pooling model: embeddings), which this "
-            "engine does not serve yet; jaxllm.loaders.encoder.load_encoder and "
-            "jaxllm.worker.pooling_runner.EncoderRunner run it as a library"
+            f"{path}: {encoder[0]} is an encoder (a pooling model: embeddings), which the "
+            "server and the generative engine do not run yet; LLM(model).embed(...) does"
         )
     return ModelConfig.from_hf_config(config)
 

@@ -1,0 +1,198 @@
+"""The engine core of a pooling model (an encoder such as BERT): pooling requests in, each one's
+vector out, driven by the same `CoreLoop` as the generative core.
+
+An encoder's request is its prompt alone, encoded whole in one step and finished by it: no KV
+cache, no pages, no prefix cache (a bidirectional encoder's states depend on the tokens after
+them, so no prefix of one request can serve another). Each step takes the waiting requests in
+arrival order, up to `max_num_seqs` of them, and runs them through the `EncoderRunner`'s
+bucketed programs. The runner pools without normalizing; each request's `PoolingParams` then
+cut its vector to `dimensions` and normalize it (or not) on the host, so requests that ask
+differently share a batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.config import EngineConfig, resolve_dtype
+from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
+from jaxllm.pooling import PoolerConfig, read_pooler_config
+from jaxllm.pooling_params import PoolingParams
+from jaxllm.worker.pooling_runner import EncoderRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Waiting:
+    request_id: str
+    token_ids: list[int]
+    params: PoolingParams
+    arrival: float
+
+
+class PoolingEngineCore:
+    def __init__(self, runner: EncoderRunner, pooler: PoolerConfig, *, max_num_seqs: int):
+        """`runner` pools without normalizing (`pooler` says what normalizing means here)."""
+        self.runner = runner
+        self.pooler = pooler
+        self.max_num_seqs = max_num_seqs
+        self.waiting: collections.OrderedDict[str, _Waiting] = collections.OrderedDict()
+        self.running: list[str] = []  # the step in progress, for CoreLoop's failure path
+        self.num_steps = 0
+        self.num_tokens = 0
+        self.last_step = StepEvents()
+        self.config: EngineConfig | None = None
+        self.warmup_seconds: float | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> PoolingEngineCore:
+        """Loads the encoder and its pooling (from the checkpoint), and compiles every
+        program (unless `skip_warmup`). `max_model_len` defaults to the checkpoint's
+        sentence-transformers `max_seq_length`, else to the encoder's positions."""
+        from jaxllm.loaders.encoder import load_encoder
+        from jaxllm.model_cache import resolve_model
+
+        path = resolve_model(config.load.model)
+        if config.parallel.tensor_parallel_size not in (None, 1) or config.parallel.multihost:
+            raise ValueError(
+                "a pooling model runs on one device: tensor_parallel_size and multi-host "
+                "serving are for generative models"
+            )
+        encoder = load_encoder(path, dtype=resolve_dtype(config.load.dtype))
+        pooler = read_pooler_config(path)
+        sched = config.scheduler
+        max_model_len = sched.max_model_len or _max_seq_length(path) or encoder.config.max_len
+        runner = EncoderRunner(
+            encoder,
+            dataclasses.replace(pooler, normalize=False),
+            max_model_len=max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+        )
+        core = cls(runner, pooler, max_num_seqs=sched.max_num_seqs)
+        core.config = config.replace(max_model_len=max_model_len)
+        logger.info(
+            "pooling model %s (%s pooling%s): buckets %s, %d programs",
+            encoder.config.architecture,
+            pooler.pooling_type,
+            ", normalized" if pooler.normalize else "",
+            runner.buckets.shapes,
+            runner.num_programs,
+        )
+        if not config.compilation.skip_warmup:
+            core.warmup_seconds = runner.warmup()
+            logger.info("warmup: %d programs in %.1f s", runner.num_programs, core.warmup_seconds)
+        return core
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def hidden_size(self) -> int:
+        return self.runner.config.hidden_size
+
+    def add_request(self, request) -> None:
+        raise ValueError(
+            "this is a pooling model (an encoder): it serves embeddings, not generation"
+        )
+
+    def add_pooling_request(
+        self, request_id: str, token_ids: list[int], params: PoolingParams
+    ) -> None:
+        """Queues a request; a ValueError naming the field if it cannot run here (a front end
+        checks and truncates first; the core checks again, so a bad request fails alone)."""
+        params.check(self.hidden_size)
+        if not 1 <= len(token_ids) <= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens: it needs 1 to max_model_len "
+                f"({self.max_model_len})"
+            )
+        vocab = self.runner.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids: a token id is outside the vocabulary [0, {vocab})")
+        if request_id in self.waiting:
+            raise ValueError(f"request id {request_id!r} is already waiting")
+        self.waiting[request_id] = _Waiting(request_id, token_ids, params, time.monotonic())
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.waiting.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
+    def running_request_ids(self) -> list[str]:
+        return list(self.running)
+
+    def step(self) -> list[RequestUpdate]:
+        """Encodes up to `max_num_seqs` waiting requests, oldest first, and finishes them."""
+        start = time.perf_counter()
+        batch = [
+            self.waiting.popitem(last=False)[1]
+            for _ in range(min(len(self.waiting), self.max_num_seqs))
+        ]
+        if not batch:
+            self.last_step = StepEvents()
+            return []
+        self.running = [w.request_id for w in batch]
+        now = time.monotonic()
+        vectors = self.runner.run([w.token_ids for w in batch])
+        self.running = []
+        self.num_steps += 1
+        self.num_tokens += sum(len(w.token_ids) for w in batch)
+        scheduled = [(w.request_id, now - w.arrival, now) for w in batch]
+        self.last_step = StepEvents(scheduled, time.perf_counter() - start)
+        return [
+            RequestUpdate(
+                w.request_id,
+                [],
+                finish_reason=FinishReason.STOP,
+                pooled=self.finish_vector(v, w.params).tolist(),
+            )
+            for w, v in zip(batch, vectors, strict=True)
+        ]
+
+    def finish_vector(self, vector: np.ndarray, params: PoolingParams) -> np.ndarray:
+        """A pooled vector as the request asks: its first `dimensions`, then normalized."""
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        if normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return vector.astype(np.float32)
+
+    def drain(self) -> list[RequestUpdate]:
+        return []  # every step is synchronous
+
+    def forget_lost_cache(self) -> None:
+        pass  # no cache to lose
+
+    def stats(self) -> Stats:
+        return Stats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_compilations=self.runner.num_compilations,
+            num_steps=self.num_steps,
+            num_scheduled_tokens=self.num_tokens,
+        )
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _max_seq_length(path: Path) -> int | None:
+    """sentence-transformers' `max_seq_length` (the length it truncates to), if the
+    checkpoint has one."""
+    f = Path(path) / "sentence_bert_config.json"
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text()).get("max_seq_length")
