@@ -56,7 +56,7 @@ def main() -> int:
     from jaxllm.loaders.encoder import load_encoder
     from jaxllm.model_cache import resolve_model
     from jaxllm.pooling import read_pooler_config
-    from jaxllm.worker.pooling_runner import EncoderRunner
+    from jaxllm.worker import EncoderRunner
 
     args.model = str(resolve_model(args.model))
     torch.set_num_threads(os.cpu_count() or 1)

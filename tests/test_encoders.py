@@ -117,7 +117,8 @@ def test_bad_encoder_configs_are_named():
 def test_encoder_runner_pools_each_sequence_as_alone_with_no_compilation_after_warmup(tmp_path):
     """Sequences of 1 to 40 tokens packed into the bucketed programs give each one's pooled
     vector encoded alone; warmup compiles every shape and nothing compiles after it."""
-    from jaxllm.worker.pooling_runner import EncoderRunner, make_encoder_buckets
+    from jaxllm.worker import EncoderRunner
+    from jaxllm.worker.pooling_runner import make_encoder_buckets
 
     path, _ = _checkpoint(tmp_path, "bert")
     encoder = load_encoder(path)

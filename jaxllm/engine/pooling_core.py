@@ -25,7 +25,7 @@ from jaxllm.config import EngineConfig, resolve_dtype
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
 from jaxllm.pooling import PoolerConfig, read_pooler_config
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.worker.pooling_runner import EncoderRunner
+from jaxllm.worker import EncoderRunner
 
 logger = logging.getLogger(__name__)
 

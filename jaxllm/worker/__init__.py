@@ -1,6 +1,6 @@
 """The worker: the model runner and what it needs to run steps on the devices (see
-`jaxllm.worker.model_runner`). It never imports `jaxllm.engine`; the engine imports the names
-below only.
+`jaxllm.worker.model_runner`), and a pooling model's `EncoderRunner`. It never imports
+`jaxllm.engine`; the engine imports the names below only.
 
 The names load on first use, so importing the step data (the front end does, through the
 engine's reports) does not import JAX.
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 _HOMES = {
     "ModelRunner": "jaxllm.worker.model_runner",
+    "EncoderRunner": "jaxllm.worker.pooling_runner",
     "InflightStep": "jaxllm.worker.model_runner",
     "CompiledProgram": "jaxllm.worker.compiler",
     "cache_copy_ops": "jaxllm.worker.compiler",
@@ -29,6 +30,7 @@ _HOMES = {
 }
 __all__ = [
     "CompiledProgram",
+    "EncoderRunner",
     "GrammarBitmask",
     "InflightStep",
     "ModelRunner",
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from jaxllm.worker.buckets import make_buckets, pick_shape
     from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
     from jaxllm.worker.model_runner import InflightStep, ModelRunner
+    from jaxllm.worker.pooling_runner import EncoderRunner
     from jaxllm.worker.spec_decode.draft_model import check_draft_config
     from jaxllm.worker.step_data import (
         GrammarBitmask,
