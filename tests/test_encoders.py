@@ -244,3 +244,29 @@ def test_serving_an_encoder_says_it_is_a_pooling_model(tmp_path):
     path, _ = _checkpoint(tmp_path, "bert")
     with pytest.raises(ValueError, match="BertModel is an encoder .* pooling model"):
         load_config(path)
+
+
+def test_a_failed_pooling_step_fails_its_requests_and_the_engine_goes_on(tmp_path, monkeypatch):
+    """A step that raises fails the requests it held (finish reason error, through CoreLoop as
+    for generation); the waiting ones run in the next step."""
+    from jaxllm import LLM
+    from jaxllm.engine.messages import AddPooling
+    from jaxllm.engine.step_data import FinishReason
+    from jaxllm.pooling_params import PoolingParams
+
+    path, _ = _checkpoint(tmp_path, "bert")
+    llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=16)
+    for i in range(3):
+        llm.loop.handle(AddPooling(f"r{i}", [5, 6, 7], PoolingParams()))
+    run = llm.engine.runner.run
+    monkeypatch.setattr(llm.engine.runner, "run", lambda ids: 1 / 0)
+    out = llm.loop.step()
+    assert isinstance(llm.loop.step_error, ZeroDivisionError)
+    assert {(u.request_id, u.finish_reason) for u in out.updates} == {
+        ("r0", FinishReason.ERROR),
+        ("r1", FinishReason.ERROR),
+    }
+    monkeypatch.setattr(llm.engine.runner, "run", run)
+    out = llm.loop.step()
+    assert [(u.request_id, len(u.pooled)) for u in out.updates] == [("r2", 32)]
+    assert out.stats.num_running == 0 and not llm.engine.has_unfinished_requests()

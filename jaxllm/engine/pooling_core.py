@@ -136,6 +136,7 @@ class PoolingEngineCore:
     def step(self) -> list[RequestUpdate]:
         """Encodes up to `max_num_seqs` waiting requests, oldest first, and finishes them."""
         start = time.perf_counter()
+        self.running = []  # a failed step's requests were reported by CoreLoop
         batch = [
             self.waiting.popitem(last=False)[1]
             for _ in range(min(len(self.waiting), self.max_num_seqs))
