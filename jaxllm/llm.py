@@ -68,29 +68,26 @@ class LLM:
         tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
         tokenizer = tokenizer_pool.submit(load_tokenizer, config.load.model)
         tokenizer_pool.shutdown(wait=False)
-        if is_encoder(resolve_model(config.load.model)):  # a pooling model: `embed`
-            self.engine = PoolingEngineCore.from_config(config)
-            self.config = self.engine.config
-            self.tokenizer = tokenizer.result()[0]
+        pooling = is_encoder(resolve_model(config.load.model))  # a pooling model: `embed`
+        self.engine = (PoolingEngineCore if pooling else EngineCore).from_config(config)
+        self.config = self.engine.config
+        self.tokenizer = tokenizer.result()[0]
+        if pooling:
             self.input_processor = InputProcessor(
                 self.tokenizer,
                 eos_token_ids=(),
                 vocab_size=self.engine.runner.config.vocab_size,
                 max_model_len=self.engine.max_model_len,
             )
-            self.loop = CoreLoop(self.engine)
-            return
-        self.engine = EngineCore.from_config(config)
-        self.config = self.engine.config
-        self.tokenizer = tokenizer.result()[0]
-        self.input_processor = InputProcessor.create(
-            self.tokenizer,
-            self.generation_config,
-            model_eos_token_ids=self.model_config.eos_token_ids,
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.engine.max_model_len,
-            seed=self.config.load.seed,
-        )
+        else:
+            self.input_processor = InputProcessor.create(
+                self.tokenizer,
+                self.generation_config,
+                model_eos_token_ids=self.model_config.eos_token_ids,
+                vocab_size=self.model_config.vocab_size,
+                max_model_len=self.engine.max_model_len,
+                seed=self.config.load.seed,
+            )
         # The engine is driven as the server's core process drives it (one loop, one way
         # to fail a step), in this thread.
         self.loop = CoreLoop(self.engine)

@@ -131,31 +131,8 @@ class InputProcessor:
     def tokenize(self, prompt: str | dict[str, Any], *, add_special_tokens: bool = True):
         """(text or None, checked token ids) of `LLM`'s prompt forms: a string, or a dict with
         `prompt_token_ids` (and optionally the `prompt` text they came from)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InputError("prompt must not be empty", "prompt")
-            if self.tokenizer is None:
-                raise InputError(
-                    "prompt: this model has no tokenizer; pass prompt_token_ids", "prompt"
-                )
-            self.check_text_fits(prompt)
-            ids, text = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens), prompt
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-            if not isinstance(ids, list | tuple) or not all(
-                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
-            ):
-                raise InputError("prompt_token_ids must be a list of integers", "prompt_token_ids")
-            ids = [int(t) for t in ids]
-            self.check_prompt(ids, "prompt_token_ids")
-            return text, ids
-        else:
-            raise InputError(
-                "prompt must be a string or a dict with 'prompt_token_ids', got "
-                f"{type(prompt).__name__}",
-                "prompt",
-            )
-        self.check_prompt(ids)
+        text, ids, param = self._prompt_ids(prompt, add_special_tokens)
+        self.check_prompt(ids, param)
         return text, ids
 
     def pooling_prompt(
@@ -163,34 +140,17 @@ class InputProcessor:
     ):
         """(text or None, checked token ids) of a pooling request's prompt, tokenized with the
         model's special tokens (BERT's [CLS] and [SEP]) and, with `truncate_prompt_tokens`,
-        cut to its last k tokens (-1: the last max_model_len). Unlike a generative prompt it
-        may fill max_model_len: nothing is generated after it."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InputError("prompt must not be empty", "prompt")
-            if self.tokenizer is None:
-                raise InputError(
-                    "prompt: this model has no tokenizer; pass prompt_token_ids", "prompt"
-                )
-            self.check_text_fits(prompt)
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-            param = "prompt"
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids, param = prompt.get("prompt"), prompt["prompt_token_ids"], "prompt_token_ids"
-            if not isinstance(ids, list | tuple) or not all(
-                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
-            ):
-                raise InputError("prompt_token_ids must be a list of integers", param)
-            ids = [int(t) for t in ids]
-        else:
-            raise InputError(
-                "prompt must be a string or a dict with 'prompt_token_ids', got "
-                f"{type(prompt).__name__}",
-                "prompt",
-            )
+        cut to its last k tokens (-1: the last max_model_len)."""
+        text, ids, param = self._prompt_ids(prompt, add_special_tokens=True)
         k = truncate_prompt_tokens
         if k is not None:
             ids = ids[-(self.max_model_len if k == -1 else k) :]
+        self.check_pooling_ids(ids, param)
+        return text, ids
+
+    def check_pooling_ids(self, ids: Sequence[int], param: str = "prompt_token_ids") -> None:
+        """Raises unless a pooling request's ids can run: not empty, in the vocabulary, and
+        unlike a generative prompt they may fill max_model_len (nothing is generated after)."""
         if not ids:
             raise InputError(f"{param} must not be empty (it has no tokens)", param)
         self.check_token_ids(ids, param)
@@ -201,7 +161,32 @@ class InputProcessor:
                 "truncate_prompt_tokens.",
                 param,
             )
-        return text, ids
+
+    def _prompt_ids(self, prompt: str | dict[str, Any], add_special_tokens: bool):
+        """(text or None, token ids, the parameter they came from) of a prompt: a string,
+        tokenized, or a dict with `prompt_token_ids` (and optionally its `prompt` text)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("prompt must not be empty", "prompt")
+            if self.tokenizer is None:
+                raise InputError(
+                    "prompt: this model has no tokenizer; pass prompt_token_ids", "prompt"
+                )
+            self.check_text_fits(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return prompt, ids, "prompt"
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple) or not all(
+                isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
+            ):
+                raise InputError("prompt_token_ids must be a list of integers", "prompt_token_ids")
+            return prompt.get("prompt"), [int(t) for t in ids], "prompt_token_ids"
+        raise InputError(
+            "prompt must be a string or a dict with 'prompt_token_ids', got "
+            f"{type(prompt).__name__}",
+            "prompt",
+        )
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.config import EngineConfig, resolve_dtype
+from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
 from jaxllm.pooling import PoolerConfig, read_pooler_config
 from jaxllm.pooling_params import PoolingParams
@@ -43,6 +44,13 @@ class PoolingEngineCore:
         """`runner` pools without normalizing (`pooler` says what normalizing means here)."""
         self.runner = runner
         self.pooler = pooler
+        # The front end's checks, applied again to what the core is handed (as EngineCore's).
+        self.checks = InputProcessor(
+            None,
+            eos_token_ids=(),
+            vocab_size=runner.config.vocab_size,
+            max_model_len=runner.max_model_len,
+        )
         self.max_num_seqs = max_num_seqs
         self.waiting: collections.OrderedDict[str, _Waiting] = collections.OrderedDict()
         self.running: list[str] = []  # the step in progress, for CoreLoop's failure path
@@ -111,14 +119,7 @@ class PoolingEngineCore:
         """Queues a request; a ValueError naming the field if it cannot run here (a front end
         checks and truncates first; the core checks again, so a bad request fails alone)."""
         params.check(self.hidden_size)
-        if not 1 <= len(token_ids) <= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens: it needs 1 to max_model_len "
-                f"({self.max_model_len})"
-            )
-        vocab = self.runner.config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt_token_ids: a token id is outside the vocabulary [0, {vocab})")
+        self.checks.check_pooling_ids(token_ids)
         if request_id in self.waiting:
             raise ValueError(f"request id {request_id!r} is already waiting")
         self.waiting[request_id] = _Waiting(request_id, token_ids, params, time.monotonic())
