@@ -265,14 +265,6 @@ def fit_advice(
     usable = target.usable_memory_bytes * config.cache.memory_utilization
     tp = config.parallel.tensor_parallel_size or target.num_devices
     chip = target.chip
-
-    def target_name(n: int) -> str:
-        return (
-            f"{chip.name}x{n}"
-            if chip.platform == "cuda"
-            else f"{chip.name}-{n * chip.cores_per_chip}"
-        )
-
     # Smaller weights: (flag, bytes per device) for each format that shrinks these.
     formats = [("", weight_bytes)]
     if config.load.quantization in (None, "float"):
@@ -286,7 +278,7 @@ def fit_advice(
         per_device = per_device * tp / n
         if per_device >= 0.8 * usable:
             return None
-        flags = " ".join(filter(None, [f"--target {target_name(n)}" if n > tp else "", flag]))
+        flags = " ".join(filter(None, [f"--target {chip.target_name(n)}" if n > tp else "", flag]))
         parallel = f"tensor parallelism {n}: " if n > tp else ""
         return f"{flags} ({parallel}~{_gib(per_device)} of weights per device)"
 

@@ -42,6 +42,13 @@ class Chip:
     # available HBM (15.75G)" on v5e); the runtime keeps the rest.
     program_bytes: int | None = None
 
+    def target_name(self, count: int) -> str:
+        """What `--target` calls `count` of these devices: h100, h100x8, v5e-4, v5p-8 (a v4 or
+        v5p slice counts TensorCores)."""
+        if self.platform == "cuda":
+            return self.name if count == 1 else f"{self.name}x{count}"
+        return f"{self.name}-{count * self.cores_per_chip}"
+
 
 CHIPS = {
     c.name: c
@@ -176,13 +183,7 @@ def parse_target(text: str) -> Target:
 
 
 def choices() -> str:
-    names = []
-    for chip in CHIPS.values():
-        for n in chip.counts:
-            if chip.platform == "cuda":
-                names.append(chip.name if n == 1 else f"{chip.name}x{n}")
-            else:
-                names.append(f"{chip.name}-{n * chip.cores_per_chip}")
+    names = [chip.target_name(n) for chip in CHIPS.values() for n in chip.counts]
     return "Targets: " + ", ".join(names) + "."
 
 
