@@ -126,7 +126,7 @@ def main() -> int:
             "torch": torch.__version__,
             "warmup_seconds": round(warmup, 1),
             "num_programs": runner.num_programs,
-            "compilations_after_warmup": runner.num_compilations,
+            "compilations_after_warmup": runner.num_compilations - runner.compilations_at_warmup,
             "rows": rows,
         },
     )

@@ -91,7 +91,7 @@ class EncoderRunner:
         self.buckets = make_encoder_buckets(max_model_len, max_num_seqs, max_num_batched_tokens)
         self._graphdef, self._state = nnx.split(model)
         self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
-        self._compilations_at_warmup: int | None = None
+        self.compilations_at_warmup: int | None = None  # set by warmup
         CompileCounter.install()
 
     @property
@@ -100,9 +100,9 @@ class EncoderRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Programs this process compiled since warmup ended (0 is the contract); every
-        compilation of the process before warmup."""
-        return CompileCounter.count() - (self._compilations_at_warmup or 0)
+        """XLA compilations in this process so far, as `ModelRunner.num_compilations` counts
+        them; `compilations_at_warmup` is the count warmup ended at (none may follow)."""
+        return CompileCounter.count()
 
     def _encode(self, state, ids, lengths):
         hidden = nnx.merge(self._graphdef, state)(ids, lengths)
@@ -116,7 +116,7 @@ class EncoderRunner:
             ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
             lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
             self._programs[b, t] = jitted.lower(self._state, ids, lengths).compile()
-        self._compilations_at_warmup = CompileCounter.count()
+        self.compilations_at_warmup = CompileCounter.count()
         return time.perf_counter() - start
 
     def pack(self, lengths: list[int]) -> list[tuple[tuple[int, int], list[int]]]:
@@ -133,7 +133,7 @@ class EncoderRunner:
 
     def run(self, token_ids: list[list[int]]) -> np.ndarray:
         """float32 `[len(token_ids), hidden]`: each sequence's pooled vector."""
-        if self._compilations_at_warmup is None:
+        if self.compilations_at_warmup is None:
             raise RuntimeError("EncoderRunner.run before warmup")
         lengths = [len(ids) for ids in token_ids]
         for i, n in enumerate(lengths):
