@@ -76,6 +76,15 @@ def read_pooler_config(path: str | Path, default: PoolerConfig | None = None) ->
     return PoolerConfig(pooling_type, normalize="Normalize" in types)
 
 
+def read_max_seq_length(path: str | Path) -> int | None:
+    """sentence-transformers' `max_seq_length` (the length it truncates to), if the checkpoint
+    directory has one."""
+    f = Path(path) / "sentence_bert_config.json"
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text()).get("max_seq_length")
+
+
 def pool(hidden: jax.Array, lengths: jax.Array, config: PoolerConfig) -> jax.Array:
     """`hidden[B, T, D]` of sequences `lengths[B]` long (the rest padding) -> float32 `[B, D]`."""
     hidden = hidden.astype(jnp.float32)

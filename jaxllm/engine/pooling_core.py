@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 
 from jaxllm.config import EngineConfig, resolve_dtype
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
-from jaxllm.pooling import PoolerConfig, read_pooler_config
+from jaxllm.pooling import PoolerConfig, read_max_seq_length, read_pooler_config
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.worker import EncoderRunner
 
@@ -77,7 +75,7 @@ class PoolingEngineCore:
         encoder = load_encoder(path, dtype=resolve_dtype(config.load.dtype))
         pooler = read_pooler_config(path)
         sched = config.scheduler
-        max_model_len = sched.max_model_len or _max_seq_length(path) or encoder.config.max_len
+        max_model_len = sched.max_model_len or read_max_seq_length(path) or encoder.config.max_len
         runner = EncoderRunner(
             encoder,
             dataclasses.replace(pooler, normalize=False),
@@ -189,12 +187,3 @@ class PoolingEngineCore:
 
     def shutdown(self) -> None:
         pass
-
-
-def _max_seq_length(path: Path) -> int | None:
-    """sentence-transformers' `max_seq_length` (the length it truncates to), if the
-    checkpoint has one."""
-    f = Path(path) / "sentence_bert_config.json"
-    if not f.is_file():
-        return None
-    return json.loads(f.read_text()).get("max_seq_length")
