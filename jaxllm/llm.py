@@ -23,15 +23,12 @@ import msgspec
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.core import EngineCore
-from jaxllm.engine.core_proc import CoreLoop
+from jaxllm.engine.core_proc import CoreLoop, build_engine_core
 from jaxllm.engine.input_processor import InputError, InputProcessor
 from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.pooling_core import PoolingEngineCore
 from jaxllm.loaders import load_tokenizer
-from jaxllm.loaders.encoder import is_encoder
-from jaxllm.model_cache import resolve_model
 from jaxllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -68,11 +65,10 @@ class LLM:
         tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
         tokenizer = tokenizer_pool.submit(load_tokenizer, config.load.model)
         tokenizer_pool.shutdown(wait=False)
-        pooling = is_encoder(resolve_model(config.load.model))  # a pooling model: `embed`
-        self.engine = (PoolingEngineCore if pooling else EngineCore).from_config(config)
+        self.engine = build_engine_core(config)  # a pooling model (an encoder): `embed`
         self.config = self.engine.config
         self.tokenizer = tokenizer.result()[0]
-        if pooling:
+        if self.is_pooling_model:
             self.input_processor = InputProcessor(
                 self.tokenizer,
                 eos_token_ids=(),

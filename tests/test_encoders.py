@@ -236,9 +236,9 @@ def test_llm_embed_names_what_is_wrong(tmp_path):
     assert len(llm.embed({"prompt_token_ids": [5, 6]}, use_tqdm=False)) == 1  # still serving
 
 
-def test_serving_an_encoder_says_it_is_a_pooling_model(tmp_path):
-    """Until pooling models are served, loading one as a generative model says what it is and
-    where it runs, instead of only listing the decoders."""
+def test_loading_an_encoder_as_a_decoder_says_it_is_a_pooling_model(tmp_path):
+    """Loading an encoder as a generative model (`load_config`, as `jaxllm compile` does)
+    says what it is and where it runs, instead of only listing the decoders."""
     from jaxllm.loaders import load_config
 
     path, _ = _checkpoint(tmp_path, "bert")

@@ -25,7 +25,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
-from jaxllm.engine.messages import AddRequest, Ready, Stats
+from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Stats
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.loaders import load_tokenizer
@@ -70,17 +70,26 @@ class AsyncLLM:
         # the EOS ids come from the model's own, whatever the server does with them.
         self.generation_config = generation_config
         self.max_model_len = ready.max_model_len
-        self.input_processor = InputProcessor.create(
-            tokenizer,
-            generation_config,
-            model_eos_token_ids=ready.eos_token_ids,
-            vocab_size=ready.vocab_size,
-            max_model_len=ready.max_model_len,
-            seed=config.load.seed,
-        )
+        if ready.pooling:  # prompts only: no EOS, no sampling
+            self.input_processor = InputProcessor(
+                tokenizer,
+                eos_token_ids=(),
+                vocab_size=ready.vocab_size,
+                max_model_len=ready.max_model_len,
+            )
+        else:
+            self.input_processor = InputProcessor.create(
+                tokenizer,
+                generation_config,
+                model_eos_token_ids=ready.eos_token_ids,
+                vocab_size=ready.vocab_size,
+                max_model_len=ready.max_model_len,
+                seed=config.load.seed,
+            )
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: Stats = ready.stats
         self._streams: dict[str, _Stream] = {}
+        self._pooled: dict[str, asyncio.Future] = {}  # pooling requests: their vectors
         self._prompts: dict[str, list[int]] = {}
         self.dead = False
         # Optional callback(IterationStats) after each step's outputs and each abort, for
@@ -121,7 +130,18 @@ class AsyncLLM:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + len(self._pooled)
+
+    @property
+    def is_pooling_model(self) -> bool:
+        """The model pools (an encoder: `encode`), it does not generate."""
+        return self.ready.pooling
+
+    @property
+    def supported_tasks(self) -> list[str]:
+        """What the model serves, by vLLM's task names: an embedding model encodes (its
+        pooled output), embeds, and scores pairs by their embeddings' cosine similarity."""
+        return ["encode", "embed", "score"] if self.ready.pooling else ["generate"]
 
     # ---- generation --------------------------------------------------------------------
 
@@ -205,6 +225,46 @@ class AsyncLLM:
                 self._finish(times, reason, stats)
                 self._report(stats)
 
+    # ---- pooling ------------------------------------------------------------------------
+
+    async def encode(
+        self, request: AddPooling, *, arrival_time: float | None = None
+    ) -> list[float]:
+        """The pooled vector of a pooling request the input processor checked
+        (`input_processor.pooling_prompt`). Cancelling the wait aborts the request in the
+        core; a request the engine failed raises `RequestFailedError`."""
+        if self.dead:
+            raise EngineDeadError("engine core is not running")
+        if not self.is_pooling_model:
+            raise ValueError("this is a generative model: it has no pooled outputs")
+        request_id = request.request_id
+        if request_id in self._pooled or request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        future = self._pooled[request_id] = asyncio.get_running_loop().create_future()
+        self._times[request_id] = RequestTimes(
+            arrival=time.monotonic() if arrival_time is None else arrival_time,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            max_tokens_param=None,
+            n=1,
+            group=request_id,
+        )
+        finished = False
+        try:
+            self.client.add_request(request)
+            vector = await future
+            finished = True
+            return vector
+        finally:
+            self._pooled.pop(request_id, None)
+            if not finished and not self.dead and not future.done():
+                self.client.abort([request_id])
+            times = self._times.pop(request_id, None)
+            if times is not None:  # it ended without its vector
+                stats = IterationStats()
+                reason = FinishReason.ERROR if self.dead else FinishReason.ABORT
+                self._finish(times, reason, stats)
+                self._report(stats)
+
     async def _output_loop(self) -> None:
         while True:
             try:
@@ -234,6 +294,16 @@ class AsyncLLM:
                 times.queued_seconds, times.scheduled = queued_seconds, at
         failed = [u.request_id for u in out.updates if u.finish_reason == FinishReason.ERROR]
         updates = [u for u in out.updates if u.finish_reason != FinishReason.ERROR]
+        pooled = [u for u in updates if u.pooled is not None]
+        if pooled:
+            updates = [u for u in updates if u.pooled is None]
+        for u in pooled:
+            if (times := self._times.pop(u.request_id, None)) is not None:
+                stats.pooled(times)
+                self._finish(times, u.finish_reason, stats)
+            future = self._pooled.get(u.request_id)
+            if future is not None and not future.done():
+                future.set_result(u.pooled)
         finished, to_abort = self.output_processor.process(updates)
         if to_abort:  # stop strings: the core must stop generating them
             self.client.abort(to_abort)
@@ -252,6 +322,9 @@ class AsyncLLM:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.fail(RequestFailedError("the engine failed this request"))
+            future = self._pooled.get(rid)
+            if future is not None and not future.done():
+                future.set_exception(RequestFailedError("the engine failed this request"))
         self._report(stats)
 
     def _finish(self, times: RequestTimes, reason: FinishReason, stats: IterationStats) -> None:
@@ -267,6 +340,9 @@ class AsyncLLM:
         self.dead = True
         for stream in self._streams.values():
             stream.fail(error)
+        for future in self._pooled.values():
+            if not future.done():
+                future.set_exception(error)
 
     def _snapshot(self, request_id: str) -> RequestOutput:
         out = self.output_processor.output(request_id)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.engine.input_processor import InputProcessor
+from jaxllm.engine.messages import Ready
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
@@ -255,6 +256,18 @@ class EngineCore:
         if self.runner.kv_cache_lost:
             self.scheduler.kv.reset_prefix_cache()
             self.runner.kv_cache_lost = False
+
+    def ready(self) -> Ready:
+        """What the front end learns of this engine once it has warmed up."""
+        return Ready(
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            num_pages=self.scheduler.kv.num_pages,
+            page_size=self.scheduler.kv.page_size,
+            num_programs=self.runner.num_programs,
+            stats=self.stats(),
+        )
 
     def stats(self) -> Stats:
         scheduler, kv = self.scheduler, self.scheduler.kv

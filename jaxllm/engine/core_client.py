@@ -23,6 +23,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.core_proc import run_engine_core
 from jaxllm.engine.messages import (
     Abort,
+    AddPooling,
     AddRequest,
     Failed,
     Ready,
@@ -87,7 +88,7 @@ class EngineCoreClient:
         code = getattr(self.process, "exitcode", None)
         return "thread ended" if code is None else f"exit code {code}"
 
-    def add_request(self, request: AddRequest) -> None:
+    def add_request(self, request: AddRequest | AddPooling) -> None:
         self._send(request)
 
     def abort(self, request_ids: list[str]) -> None:

@@ -26,18 +26,29 @@ from jaxllm.engine.messages import (
     AddPooling,
     AddRequest,
     Failed,
-    Ready,
     Shutdown,
     StepOutputs,
     encoder,
     input_decoder,
 )
+from jaxllm.engine.pooling_core import PoolingEngineCore
 from jaxllm.engine.request import Request
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, StepEvents
 
 logger = logging.getLogger("jaxllm.engine.core")
 
 _IDLE_POLL_MS = 200
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore | PoolingEngineCore:
+    """The engine core the checkpoint asks for: a pooling core for an encoder (its config
+    says it is one, as vLLM detects a pooling model), the generative core otherwise. Loads
+    the weights and compiles every program."""
+    from jaxllm.loaders.encoder import is_encoder
+    from jaxllm.model_cache import resolve_model
+
+    pooling = is_encoder(resolve_model(config.load.model))
+    return (PoolingEngineCore if pooling else EngineCore).from_config(config)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -62,24 +73,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     engine = None
     try:
         try:
-            engine = EngineCore.from_config(config)
+            engine = build_engine_core(config)
         except Exception as e:  # a bad model path or flag: tell the front end, then exit
             logger.exception("engine failed to start")
             outputs.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))
             return
-        outputs.send(
-            encoder.encode(
-                Ready(
-                    max_model_len=engine.max_model_len,
-                    vocab_size=engine.model_config.vocab_size,
-                    eos_token_ids=list(engine.model_config.eos_token_ids),
-                    num_pages=engine.scheduler.kv.num_pages,
-                    page_size=engine.scheduler.kv.page_size,
-                    num_programs=engine.runner.num_programs,
-                    stats=engine.stats(),
-                )
-            )
-        )
+        outputs.send(encoder.encode(engine.ready()))
         loop = CoreLoop(engine)
         while True:
             timeout = 0 if engine.has_unfinished_requests() else _IDLE_POLL_MS
@@ -120,7 +119,7 @@ class CoreLoop:
     clients), leaves the engine serving the waiting ones, and keeps the exception in
     `step_error` until the next step."""
 
-    def __init__(self, engine: EngineCore):
+    def __init__(self, engine: EngineCore | PoolingEngineCore):
         self.engine = engine
         self.step_error: BaseException | None = None
         self._refused: list[RequestUpdate] = []

@@ -136,16 +136,39 @@ class InputProcessor:
         return text, ids
 
     def pooling_prompt(
-        self, prompt: str | dict[str, Any], truncate_prompt_tokens: int | None = None
+        self,
+        prompt: str | dict[str, Any],
+        truncate_prompt_tokens: int | None = None,
+        *,
+        add_special_tokens: bool = True,
+        param: str | None = None,
     ):
         """(text or None, checked token ids) of a pooling request's prompt, tokenized with the
-        model's special tokens (BERT's [CLS] and [SEP]) and, with `truncate_prompt_tokens`,
-        cut to its last k tokens (-1: the last max_model_len)."""
-        text, ids, param = self._prompt_ids(prompt, add_special_tokens=True)
+        model's special tokens (BERT's [CLS] and [SEP]) unless told not to; errors name
+        `param` (None: "prompt" or "prompt_token_ids", as the prompt came). With
+        `truncate_prompt_tokens` k (-1: max_model_len), a text is cut by its tokenizer to k
+        tokens (on the tokenizer's truncation side, special tokens kept, as vLLM and
+        sentence-transformers cut it) and token ids to their last k."""
         k = truncate_prompt_tokens
-        if k is not None:
-            ids = ids[-(self.max_model_len if k == -1 else k) :]
-        self.check_pooling_ids(ids, param)
+        if k == -1:
+            k = self.max_model_len
+        if isinstance(prompt, str) and prompt and k is not None and self.tokenizer is not None:
+            # Only the characters that can hold the k tokens kept are tokenized (a text of
+            # megabytes takes the tokenizer seconds): see check_text_fits.
+            limit = 2 * self.max_model_len * self.max_token_chars
+            text = prompt
+            if limit and len(text) > limit:
+                left = getattr(self.tokenizer, "truncation_side", "right") == "left"
+                text = text[-limit:] if left else text[:limit]
+            ids = self.tokenizer(
+                text, add_special_tokens=add_special_tokens, truncation=True, max_length=k
+            )["input_ids"]
+            text, came_as = prompt, "prompt"
+        else:
+            text, ids, came_as = self._prompt_ids(prompt, add_special_tokens)
+            if k is not None:
+                ids = ids[-k:]
+        self.check_pooling_ids(ids, param or came_as)
         return text, ids
 
     def check_pooling_ids(self, ids: Sequence[int], param: str = "prompt_token_ids") -> None:

@@ -77,6 +77,12 @@ class IterationStats:
         times.num_generation_tokens += count
         self.num_generation_tokens += count
 
+    def pooled(self, times: RequestTimes) -> None:
+        """A pooling request's vector came: its prompt tokens count now (it has no tokens
+        of its own, no TTFT)."""
+        times.first_token = times.last_token = self.now
+        self.num_prompt_tokens += times.num_prompt_tokens
+
     def finish(self, times: RequestTimes, reason: FinishReason | str) -> None:
         ran = times.scheduled if times.scheduled is not None else self.now
         first = times.first_token if times.first_token is not None else self.now

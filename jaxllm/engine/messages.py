@@ -46,10 +46,14 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]  # the model config's; the front end adds its tokenizer's
-    num_pages: int
+    num_pages: int  # 0 for a pooling model: it keeps no KV cache
     page_size: int
     num_programs: int
     stats: Stats
+    # A pooling model (an encoder): it takes `AddPooling` requests only, and its vectors
+    # have `hidden_size` values.
+    pooling: bool = False
+    hidden_size: int = 0
 
 
 class Failed(msgspec.Struct, tag="failed"):

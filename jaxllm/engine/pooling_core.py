@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxllm.config import EngineConfig, resolve_dtype
 from jaxllm.engine.input_processor import InputProcessor
+from jaxllm.engine.messages import Ready
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
 from jaxllm.pooling import PoolerConfig, read_max_seq_length, read_pooler_config
 from jaxllm.pooling_params import PoolingParams
@@ -175,6 +176,20 @@ class PoolingEngineCore:
 
     def forget_lost_cache(self) -> None:
         pass  # no cache to lose
+
+    def ready(self) -> Ready:
+        """What the front end learns of this engine once it has warmed up (no KV cache)."""
+        return Ready(
+            max_model_len=self.max_model_len,
+            vocab_size=self.runner.config.vocab_size,
+            eos_token_ids=[],
+            num_pages=0,
+            page_size=0,
+            num_programs=self.runner.num_programs,
+            stats=self.stats(),
+            pooling=True,
+            hidden_size=self.hidden_size,
+        )
 
     def stats(self) -> Stats:
         return Stats(

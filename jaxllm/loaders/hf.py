@@ -25,7 +25,8 @@ def load_hf_config(path: Path) -> ModelConfig:
     if encoder:
         raise ValueError(
             f"{path}: {encoder[0]} is an encoder (a pooling model: embeddings), which the "
-            "server and the generative engine do not run yet; LLM(model).embed(...) does"
+            "generative engine does not run; LLM(model).embed(...) and `jaxllm serve` "
+            "(/v1/embeddings) do"
         )
     return ModelConfig.from_hf_config(config)
 
