@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API on FastAPI.
 
-A route is one module-level function on `router` (a new route is one function); what routes
-share is the `ServerState` of the app (`request.app.state.server`), which `build_app` makes
-with the lifespan that starts the engine, the error handlers and the guard middleware.
+A route is one module-level function on `router` (a new route is one function); the pooling
+endpoints (`/v1/embeddings`, `/score`, `/rerank`, ...) are `server.pooling_api`'s router. What
+routes share is the `ServerState` of the app (`request.app.state.server`; `server.serving`:
+body intake, admission, answering unless the client left), which `build_app` makes with the
+lifespan that starts the engine, the error handlers and the guard middleware.
 
 Every check that can fail a request runs here, before the engine sees it (`server.protocol`
 validates the body; tokenization and length checks follow). Errors leave in OpenAI's shape,
@@ -10,21 +12,6 @@ validates the body; tokenization and length checks follow). Errors leave in Open
 bodies are the `server.protocol` models, serialized by pydantic: their JSON shape is defined
 there and nowhere else. The engine starts in the background, so `/health` answers 503 until
 warmup is done.
-
-Intake: a body is read chunk by chunk and refused (413) the moment it passes `MAX_BODY_BYTES`,
-whatever its transfer encoding (a `Content-Length` past the cap is refused before any of it is
-read). The bodies being read share `MAX_BUFFERED_BODY_BYTES`: a body reserves its length (one of
-unknown length, chunked, the whole cap) before its first byte is read, and waits for room
-meanwhile (its client is held back by TCP), so concurrent uploads cannot grow the process past
-that bound (12 chunked 64 MiB uploads at once grew it by 703 MiB before). JSON parsing, the
-surrogate check and validation then run off the event loop.
-
-Admission: a handler checks its engine requests against `--max-queued-requests` before it
-tokenizes anything, and counts them in `ServerState.num_admitted` with no await in between; it
-gives them back when its response ends, however it ends. (The engine's own count of unfinished
-requests moves only once a generation task has started, after the handler returned: a burst of
-requests would all see the same count and all get in.) A request of more engine requests than
-the queue holds at all (`n`, times its prompts) is a 400: it could never get in.
 
 Tool calls: a chat request whose tool_choice forces a call, or is "auto" on a server started
 with a tool call parser (`--enable-auto-tool-choice --tool-call-parser NAME`), has its output
@@ -46,12 +33,11 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import jinja2
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
@@ -62,14 +48,13 @@ from jaxllm.engine.input_processor import InputError
 from server import protocol, tool_parsers
 from server.config import ServerConfig
 from server.metrics import Metrics
+from server.pooling_api import router as pooling_router
 from server.protocol import APIError
+from server.serving import MAX_BODY_BYTES, ServerState, json_response
 from server.tool_parsers import TOOL_PARSERS, ToolCallStream
 
 logger = logging.getLogger("jaxllm.server")
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
-MAX_BUFFERED_BODY_BYTES = 3 * MAX_BODY_BYTES  # all bodies being read, together
-_BODY_ROOM_WAIT_S = 30.0  # how long a body waits for room before a 503
 # What a load balancer, a probe or a scraper reads without the API key; everything else (the
 # /v1 API, /tokenize, /detokenize) needs it.
 _OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
@@ -77,105 +62,6 @@ _OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 # block at this size (server.main); a block that arrives whole in one read gets past it, so
 # the app checks the size too.
 MAX_HEADER_BYTES = 64 * 1024
-_DISCONNECT_POLL_S = 0.25
-
-
-class ServerState:
-    """What the routes share: the engine once it is ready, the admission count, and the
-    server's settings. Routes reach it as `request.app.state.server`."""
-
-    def __init__(
-        self,
-        served_model_names: list[str],
-        api_key: str | None,
-        max_queued: int,
-        tool_parser: type[ToolCallStream] | None = None,
-    ):
-        self.engine: AsyncLLM | None = None
-        self.startup_error: str | None = None
-        self.served_model_names = served_model_names
-        self.api_key = api_key
-        self.max_queued = max_queued
-        # What reads the calls of tool_choice "auto"; without one, "auto" is a 400.
-        self.tool_parser = tool_parser
-        self.num_admitted = 0  # engine requests of responses that have not ended yet
-        self.draining = False  # set when the server is told to stop; never cleared
-        self.engine_died = False  # the engine died while serving: the server exits non-zero
-        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenize")
-        self.body_room = _ByteBudget(MAX_BUFFERED_BODY_BYTES)
-        self.created = int(time.time())
-        self.metrics: Metrics | None = None  # once the engine is ready
-
-    def ready_engine(self) -> AsyncLLM:
-        if self.draining:
-            raise APIError.unavailable("the server is shutting down")
-        if self.engine is None or self.engine.dead:
-            raise APIError.unavailable("the engine is not ready")
-        return self.engine
-
-    def check_model(self, name: str | None) -> str:
-        if name is None or name in self.served_model_names:
-            return self.served_model_names[0] if name is None else name
-        raise APIError.model_not_found(name)
-
-    async def tokenizing(self, fn, *args, **kwargs):
-        """Tokenizing and templating, off the event loop (a 10 MB prompt takes seconds, and
-        `/health` must answer meanwhile), on one thread, so encodes never overlap one another.
-        (The output loop decodes on the event loop meanwhile: encode and decode only read the
-        tokenizer, which neither reconfigures.)"""
-        call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, call)
-
-    async def parse(self, request: Request, model_cls):
-        """The body, read under the cap and the shared bound (see the module's docstring),
-        parsed and validated on a worker thread."""
-        length = request.headers.get("content-length")
-        need = int(length) if length is not None else MAX_BODY_BYTES  # checked by `_guard`
-        async with self.body_room.reserve(need, timeout=_BODY_ROOM_WAIT_S):
-            body = bytearray()
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > MAX_BODY_BYTES:
-                    raise APIError.too_large(MAX_BODY_BYTES)
-            return await asyncio.to_thread(_parse_body, body, model_cls)
-
-    def admit(self, n: int) -> Callable[[], None]:
-        """Counts `n` engine requests in, or raises (400: more than the queue ever holds; 503:
-        the queue is full now); returns what gives them back."""
-        if n > self.max_queued:
-            raise APIError.bad_request(
-                f"the request asks for {n} completions, more than this server queues at once "
-                f"({self.max_queued}, --max-queued-requests)",
-                "n",
-            )
-        if self.num_admitted + n > self.max_queued:
-            raise APIError.unavailable("too many requests are queued; retry later")
-        self.num_admitted += n
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.num_admitted -= n
-
-        return release
-
-    async def respond(self, request: Request, admitted: Callable[[], None], make_gen) -> Response:
-        """Builds the generation (`make_gen`, awaited: it tokenizes) of admitted requests and
-        runs it as a stream or to the end; the admission (`admitted` gives it back) ends with
-        the response, however it ends."""
-        try:
-            gen = await make_gen()
-        except BaseException:
-            admitted()
-            raise
-        if gen.req.stream:
-            return _EventStream(gen.stream(), on_close=admitted)
-        try:
-            return await until_done_or_gone(request, gen.full())
-        finally:
-            admitted()
 
 
 def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
@@ -260,6 +146,7 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
         return await call_next(request)
 
     app.include_router(router)
+    app.include_router(pooling_router)
     return app
 
 
@@ -302,11 +189,14 @@ async def metrics(request: Request):
 async def models(request: Request):
     state = _state(request)
     max_len = state.engine.max_model_len if state.engine is not None else None
+    tasks = state.engine.supported_tasks if state.engine is not None else None
     cards = [
-        protocol.ModelCard(id=name, created=state.created, max_model_len=max_len)
+        protocol.ModelCard(
+            id=name, created=state.created, max_model_len=max_len, supported_tasks=tasks
+        )
         for name in state.served_model_names
     ]
-    return _json(protocol.ModelList(data=cards))
+    return json_response(protocol.ModelList(data=cards))
 
 
 @router.post("/tokenize")
@@ -322,7 +212,7 @@ async def tokenize(request: Request):
     else:
         encode = eng.tokenizer.encode
         ids = await state.tokenizing(encode, req.prompt, add_special_tokens=req.add_special_tokens)
-    return _json(
+    return json_response(
         protocol.TokenizeResponse(count=len(ids), max_model_len=eng.max_model_len, tokens=ids)
     )
 
@@ -335,14 +225,14 @@ async def detokenize(request: Request):
     state.check_model(req.model)
     eng.input_processor.check_token_ids(req.tokens, "tokens")
     text = await state.tokenizing(eng.tokenizer.decode, req.tokens)
-    return _json(protocol.DetokenizeResponse(prompt=text))
+    return json_response(protocol.DetokenizeResponse(prompt=text))
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
     state = _state(request)
     req = await state.parse(request, protocol.CompletionRequest)
-    eng = state.ready_engine()
+    eng = state.ready_engine("generate", request.url.path)
     model = state.check_model(req.model)
 
     async def make_gen():
@@ -358,7 +248,7 @@ async def chat_completions(request: Request):
     state = _state(request)
     req = await state.parse(request, protocol.ChatCompletionRequest)
     req.check_tool_choice(auto_tool_choice=state.tool_parser is not None)
-    eng = state.ready_engine()
+    eng = state.ready_engine("generate", request.url.path)
     model = state.check_model(req.model)
 
     async def make_gen():
@@ -374,51 +264,6 @@ async def chat_completions(request: Request):
 # ---- helpers ----------------------------------------------------------------------------
 
 
-class _ByteBudget:
-    """Bytes shared by the request bodies being read (see the module's docstring)."""
-
-    def __init__(self, total: int):
-        self.total = self.free = total
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def reserve(self, n: int, *, timeout: float):
-        n = min(n, self.total)
-        try:
-            async with asyncio.timeout(timeout), self._changed:
-                await self._changed.wait_for(lambda: self.free >= n)
-                self.free -= n
-        except TimeoutError:
-            raise APIError.unavailable("the server is reading too many large bodies") from None
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self.free += n
-                self._changed.notify_all()
-
-
-def _parse_body(body: bytearray, model_cls):
-    """A request body as the protocol model `model_cls` (on a worker thread: a large body
-    takes the event loop's thread for a while otherwise)."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError):  # also integers past 4300 digits
-        raise APIError.bad_request("the request body is not valid JSON") from None
-    try:  # JSON may escape a lone surrogate ("\ud800"): no tokenizer takes that
-        json.dumps(obj, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise APIError.bad_request(
-            "the request body holds a lone surrogate (\\ud800-\\udfff), which is not text"
-        ) from None
-    except RecursionError:
-        raise APIError.bad_request("the request body is nested too deeply") from None
-    try:
-        return protocol.parse_request(model_cls, obj)
-    except RecursionError:
-        raise APIError.bad_request("the request body is nested too deeply") from None
-
-
 def headers_too_large(max_bytes: int) -> APIError:
     return APIError(
         431,
@@ -430,10 +275,6 @@ def headers_too_large(max_bytes: int) -> APIError:
 def _error_response(err: APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if err.status == 503 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-def _json(body: BaseModel) -> Response:
-    return Response(body.model_dump_json(), media_type="application/json")
 
 
 # Characters JSON may carry raw but many line readers split on (str.splitlines, and so httpx's
@@ -485,43 +326,6 @@ def render_chat(
         eng.input_processor.check_text_fits(text, "messages")
     # The template already holds any BOS token, unless the caller asks for one.
     return eng.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-async def until_done_or_gone(request: Request, work) -> Response:
-    """Runs `work` to its response body, cancelling it (which aborts its requests) if the
-    client disconnects."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return _json(task.result())
-            if await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-class _EventStream(StreamingResponse):
-    """A server-sent event stream that closes its events and calls `on_close` when the
-    exchange ends, however it ends. The events' own `finally` cannot be trusted with this: a
-    client gone before the first chunk leaves the generator unstarted, and one gone while a
-    chunk was being sent leaves it suspended until the garbage collector closes it."""
-
-    def __init__(self, events, on_close: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream")
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()  # aborts unfinished engine requests now
-            finally:
-                self.on_close()
 
 
 def _error_event(exc: BaseException) -> str:

@@ -24,9 +24,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.async_llm import AsyncLLM
-from server.api import MAX_HEADER_BYTES, ServerState, build_app, headers_too_large
+from server.api import MAX_HEADER_BYTES, build_app, headers_too_large
 from server.config import ServerConfig
 from server.protocol import APIError
+from server.serving import ServerState
 
 logger = logging.getLogger("jaxllm.server")
 

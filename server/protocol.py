@@ -1220,6 +1220,9 @@ class ModelCard(_Response):
     created: int = Field(default_factory=_now)
     owned_by: str = "jaxllm"
     max_model_len: int | None = None
+    # What the model serves (vLLM's task names): ["generate"], or a pooling model's
+    # ["encode", "embed", "score"]; None while the engine starts.
+    supported_tasks: list[str] | None = None
 
 
 class ModelList(_Response):

@@ -158,7 +158,26 @@ def _metric(server, name: str) -> float:
 
 def test_models_and_version(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.list().data[0].supported_tasks == ["generate"]
     assert httpx.get(f"{server}/version").json()["version"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", {"input": "hi"}),
+        ("/pooling", {"input": "hi"}),
+        ("/score", {"text_1": "a", "text_2": "b"}),
+        ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+        ("/classify", {"input": "hi"}),
+    ],
+)
+def test_pooling_endpoints_name_themselves_on_a_generative_model(server, path, body):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "model" and error["message"].startswith(f"{path}:"), error
+    assert "generative model" in error["message"], error
 
 
 def test_completion(client):

@@ -675,11 +675,13 @@ def test_chat_response_json():
 
 
 def test_model_list_json():
-    data = ModelList(data=[ModelCard(id="smollm2-135m", max_model_len=2048)]).model_dump()
+    card = ModelCard(id="smollm2-135m", max_model_len=2048, supported_tasks=["generate"])
+    data = ModelList(data=[card]).model_dump()
     assert data["object"] == "list"
     card = data["data"][0]
-    assert set(card) == {"id", "object", "created", "owned_by", "max_model_len"}
+    assert set(card) == {"id", "object", "created", "owned_by", "max_model_len", "supported_tasks"}
     assert (card["object"], card["owned_by"], card["max_model_len"]) == ("model", "jaxllm", 2048)
+    assert card["supported_tasks"] == ["generate"]
 
 
 def test_a_streamed_event_is_one_line_whatever_the_text_holds():

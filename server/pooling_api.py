@@ -1,0 +1,249 @@
+"""The pooling endpoints of `jaxllm serve`: `/v1/embeddings`, `/pooling`, `/score` (and
+`/v1/score`), `/rerank` (and `/v1/rerank`, `/v2/rerank`) and `/classify`, for a pooling model
+(an encoder such as all-MiniLM-L6-v2). Their schema is `server.pooling_protocol`'s.
+
+A request's items (its inputs; a score's or a rerank's distinct texts) each become one pooling
+request of the engine (`AsyncLLM.encode`), admitted against `--max-queued-requests` as a
+completion is (a request of more items than the queue holds is a 400 naming its field), run
+together, and ended together: a client that leaves aborts the ones not done. A score between
+two texts is the cosine similarity of their embeddings (vLLM's rule for an embedding model);
+`/rerank` orders the documents by it.
+
+An endpoint the model does not serve (embeddings from a generative model, generation from an
+embedding model, `/classify` from a model without a classifier) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Sequence
+
+import numpy as np
+from fastapi import APIRouter, Request
+
+from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
+from jaxllm.engine.core_client import EngineDeadError
+from jaxllm.engine.input_processor import InputError
+from jaxllm.engine.messages import AddPooling
+from jaxllm.pooling_params import PoolingParams
+from server import pooling_protocol as protocol
+from server.protocol import APIError, UsageInfo, _id
+from server.serving import ServerState, until_done_or_gone
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+class _Pooled:
+    """The vectors of a request's items, and the prompt tokens they took."""
+
+    def __init__(self, vectors: list[list[float]], num_tokens: int):
+        self.vectors = vectors
+        self.num_tokens = num_tokens
+
+
+def _tokenize(
+    eng: AsyncLLM, items: Sequence[protocol.Input], params: PoolingParams, req, field: str
+) -> list[list[int]]:
+    """Each item's checked token ids (on the tokenizer's thread); a 400 names `field`."""
+    out = []
+    for i, item in enumerate(items):
+        prompt = item if isinstance(item, str) else {"prompt_token_ids": item}
+        try:
+            _, ids = eng.input_processor.pooling_prompt(
+                prompt,
+                params.truncate_prompt_tokens,
+                add_special_tokens=req.add_special_tokens,
+                param=field,
+            )
+        except InputError as e:
+            where = f"{field}[{i}]: " if len(items) > 1 else ""
+            raise APIError.bad_request(f"{where}{e}", field) from None
+        out.append(ids)
+    return out
+
+
+async def _all(work: Sequence[Awaitable]) -> list:
+    """Every result, or the first failure with the rest cancelled (which aborts them)."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+
+
+async def _pool(
+    state: ServerState,
+    eng: AsyncLLM,
+    req,
+    items: Sequence[protocol.Input],
+    params: PoolingParams,
+    field: str,
+) -> _Pooled:
+    """The pooled vectors of `items`, in their order."""
+    arrival = time.monotonic()
+    try:
+        params.check(eng.ready.hidden_size)
+    except ValueError as e:
+        raise APIError.bad_request(str(e), "dimensions") from None
+    prompts = await state.tokenizing(_tokenize, eng, items, params, req, field)
+    rid = _id("pool")()
+    requests = [AddPooling(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+    try:
+        vectors = await _all([eng.encode(r, arrival_time=arrival) for r in requests])
+    except (EngineDeadError, RequestFailedError):
+        raise APIError.internal("the engine failed this request") from None
+    return _Pooled(vectors, sum(len(ids) for ids in prompts))
+
+
+async def _serve(request: Request, req_cls, task: str, n_items, answer):
+    """The shape every pooling route has: parse, check the model serves `task`, admit
+    `n_items(req)` engine requests, then `answer(state, eng, req, model)` to its response
+    model, cancelled (its requests aborted) if the client leaves."""
+    state = _state(request)
+    req = await state.parse(request, req_cls)
+    eng = state.ready_engine(task, request.url.path)
+    model = state.check_model(req.model)
+    count, field = n_items(req)
+    release = state.admit(count, field, "inputs")
+    try:
+        return await until_done_or_gone(request, answer(state, eng, req, model))
+    finally:
+        release()
+
+
+# ---- embeddings and pooling ------------------------------------------------------------
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    async def answer(state, eng, req, model):
+        pooled = await _pool(state, eng, req, req.items(), req.pooling_params(), "input")
+        return protocol.EmbeddingResponse(
+            model=model,
+            data=[
+                protocol.EmbeddingData(
+                    index=i, embedding=protocol.encode_vector(v, req.encoding_format)
+                )
+                for i, v in enumerate(pooled.vectors)
+            ],
+            usage=protocol.PoolingUsage.of(pooled.num_tokens),
+        )
+
+    return await _serve(
+        request, protocol.EmbeddingRequest, "embed", lambda r: (len(r.items()), "input"), answer
+    )
+
+
+@router.post("/pooling")
+async def pooling(request: Request):
+    async def answer(state, eng, req, model):
+        pooled = await _pool(state, eng, req, req.items(), req.pooling_params(), "input")
+        return protocol.PoolingResponse(
+            model=model,
+            data=[
+                protocol.PoolingData(index=i, data=protocol.encode_vector(v, req.encoding_format))
+                for i, v in enumerate(pooled.vectors)
+            ],
+            usage=UsageInfo.of(pooled.num_tokens, 0),
+        )
+
+    return await _serve(
+        request, protocol.PoolingRequest, "encode", lambda r: (len(r.items()), "input"), answer
+    )
+
+
+@router.post("/classify")
+async def classify(request: Request):
+    """No model served here has a classifier yet (sequence classification checkpoints are
+    refused at load): every model answers that it does not serve this endpoint."""
+    state = _state(request)
+    await state.parse(request, protocol.ClassificationRequest)
+    state.ready_engine("classify", request.url.path)  # raises: no model classifies
+    raise APIError.bad_request(f"{request.url.path}: this model does not classify", "model")
+
+
+# ---- scores: cosine similarity of embeddings -------------------------------------------
+
+
+async def _embed_texts(
+    state: ServerState, eng: AsyncLLM, req, texts: list[str], field: str
+) -> tuple[dict[str, np.ndarray], int]:
+    """Each distinct text's unit-length embedding (a text given twice is encoded once)."""
+    distinct = list(dict.fromkeys(texts))
+    params = PoolingParams(normalize=True, truncate_prompt_tokens=req.truncate_prompt_tokens)
+    pooled = await _pool(state, eng, req, distinct, params, field)
+    vectors = {
+        t: np.asarray(v, dtype=np.float64) for t, v in zip(distinct, pooled.vectors, strict=True)
+    }
+    return vectors, pooled.num_tokens
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
+
+
+def _score_items(req: protocol.ScoreRequest) -> tuple[int, str]:
+    return len(set(req.firsts()) | set(req.seconds())), "text_2"
+
+
+async def _score(request: Request):
+    async def answer(state, eng, req, model):
+        vectors, num_tokens = await _embed_texts(
+            state, eng, req, [*req.firsts(), *req.seconds()], "text_2"
+        )
+        return protocol.ScoreResponse(
+            model=model,
+            data=[
+                protocol.ScoreData(index=i, score=_cosine(vectors[a], vectors[b]))
+                for i, (a, b) in enumerate(req.pairs())
+            ],
+            usage=UsageInfo.of(num_tokens, 0),
+        )
+
+    return await _serve(request, protocol.ScoreRequest, "score", _score_items, answer)
+
+
+async def _rerank(request: Request):
+    async def answer(state, eng, req, model):
+        vectors, num_tokens = await _embed_texts(
+            state, eng, req, [req.query, *req.documents], "documents"
+        )
+        scores = [_cosine(vectors[req.query], vectors[d]) for d in req.documents]
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        if req.top_n:
+            order = order[: req.top_n]
+        return protocol.RerankResponse(
+            model=model,
+            usage=protocol.RerankUsage(total_tokens=num_tokens),
+            results=[
+                protocol.RerankResult(
+                    index=i,
+                    document=protocol.RerankDocument(text=req.documents[i])
+                    if req.return_documents
+                    else None,
+                    relevance_score=scores[i],
+                )
+                for i in order
+            ],
+        )
+
+    return await _serve(
+        request,
+        protocol.RerankRequest,
+        "score",
+        lambda r: (len({r.query, *r.documents}), "documents"),
+        answer,
+    )
+
+
+for _path in ("/score", "/v1/score"):
+    router.add_api_route(_path, _score, methods=["POST"])
+for _path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+    router.add_api_route(_path, _rerank, methods=["POST"])
