@@ -396,6 +396,14 @@ class LoadConfig:
     """auto reads the weights from the model; dummy makes random ones in its shapes (a
     directory with config.json alone will do), to measure speed and memory without a
     checkpoint: the tokens mean nothing."""
+    runner: str = option("auto", choices=("auto", "generate", "pooling"))
+    """What the model serves (vLLM's --runner): generate (completions) or pooling (its pooled
+    hidden states: embeddings, scores). auto: pooling for an encoder (BERT), and for a
+    decoder whose sentence-transformers files pool it (Qwen3-Embedding); generate otherwise."""
+    pooler_config: str | None = None
+    """JSON over the checkpoint's pooling, vLLM's keys: {"pooling_type": "MEAN", "CLS" or
+    "LAST", "normalize": true or false} (a decoder served with --runner pooling and no
+    sentence-transformers files pools its last token, normalized)."""
 
     def __post_init__(self) -> None:
         if hasattr(self.model, "__fspath__"):  # a Path is welcome

@@ -27,7 +27,6 @@ from jaxllm.engine.core_proc import CoreLoop, build_engine_core
 from jaxllm.engine.input_processor import InputError, InputProcessor
 from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.pooling_core import PoolingEngineCore
 from jaxllm.loaders import load_tokenizer
 from jaxllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -72,7 +71,7 @@ class LLM:
             self.input_processor = InputProcessor(
                 self.tokenizer,
                 eos_token_ids=(),
-                vocab_size=self.engine.runner.config.vocab_size,
+                vocab_size=self.engine.ready().vocab_size,
                 max_model_len=self.engine.max_model_len,
             )
         else:
@@ -114,12 +113,12 @@ class LLM:
 
     @property
     def is_pooling_model(self) -> bool:
-        return isinstance(self.engine, PoolingEngineCore)
+        return self.engine.is_pooling
 
     def _normalize(self, prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
         if self.is_pooling_model:
             raise InputError(
-                "this is a pooling model (an encoder): it embeds (LLM.embed), it does not generate",
+                "this is a pooling model: it embeds (LLM.embed), it does not generate",
                 "model",
             )
         if isinstance(prompts, str | dict):

@@ -13,8 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
+import numpy as np
 
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 # sentence-transformers' Pooling config keys, by the pooling type each turns on.
@@ -76,6 +75,74 @@ def read_pooler_config(path: str | Path, default: PoolerConfig | None = None) ->
     return PoolerConfig(pooling_type, normalize="Normalize" in types)
 
 
+def has_pooling_module(path: str | Path) -> bool:
+    """Whether sentence-transformers' `modules.json` in the checkpoint directory pools it."""
+    modules_file = Path(path) / "modules.json"
+    if not modules_file.is_file():
+        return False
+    modules = json.loads(modules_file.read_text())
+    return any(str(m.get("type", "")).endswith("Pooling") for m in modules)
+
+
+def decoder_pools(path: str | Path, runner: str) -> bool:
+    """Whether a decoder checkpoint is served for pooling under `runner` (see
+    `LoadConfig.runner`): asked for, or (auto) its sentence-transformers files pool it."""
+    return runner == "pooling" or (runner == "auto" and has_pooling_module(path))
+
+
+def resolve_pooler_config(
+    path: str | Path, override: str | None, default: PoolerConfig | None = None
+) -> PoolerConfig:
+    """The checkpoint's pooling (`read_pooler_config`, else `default`), with the
+    `--pooler-config` JSON `override` over it."""
+    config = read_pooler_config(path, default) if Path(path).is_dir() else default or PoolerConfig()
+    return config if override is None else PoolerConfig.from_json(override, config)
+
+
+# What a decoder served for pooling with no sentence-transformers files does (vLLM's default
+# for embedding with a decoder: its last token, normalized).
+DECODER_POOLER = PoolerConfig("LAST", normalize=True)
+
+
+@dataclasses.dataclass
+class PooledState:
+    """A pooling request's running pool over the chunks of its prompt computed so far: the
+    sum of their hidden states, the last one, and their count (reset when it is preempted,
+    since its prompt is then computed again)."""
+
+    config: PoolerConfig
+    total: np.ndarray | None = None
+    last: np.ndarray | None = None
+    num_tokens: int = 0
+
+    def add(self, total: np.ndarray, last: np.ndarray, num_tokens: int) -> None:
+        self.total = total if self.total is None else self.total + total
+        self.last = last
+        self.num_tokens += num_tokens
+
+    def reset(self) -> None:
+        self.total, self.last, self.num_tokens = None, None, 0
+
+    def pooled(self) -> np.ndarray:
+        """The sequence's vector as its pooling type says, not normalized."""
+        if self.config.pooling_type == "MEAN":
+            return self.total / max(self.num_tokens, 1)
+        if self.config.pooling_type == "LAST":
+            return self.last
+        raise ValueError("CLS pooling is an encoder's: a decoder's first token sees no other")
+
+
+def finish_vector(vector: np.ndarray, params, config: PoolerConfig) -> np.ndarray:
+    """A pooled vector as the request's `PoolingParams` ask: its first `dimensions`, then
+    normalized (as the pooler config says, unless the request says otherwise)."""
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    normalize = config.normalize if params.normalize is None else params.normalize
+    if normalize:
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    return np.asarray(vector, np.float32)
+
+
 def read_max_seq_length(path: str | Path) -> int | None:
     """sentence-transformers' `max_seq_length` (the length it truncates to), if the checkpoint
     directory has one."""
@@ -85,8 +152,12 @@ def read_max_seq_length(path: str | Path) -> int | None:
     return json.loads(f.read_text()).get("max_seq_length")
 
 
-def pool(hidden: jax.Array, lengths: jax.Array, config: PoolerConfig) -> jax.Array:
-    """`hidden[B, T, D]` of sequences `lengths[B]` long (the rest padding) -> float32 `[B, D]`."""
+def pool(hidden, lengths, config: PoolerConfig):
+    """`hidden[B, T, D]` of sequences `lengths[B]` long (the rest padding) -> float32 `[B, D]`
+    (traced inside the encoder's programs; JAX is imported here, so that the front end, which
+    reads the pooling config, does not load it)."""
+    import jax.numpy as jnp
+
     hidden = hidden.astype(jnp.float32)
     if config.pooling_type == "MEAN":
         mask = (jnp.arange(hidden.shape[1])[None, :] < lengths[:, None]).astype(jnp.float32)

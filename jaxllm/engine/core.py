@@ -30,6 +30,15 @@ from jaxllm.engine.messages import Ready
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
+from jaxllm.pooling import (
+    DECODER_POOLER,
+    PooledState,
+    PoolerConfig,
+    decoder_pools,
+    resolve_pooler_config,
+)
+from jaxllm.pooling_params import PoolingParams
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -76,6 +85,8 @@ class EngineCore:
         # The front end's checks, which the core applies again to what it is handed (a
         # library caller of the core, or a front end with a bug, must not fail a step).
         self.checks: InputProcessor | None = None
+        # How a decoder served for pooling pools; None: it generates.
+        self.pooler: PoolerConfig | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -162,6 +173,7 @@ class EngineCore:
             tensor_parallel_size=tp,
         )
         sched, cache = config.scheduler, config.cache
+        pooler = _pooler(config)
         runner = ModelRunner.from_config(
             loaded.model,
             loaded.config,
@@ -169,6 +181,7 @@ class EngineCore:
             kv_dtype=kv_dtype,
             mesh=mesh,
             draft_model=None if draft is None else (draft.model, draft.config),
+            pooling=pooler is not None,
         )
         kv = KVCacheManager(
             num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
@@ -188,6 +201,13 @@ class EngineCore:
                 runner.num_speculative_tokens,
             )
         core.config = config
+        core.pooler = pooler
+        if pooler is not None:
+            logger.info(
+                "served for pooling (%s pooling%s)",
+                pooler.pooling_type,
+                ", normalized" if pooler.normalize else "",
+            )
         core.model_config = loaded.config
         core.generation_config = loaded.generation_config
         core.mesh = mesh
@@ -222,18 +242,49 @@ class EngineCore:
         return self.scheduler.config.max_model_len
 
     def add_request(self, request: Request) -> None:
-        """Queues a request; a ValueError (naming the parameter) if it cannot run here, before
+        """Queues a generation request; a ValueError (naming the parameter) if it cannot run here, before
         anything of it reaches a batch: one request's bad value must not fail a step that
         carries others."""
+        if self.pooler is not None:
+            raise ValueError(
+                "this model is served for pooling (embeddings), not generation (--runner)"
+            )
         if self.checks is not None:
             self.checks.check_prompt(request.prompt_token_ids)
             self.checks.check_params(request.sampling_params)
         self.scheduler.add_request(request)
 
-    def add_pooling_request(self, request_id: str, token_ids: list[int], params) -> None:
-        raise ValueError(
-            "this is a generative model: it serves completions, not pooling (embeddings)"
-        )
+    @property
+    def is_pooling(self) -> bool:
+        """Served for pooling (`--runner pooling`, or a checkpoint that pools): it takes
+        pooling requests, not generation."""
+        return self.pooler is not None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model_config.hidden_size
+
+    def add_pooling_request(
+        self, request_id: str, token_ids: list[int], params: PoolingParams
+    ) -> None:
+        """Queues a pooling request: its prompt is computed chunk by chunk under the step's
+        token budget, pooled as it goes, and it finishes with its vector (no token sampled,
+        no prefix cache lookup: every chunk's hidden states are pooled)."""
+        if self.pooler is None:
+            raise ValueError(
+                "this is a generative model: it serves completions, not pooling (embeddings); "
+                "serve it with --runner pooling"
+            )
+        params.check(self.hidden_size)
+        if self.checks is not None:
+            self.checks.check_pooling_ids(token_ids)
+        request = Request(
+            request_id, token_ids, SamplingParams(max_tokens=1), eos_token_ids=(), max_tokens=1,
+            seed=0,
+        )  # fmt: skip
+        request.pooling_params = params
+        request.pooled = PooledState(self.pooler)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -267,6 +318,8 @@ class EngineCore:
             page_size=self.scheduler.kv.page_size,
             num_programs=self.runner.num_programs,
             stats=self.stats(),
+            pooling=self.is_pooling,
+            hidden_size=self.hidden_size,
         )
 
     def stats(self) -> Stats:
@@ -370,6 +423,19 @@ class EngineCore:
 
 # How long a step with nothing to run waits for a grammar that holds a request back.
 _GRAMMAR_POLL_S = 0.05
+
+
+def _pooler(config: EngineConfig) -> PoolerConfig | None:
+    """How a decoder served for pooling pools (see `LoadConfig.runner`), or None: it
+    generates."""
+    from jaxllm.model_cache import resolve_model
+
+    path = resolve_model(config.load.model)
+    if not decoder_pools(path, config.load.runner):
+        if config.load.pooler_config is not None:
+            raise ValueError("pooler_config: the model is not served for pooling (--runner)")
+        return None
+    return resolve_pooler_config(path, config.load.pooler_config, DECODER_POOLER)
 
 
 def _structured_outputs(model: str, model_config: ModelConfig):

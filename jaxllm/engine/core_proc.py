@@ -41,8 +41,9 @@ _IDLE_POLL_MS = 200
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore | PoolingEngineCore:
-    """The engine core the checkpoint asks for: a pooling core for an encoder (its config
-    says it is one, as vLLM detects a pooling model), the generative core otherwise. Loads
+    """The engine core the checkpoint asks for: the encoder's pooling core for an encoder
+    (its config says it is one, as vLLM detects a pooling model), the decoder's core
+    otherwise (which serves pooling too, under `--runner`: see `LoadConfig.runner`). Loads
     the weights and compiles every program."""
     from jaxllm.loaders.encoder import is_encoder
     from jaxllm.model_cache import resolve_model

@@ -17,13 +17,16 @@ import dataclasses
 import logging
 import time
 
-import numpy as np
-
 from jaxllm.config import EngineConfig, resolve_dtype
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
-from jaxllm.pooling import PoolerConfig, read_max_seq_length, read_pooler_config
+from jaxllm.pooling import (
+    PoolerConfig,
+    finish_vector,
+    read_max_seq_length,
+    resolve_pooler_config,
+)
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.worker import EncoderRunner
 
@@ -74,7 +77,12 @@ class PoolingEngineCore:
                 "serving are for generative models"
             )
         encoder = load_encoder(path, dtype=resolve_dtype(config.load.dtype))
-        pooler = read_pooler_config(path)
+        if config.load.runner == "generate":
+            raise ValueError(
+                f"runner generate: {encoder.config.architecture} is an encoder, it does not "
+                "generate (serve it with --runner auto or pooling)"
+            )
+        pooler = resolve_pooler_config(path, config.load.pooler_config)
         sched = config.scheduler
         max_model_len = sched.max_model_len or read_max_seq_length(path) or encoder.config.max_len
         runner = EncoderRunner(
@@ -102,6 +110,8 @@ class PoolingEngineCore:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    is_pooling = True  # it serves pooling requests only
 
     @property
     def hidden_size(self) -> int:
@@ -157,19 +167,10 @@ class PoolingEngineCore:
                 w.request_id,
                 [],
                 finish_reason=FinishReason.STOP,
-                pooled=self.finish_vector(v, w.params).tolist(),
+                pooled=finish_vector(v, w.params, self.pooler).tolist(),
             )
             for w, v in zip(batch, vectors, strict=True)
         ]
-
-    def finish_vector(self, vector: np.ndarray, params: PoolingParams) -> np.ndarray:
-        """A pooled vector as the request asks: its first `dimensions`, then normalized."""
-        if params.dimensions is not None:
-            vector = vector[: params.dimensions]
-        normalize = self.pooler.normalize if params.normalize is None else params.normalize
-        if normalize:
-            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-        return vector.astype(np.float32)
 
     def drain(self) -> list[RequestUpdate]:
         return []  # every step is synchronous

@@ -10,6 +10,8 @@ from jaxllm.engine.step_data import FinishReason
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jaxllm.pooling import PooledState
+    from jaxllm.pooling_params import PoolingParams
     from jaxllm.structured_outputs import Grammar
 
 
@@ -93,6 +95,10 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Structured outputs: the matcher its tokens must follow (set by the scheduler).
         self.grammar: Grammar | None = None
+        # A pooling request (a decoder served for pooling): its prompt is computed, pooled
+        # chunk by chunk, and the request finishes with its vector; it samples nothing.
+        self.pooling_params: PoolingParams | None = None
+        self.pooled: PooledState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -42,13 +42,17 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, SpecDecodingStats
+from jaxllm.pooling import finish_vector
 from jaxllm.worker import (
     GrammarBitmask,
     NewRequestData,
+    PooledChunk,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -134,6 +138,8 @@ class Scheduler:
         # (same seed and counter), once the request is recomputed.
         request.num_inflight_tokens = request.num_pending_tokens = 0
         request.spec_token_ids = []
+        if request.pooled is not None:
+            request.pooled.reset()  # its prompt is pooled again from the start
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         preempted.append(request.request_id)
@@ -158,6 +164,8 @@ class Scheduler:
             if self._finishes_by_length(request):
                 continue  # its in-flight step samples its last token
             n = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+            if n == 0:
+                continue  # a pooling request whose last chunk is in flight
             n = min(n, budget)
             spec = self._drafts(request, n, budget)
             n += len(spec)
@@ -185,9 +193,11 @@ class Scheduler:
                     break
                 budget += self._preempt(victim, granted, preempted)
             # A new or preempted request starts from its longest cached prefix, unless its
-            # prompt positions must be scored (prompt_logprobs).
+            # prompt positions must be scored (prompt_logprobs) or pooled.
             computed_blocks, num_cached = (
-                ([], 0) if request.owes_prompt_logprobs else self.kv.get_computed_blocks(request)
+                ([], 0)
+                if request.owes_prompt_logprobs or request.pooled is not None
+                else self.kv.get_computed_blocks(request)
             )
             n = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
@@ -220,12 +230,13 @@ class Scheduler:
         # Data for the new rows first: it records the blocks they have as sent.
         new_requests = [self._new_request_data(r) for r in admitted if r in granted]
         # The requests whose grant reaches the end of their sequence (drafts aside): this
-        # step samples their next token.
+        # step samples their next token (a pooling request's ends instead).
         sampling = [
             r
             for r, n in granted.items()
             if r.num_computed_tokens + n - len(drafts.get(r, ()))
             == r.num_tokens + r.num_pending_tokens
+            and r.pooled is None
         ]
         bitmask = self._grammar_bitmask(sampling, drafts)
         out = SchedulerOutput(
@@ -304,6 +315,8 @@ class Scheduler:
 
     def _finishes_by_length(self, request: Request) -> bool:
         """Whether the token an in-flight step samples for the request is its last."""
+        if request.pooled is not None:
+            return False  # it samples nothing; it ends with its prompt
         return request.num_tokens + request.num_pending_tokens >= self._end(request)
 
     def _next_waiting(self) -> Request | None:
@@ -375,6 +388,7 @@ class Scheduler:
             new_block_ids=new_block_ids,
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, n),
             spec_token_ids=drafts,
+            pool=request.pooled is not None,
         )
 
     @staticmethod
@@ -399,6 +413,11 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran
             request.num_inflight_tokens -= s.num_scheduled_tokens
+            if request.pooled is not None:
+                update = self._pooled_chunk(request, output.pooled.get(rid))
+                if update is not None:
+                    updates.append(update)
+                continue
             tokens = output.sampled.get(rid, [])
             if s.spec_token_ids:  # roll back to the accepted drafts
                 accepted = len(tokens) - 1
@@ -439,6 +458,21 @@ class Scheduler:
                 )
             )
         return updates
+
+    def _pooled_chunk(self, request: Request, chunk: PooledChunk | None) -> RequestUpdate | None:
+        """Adds a pooling request's computed chunk to its pool; once its whole prompt is in,
+        it finishes with its vector."""
+        if chunk is not None:
+            request.pooled.add(np.asarray(chunk.total), np.asarray(chunk.last), chunk.num_tokens)
+        if request.num_confirmed_tokens < request.num_tokens:
+            return None
+        vector = finish_vector(
+            request.pooled.pooled(), request.pooling_params, request.pooled.config
+        )
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestUpdate(
+            request.request_id, [], finish_reason=FinishReason.STOP, pooled=vector.tolist()
+        )
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # The sampler cannot pick EOS or a stop id among the first min_tokens tokens; this

@@ -22,6 +22,7 @@ _HOMES = {
     "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
     "GrammarBitmask": "jaxllm.worker.step_data",
     "NewRequestData": "jaxllm.worker.step_data",
+    "PooledChunk": "jaxllm.worker.step_data",
     "PromptTokenLogprobs": "jaxllm.worker.step_data",
     "RunnerOutput": "jaxllm.worker.step_data",
     "ScheduledRequest": "jaxllm.worker.step_data",
@@ -35,6 +36,7 @@ __all__ = [
     "InflightStep",
     "ModelRunner",
     "NewRequestData",
+    "PooledChunk",
     "PromptTokenLogprobs",
     "RunnerOutput",
     "ScheduledRequest",
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from jaxllm.worker.step_data import (
         GrammarBitmask,
         NewRequestData,
+        PooledChunk,
         PromptTokenLogprobs,
         RunnerOutput,
         ScheduledRequest,

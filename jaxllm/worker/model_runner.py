@@ -14,6 +14,7 @@ rarer a feature, the further from this file it sits (vLLM model runner V2's rule
 - `sampling_inputs`, `sampler`: the sampler's per-row inputs (one table of neutral values),
   and the on-device sampler;
 - `prompt_logprobs`: scoring prompt tokens;
+- `hidden_pooler`: a decoder served for pooling: its chunks' hidden states pooled;
 - `spec_decode/`: draft proposers (n-gram, draft model) and the verification of drafts.
 
 The model is split once (`nnx.split`) and its parameters kept as a flat list of arrays: a call
@@ -41,6 +42,7 @@ from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
 from jaxllm.worker.device_state import DeviceState
+from jaxllm.worker.hidden_pooler import HiddenPooler
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.programs import forward, head_and_sample
 from jaxllm.worker.prompt_logprobs import PromptScorer
@@ -81,11 +83,13 @@ class ModelRunner:
         mesh: Mesh | None = None,
         speculative: SpecMethod | None = None,
         draft_model: tuple[nnx.Module, ModelConfig] | None = None,
+        pooling: bool = False,
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
         over its kv heads the same way); None for one device. `speculative`: how draft tokens
         are proposed (see `jaxllm.worker.spec_decode`), with `draft_model` (loaded onto the
-        same mesh) for the draft_model method."""
+        same mesh) for the draft_model method. `pooling`: the model is served for pooling
+        (its requests' hidden states pooled, see `hidden_pooler`)."""
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
@@ -128,6 +132,7 @@ class ModelRunner:
         # reads made the host wait for that pass before it could dispatch the sampler.
         self.head_and_sample = jax.jit(functools.partial(head_and_sample, *bound))
         self.scorer = PromptScorer(self.graphdef, self._params_def, ib, self.compiler)
+        self.pooler = HiddenPooler(self.compiler, max_num_seqs) if pooling else None
         self.proposer: Proposer | None = None
         if speculative is not None and speculative.method == "ngram":
             self.proposer = NgramProposer(
@@ -148,6 +153,7 @@ class ModelRunner:
         kv_dtype: jnp.dtype,
         mesh: Mesh | None = None,
         draft_model: tuple[nnx.Module, ModelConfig] | None = None,
+        pooling: bool = False,
     ) -> ModelRunner:
         """The runner of an engine whose KV cache is planned: `engine_config` with num_pages
         and max_model_len resolved (`EngineCore.from_config` and `jaxllm compile` build it)."""
@@ -166,6 +172,7 @@ class ModelRunner:
             mesh=mesh,
             speculative=engine_config.speculative.method,
             draft_model=draft_model,
+            pooling=pooling,
         )
 
     # What the engine reads of the runner's parts.
@@ -209,9 +216,13 @@ class ModelRunner:
     def num_programs(self) -> int:
         """The bound on compiled programs: a forward pass per shape, the head and sampler per
         logit bucket (the request buckets, without speculative decoding), one prompt scorer
-        (prompt_logprobs) per token bucket, and a draft model's step per shape."""
+        (prompt_logprobs) per token bucket, a draft model's step per shape, and for pooling
+        one pooler per token bucket."""
         drafts = len(self.shapes) if isinstance(self.proposer, DraftModelProposer) else 0
-        return len(self.shapes) + len(self.logit_buckets) + len(self.token_buckets) + drafts
+        poolers = len(self.token_buckets) if self.pooler is not None else 0
+        return (
+            len(self.shapes) + len(self.logit_buckets) + len(self.token_buckets) + drafts + poolers
+        )
 
     def warmup(
         self, *, progress: bool = True, check_in_place: bool = True, decode_only: bool = False
@@ -259,6 +270,8 @@ class ModelRunner:
             jobs += self.scorer.warmup_jobs(self.params, self.token_buckets, rows)
             if self.proposer is not None:
                 jobs += self.proposer.warmup_jobs()
+            if self.pooler is not None:
+                jobs += self.pooler.warmup_jobs(self.token_buckets, rows)
         self.compiler.run(jobs, progress=progress)
         if check_in_place:
             self.compiler.check_in_place()
@@ -308,6 +321,9 @@ class ModelRunner:
             if self.proposer is not None:
                 drafts = self.proposer.launch(step, rows, result[0].sampled, result[1])
             scoring = self.scorer.launch(self.params, out, hidden, len(step.batch.input_ids))
+            pooling = None
+            if self.pooler is not None:
+                pooling = self.pooler.launch(out, hidden, len(step.batch.input_ids))
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
         self.num_padded_tokens += len(step.batch.input_ids)
         sampling_rows = rows[sampling_reqs]
@@ -325,6 +341,7 @@ class ModelRunner:
             result,
             scoring,
             drafts,
+            pooling,
         )
 
     def fetch(self, step: InflightStep) -> RunnerOutput:
@@ -350,6 +367,7 @@ class ModelRunner:
                 kept_rows = first[:, None]
                 tokens = [[t] for t in all_tokens[first].tolist()]
             prompt_logprobs = self.scorer.fetch(step.out, step.scoring)
+            pooled = {} if self.pooler is None else self.pooler.fetch(step.out, step.pooling)
             launched_drafts = step.drafts
             if launched_drafts is not None:
                 launched_drafts = jax.device_get(launched_drafts)
@@ -387,7 +405,9 @@ class ModelRunner:
                 )
                 for i in kept_rows[n].tolist()
             ]
-        return RunnerOutput(dict(zip(ids, tokens, strict=True)), logprobs, prompt_logprobs, drafts)
+        return RunnerOutput(
+            dict(zip(ids, tokens, strict=True)), logprobs, prompt_logprobs, drafts, pooled
+        )
 
     def _other_caches(self) -> list:
         """Holders of KV caches beside the target's (a draft model's), for recovery."""
@@ -408,3 +428,4 @@ class InflightStep:
     result: Any  # (the sampler's output, the logit rows kept), on the device
     scoring: Any  # prompt_logprobs: (targets, device results), or None
     drafts: Any  # what the proposer's `launch` returned (a draft model's drafts), or None
+    pooling: Any = None  # the pooler's device results (pooling requests' chunks), or None

@@ -1,6 +1,7 @@
 """The programs a step runs, as pure functions of the model's flat parameter list (the runner
 jits them with the model's graph bound): the layers (`forward`), the output head with the
-sampler (`head_and_sample`), and the prompt scorer (`score_prompt`, prompt_logprobs).
+sampler (`head_and_sample`), the prompt scorer (`score_prompt`, prompt_logprobs), and the
+pooler of a decoder served for pooling (`pool_hidden`).
 
 Two programs per step: the forward pass per (token, request) shape, and the output head with
 the sampler per logit bucket only (the sampler compiles about as long as the 30 layers of the
@@ -82,3 +83,13 @@ def score_prompt(graphdef, params_def, params, hidden: jax.Array, targets: jax.A
     token; -1 rows are ignored) and the top MAX_LOGPROBS, from the raw logits."""
     model = merge(graphdef, params_def, params)
     return token_logprobs(model.compute_logits(hidden), jnp.maximum(targets, 0))
+
+
+def pool_hidden(hidden: jax.Array, segments: jax.Array, last_rows: jax.Array):
+    """A decoder's pooling: per batch request (`last_rows` has one entry each), the float32
+    sum of the hidden states of its tokens (`segments[t]`: the request of token t; out of
+    range for tokens not pooled) and its last token's hidden state."""
+    h = hidden.astype(jnp.float32)
+    n = last_rows.shape[0]
+    totals = jax.ops.segment_sum(h, segments, num_segments=n + 1)[:n]
+    return totals, h[last_rows]

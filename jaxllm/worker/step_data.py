@@ -46,6 +46,7 @@ class ScheduledRequest(msgspec.Struct):
     # Speculative decoding: draft tokens, the last of num_scheduled_tokens (which counts them),
     # to verify after the request's last token; the step's output keeps the accepted ones.
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
+    pool: bool = False  # a pooling request's chunk: pooled, never sampled after
 
 
 class GrammarBitmask(msgspec.Struct):
@@ -90,6 +91,15 @@ class PromptTokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PooledChunk(msgspec.Struct, array_like=True):
+    """A pooling request's chunk computed this step: the sum of its tokens' final hidden
+    states, its last token's, and how many tokens it had (float32 values)."""
+
+    total: list[float]
+    last: list[float]
+    num_tokens: int
+
+
 class RunnerOutput(msgspec.Struct):
     """What one step computed, by request id."""
 
@@ -100,3 +110,4 @@ class RunnerOutput(msgspec.Struct):
     prompt_logprobs: dict[str, list[PromptTokenLogprobs]]  # prompt tokens scored this step
     # Speculative decoding: draft tokens proposed for each sampling request's next step.
     draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    pooled: dict[str, PooledChunk] = msgspec.field(default_factory=dict)  # pooling requests

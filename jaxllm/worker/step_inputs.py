@@ -110,7 +110,8 @@ class StepInputs:
         j = np.arange(num_logits, dtype=np.int32) - first_row[req]
         batch.logits_indices[:num_logits] = starts[req + 1] - 1 - num_drafts[req] + j
 
-        samples = computed + lens - num_drafts == ib.num_tokens[rows]
+        pool = np.fromiter((s.pool for s in out.requests), np.bool_, num_reqs)
+        samples = (computed + lens - num_drafts == ib.num_tokens[rows]) & ~pool
         lrows = rows[req]
         seq_len = ib.num_tokens[lrows] + j  # each row's sequence, its drafts included
         n = len(batch.logits_indices)
