@@ -12,12 +12,20 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 _HOMES = {
     "LLM": "jaxllm.llm",
     "CompletionOutput": "jaxllm.outputs",
     "Logprob": "jaxllm.outputs",
+    "PoolingParams": "jaxllm.pooling_params",
     "RequestOutput": "jaxllm.outputs",
     "SamplingParams": "jaxllm.sampling_params",
 }
@@ -25,6 +33,7 @@ _HOMES = {
 if TYPE_CHECKING:
     from jaxllm.llm import LLM
     from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from jaxllm.pooling_params import PoolingParams
     from jaxllm.sampling_params import SamplingParams
 
 

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
@@ -28,7 +29,18 @@ from jaxllm.engine.input_processor import InputError, InputProcessor
 from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.loaders import load_tokenizer
-from jaxllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jaxllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jaxllm.pooling import check_params as check_pooling_params
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -218,11 +230,126 @@ class LLM:
         `LLM.embed`: pooled as the checkpoint says, then cut to `dimensions` and normalized as
         each `PoolingParams` asks. `truncate_prompt_tokens` keeps a prompt's last k tokens
         (-1: the last max_model_len); without it a longer prompt is refused."""
-        if not self.is_pooling_model:
+        texts, requests = self._pooling_requests(
+            "embed", prompts, pooling_params, truncate_prompt_tokens
+        )
+        vectors = self._pool(requests, use_tqdm, "Embedding")
+        return [
+            EmbeddingRequestOutput(
+                r.request_id, EmbeddingOutput(v), r.prompt_token_ids, prompt=text
+            )
+            for text, r, v in zip(texts, requests, vectors, strict=True)
+        ]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities, from a sequence classification model, as vLLM's
+        `LLM.classify` (`PoolingParams(activation=False)`: the logits)."""
+        texts, requests = self._pooling_requests(
+            "classify", prompts, pooling_params, truncate_prompt_tokens
+        )
+        outputs = self._pool(requests, use_tqdm, "Classifying")
+        return [
+            ClassificationRequestOutput(
+                r.request_id, ClassificationOutput(v), r.prompt_token_ids, prompt=text
+            )
+            for text, r, v in zip(texts, requests, outputs, strict=True)
+        ]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output as the model makes it, as vLLM's `LLM.encode`."""
+        texts, requests = self._pooling_requests(
+            "encode", prompts, pooling_params, truncate_prompt_tokens
+        )
+        outputs = self._pool(requests, use_tqdm, "Pooling")
+        return [
+            PoolingRequestOutput(r.request_id, PoolingOutput(v), r.prompt_token_ids, prompt=text)
+            for text, r, v in zip(texts, requests, outputs, strict=True)
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each pair, as vLLM's `LLM.score`: one `data_1` against every
+        `data_2`, or as many of each, one to one. A cross-encoder (a classifier with one
+        label) reads each pair together and gives its relevance; an embedding model gives the
+        cosine similarity of the two texts' embeddings."""
+        self._require("score")
+        firsts, seconds = _texts(data_1, "data_1"), _texts(data_2, "data_2")
+        if len(firsts) not in (1, len(seconds)):
             raise InputError(
-                "this is a generative model: it has no embeddings (serve a pooling model)",
+                f"data_2 has {len(seconds)} texts for data_1's {len(firsts)}: give one data_1, "
+                "or as many as data_2",
+                "data_2",
+            )
+        pairs = list(
+            zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds, strict=True)
+        )
+        if "classify" in self.supported_tasks:  # a cross-encoder
+            params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+            requests = []
+            for a, b in pairs:
+                ids, types = self.input_processor.pair_prompt(
+                    a, b, truncate_prompt_tokens, param="data_2"
+                )
+                rid = self.input_processor.next_request_id()
+                requests.append(AddPooling(rid, ids, params, types))
+            scores = [v[0] for v in self._pool(requests, use_tqdm, "Scoring")]
+            return [
+                ScoringRequestOutput(r.request_id, ScoringOutput(s), r.prompt_token_ids)
+                for r, s in zip(requests, scores, strict=True)
+            ]
+        distinct = list(dict.fromkeys(firsts + seconds))
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+        _, requests = self._pooling_requests("score", distinct, params, None)
+        vectors = dict(zip(distinct, self._pool(requests, use_tqdm, "Scoring"), strict=True))
+        ids = {t: r.prompt_token_ids for t, r in zip(distinct, requests, strict=True)}
+        return [
+            ScoringRequestOutput(
+                self.input_processor.next_request_id(),
+                ScoringOutput(float(np.dot(vectors[a], vectors[b]))),
+                ids[b],
+            )
+            for a, b in pairs
+        ]
+
+    @property
+    def supported_tasks(self) -> list[str]:
+        """What the model serves, by vLLM's task names (see `jaxllm.pooling.supported_tasks`)."""
+        return self.engine.ready().supported_tasks
+
+    def _require(self, task: str) -> None:
+        if task not in self.supported_tasks:
+            kind = "a pooling model" if self.is_pooling_model else "a generative model"
+            raise InputError(
+                f"this is {kind}: it serves {', '.join(self.supported_tasks)}, not {task!r}"
+                + ("" if self.is_pooling_model else " (serve a pooling model, or --runner)"),
                 "model",
             )
+
+    def _pooling_requests(
+        self, task: str, prompts, pooling_params, truncate_prompt_tokens
+    ) -> tuple[list[str | None], list[AddPooling]]:
+        """Each prompt's text and checked request, for `task`."""
+        self._require(task)
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
@@ -245,7 +372,7 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = [msgspec.structs.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       for p in params]  # fmt: skip
-        requests = []
+        texts, requests = [], []
         for prompt, p in zip(prompts, params, strict=True):
             if not isinstance(p, PoolingParams):
                 raise InputError(
@@ -253,42 +380,36 @@ class LLM:
                     "pooling_params",
                 )
             try:
-                p.check(self.engine.hidden_size)
+                check_pooling_params(p, self.engine.hidden_size, self.engine.head)
             except ValueError as e:
                 raise InputError(str(e), "pooling_params") from None
             text, ids = self.input_processor.pooling_prompt(prompt, p.truncate_prompt_tokens)
-            rid = self.input_processor.next_request_id()
-            requests.append((text, AddPooling(rid, ids, p)))
-        vectors: dict[str, list[float]] = {}
-        bar = tqdm(total=len(requests), desc="Embedding", disable=not use_tqdm, unit="prompt")
+            texts.append(text)
+            requests.append(AddPooling(self.input_processor.next_request_id(), ids, p))
+        return texts, requests
+
+    def _pool(self, requests: list[AddPooling], use_tqdm: bool, desc: str) -> list[list[float]]:
+        """Runs pooling requests to their outputs, in their order."""
+        outputs: dict[str, list[float]] = {}
+        bar = tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="prompt")
         try:
-            for _, r in requests:
+            for r in requests:
                 self.loop.handle(r)
-            while len(vectors) < len(requests):
+            while len(outputs) < len(requests):
                 out = self.loop.step()
                 if self.loop.step_error is not None:
                     raise self.loop.step_error
                 for u in out.updates:
                     if u.pooled is None:
                         raise RuntimeError(f"request {u.request_id} failed ({u.finish_reason})")
-                    vectors[u.request_id] = u.pooled
+                    outputs[u.request_id] = u.pooled
                     bar.update(1)
-                if len(vectors) < len(requests) and not self.engine.has_unfinished_requests():
+                if len(outputs) < len(requests) and not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")
         finally:
             bar.close()
-            self.loop.settle(
-                abort=[r.request_id for _, r in requests if r.request_id not in vectors]
-            )
-        return [
-            EmbeddingRequestOutput(
-                r.request_id,
-                EmbeddingOutput(vectors[r.request_id]),
-                r.prompt_token_ids,
-                prompt=text,
-            )  # fmt: skip
-            for text, r in requests
-        ]
+            self.loop.settle(abort=[r.request_id for r in requests if r.request_id not in outputs])
+        return [outputs[r.request_id] for r in requests]
 
     def _run(
         self,
@@ -351,6 +472,14 @@ class LLM:
             )
             for rid, text, ids, sub_ids in groups
         ]
+
+
+def _texts(data: str | Sequence[str], param: str) -> list[str]:
+    if isinstance(data, str):
+        data = [data]
+    if not isinstance(data, Sequence) or not data or not all(isinstance(t, str) for t in data):
+        raise InputError(f"{param} must be a string or a non-empty list of strings", param)
+    return list(data)
 
 
 def _signature() -> inspect.Signature:

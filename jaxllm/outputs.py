@@ -56,3 +56,55 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (a sigmoid for one label, a softmax for more)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """One prompt's class probabilities (`LLM.classify`), as vLLM's."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """One pair's score (`LLM.score`), as vLLM's: a cross-encoder's relevance, or the cosine
+    similarity of an embedding model's two vectors."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # a cross-encoder's pair; the second text's for embeddings
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    data: list[float]  # the model's pooled output as it comes
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """One prompt's pooled output (`LLM.encode`), as vLLM's."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None

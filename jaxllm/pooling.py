@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.classifier import ClassifierHead
+
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 # sentence-transformers' Pooling config keys, by the pooling type each turns on.
 _ST_MODES = {
@@ -102,6 +104,28 @@ def resolve_pooler_config(
 # What a decoder served for pooling with no sentence-transformers files does (vLLM's default
 # for embedding with a decoder: its last token, normalized).
 DECODER_POOLER = PoolerConfig("LAST", normalize=True)
+# What a classifier's head reads: an encoder's first token, a decoder's last, as they are.
+ENCODER_CLASSIFIER_POOLER = PoolerConfig("CLS", normalize=False)
+DECODER_CLASSIFIER_POOLER = PoolerConfig("LAST", normalize=False)
+
+
+def supported_tasks(head: ClassifierHead | None) -> list[str]:
+    """What a pooling model serves, by vLLM's task names: an embedder encodes, embeds and
+    scores pairs by cosine similarity; a classifier classifies, and scores pairs (a
+    cross-encoder's relevance) when it has one label."""
+    if head is None:
+        return ["encode", "embed", "score"]
+    return ["classify", "score"] if head.num_labels == 1 else ["classify"]
+
+
+def check_params(params, hidden_size: int, head: ClassifierHead | None) -> None:
+    """Raises a ValueError naming the field for `PoolingParams` this model cannot honour."""
+    params.check(hidden_size)
+    if head is not None and params.dimensions is not None:
+        raise ValueError(
+            "dimensions applies to embeddings; this model classifies (its outputs are its "
+            f"{head.num_labels} labels' scores)"
+        )
 
 
 @dataclasses.dataclass
@@ -111,6 +135,7 @@ class PooledState:
     since its prompt is then computed again)."""
 
     config: PoolerConfig
+    head: ClassifierHead | None = None  # a classifier's head over the pooled state
     total: np.ndarray | None = None
     last: np.ndarray | None = None
     num_tokens: int = 0
@@ -123,6 +148,10 @@ class PooledState:
     def reset(self) -> None:
         self.total, self.last, self.num_tokens = None, None, 0
 
+    def finish(self, params) -> np.ndarray:
+        """The request's output: its pooled vector as `params` ask (see `finish_vector`)."""
+        return finish_vector(self.pooled(), params, self.config, self.head)
+
     def pooled(self) -> np.ndarray:
         """The sequence's vector as its pooling type says, not normalized."""
         if self.config.pooling_type == "MEAN":
@@ -132,9 +161,14 @@ class PooledState:
         raise ValueError("CLS pooling is an encoder's: a decoder's first token sees no other")
 
 
-def finish_vector(vector: np.ndarray, params, config: PoolerConfig) -> np.ndarray:
-    """A pooled vector as the request's `PoolingParams` ask: its first `dimensions`, then
-    normalized (as the pooler config says, unless the request says otherwise)."""
+def finish_vector(
+    vector: np.ndarray, params, config: PoolerConfig, head: ClassifierHead | None = None
+) -> np.ndarray:
+    """A pooled vector as the request's `PoolingParams` ask: a classifier's label scores
+    (`ClassifierHead.outputs`), or an embedding's first `dimensions`, then normalized (as the
+    pooler config says, unless the request says otherwise)."""
+    if head is not None:
+        return head.outputs(vector, activation=params.activation is not False)
     if params.dimensions is not None:
         vector = vector[: params.dimensions]
     normalize = config.normalize if params.normalize is None else params.normalize

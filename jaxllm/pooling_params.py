@@ -11,11 +11,14 @@ class PoolingParams(msgspec.Struct, omit_defaults=True):
     `jaxllm.pooling.read_pooler_config`). `dimensions`: keep the first this many values
     (Matryoshka embeddings), before normalizing as sentence-transformers does.
     `truncate_prompt_tokens`: keep only the prompt's last k tokens (-1: the last
-    max_model_len); None refuses a prompt longer than max_model_len."""
+    max_model_len); None refuses a prompt longer than max_model_len. `activation`: a
+    classifier's outputs are its labels' probabilities (sigmoid or softmax); False: the raw
+    logits."""
 
     normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    activation: bool | None = None
 
     def check(self, hidden_size: int) -> None:
         """Raises a ValueError naming the field for a value no request may carry."""

@@ -1,16 +1,19 @@
 """The pooling endpoints of `jaxllm serve`: `/v1/embeddings`, `/pooling`, `/score` (and
-`/v1/score`), `/rerank` (and `/v1/rerank`, `/v2/rerank`) and `/classify`, for a pooling model
-(an encoder such as all-MiniLM-L6-v2). Their schema is `server.pooling_protocol`'s.
+`/v1/score`), `/rerank` (and `/v1/rerank`, `/v2/rerank`) and `/classify`, for a pooling model:
+an embedding model (all-MiniLM-L6-v2, a decoder served with `--runner pooling`) or a sequence
+classifier (a cross-encoder, a decoder reranker). Their schema is
+`server.pooling_protocol`'s.
 
-A request's items (its inputs; a score's or a rerank's distinct texts) each become one pooling
-request of the engine (`AsyncLLM.encode`), admitted against `--max-queued-requests` as a
-completion is (a request of more items than the queue holds is a 400 naming its field), run
-together, and ended together: a client that leaves aborts the ones not done. A score between
-two texts is the cosine similarity of their embeddings (vLLM's rule for an embedding model);
-`/rerank` orders the documents by it.
+A request's items (its inputs; a score's or a rerank's pairs) each become one pooling request
+of the engine (`AsyncLLM.encode`), admitted against `--max-queued-requests` as a completion is
+(a request of more items than the queue holds is a 400 naming its field), run together, and
+ended together: a client that leaves aborts the ones not done. A pair's score is a
+cross-encoder's relevance (the pair read together, its one label's probability), or for an
+embedding model the cosine similarity of the two texts' embeddings (vLLM's rules); `/rerank`
+orders the documents by it.
 
-An endpoint the model does not serve (embeddings from a generative model, generation from an
-embedding model, `/classify` from a model without a classifier) is a 400 naming it.
+An endpoint the model does not serve (embeddings from a generative model or a classifier,
+generation from a pooling model, `/classify` from an embedding model) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -161,15 +164,64 @@ async def pooling(request: Request):
 
 @router.post("/classify")
 async def classify(request: Request):
-    """No model served here has a classifier yet (sequence classification checkpoints are
-    refused at load): every model answers that it does not serve this endpoint."""
-    state = _state(request)
-    await state.parse(request, protocol.ClassificationRequest)
-    state.ready_engine("classify", request.url.path)  # raises: no model classifies
-    raise APIError.bad_request(f"{request.url.path}: this model does not classify", "model")
+    async def answer(state, eng, req, model):
+        pooled = await _pool(state, eng, req, req.items(), req.pooling_params(), "input")
+        labels = eng.ready.labels
+        return protocol.ClassificationResponse(
+            model=model,
+            data=[
+                protocol.ClassificationData(
+                    index=i, label=labels[int(np.argmax(p))], probs=p, num_classes=len(p)
+                )
+                for i, p in enumerate(pooled.vectors)
+            ],
+            usage=UsageInfo.of(pooled.num_tokens, 0),
+        )
+
+    return await _serve(
+        request,
+        protocol.ClassificationRequest,
+        "classify",
+        lambda r: (len(r.items()), "input"),
+        answer,
+    )
 
 
-# ---- scores: cosine similarity of embeddings -------------------------------------------
+# ---- scores: a cross-encoder's, or the cosine similarity of embeddings ------------------
+
+
+async def _pair_scores(
+    state: ServerState, eng: AsyncLLM, req, pairs: list[tuple[str, str]], field: str
+) -> tuple[list[float], int]:
+    """Each pair's score and the prompt tokens they took: a cross-encoder reads each pair
+    together (its one label's probability); an embedding model compares the two texts'
+    embeddings (each distinct text encoded once)."""
+    if "classify" not in eng.supported_tasks:
+        texts = [t for pair in pairs for t in pair]
+        vectors, num_tokens = await _embed_texts(state, eng, req, texts, field)
+        return [_cosine(vectors[a], vectors[b]) for a, b in pairs], num_tokens
+    arrival = time.monotonic()
+    params = PoolingParams(truncate_prompt_tokens=req.truncate_prompt_tokens)
+
+    def tokenize():
+        try:
+            return [
+                eng.input_processor.pair_prompt(a, b, params.truncate_prompt_tokens, param=field)
+                for a, b in pairs
+            ]
+        except InputError as e:
+            raise APIError.bad_request(str(e), field) from None
+
+    prompts = await state.tokenizing(tokenize)
+    rid = _id("score")()
+    requests = [
+        AddPooling(f"{rid}-{i}", ids, params, types) for i, (ids, types) in enumerate(prompts)
+    ]
+    try:
+        outputs = await _all([eng.encode(r, arrival_time=arrival) for r in requests])
+    except (EngineDeadError, RequestFailedError):
+        raise APIError.internal("the engine failed this request") from None
+    return [o[0] for o in outputs], sum(len(ids) for ids, _ in prompts)
 
 
 async def _embed_texts(
@@ -189,33 +241,25 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
 
 
-def _score_items(req: protocol.ScoreRequest) -> tuple[int, str]:
-    return len(set(req.firsts()) | set(req.seconds())), "text_2"
-
-
 async def _score(request: Request):
     async def answer(state, eng, req, model):
-        vectors, num_tokens = await _embed_texts(
-            state, eng, req, [*req.firsts(), *req.seconds()], "text_2"
-        )
+        scores, num_tokens = await _pair_scores(state, eng, req, req.pairs(), "text_2")
         return protocol.ScoreResponse(
             model=model,
-            data=[
-                protocol.ScoreData(index=i, score=_cosine(vectors[a], vectors[b]))
-                for i, (a, b) in enumerate(req.pairs())
-            ],
+            data=[protocol.ScoreData(index=i, score=s) for i, s in enumerate(scores)],
             usage=UsageInfo.of(num_tokens, 0),
         )
 
-    return await _serve(request, protocol.ScoreRequest, "score", _score_items, answer)
+    # At most one engine request per pair (fewer for an embedding model: distinct texts).
+    return await _serve(
+        request, protocol.ScoreRequest, "score", lambda r: (len(r.pairs()), "text_2"), answer
+    )
 
 
 async def _rerank(request: Request):
     async def answer(state, eng, req, model):
-        vectors, num_tokens = await _embed_texts(
-            state, eng, req, [req.query, *req.documents], "documents"
-        )
-        scores = [_cosine(vectors[req.query], vectors[d]) for d in req.documents]
+        pairs = [(req.query, d) for d in req.documents]
+        scores, num_tokens = await _pair_scores(state, eng, req, pairs, "documents")
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
             order = order[: req.top_n]
@@ -238,7 +282,7 @@ async def _rerank(request: Request):
         request,
         protocol.RerankRequest,
         "score",
-        lambda r: (len({r.query, *r.documents}), "documents"),
+        lambda r: (len(r.documents), "documents"),
         answer,
     )
 

@@ -136,6 +136,7 @@ class ClassificationRequest(_PoolingRequest):
     """POST /classify (vLLM's)."""
 
     input: str | list[str] | list[int] | list[list[int]]
+    activation: bool | None = None  # vLLM's: False gives the logits instead of probabilities
 
     @field_validator("input", mode="before")
     @classmethod
@@ -144,6 +145,11 @@ class ClassificationRequest(_PoolingRequest):
 
     def items(self) -> list[Input]:
         return _items(self.input)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(
+            truncate_prompt_tokens=self.truncate_prompt_tokens, activation=self.activation
+        )
 
 
 def _texts(value: Any, name: str) -> Any:
@@ -283,6 +289,22 @@ class ScoreResponse(_Response):
     created: int = Field(default_factory=_now)
     model: str
     data: list[ScoreData]
+    usage: UsageInfo
+
+
+class ClassificationData(_Response):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_Response):
+    id: str = Field(default_factory=_id("classify"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ClassificationData]
     usage: UsageInfo
 
 

@@ -259,7 +259,7 @@ def test_a_failed_pooling_step_fails_its_requests_and_the_engine_goes_on(tmp_pat
     for i in range(3):
         llm.loop.handle(AddPooling(f"r{i}", [5, 6, 7], PoolingParams()))
     run = llm.engine.runner.run
-    monkeypatch.setattr(llm.engine.runner, "run", lambda ids: 1 / 0)
+    monkeypatch.setattr(llm.engine.runner, "run", lambda ids, types: 1 / 0)
     out = llm.loop.step()
     assert isinstance(llm.loop.step_error, ZeroDivisionError)
     assert {(u.request_id, u.finish_reason) for u in out.updates} == {

@@ -139,9 +139,10 @@ class AsyncLLM:
 
     @property
     def supported_tasks(self) -> list[str]:
-        """What the model serves, by vLLM's task names: an embedding model encodes (its
-        pooled output), embeds, and scores pairs by their embeddings' cosine similarity."""
-        return ["encode", "embed", "score"] if self.ready.pooling else ["generate"]
+        """What the model serves, by vLLM's task names (see `jaxllm.pooling.supported_tasks`):
+        ["generate"], an embedder's ["encode", "embed", "score"], a classifier's
+        ["classify", "score"] (score: a cross-encoder's, one label)."""
+        return self.ready.supported_tasks
 
     # ---- generation --------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from jaxllm.classifier import ClassifierHead, read_classifier
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
@@ -31,11 +32,14 @@ from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
 from jaxllm.pooling import (
+    DECODER_CLASSIFIER_POOLER,
     DECODER_POOLER,
     PooledState,
     PoolerConfig,
+    check_params,
     decoder_pools,
     resolve_pooler_config,
+    supported_tasks,
 )
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -85,8 +89,10 @@ class EngineCore:
         # The front end's checks, which the core applies again to what it is handed (a
         # library caller of the core, or a front end with a bug, must not fail a step).
         self.checks: InputProcessor | None = None
-        # How a decoder served for pooling pools; None: it generates.
+        # How a decoder served for pooling pools (and a classifier's head); None: it
+        # generates.
         self.pooler: PoolerConfig | None = None
+        self.head: ClassifierHead | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -173,7 +179,7 @@ class EngineCore:
             tensor_parallel_size=tp,
         )
         sched, cache = config.scheduler, config.cache
-        pooler = _pooler(config)
+        pooler, head = _pooler(config)
         runner = ModelRunner.from_config(
             loaded.model,
             loaded.config,
@@ -201,7 +207,7 @@ class EngineCore:
                 runner.num_speculative_tokens,
             )
         core.config = config
-        core.pooler = pooler
+        core.pooler, core.head = pooler, head
         if pooler is not None:
             logger.info(
                 "served for pooling (%s pooling%s)",
@@ -265,17 +271,22 @@ class EngineCore:
         return self.model_config.hidden_size
 
     def add_pooling_request(
-        self, request_id: str, token_ids: list[int], params: PoolingParams
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: PoolingParams,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         """Queues a pooling request: its prompt is computed chunk by chunk under the step's
         token budget, pooled as it goes, and it finishes with its vector (no token sampled,
-        no prefix cache lookup: every chunk's hidden states are pooled)."""
+        no prefix cache lookup: every chunk's hidden states are pooled). A decoder has no
+        token types: `token_type_ids` (a text pair's segments) are ignored."""
         if self.pooler is None:
             raise ValueError(
                 "this is a generative model: it serves completions, not pooling (embeddings); "
                 "serve it with --runner pooling"
             )
-        params.check(self.hidden_size)
+        check_params(params, self.hidden_size, self.head)
         if self.checks is not None:
             self.checks.check_pooling_ids(token_ids)
         request = Request(
@@ -283,7 +294,7 @@ class EngineCore:
             seed=0,
         )  # fmt: skip
         request.pooling_params = params
-        request.pooled = PooledState(self.pooler)
+        request.pooled = PooledState(self.pooler, self.head)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -320,6 +331,8 @@ class EngineCore:
             stats=self.stats(),
             pooling=self.is_pooling,
             hidden_size=self.hidden_size,
+            labels=list(self.head.labels) if self.head is not None else [],
+            supported_tasks=supported_tasks(self.head) if self.is_pooling else ["generate"],
         )
 
     def stats(self) -> Stats:
@@ -425,17 +438,23 @@ class EngineCore:
 _GRAMMAR_POLL_S = 0.05
 
 
-def _pooler(config: EngineConfig) -> PoolerConfig | None:
-    """How a decoder served for pooling pools (see `LoadConfig.runner`), or None: it
-    generates."""
+def _pooler(config: EngineConfig) -> tuple[PoolerConfig | None, ClassifierHead | None]:
+    """How a decoder served for pooling pools (see `LoadConfig.runner`), and a classifier's
+    head; (None, None): it generates."""
     from jaxllm.model_cache import resolve_model
 
     path = resolve_model(config.load.model)
+    head = read_classifier(path)
+    if head is not None:
+        if config.load.runner == "generate":
+            raise ValueError("runner generate: a sequence classification model does not generate")
+        pooler = resolve_pooler_config(path, config.load.pooler_config, DECODER_CLASSIFIER_POOLER)
+        return pooler, head
     if not decoder_pools(path, config.load.runner):
         if config.load.pooler_config is not None:
             raise ValueError("pooler_config: the model is not served for pooling (--runner)")
-        return None
-    return resolve_pooler_config(path, config.load.pooler_config, DECODER_POOLER)
+        return None, None
+    return resolve_pooler_config(path, config.load.pooler_config, DECODER_POOLER), None
 
 
 def _structured_outputs(model: str, model_config: ModelConfig):

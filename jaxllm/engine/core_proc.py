@@ -132,7 +132,10 @@ class CoreLoop:
         try:
             if isinstance(message, AddPooling):
                 self.engine.add_pooling_request(
-                    message.request_id, message.prompt_token_ids, message.pooling_params
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.pooling_params,
+                    message.token_type_ids,
                 )
                 return
             self.engine.add_request(

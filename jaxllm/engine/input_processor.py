@@ -171,6 +171,34 @@ class InputProcessor:
         self.check_pooling_ids(ids, param or came_as)
         return text, ids
 
+    def pair_prompt(
+        self, first: str, second: str, truncate_prompt_tokens: int | None = None, *, param: str
+    ) -> tuple[list[int], list[int] | None]:
+        """(checked token ids, segment ids or None) of a text pair, as a cross-encoder reads
+        it: tokenized together (BERT: [CLS] first [SEP] second [SEP], the second's tokens of
+        type 1), cut to `truncate_prompt_tokens` (-1: max_model_len) from the longer text
+        first, as transformers truncates pairs. Errors name `param`."""
+        if self.tokenizer is None:
+            raise InputError(f"{param}: this model has no tokenizer to pair texts with", param)
+        for text in (first, second):
+            if not text:
+                raise InputError(f"{param}: a text must not be empty", param)
+            self.check_text_fits(text, param)
+        k = truncate_prompt_tokens
+        if k == -1:
+            k = self.max_model_len
+        encoded = self.tokenizer(
+            first,
+            second,
+            truncation="longest_first" if k is not None else False,
+            max_length=k,
+            return_token_type_ids=True,
+        )
+        ids = list(encoded["input_ids"])
+        types = encoded.get("token_type_ids")
+        self.check_pooling_ids(ids, param)
+        return ids, None if types is None else list(types)
+
     def check_pooling_ids(self, ids: Sequence[int], param: str = "prompt_token_ids") -> None:
         """Raises unless a pooling request's ids can run: not empty, in the vocabulary, and
         unlike a generative prompt they may fill max_model_len (nothing is generated after)."""

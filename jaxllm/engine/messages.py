@@ -27,11 +27,13 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 
 class AddPooling(msgspec.Struct, tag="pool"):
-    """A pooling request (an embedding): its checked, truncated token ids."""
+    """A pooling request (an embedding, a classification): its checked, truncated token ids,
+    and for a text pair its segment ids (an encoder's token types)."""
 
     request_id: str
     prompt_token_ids: list[int]
     pooling_params: PoolingParams
+    token_type_ids: list[int] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -50,10 +52,12 @@ class Ready(msgspec.Struct, tag="ready"):
     page_size: int
     num_programs: int
     stats: Stats
-    # A pooling model (an encoder): it takes `AddPooling` requests only, and its vectors
-    # have `hidden_size` values.
+    # A pooling model: it takes `AddPooling` requests only; its embeddings have
+    # `hidden_size` values, a classifier's outputs one per label of `labels`.
     pooling: bool = False
     hidden_size: int = 0
+    labels: list[str] = msgspec.field(default_factory=list)
+    supported_tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -17,15 +17,19 @@ import dataclasses
 import logging
 import time
 
+from jaxllm.classifier import ClassifierHead, read_classifier
 from jaxllm.config import EngineConfig, resolve_dtype
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
 from jaxllm.pooling import (
+    ENCODER_CLASSIFIER_POOLER,
     PoolerConfig,
+    check_params,
     finish_vector,
     read_max_seq_length,
     resolve_pooler_config,
+    supported_tasks,
 )
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.worker import EncoderRunner
@@ -39,13 +43,23 @@ class _Waiting:
     token_ids: list[int]
     params: PoolingParams
     arrival: float
+    token_type_ids: list[int] | None = None
 
 
 class PoolingEngineCore:
-    def __init__(self, runner: EncoderRunner, pooler: PoolerConfig, *, max_num_seqs: int):
-        """`runner` pools without normalizing (`pooler` says what normalizing means here)."""
+    def __init__(
+        self,
+        runner: EncoderRunner,
+        pooler: PoolerConfig,
+        *,
+        max_num_seqs: int,
+        head: ClassifierHead | None = None,
+    ):
+        """`runner` pools without normalizing (`pooler` says what normalizing means here);
+        `head`: a classifier's, applied to each pooled vector."""
         self.runner = runner
         self.pooler = pooler
+        self.head = head
         # The front end's checks, applied again to what the core is handed (as EngineCore's).
         self.checks = InputProcessor(
             None,
@@ -82,7 +96,9 @@ class PoolingEngineCore:
                 f"runner generate: {encoder.config.architecture} is an encoder, it does not "
                 "generate (serve it with --runner auto or pooling)"
             )
-        pooler = resolve_pooler_config(path, config.load.pooler_config)
+        head = read_classifier(path)
+        default = ENCODER_CLASSIFIER_POOLER if head is not None else None
+        pooler = resolve_pooler_config(path, config.load.pooler_config, default)
         sched = config.scheduler
         max_model_len = sched.max_model_len or read_max_seq_length(path) or encoder.config.max_len
         runner = EncoderRunner(
@@ -92,7 +108,7 @@ class PoolingEngineCore:
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
         )
-        core = cls(runner, pooler, max_num_seqs=sched.max_num_seqs)
+        core = cls(runner, pooler, max_num_seqs=sched.max_num_seqs, head=head)
         core.config = config.replace(max_model_len=max_model_len)
         logger.info(
             "pooling model %s (%s pooling%s): buckets %s, %d programs",
@@ -123,15 +139,27 @@ class PoolingEngineCore:
         )
 
     def add_pooling_request(
-        self, request_id: str, token_ids: list[int], params: PoolingParams
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: PoolingParams,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         """Queues a request; a ValueError naming the field if it cannot run here (a front end
         checks and truncates first; the core checks again, so a bad request fails alone)."""
-        params.check(self.hidden_size)
+        check_params(params, self.hidden_size, self.head)
         self.checks.check_pooling_ids(token_ids)
+        if token_type_ids is not None:
+            types = self.runner.config.type_vocab_size
+            if len(token_type_ids) != len(token_ids) or not all(
+                0 <= t < types for t in token_type_ids
+            ):
+                raise ValueError(f"token_type_ids must be one id below {types} per token")
         if request_id in self.waiting:
             raise ValueError(f"request id {request_id!r} is already waiting")
-        self.waiting[request_id] = _Waiting(request_id, token_ids, params, time.monotonic())
+        self.waiting[request_id] = _Waiting(
+            request_id, token_ids, params, time.monotonic(), token_type_ids
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -156,7 +184,7 @@ class PoolingEngineCore:
             return []
         self.running = [w.request_id for w in batch]
         now = time.monotonic()
-        vectors = self.runner.run([w.token_ids for w in batch])
+        vectors = self.runner.run([w.token_ids for w in batch], [w.token_type_ids for w in batch])
         self.running = []
         self.num_steps += 1
         self.num_tokens += sum(len(w.token_ids) for w in batch)
@@ -167,7 +195,7 @@ class PoolingEngineCore:
                 w.request_id,
                 [],
                 finish_reason=FinishReason.STOP,
-                pooled=finish_vector(v, w.params, self.pooler).tolist(),
+                pooled=finish_vector(v, w.params, self.pooler, self.head).tolist(),
             )
             for w, v in zip(batch, vectors, strict=True)
         ]
@@ -190,6 +218,8 @@ class PoolingEngineCore:
             stats=self.stats(),
             pooling=True,
             hidden_size=self.hidden_size,
+            labels=list(self.head.labels) if self.head is not None else [],
+            supported_tasks=supported_tasks(self.head),
         )
 
     def stats(self) -> Stats:

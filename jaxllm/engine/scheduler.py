@@ -48,7 +48,6 @@ from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, SpecDecodingStats
-from jaxllm.pooling import finish_vector
 from jaxllm.worker import (
     GrammarBitmask,
     NewRequestData,
@@ -466,9 +465,7 @@ class Scheduler:
             request.pooled.add(np.asarray(chunk.total), np.asarray(chunk.last), chunk.num_tokens)
         if request.num_confirmed_tokens < request.num_tokens:
             return None
-        vector = finish_vector(
-            request.pooled.pooled(), request.pooling_params, request.pooled.config
-        )
+        vector = request.pooled.finish(request.pooling_params)
         self._finish(request, RequestStatus.FINISHED_STOPPED)
         return RequestUpdate(
             request.request_id, [], finish_reason=FinishReason.STOP, pooled=vector.tolist()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -71,12 +71,17 @@ def _raw_tensors(f: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, tensor) pairs, read lazily from the memory-mapped files."""
+def iter_safetensors(
+    path: Path, names: Container[str] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, tensor) pairs, read lazily from the memory-mapped files; with `names`, only
+    those tensors are read."""
     for f in safetensors_files(path):
         raw = None
         with safe_open(f, framework="numpy") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if names is not None and name not in names:
+                    continue
                 try:
                     tensor = st.get_tensor(name)
                 except AttributeError:  # a dtype numpy lacks

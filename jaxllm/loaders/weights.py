@@ -109,6 +109,8 @@ def hf_to_path(name: str, config: ModelConfig) -> Target | None:
         return None if config.tie_word_embeddings else (("lm_head",), lambda w: w.T, None)
     if name.endswith("rotary_emb.inv_freq"):
         return None  # a buffer in old checkpoints, recomputed from rope_theta
+    if name == "score.weight":
+        return None  # a classifier's head: read by jaxllm.classifier
     m = _LAYER.match(name)
     if m and int(m.group(1)) < config.num_layers:
         layer, suffix = int(m.group(1)), m.group(2)

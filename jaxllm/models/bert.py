@@ -25,6 +25,10 @@ ENCODER_ARCHITECTURES = {
     "BertModel": "bert",
     "RobertaModel": "roberta",
     "XLMRobertaModel": "xlm-roberta",
+    # Cross-encoders and classifiers: the encoder, then a head (`jaxllm.classifier`).
+    "BertForSequenceClassification": "bert",
+    "RobertaForSequenceClassification": "roberta",
+    "XLMRobertaForSequenceClassification": "xlm-roberta",
 }
 _ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),

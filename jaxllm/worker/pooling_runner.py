@@ -104,8 +104,8 @@ class EncoderRunner:
         them; `compilations_at_warmup` is the count warmup ended at (none may follow)."""
         return CompileCounter.count()
 
-    def _encode(self, state, ids, lengths):
-        hidden = nnx.merge(self._graphdef, state)(ids, lengths)
+    def _encode(self, state, ids, lengths, type_ids):
+        hidden = nnx.merge(self._graphdef, state)(ids, lengths, type_ids)
         return pool(hidden, lengths, self.pooler)
 
     def warmup(self) -> float:
@@ -115,7 +115,7 @@ class EncoderRunner:
         for b, t in self.buckets.shapes:
             ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
             lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-            self._programs[b, t] = jitted.lower(self._state, ids, lengths).compile()
+            self._programs[b, t] = jitted.lower(self._state, ids, lengths, ids).compile()
         self.compilations_at_warmup = CompileCounter.count()
         return time.perf_counter() - start
 
@@ -131,8 +131,11 @@ class EncoderRunner:
             order = order[count:]
         return batches
 
-    def run(self, token_ids: list[list[int]]) -> np.ndarray:
-        """float32 `[len(token_ids), hidden]`: each sequence's pooled vector."""
+    def run(
+        self, token_ids: list[list[int]], token_type_ids: list[list[int] | None] | None = None
+    ) -> np.ndarray:
+        """float32 `[len(token_ids), hidden]`: each sequence's pooled vector. `token_type_ids`:
+        each sequence's segment ids (a pair's second text is segment 1), or None (all 0)."""
         if self.compilations_at_warmup is None:
             raise RuntimeError("EncoderRunner.run before warmup")
         lengths = [len(ids) for ids in token_ids]
@@ -145,10 +148,13 @@ class EncoderRunner:
         out = np.empty((len(token_ids), self.config.hidden_size), np.float32)
         for (rows, tokens), indices in self.pack(lengths):
             ids = np.full((rows, tokens), self.config.pad_token_id, np.int32)
+            types = np.zeros((rows, tokens), np.int32)
             lens = np.ones(rows, np.int32)  # padding rows: one pad token, never read
             for row, i in enumerate(indices):
                 ids[row, : lengths[i]] = token_ids[i]
+                if token_type_ids is not None and token_type_ids[i] is not None:
+                    types[row, : lengths[i]] = token_type_ids[i]
                 lens[row] = lengths[i]
-            pooled = self._programs[rows, tokens](self._state, ids, lens)
+            pooled = self._programs[rows, tokens](self._state, ids, lens, types)
             out[indices] = np.asarray(pooled)[: len(indices)]
         return out
