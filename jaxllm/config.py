@@ -229,14 +229,17 @@ class ModelConfig:
         if not isinstance(config, dict):
             config = config.to_dict()
         archs = config.get("architectures") or []
-        classifier = [a for a in archs if a.endswith("ForSequenceClassification")]
-        if classifier:
-            # A classifier or reranker built on a decoder: the decoder, with no LM head (its
-            # `score` head is `jaxllm.classifier`'s; the embedding stands in for the LM head,
-            # which the engine never uses for it: it serves pooling only).
-            base = classifier[0].removesuffix("ForSequenceClassification") + "ForCausalLM"
-            config = {**config, "architectures": [base], "tie_word_embeddings": True}
-            archs = [base]
+        headless = [a for a in archs if a.endswith(("ForSequenceClassification", "Model"))]
+        if headless:
+            # A decoder without its LM head: a classifier or reranker (its `score` head is
+            # `jaxllm.classifier`'s) or a base model (Qwen3Model, MistralModel: embedders).
+            # The embedding stands in for the LM head, which the engine never uses for them:
+            # they serve pooling only.
+            base = headless[0].removesuffix("ForSequenceClassification").removesuffix("Model")
+            base += "ForCausalLM"
+            if base in FAMILIES:
+                config = {**config, "architectures": [base], "tie_word_embeddings": True}
+                archs = [base]
         family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
         if family is None:
             raise ValueError(

@@ -88,8 +88,20 @@ def has_pooling_module(path: str | Path) -> bool:
 
 def decoder_pools(path: str | Path, runner: str) -> bool:
     """Whether a decoder checkpoint is served for pooling under `runner` (see
-    `LoadConfig.runner`): asked for, or (auto) its sentence-transformers files pool it."""
-    return runner == "pooling" or (runner == "auto" and has_pooling_module(path))
+    `LoadConfig.runner`): asked for, or (auto) its sentence-transformers files pool it or it
+    is a base model without an LM head (Qwen3Model, MistralModel: vLLM's rule)."""
+    if runner != "auto":
+        return runner == "pooling"
+    return has_pooling_module(path) or not has_lm_head(path)
+
+
+def has_lm_head(path: str | Path) -> bool:
+    """False for a Hugging Face base model's checkpoint (architectures `*Model`): no LM head."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return True  # a GGUF file, an orbax checkpoint: a generative model's
+    archs = json.loads(config.read_text()).get("architectures") or []
+    return not any(a.endswith("Model") for a in archs)
 
 
 def resolve_pooler_config(

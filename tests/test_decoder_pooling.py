@@ -155,3 +155,30 @@ def test_async_llm_encodes_with_a_decoder_in_the_core_process(tmp_path):
     vectors = asyncio.run(main())
     for p, v in zip(prompts, vectors, strict=True):
         np.testing.assert_allclose(v, _unit(_hidden(ref, p)[-1]), atol=2e-5)
+
+
+def test_a_base_model_checkpoint_is_an_embedder(tmp_path):
+    """A checkpoint of a base model (`Qwen3Model`: no LM head, no "model." prefix, as
+    e5-mistral's `MistralModel`) is served for pooling with no flag: its last token,
+    normalized; asking it to generate says why not."""
+    from jaxllm import LLM
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.Qwen3Model(config).eval()
+    path = tmp_path / "qwen3-base"
+    model.save_pretrained(path, safe_serialization=True)
+    args = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, num_pages=16)
+    llm = LLM(str(path), **args)
+    assert llm.is_pooling_model
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    (out,) = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)
+    with torch.no_grad():
+        h = model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(out.outputs.embedding, _unit(h), atol=2e-5)
+    with pytest.raises(ValueError, match="without an LM head"):
+        LLM(str(path), runner="generate", **args)

@@ -38,6 +38,7 @@ from jaxllm.pooling import (
     PoolerConfig,
     check_params,
     decoder_pools,
+    has_lm_head,
     resolve_pooler_config,
     supported_tasks,
 )
@@ -451,6 +452,11 @@ def _pooler(config: EngineConfig) -> tuple[PoolerConfig | None, ClassifierHead |
         pooler = resolve_pooler_config(path, config.load.pooler_config, DECODER_CLASSIFIER_POOLER)
         return pooler, head
     if not decoder_pools(path, config.load.runner):
+        if not has_lm_head(path):
+            raise ValueError(
+                f"runner {config.load.runner}: the checkpoint is a base model without an LM "
+                "head; it serves pooling (embeddings) only"
+            )
         if config.load.pooler_config is not None:
             raise ValueError("pooler_config: the model is not served for pooling (--runner)")
         return None, None

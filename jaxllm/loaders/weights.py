@@ -100,6 +100,8 @@ def hf_to_path(name: str, config: ModelConfig) -> Target | None:
     original, name = name, family_of(config.architecture).tensor_name(name)
     if name is None:
         return None
+    if name.startswith("layers.") or name in ("embed_tokens.weight", "norm.weight"):
+        name = f"model.{name}"  # a base model's checkpoint (Qwen3Model): no "model." prefix
     if name == "model.embed_tokens.weight":
         return ("embed_tokens",), same, None
     if name == "model.norm.weight":
