@@ -137,6 +137,13 @@ class ClassificationRequest(_PoolingRequest):
 
     input: str | list[str] | list[int] | list[list[int]]
     activation: bool | None = None  # vLLM's: False gives the logits instead of probabilities
+    use_activation: bool | None = None  # its newer name for the same
+
+    @model_validator(mode="after")
+    def _one_activation(self):
+        if self.activation is None:
+            self.activation = self.use_activation
+        return self
 
     @field_validator("input", mode="before")
     @classmethod
@@ -172,6 +179,21 @@ class ScoreRequest(_PoolingRequest):
 
     text_1: str | list[str]
     text_2: str | list[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_names(cls, data: Any) -> Any:
+        """vLLM's other spellings of the two sides: `queries` / `documents` (its newer
+        form) and `data_1` / `data_2` (its offline names)."""
+        if isinstance(data, dict):
+            for name, others in (
+                ("text_1", ("queries", "data_1")),
+                ("text_2", ("documents", "data_2")),
+            ):
+                given = [o for o in others if o in data]
+                if name not in data and given:
+                    data = {**data, name: data[given[0]]}
+        return data
 
     @field_validator("text_1", "text_2", mode="before")
     @classmethod

@@ -162,8 +162,10 @@ def test_server_classify_score_and_rerank_with_a_cross_encoder(tmp_path):
         assert r.status_code == 200, r.text
         data = r.json()["data"]
         assert [d["label"] for d in data] == ["class-0", "class-0"] and data[0]["num_classes"] == 1
-        single = 1 / (1 + np.exp(-_logits(ref, **tokenizer(docs[0]))[0]))
-        assert abs(data[0]["probs"][0] - single) < 2e-5
+        logit = _logits(ref, **tokenizer(docs[0]))[0]
+        assert abs(data[0]["probs"][0] - 1 / (1 + np.exp(-logit))) < 2e-5
+        r = httpx.post(f"{url}/classify", json={"input": docs[0], "use_activation": False})
+        assert abs(r.json()["data"][0]["probs"][0] - logit) < 2e-5
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "a man"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
         assert "/v1/embeddings" in r.json()["error"]["message"]

@@ -127,6 +127,8 @@ def test_score_and_rerank_order_as_cosine_similarity(server, reference):
     np.testing.assert_allclose(scores, want, atol=1e-5)
     pairs = _post(server, "/v1/score", {"text_1": docs[:2], "text_2": [query, query]}).json()
     np.testing.assert_allclose([d["score"] for d in pairs["data"]], want[:2], atol=1e-5)
+    newer = _post(server, "/score", {"queries": query, "documents": docs[:3]}).json()  # vLLM's
+    np.testing.assert_allclose([d["score"] for d in newer["data"]], want[:3], atol=1e-5)
     order = sorted(range(len(docs)), key=lambda i: -want[i])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r = _post(server, path, {"query": query, "documents": docs, "top_n": 3})
