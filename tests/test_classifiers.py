@@ -134,9 +134,11 @@ def test_decoder_classifier_equals_transformers_across_chunks(tmp_path, family):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 96, size=n).tolist() for n in (50, 3, 17, 64)]
     outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    alone = llm.classify({"prompt_token_ids": prompts[0]}, use_tqdm=False)[0]
     for p, out in zip(prompts, outs, strict=True):
         want = _softmax(_logits(ref, input_ids=p))
         np.testing.assert_allclose(out.outputs.probs, want, atol=3e-5)
+    np.testing.assert_allclose(alone.outputs.probs, outs[0].outputs.probs, atol=3e-5)
     with pytest.raises(Exception, match="does not generate"):
         llm.generate({"prompt_token_ids": [1, 2]})
     kv = llm.kv_cache_manager
