@@ -83,6 +83,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (a dict of
     `StructuredOutputsParams` fields is taken too)."""
+    reasoning_end_token_id: int | None = None
+    """A reasoning model's end-of-thinking token (`</think>`): structured outputs constrain
+    only the tokens after it, the thinking before it is free (a server with a reasoning
+    parser sets it)."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -138,6 +142,8 @@ class SamplingParams:
                 _check_int("logit_bias token id", t, 0)
                 _check_float("logit_bias value", b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+        if self.reasoning_end_token_id is not None:
+            _check_int("reasoning_end_token_id", self.reasoning_end_token_id, 0)
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

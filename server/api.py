@@ -45,11 +45,12 @@ import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
 from jaxllm.engine.core_client import EngineDeadError
 from jaxllm.engine.input_processor import InputError
-from server import protocol, tool_parsers
+from server import protocol, reasoning_parsers, tool_parsers
 from server.config import ServerConfig
 from server.metrics import Metrics
 from server.pooling_api import router as pooling_router
 from server.protocol import APIError
+from server.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from server.serving import MAX_BODY_BYTES, ServerState, json_response
 from server.tool_parsers import TOOL_PARSERS, ToolCallStream
 
@@ -72,6 +73,8 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     served_model_names = list(config.served_model_name)
     parser = TOOL_PARSERS[config.tool_call_parser] if config.enable_auto_tool_choice else None
     state = ServerState(served_model_names, config.api_key, config.max_queued_requests, parser)
+    if config.reasoning_parser is not None:
+        state.reasoning_parser = REASONING_PARSERS[config.reasoning_parser]
 
     async def lifespan(app: FastAPI):
         async def start():
@@ -256,7 +259,19 @@ async def chat_completions(request: Request):
         params = sampling_params(eng, req, ids, "messages")
         if req.tool_choice == "auto" and not state.tool_parser.skip_special_tokens:
             params.skip_special_tokens = False  # the parser reads special tokens (vLLM's rule)
-        return ChatCompletion(req, model, [(ids, params, None)], eng, state.tool_parser)
+        reasoning = None
+        if state.reasoning_parser is not None:
+            # The end of the prompt says whether the template opened a thinking block, or
+            # opened and closed it (thinking off).
+            tail = eng.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+            opens = reasoning_parsers.prompt_opens_thinking(tail)
+            reasoning = functools.partial(state.reasoning_parser, prompt_opens=opens)
+            if params.structured_outputs is not None and not (
+                reasoning_parsers.prompt_closes_thinking(tail)
+            ):
+                # Structured outputs (and forced tool calls) constrain the answer only.
+                params.reasoning_end_token_id = reasoning_parsers.end_token_id(eng.tokenizer)
+        return ChatCompletion(req, model, [(ids, params, None)], eng, state.tool_parser, reasoning)
 
     return await state.respond(request, state.admit(req.n), make_gen)
 
@@ -551,15 +566,50 @@ class ChatCompletion(_Generation):
     chunk_cls = protocol.ChatCompletionStreamResponse
 
     def __init__(
-        self, req, model: str, jobs, eng: AsyncLLM, tool_parser: type[ToolCallStream] | None
+        self,
+        req,
+        model: str,
+        jobs,
+        eng: AsyncLLM,
+        tool_parser: type[ToolCallStream] | None,
+        reasoning: Callable[[], ReasoningStream] | None = None,
     ):
+        """`reasoning`: makes each choice's `ReasoningStream` (a server with a
+        --reasoning-parser): the thinking is split off first, and the rest (the answer) is
+        what content and tool calls are read from."""
         super().__init__(req, model, jobs, eng)
         self.new_tool_stream = tool_call_streams(req, tool_parser)
         self.tool_streams: dict[int, ToolCallStream] = {}  # choice -> its stream
         self.called: set[int] = set()  # choices that made a tool call so far
+        self.new_reasoning_stream = reasoning
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
+        self.answers: dict[int, str] = {}  # choice -> its answer's text so far
 
-    def _tool_delta(self, stream: ToolCallStream, out) -> tool_parsers.Delta:
-        delta = stream.update(out.text, final=out.finish_reason is not None)
+    def _split(self, choice: int, out, *, whole: bool) -> tuple[str, str]:
+        """(the reasoning the output adds, the answer's whole text so far); `whole`: a
+        non-streamed choice, split at once."""
+        if self.new_reasoning_stream is None:
+            return "", out.text
+        final = out.finish_reason is not None
+        if whole:
+            d = self.new_reasoning_stream().update(out.text, final=final)
+            return d.reasoning, d.content
+        stream = self.reasoning_streams.get(choice)
+        if stream is None:
+            stream = self.reasoning_streams[choice] = self.new_reasoning_stream()
+        d = stream.update(out.text, final=final)
+        self.answers[choice] = self.answers.get(choice, "") + d.content
+        return d.reasoning, self.answers[choice]
+
+    def _reasoning(self, text: str) -> dict:
+        """The message's reasoning fields (vLLM's two names), unless the request leaves the
+        thinking out."""
+        if not text or not self.req.include_reasoning:
+            return {}
+        return {"reasoning_content": text, "reasoning": text}
+
+    def _tool_delta(self, stream: ToolCallStream, out, text: str) -> tool_parsers.Delta:
+        delta = stream.update(text, final=out.finish_reason is not None)
         if not self.req.parallel_tool_calls:  # the first call only (vLLM's rule)
             delta.tool_calls = [c for c in delta.tool_calls if c.index == 0]
         return delta
@@ -606,12 +656,18 @@ class ChatCompletion(_Generation):
         )
 
     def _choice(self, choice: int, out) -> protocol.ChatCompletionResponseChoice:
-        message = protocol.ChatResponseMessage(content=out.text)
+        reasoning, answer = self._split(choice, out, whole=True)
+        message = protocol.ChatResponseMessage(content=answer)
         finish_reason = out.finish_reason
         if self.new_tool_stream is not None:
-            extracted = tool_parsers.assemble([self._tool_delta(self.new_tool_stream(), out)])
+            delta = self._tool_delta(self.new_tool_stream(), out, answer)
+            extracted = tool_parsers.assemble([delta])
             message = self._message(extracted)
             finish_reason = self._finish_reason(out, bool(extracted.tool_calls))
+        if self.new_reasoning_stream is not None:
+            if reasoning and not answer and message.content == "" and not message.tool_calls:
+                message.content = None  # all thinking, no answer (vLLM's null content)
+            message = message.model_copy(update=self._reasoning(reasoning))
         return protocol.ChatCompletionResponseChoice(
             index=choice,
             message=message,
@@ -632,11 +688,18 @@ class ChatCompletion(_Generation):
     def _delta(self, choice: int, out, chars: int, toks: int):
         text, tool_calls, finish_reason = out.text[chars:], None, out.finish_reason
         new_tokens = len(out.token_ids) > toks
+        reasoning = ""
+        if self.new_reasoning_stream is not None:
+            before = len(self.answers.get(choice, ""))
+            reasoning, answer = self._split(choice, out, whole=False)
+            text = answer[before:]
+        else:
+            answer = out.text
         if self.new_tool_stream is not None:
             stream = self.tool_streams.get(choice)
             if stream is None:
                 stream = self.tool_streams[choice] = self.new_tool_stream()
-            delta = self._tool_delta(stream, out)
+            delta = self._tool_delta(stream, out, answer)
             text = delta.content
             tool_calls = [self._delta_tool_call(c) for c in delta.tool_calls] or None
             if any(c.name is not None for c in delta.tool_calls):
@@ -644,11 +707,13 @@ class ChatCompletion(_Generation):
             finish_reason = self._finish_reason(out, choice in self.called)
             # Tokens of a call still being read send nothing, but their logprobs (as vLLM).
             new_tokens = new_tokens and self._job_of(choice)[1].logprobs is not None
-        if not text and not tool_calls and out.finish_reason is None and not new_tokens:
-            return None
+        thinking = self._reasoning(reasoning)
+        if not text and not tool_calls and not thinking and out.finish_reason is None:
+            if not new_tokens:
+                return None
         return protocol.ChatCompletionStreamChoice(
             index=choice,
-            delta=protocol.DeltaMessage(content=text or None, tool_calls=tool_calls),
+            delta=protocol.DeltaMessage(content=text or None, tool_calls=tool_calls, **thinking),
             logprobs=self._logprobs(choice, out, toks),
             finish_reason=finish_reason,
             stop_reason=out.stop_reason,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.config import option
+from server.reasoning_parsers import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS
 
 
@@ -34,6 +35,9 @@ class ServerConfig:
     --tool-call-parser reads its calls out of the text."""
     tool_call_parser: str | None = option(None, choices=tuple(TOOL_PARSERS))
     """The format of the model's own tool calls, for tool_choice auto."""
+    reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS))
+    """Split a reasoning model's thinking (<think>...</think>) off its answer, into
+    message.reasoning_content: qwen3 or deepseek_r1 (vLLM's names)."""
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:
@@ -48,6 +52,11 @@ class ServerConfig:
             raise ValueError(
                 f"--tool-call-parser: unknown parser {self.tool_call_parser!r}; the parsers "
                 f"are {', '.join(TOOL_PARSERS)}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser: unknown parser {self.reasoning_parser!r}; the parsers "
+                f"are {', '.join(REASONING_PARSERS)}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")

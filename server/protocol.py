@@ -851,6 +851,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _SamplingRequest):
     parallel_tool_calls: bool | None = True
     functions: Any = None
     function_call: Any = None
+    # vLLM's: with a --reasoning-parser, False leaves the thinking out of the response.
+    include_reasoning: bool = True
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -1139,10 +1141,13 @@ class ToolCall(_Response):
 
 
 class ChatResponseMessage(_Response):
-    _OMIT_IF_NONE = frozenset({"tool_calls"})
+    # The thinking of a server with --reasoning-parser, under vLLM's two names.
+    _OMIT_IF_NONE = frozenset({"tool_calls", "reasoning_content", "reasoning"})
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -1187,10 +1192,12 @@ class DeltaMessage(_Response):
     """What a stream chunk adds to a message: the role in the first, then content and tool
     calls."""
 
-    _OMIT_IF_NONE = frozenset({"role", "content", "tool_calls"})
+    _OMIT_IF_NONE = frozenset({"role", "content", "reasoning_content", "reasoning", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -36,6 +36,7 @@ from jaxllm.engine.async_llm import AsyncLLM
 from server import protocol
 from server.metrics import Metrics
 from server.protocol import APIError
+from server.reasoning_parsers import ReasoningStream
 from server.tool_parsers import ToolCallStream
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -63,6 +64,8 @@ class ServerState:
         self.max_queued = max_queued
         # What reads the calls of tool_choice "auto"; without one, "auto" is a 400.
         self.tool_parser = tool_parser
+        # What splits a reasoning model's thinking off its answer (--reasoning-parser).
+        self.reasoning_parser: type[ReasoningStream] | None = None
         self.num_admitted = 0  # engine requests of responses that have not ended yet
         self.draining = False  # set when the server is told to stop; never cleared
         self.engine_died = False  # the engine died while serving: the server exits non-zero

@@ -93,8 +93,10 @@ class Request:
         # Speculative decoding: draft tokens proposed to follow the sequence, verified in its
         # next decode step (never part of all_token_ids unless accepted).
         self.spec_token_ids: list[int] = []
-        # Structured outputs: the matcher its tokens must follow (set by the scheduler).
+        # Structured outputs: the matcher its tokens must follow (set by the scheduler), live
+        # from the start, or once the thinking ended (`reasoning_end_token_id`).
         self.grammar: Grammar | None = None
+        self.grammar_live = sampling_params.reasoning_end_token_id is None
         # A pooling request (a decoder served for pooling): its prompt is computed, pooled
         # chunk by chunk, and the request finishes with its vector; it samples nothing.
         self.pooling_params: PoolingParams | None = None

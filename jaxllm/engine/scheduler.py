@@ -266,6 +266,8 @@ class Scheduler:
         room = self._end(request) - request.num_tokens - 1  # the last token is sampled
         spec = request.spec_token_ids[: max(0, min(room, budget - 1))]
         if request.grammar is not None and spec:
+            if not request.grammar_live:
+                return []  # still thinking: what follows its end must be constrained
             spec = spec[: request.grammar.valid_prefix(spec)]
         return spec
 
@@ -273,7 +275,9 @@ class Scheduler:
         self, sampling: list[Request], drafts: dict[Request, list[int]]
     ) -> GrammarBitmask | None:
         """The bitmask rows of the constrained requests among those that sample this step."""
-        rows = [(r, drafts.get(r, [])) for r in sampling if r.grammar is not None]
+        rows = [
+            (r, drafts.get(r, [])) for r in sampling if r.grammar is not None and r.grammar_live
+        ]
         if not rows:
             return None
         start = time.perf_counter()
@@ -440,7 +444,7 @@ class Scheduler:
                     tokens, logprobs = tokens[: i + 1], logprobs and logprobs[: i + 1]
                     break
             self.kv.cache_full_blocks(request)  # accepted drafts are keyed once appended
-            if request.grammar is not None and not request.grammar.accept(tokens):
+            if request.grammar is not None and not self._advance_grammar(request, tokens):
                 status = status or RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(request, status)
@@ -457,6 +461,19 @@ class Scheduler:
                 )
             )
         return updates
+
+    @staticmethod
+    def _advance_grammar(request: Request, tokens: list[int]) -> bool:
+        """Feeds a constrained request's new tokens to its grammar (False: it refused them).
+        Before its reasoning end token the thinking is free: the grammar takes what follows
+        that token."""
+        if not request.grammar_live:
+            end = request.sampling_params.reasoning_end_token_id
+            if end not in tokens:
+                return True
+            request.grammar_live = True
+            tokens = tokens[tokens.index(end) + 1 :]
+        return not tokens or request.grammar.accept(tokens)
 
     def _pooled_chunk(self, request: Request, chunk: PooledChunk | None) -> RequestUpdate | None:
         """Adds a pooling request's computed chunk to its pool; once its whole prompt is in,
