@@ -557,7 +557,7 @@ def tool_call_streams(
     if req.tool_choice == "required":
         return tool_parsers.RequiredToolCalls
     if req.tool_choice == "auto":  # only on a server with a parser (check_tool_choice)
-        return parser
+        return functools.partial(parser, tools=req.tools) if parser.uses_tools else parser
     return None
 
 

@@ -22,8 +22,10 @@ The streams:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -61,9 +63,11 @@ class Extracted:
 class ToolCallStream:
     """Splits one output's text into content and tool calls as it grows (see the module
     docstring). `skip_special_tokens` False asks the engine to keep special tokens in the
-    text: some models' call markers are special tokens."""
+    text: some models' call markers are special tokens. `uses_tools`: the stream is made
+    with the request's `tools` (to type arguments the model writes as text)."""
 
     skip_special_tokens: ClassVar[bool] = True
+    uses_tools: ClassVar[bool] = False
 
     def update(self, text: str, *, final: bool) -> Delta:
         raise NotImplementedError
@@ -320,7 +324,7 @@ class HermesToolCalls(ToolCallStream):
             body_start = self._block + len(self.START)
             body = text[body_start:end] if end >= 0 else text[body_start:]
             stop = end + len(self.END) if end >= 0 else len(text)
-            call = _call(_loads(body), ("arguments",))
+            call = self._parse(body)
             if call is None:
                 self._outside(out, text[self._block : stop])
             else:
@@ -331,6 +335,10 @@ class HermesToolCalls(ToolCallStream):
             if end < 0:
                 break
         return out
+
+    def _parse(self, body: str) -> ToolCall | None:
+        """The call a block holds, or None if it is not one."""
+        return _call(_loads(body), ("arguments",))
 
     def _outside(self, out: Delta, text: str) -> None:
         """Text outside the blocks (or a block that is not a call): content."""
@@ -405,7 +413,160 @@ class Llama3JsonToolCalls(ToolCallStream):
         self._pos = len(text)
 
 
+class Qwen3CoderToolCalls(HermesToolCalls):
+    """Qwen3-Coder's XML-like format: `<tool_call><function=NAME><parameter=KEY>VALUE
+    </parameter>...</function></tool_call>`, each value on lines of its own. A value is text,
+    typed by the tool's parameters schema as vLLM types it (string as is; integer, number,
+    boolean; object and array as JSON; `null` is null; a parameter the schema does not know
+    stays text). Blocks stream as hermes' do."""
+
+    uses_tools = True
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__()
+        self._schemas = {
+            t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+            for t in tools or []
+            if isinstance(t, dict) and isinstance(t.get("function"), dict)
+        }
+
+    def _parse(self, body: str) -> ToolCall | None:
+        m = self._FUNCTION.search(body)
+        if m is None or body[: m.start()].strip(_WHITESPACE) or body[m.end() :].strip(_WHITESPACE):
+            return None
+        name = m.group(1).strip()
+        schema = self._schemas.get(name, {})
+        arguments = {}
+        for p in self._PARAMETER.finditer(m.group(2)):
+            key = p.group(1).strip()
+            value = p.group(2).removeprefix("\n").removesuffix("\n")
+            arguments[key] = _typed(value, (schema.get(key) or {}).get("type"))
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _typed(value: str, kind: Any) -> Any:
+    """A parameter's text as its schema's type says (vLLM's rules for Qwen3-Coder)."""
+    if value.strip().lower() == "null":
+        return None
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    try:
+        if kind in ("integer", "int"):
+            return int(value.strip())
+        if kind in ("number", "float"):
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value else number
+        if kind in ("boolean", "bool"):
+            return value.strip().lower() == "true"
+        if kind in ("object", "array", "dict", "list"):
+            return json.loads(value)
+    except ValueError:
+        pass
+    return value
+
+
+class PythonicToolCalls(ToolCallStream):
+    """Llama 3.2 and 4's pythonic format: the output starts with a Python list of calls with
+    literal keyword arguments, `[get_weather(city="Paris", days=3), now()]` (Llama 4 may wrap
+    it in `<|python_start|>` ... `<|python_end|>`). The calls stream together once the list
+    closes; text after it (past the closing tag) is content, sent at the end. An output that
+    does not start so, or whose list is not such calls, is content."""
+
+    skip_special_tokens = False  # Llama 4's <|python_start|> (vLLM's)
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self) -> None:
+        self._state = "start"  # then "list", then "after" (the calls read) or "content"
+        self._pos = 0
+        self._list = 0  # where the list starts
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        out = Delta()
+        if self._state == "start":
+            rest = text.lstrip(_WHITESPACE)
+            body = rest.removeprefix(self.START).lstrip(_WHITESPACE)
+            if body.startswith("["):
+                self._state, self._list = "list", len(text) - len(body)
+            elif not final and (
+                self.START.startswith(rest) or (rest.startswith(self.START) and not body)
+            ):
+                return out  # a list may still open
+            else:
+                self._state = "content"
+        if self._state == "list":
+            end = _python_list_end(text, self._list)
+            if end is None and not final:
+                return out
+            calls = None if end is None else _python_calls(text[self._list : end])
+            if calls is None:
+                self._state = "content"
+            else:
+                out.tool_calls = [
+                    ToolCallDelta(i, c.name, c.arguments) for i, c in enumerate(calls)
+                ]
+                self._state, self._pos = "after", end
+        if self._state == "after":  # text after the list: content, told at the end
+            if final:
+                tail = text[self._pos :].lstrip(_WHITESPACE).removeprefix(self.END)
+                out.content += tail if tail.strip(_WHITESPACE) else ""
+            return out
+        if self._state == "content":
+            out.content += text[self._pos :]
+            self._pos = len(text)
+        return out
+
+
+def _python_list_end(text: str, start: int) -> int | None:
+    """Where the Python list at `text[start]` closes (one past its "]"), or None."""
+    depth, quote, escape = 0, None, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if quote is not None:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _python_calls(source: str) -> list[ToolCall] | None:
+    """The calls of a pythonic list (`[f(a=1), g()]`), or None if it is not one."""
+    try:
+        tree = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args:
+            return None
+        name = ast.unparse(node.func) if isinstance(node.func, ast.Name | ast.Attribute) else None
+        if name is None or any(k.arg is None for k in node.keywords):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            text = json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+        calls.append(ToolCall(name, text))
+    return calls
+
+
 TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
     "hermes": HermesToolCalls,
     "llama3_json": Llama3JsonToolCalls,
+    "pythonic": PythonicToolCalls,
+    "qwen3_coder": Qwen3CoderToolCalls,
 }

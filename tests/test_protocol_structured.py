@@ -665,6 +665,32 @@ def test_auto_tool_calls_with_the_hermes_parser(serve):
     check_stream_matches(client, {**body, "parallel_tool_calls": False}, response)
 
 
+def test_auto_tool_calls_typed_by_the_request_tools_with_qwen3_coder(serve):
+    text = (
+        "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    client, _ = serve([text], enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    body = chat(tools=TOOLS)
+    response = post(client, body)
+    message = response["choices"][0]["message"]
+    assert calls_of(message) == [{"name": "weather", "arguments": '{"city": "Paris", "days": 3}'}]
+    check_stream_matches(client, body, response)
+
+
+def test_auto_tool_calls_with_the_pythonic_parser(serve):
+    client, _ = serve(['[weather(city="Oslo"), now()]'], enable_auto_tool_choice=True,
+                      tool_call_parser="pythonic")  # fmt: skip
+    body = chat(tools=TOOLS)
+    response = post(client, body)
+    assert calls_of(response["choices"][0]["message"]) == [
+        {"name": "weather", "arguments": '{"city": "Oslo"}'},
+        {"name": "now", "arguments": "{}"},
+    ]
+    assert response["choices"][0]["finish_reason"] == "tool_calls"
+    check_stream_matches(client, body, response)
+
+
 def test_auto_without_calls_is_plain_content(serve):
     client, _ = serve(
         ["Just text, <b>no</b> calls."],

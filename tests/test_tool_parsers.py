@@ -14,6 +14,8 @@ from server.tool_parsers import (
     HermesToolCalls,
     Llama3JsonToolCalls,
     NamedToolCall,
+    PythonicToolCalls,
+    Qwen3CoderToolCalls,
     RequiredToolCalls,
     ToolCall,
     ToolCallDelta,
@@ -164,7 +166,94 @@ def test_llama3_json_streams_each_object_once_complete():
 
 
 def test_parser_registry():
-    assert TOOL_PARSERS == {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls}
+    assert TOOL_PARSERS == {
+        "hermes": HermesToolCalls,
+        "llama3_json": Llama3JsonToolCalls,
+        "pythonic": PythonicToolCalls,
+        "qwen3_coder": Qwen3CoderToolCalls,
+    }
+
+
+# ------------------------------------------------------------------------------- pythonic
+
+PYTHONIC_CASES = [
+    (
+        '[get_weather(city="Paris", days=3), now()]',
+        "",
+        [("get_weather", args({"city": "Paris", "days": 3})), ("now", "{}")],
+    ),
+    # Llama 4's tags, strings with brackets and quotes, nested literals
+    (
+        "<|python_start|>[say(text='a ] b \\' c', opts={'x': [1, None, True]})]<|python_end|>",
+        "",
+        [("say", args({"text": "a ] b ' c", "opts": {"x": [1, None, True]}}))],
+    ),
+    ("[f()]\n\nThat is all.", "That is all.", [("f", "{}")]),
+    # not calls: prose, a list of values, positional or non-literal arguments, cut short
+    ("The answer is [1, 2].", "The answer is [1, 2].", []),
+    ("[1, 2]", "[1, 2]", []),
+    ("[f(1)]", "[f(1)]", []),
+    ("[f(x=y)]", "[f(x=y)]", []),
+    ('[f(x="a"', '[f(x="a"', []),
+    ("", "", []),
+    ("  ", "  ", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", PYTHONIC_CASES)
+def test_pythonic(text, content, calls):
+    check(PythonicToolCalls, text, content, calls)
+
+
+# ---------------------------------------------------------------------------- qwen3_coder
+
+QWEN3_CODER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "hours": {"type": "array"},
+                },
+            },
+        },
+    }
+]
+QWEN3_CODER_CASES = [
+    (
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n"
+        "</parameter>\n<parameter=hours>\n[9, 12]\n</parameter>\n</function>\n</tool_call>",
+        "Checking.\n",
+        [("get_weather", args({"city": "Paris", "days": 3, "metric": True, "hours": [9, 12]}))],
+    ),
+    # text stays text (a string "3", a parameter the schema lacks), null is null
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n3\n</parameter>\n"
+        "<parameter=note>\nmulti\nline\n</parameter>\n<parameter=days>\nnull\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "",
+        [("get_weather", args({"city": "3", "note": "multi\nline", "days": None}))],
+    ),
+    # two calls; a block that is not a call is content
+    (
+        "<tool_call><function=a></function></tool_call><tool_call><function=b>"
+        "<parameter=x>\n1\n</parameter></function></tool_call>",
+        "",
+        [("a", "{}"), ("b", args({"x": "1"}))],
+    ),
+    ("<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", QWEN3_CODER_CASES)
+def test_qwen3_coder(text, content, calls):
+    check(lambda: Qwen3CoderToolCalls(QWEN3_CODER_TOOLS), text, content, calls)
 
 
 # -------------------------------------------------------------------------------- required
