@@ -6,6 +6,7 @@ checkpoint on torch."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,8 +14,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxllm.model_cache import resolve_model
+from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field
 from tests.test_server_e2e import _start_server, _stop_server
 
 torch = pytest.importorskip("torch")
@@ -226,3 +230,75 @@ def _embed_alone(client, texts):
         .embedding  # fmt: skip
         for t in texts
     ]
+
+
+# ---- fuzzing the pooling endpoints --------------------------------------------------------
+
+
+TOKEN = st.integers(0, 31_000)  # MiniLM has 30,522 ids: some of these are outside
+INPUT = st.one_of(
+    TEXT,
+    st.lists(TEXT, max_size=4),
+    st.lists(TOKEN, max_size=12),
+    st.lists(st.lists(TOKEN, max_size=8), max_size=3),
+)
+TEXTS = st.one_of(TEXT, st.lists(TEXT, max_size=4))
+COMMON = {
+    "model": st.sampled_from([MODEL, "other"]),
+    "truncate_prompt_tokens": st.integers(-2, 300),
+    "add_special_tokens": st.booleans(),
+    "user": TEXT,
+}
+VECTOR = {
+    **COMMON,
+    "input": INPUT,
+    "encoding_format": st.sampled_from(["float", "base64", "int8"]),
+    "dimensions": st.integers(-1, 400),
+    "normalize": st.booleans(),
+}
+POOLING_FIELDS = {
+    "/v1/embeddings": VECTOR,
+    "/pooling": VECTOR,
+    "/classify": {**COMMON, "input": INPUT, "activation": st.booleans()},
+    "/score": {**COMMON, "text_1": TEXTS, "text_2": TEXTS, "queries": TEXTS},
+    "/v2/rerank": {
+        **COMMON,
+        "query": TEXT,
+        "documents": st.lists(st.one_of(TEXT, st.fixed_dictionaries({"text": TEXT})), max_size=4),
+        "top_n": st.integers(-1, 6),
+        "return_documents": st.booleans(),
+    },
+}
+
+
+@st.composite
+def pooling_requests(draw) -> tuple[str, object]:
+    path = draw(st.sampled_from(sorted(POOLING_FIELDS)))
+    fields = POOLING_FIELDS[path]
+    names = draw(st.lists(st.sampled_from(sorted(fields)), unique=True, max_size=8))
+    body = {name: draw(_field(fields[name])) for name in names}
+    if draw(st.integers(0, 9)) == 0:
+        body |= draw(st.dictionaries(st.text(max_size=10), ANYTHING, max_size=2))
+    if draw(st.integers(0, 19)) == 0:
+        body = draw(ANYTHING)
+    return path, body
+
+
+@settings(max_examples=150, derandomize=True, **FUZZ_SETTINGS)
+@given(case=pooling_requests())
+def test_fuzzed_pooling_bodies_get_no_5xx(server, case):
+    """Generated bodies (valid values two times in three, anything else otherwise): no 5xx,
+    every error in OpenAI's shape; the server still serves after (the next tests)."""
+    path, body = case
+    try:
+        content = json.dumps(body).encode()
+    except (UnicodeEncodeError, ValueError):
+        content = repr(body).encode("utf-8", "surrogatepass")
+    r = httpx.post(f"{server}{path}", content=content, timeout=120,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code < 500, (path, r.status_code, r.text[:1000])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == r.status_code
+    else:
+        r.json()
