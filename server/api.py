@@ -624,7 +624,10 @@ class ChatCompletion(_Generation):
 
     def _message(self, extracted: tool_parsers.Extracted) -> protocol.ChatResponseMessage:
         calls = [
-            protocol.ToolCall(function=protocol.FunctionCall(name=c.name, arguments=c.arguments))
+            protocol.ToolCall(
+                id=c.id or protocol.tool_call_id(),
+                function=protocol.FunctionCall(name=c.name, arguments=c.arguments),
+            )
             for c in extracted.tool_calls
         ]
         if self.req.tool_choice != "auto":
@@ -640,7 +643,7 @@ class ChatCompletion(_Generation):
             return protocol.DeltaToolCall(index=call.index, function=function)
         return protocol.DeltaToolCall(
             index=call.index,
-            id=protocol.tool_call_id(),
+            id=call.id or protocol.tool_call_id(),
             type="function",
             function=protocol.DeltaFunctionCall(name=call.name, arguments=call.arguments),
         )

@@ -25,7 +25,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import random
 import re
+import string
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -40,6 +42,7 @@ class ToolCallDelta:
     index: int
     name: str | None = None
     arguments: str = ""
+    id: str | None = None  # the call's id where the format has its own (with the name)
 
 
 @dataclasses.dataclass
@@ -52,6 +55,7 @@ class Delta:
 class ToolCall:
     name: str
     arguments: str  # JSON text
+    id: str | None = None  # None: the server's own form
 
 
 @dataclasses.dataclass
@@ -82,7 +86,7 @@ def assemble(deltas: Iterable[Delta]) -> Extracted:
         for d in delta.tool_calls:
             if d.name is not None:
                 assert d.index == len(calls), "calls are announced in index order"
-                calls.append(ToolCall(d.name, ""))
+                calls.append(ToolCall(d.name, "", d.id))
             calls[d.index].arguments += d.arguments
     return Extracted("".join(content), calls)
 
@@ -564,9 +568,77 @@ def _python_calls(source: str) -> list[ToolCall] | None:
     return calls
 
 
+class MistralToolCalls(ToolCallStream):
+    """Mistral's format: content, then `[TOOL_CALLS]` and the calls, either a JSON array of
+    `{"name", "arguments"}` (its v3 tokenizer: Mistral 7B v0.3, Mixtral 8x22B) or
+    `name[ARGS]{...}` per call, each after its own `[TOOL_CALLS]` (v11 and later: Mistral
+    Small 3.2, Devstral). The calls are read when the output ends; if they do not parse, the
+    text from `[TOOL_CALLS]` on is content. Call ids are 9 letters and digits, the only form
+    Mistral's chat templates take back (vLLM's rule)."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    skip_special_tokens = False  # [TOOL_CALLS] is a special token
+
+    def __init__(self) -> None:
+        self._pos = 0  # content before this is sent
+        self._tag: int | None = None  # where the calls start
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        out = Delta()
+        if self._tag is None:
+            tag = text.find(self.TAG, self._pos)
+            end = tag if tag >= 0 else len(text)
+            if tag < 0 and not final:
+                end -= _partial_suffix(text, self._pos, self.TAG)
+            out.content, self._pos = text[self._pos : end], end
+            if tag >= 0:
+                self._tag = tag
+        if self._tag is not None and final:
+            calls = self._calls(text[self._tag :])
+            if calls is None:
+                out.content += text[self._tag :]
+            else:
+                out.tool_calls = [
+                    ToolCallDelta(i, c.name, c.arguments, _mistral_id())
+                    for i, c in enumerate(calls)
+                ]
+        return out
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        body = text.removeprefix(self.TAG).strip(_WHITESPACE)
+        if body.startswith("["):  # the JSON array
+            items = _loads(body)
+            if not isinstance(items, list) or not items:
+                return None
+            calls = [_call(_arguments_object(i), ("arguments",)) for i in items]
+            return None if None in calls else calls
+        calls = []
+        for part in text.split(self.TAG)[1:]:
+            name, sep, arguments = part.partition(self.ARGS)
+            value = _loads(arguments.strip(_WHITESPACE))
+            if not sep or not name.strip() or not isinstance(value, dict):
+                return None
+            calls.append(ToolCall(name.strip(), json.dumps(value, ensure_ascii=False)))
+        return calls or None
+
+
+def _arguments_object(item: Any) -> Any:
+    """A Mistral call whose arguments came as a JSON string, with them parsed."""
+    if isinstance(item, dict) and isinstance(item.get("arguments"), str):
+        parsed = _loads(item["arguments"])
+        if isinstance(parsed, dict):
+            return {**item, "arguments": parsed}
+    return item
+
+
+def _mistral_id() -> str:
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
 TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
     "hermes": HermesToolCalls,
     "llama3_json": Llama3JsonToolCalls,
+    "mistral": MistralToolCalls,
     "pythonic": PythonicToolCalls,
     "qwen3_coder": Qwen3CoderToolCalls,
 }

@@ -691,6 +691,23 @@ def test_auto_tool_calls_with_the_pythonic_parser(serve):
     check_stream_matches(client, body, response)
 
 
+def test_mistral_calls_have_ids_its_templates_take_back(serve):
+    text = 'Sure.[TOOL_CALLS]weather[ARGS]{"city": "Rome"}'
+    client, engine = serve([text], enable_auto_tool_choice=True, tool_call_parser="mistral")
+    body = chat(tools=TOOLS)
+    message = post(client, body)["choices"][0]["message"]
+    assert message["content"] == "Sure."
+    (call,) = message["tool_calls"]
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Rome"}'}
+    assert engine.params[0].skip_special_tokens is False
+    events = stream_events(client, body)
+    ids = [
+        c["id"] for e in events for ch in e["choices"] for c in ch["delta"].get("tool_calls", [])
+    ]
+    assert len(ids) == 1 and len(ids[0]) == 9 and ids[0].isalnum()
+
+
 def test_auto_without_calls_is_plain_content(serve):
     client, _ = serve(
         ["Just text, <b>no</b> calls."],

@@ -13,6 +13,7 @@ from server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolCalls,
     Llama3JsonToolCalls,
+    MistralToolCalls,
     NamedToolCall,
     PythonicToolCalls,
     Qwen3CoderToolCalls,
@@ -50,7 +51,10 @@ def check(new_stream, text: str, content: str, calls: list[tuple[str, str]]):
     assert whole.content == content
     assert [(c.name, c.arguments) for c in whole.tool_calls] == calls
     for ends in chunkings(text):
-        assert assemble(streamed(new_stream, text, ends)) == whole, ends
+        got = assemble(streamed(new_stream, text, ends))
+        assert got.content == whole.content, ends
+        # (ids aside: a format with ids of its own makes fresh ones)
+        assert [(c.name, c.arguments) for c in got.tool_calls] == calls, ends
 
 
 def args(obj) -> str:
@@ -169,9 +173,40 @@ def test_parser_registry():
     assert TOOL_PARSERS == {
         "hermes": HermesToolCalls,
         "llama3_json": Llama3JsonToolCalls,
+        "mistral": MistralToolCalls,
         "pythonic": PythonicToolCalls,
         "qwen3_coder": Qwen3CoderToolCalls,
     }
+
+
+# -------------------------------------------------------------------------------- mistral
+
+MISTRAL_CASES = [
+    (
+        'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "now", "arguments": "{}"}]',
+        "Sure. ",
+        [("get_weather", args({"city": "Paris"})), ("now", "{}")],
+    ),
+    (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}',
+        "",
+        [("get_weather", args({"city": "Paris"})), ("now", "{}")],
+    ),
+    ("No calls, [TOOL but text.", "No calls, [TOOL but text.", []),
+    ("[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
+    ("a[TOOL_CALLS]f[ARGS]not json", "a[TOOL_CALLS]f[ARGS]not json", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", MISTRAL_CASES)
+def test_mistral(text, content, calls):
+    check(MistralToolCalls, text, content, calls)
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    calls = extract(MistralToolCalls(), MISTRAL_CASES[1][0]).tool_calls
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
 
 
 # ------------------------------------------------------------------------------- pythonic
