@@ -425,7 +425,7 @@ def tokenizer(tokenizer_dir):
 
 
 def test_tools_and_history_render_through_a_chat_template(tokenizer):
-    from server.api import render_chat
+    from server.generation import render_chat
 
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = TOOLS_TEMPLATE

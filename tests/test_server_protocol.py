@@ -689,7 +689,7 @@ def test_a_streamed_event_is_one_line_whatever_the_text_holds():
     `data:` line per event, which decodes back to the same text."""
     from pydantic import BaseModel
 
-    from server.api import _sse
+    from server.generation import _sse
 
     class Chunk(BaseModel):
         text: str
