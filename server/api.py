@@ -40,6 +40,9 @@ from starlette.requests import ClientDisconnect
 import jaxllm
 from jaxllm.engine.input_processor import InputError
 from server import protocol
+from server.anthropic_api import PATH_PREFIX as ANTHROPIC_PATHS
+from server.anthropic_api import anthropic_error_body
+from server.anthropic_api import router as anthropic_router
 from server.config import ServerConfig
 from server.generation import (
     Completion,
@@ -115,12 +118,12 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     # ---- cross-cutting: errors, auth, header and body size -----------------------------
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(exc, request)
 
     @app.exception_handler(InputError)
-    async def _input_error(_: Request, exc: InputError):
-        return _error_response(APIError.bad_request(str(exc), exc.param))
+    async def _input_error(request: Request, exc: InputError):
+        return _error_response(APIError.bad_request(str(exc), exc.param), request)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_left(request: Request, _: ClientDisconnect):
@@ -130,27 +133,33 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
+    async def _internal(request: Request, exc: Exception):
         logger.exception("internal error")
-        return _error_response(APIError.internal())
+        return _error_response(APIError.internal(), request)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
         header_bytes = sum(len(k) + len(v) + 4 for k, v in request.scope["headers"])  # ": ", CRLF
         if header_bytes > MAX_HEADER_BYTES:
-            return _error_response(headers_too_large(MAX_HEADER_BYTES))
+            return _error_response(headers_too_large(MAX_HEADER_BYTES), request)
         if state.api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {state.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error_response(APIError.unauthorized())
+            # A bearer token, or Anthropic's x-api-key header.
+            given = request.headers.get("authorization", "").encode()
+            key = request.headers.get("x-api-key", "").encode()
+            expected = state.api_key.encode()
+            if not (
+                hmac.compare_digest(given, b"Bearer " + expected)
+                | hmac.compare_digest(key, expected)
+            ):
+                return _error_response(APIError.unauthorized(), request)
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return _error_response(APIError.too_large(MAX_BODY_BYTES))
+            return _error_response(APIError.too_large(MAX_BODY_BYTES), request)
         return await call_next(request)
 
     app.include_router(router)
     app.include_router(pooling_router)
+    app.include_router(anthropic_router)
     return app
 
 
@@ -272,6 +281,9 @@ def headers_too_large(max_bytes: int) -> APIError:
     )
 
 
-def _error_response(err: APIError) -> JSONResponse:
+def _error_response(err: APIError, request: Request | None = None) -> JSONResponse:
+    """The error in OpenAI's shape, or in Anthropic's on its Messages API's paths."""
     headers = {"Retry-After": "1"} if err.status == 503 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    anthropic = request is not None and request.url.path.startswith(ANTHROPIC_PATHS)
+    body = anthropic_error_body(err) if anthropic else err.body()
+    return JSONResponse(body, status_code=err.status, headers=headers)

@@ -464,9 +464,16 @@ class ChatCompletion(_Generation):
         )
 
 
-async def chat_generation(state: ServerState, eng: AsyncLLM, req, model: str) -> ChatCompletion:
+async def chat_generation(
+    state: ServerState,
+    eng: AsyncLLM,
+    req,
+    model: str,
+    cls: Callable[..., ChatCompletion] | None = None,
+) -> ChatCompletion:
     """The generation of a checked chat request: its rendered prompt, sampling parameters
-    and parsers (tools, reasoning), as `/v1/chat/completions` and `/v1/messages` run it."""
+    and parsers (tools, reasoning), as `/v1/chat/completions` runs it, and `/v1/messages` (its
+    own `cls`, a ChatCompletion answering in its shape)."""
     ids = await state.tokenizing(render_chat, eng, req)
     params = sampling_params(eng, req, ids, "messages")
     if req.tool_choice == "auto" and not state.tool_parser.skip_special_tokens:
@@ -483,4 +490,5 @@ async def chat_generation(state: ServerState, eng: AsyncLLM, req, model: str) ->
         ):
             # Structured outputs (and forced tool calls) constrain the answer only.
             params.reasoning_end_token_id = reasoning_parsers.end_token_id(eng.tokenizer)
-    return ChatCompletion(req, model, [(ids, params, None)], eng, state.tool_parser, reasoning)
+    cls = cls or ChatCompletion
+    return cls(req, model, [(ids, params, None)], eng, state.tool_parser, reasoning)
