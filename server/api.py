@@ -55,6 +55,7 @@ from server.metrics import Metrics
 from server.pooling_api import router as pooling_router
 from server.protocol import APIError
 from server.reasoning_parsers import REASONING_PARSERS
+from server.responses_api import router as responses_router
 from server.serving import MAX_BODY_BYTES, ServerState, json_response
 from server.tool_parsers import TOOL_PARSERS
 
@@ -160,6 +161,7 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     app.include_router(router)
     app.include_router(pooling_router)
     app.include_router(anthropic_router)
+    app.include_router(responses_router)
     return app
 
 

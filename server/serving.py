@@ -73,6 +73,8 @@ class ServerState:
         self.body_room = _ByteBudget(MAX_BUFFERED_BODY_BYTES)
         self.created = int(time.time())
         self.metrics: Metrics | None = None  # once the engine is ready
+        # Stored responses of the Responses API (`server.responses_api.ResponseStore`).
+        self.responses = None
 
     def ready_engine(self, task: str | None = None, endpoint: str | None = None) -> AsyncLLM:
         """The engine, if it is serving; with `task`, only if its model does that task

@@ -4,6 +4,7 @@ fake engine) as `reasoning_content` beside content and tool calls."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -175,3 +176,34 @@ def test_structured_outputs_wait_for_the_end_of_thinking(tiny_llm):
     (out,) = tiny_llm.generate("Is it?", free, use_tqdm=False)
     assert out.outputs[0].finish_reason == "length" and end not in out.outputs[0].token_ids
     assert out.outputs[0].text not in ("yes", "no")  # eight free tokens
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
+
+
+def test_thinking_in_the_responses_and_messages_apis(serve):  # noqa: F811
+    """The reasoning parser's split as a Responses `reasoning` item and an Anthropic
+    `thinking` block, whole and streamed alike."""
+    client, _ = serve([THINKING + "Sunny."], reasoning_parser="qwen3")
+    thought, answer = "\nThe user wants weather.\n", "\n\nSunny."
+    r = client.post("/v1/responses", json={"model": "m", "input": "Weather?"}).json()
+    assert [i["type"] for i in r["output"]] == ["reasoning", "message"]
+    assert r["output"][0]["content"][0]["text"] == thought
+    assert r["output"][1]["content"][0]["text"] == answer
+    events = _sse_events(
+        client.post("/v1/responses", json={"model": "m", "input": "Weather?", "stream": True}).text
+    )
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (reasoning, text) == (thought, answer)
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == thought
+
+    body = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "Hi"}]}
+    m = client.post("/v1/messages", json=body).json()
+    assert [b["type"] for b in m["content"]] == ["thinking", "text"]
+    assert m["content"][0]["thinking"] == thought and m["content"][1]["text"] == answer
+    events = _sse_events(client.post("/v1/messages", json={**body, "stream": True}).text)
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == thought
+    assert "".join(d.get("text", "") for d in deltas) == answer
