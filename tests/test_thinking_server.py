@@ -2,8 +2,8 @@
 template opens a `<think>` block (Qwen3's way; `enable_thinking: false` closes it in the
 prompt), through the real server and the official openai client. The thinking and the answer
 split exactly at `</think>` of the raw output (the same tokens by seed through
-/v1/completions), whole and streamed; tool calls and structured outputs apply to the answer
-(the grammar waits for `</think>`)."""
+/v1/completions), whole and streamed; structured outputs apply to the answer (the grammar
+waits for `</think>`)."""
 
 from __future__ import annotations
 
