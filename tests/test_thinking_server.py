@@ -130,3 +130,22 @@ def test_structured_outputs_apply_to_the_answer(client, end_id):
         assert answer.finish_reason == "stop", answer
         assert answer.message.model_extra.get("reasoning_content") is not None
         jsonschema.validate(json.loads(answer.message.content), WEATHER)
+
+
+def test_the_responses_and_messages_apis_carry_the_same_split(server, client):
+    """Greedy, so the raw tokens are the same: a Responses `reasoning` item and an Anthropic
+    `thinking` block hold exactly the raw output's thinking, the answer what follows."""
+    anthropic = pytest.importorskip("anthropic")
+    ids = httpx.post(f"{server}/tokenize", json={"messages": ASK}).json()["tokens"]
+    body = {"prompt": ids, "max_tokens": 24, "temperature": 0.0, "skip_special_tokens": False}
+    raw = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]["text"]
+    thought, _, answer = raw.partition("</think>")
+    r = client.responses.create(model="thinker", input=ASK[0]["content"], max_output_tokens=24,
+                                temperature=0.0)  # fmt: skip
+    assert [i.content[0].text for i in r.output if i.type == "reasoning"] == [thought]
+    assert r.output_text == answer
+    claude = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+    m = claude.messages.create(model="thinker", max_tokens=24, messages=ASK,
+                               extra_body={"temperature": 0.0})  # fmt: skip
+    assert [b.thinking for b in m.content if b.type == "thinking"] == [thought]
+    assert "".join(b.text for b in m.content if b.type == "text") == answer
