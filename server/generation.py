@@ -168,7 +168,8 @@ class _Generation:
             completion_tokens=sum(len(o.token_ids) for o in finals.values()),
         )
 
-    async def full(self) -> BaseModel:
+    async def _finals(self) -> dict[int, Any]:
+        """Each choice's last snapshot, once all have finished."""
         finals: dict[int, Any] = {}
         try:
             async with contextlib.aclosing(self._events()) as events:
@@ -177,6 +178,10 @@ class _Generation:
                         finals[choice] = out
         except (EngineDeadError, RequestFailedError):
             raise APIError.internal("the engine failed this request") from None
+        return finals
+
+    async def full(self) -> BaseModel:
+        finals = await self._finals()
         return self.response_cls(
             id=self.id,
             created=self.created,

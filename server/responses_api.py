@@ -39,8 +39,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from jaxllm.engine.async_llm import RequestFailedError
-from jaxllm.engine.core_client import EngineDeadError
 from server import protocol
 from server.generation import ChatCompletion, chat_generation
 from server.protocol import APIError, _Model
@@ -440,14 +438,7 @@ class ResponsesGeneration(ChatCompletion):
         return response
 
     async def full(self) -> BaseModel:
-        finals: dict[int, Any] = {}
-        try:
-            async with contextlib.aclosing(self._events()) as events:
-                async for choice, out in events:
-                    if out.finish_reason is not None:
-                        finals[choice] = out
-        except (EngineDeadError, RequestFailedError):
-            raise APIError.internal("the engine failed this request") from None
+        finals = await self._finals()
         choice = self._choice(0, finals[0])
         response = self._finish(
             output_items(choice.message), choice.finish_reason, self._responses_usage(finals)

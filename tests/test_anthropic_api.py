@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field
+from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field, body_bytes
 from tests.test_server_e2e import _start_server, _stop_server
 
 anthropic = pytest.importorskip("anthropic")
@@ -201,10 +201,7 @@ def bodies(draw):
 @settings(max_examples=100, derandomize=True, **FUZZ_SETTINGS)
 @given(body=bodies())
 def test_fuzzed_messages_bodies_get_no_5xx(server, body):
-    try:
-        content = json.dumps(body).encode()
-    except (UnicodeEncodeError, ValueError):
-        content = repr(body).encode("utf-8", "surrogatepass")
+    content = body_bytes(body)
     r = httpx.post(f"{server}/v1/messages", content=content, timeout=120,
                    headers={"x-api-key": KEY, "content-type": "application/json"})  # fmt: skip
     assert r.status_code < 500, r.text[:1000]

@@ -185,11 +185,17 @@ def _check(path: str, r: httpx.Response) -> None:
         r.json()
 
 
-def _send(server: httpx.Client, path: str, body) -> None:
+def body_bytes(body) -> bytes:
+    """A generated body as sent: JSON (NaN and infinities as JavaScript spells them), or,
+    where JSON cannot hold it (lone surrogates), its repr: not JSON, a 400 then."""
     try:
-        content = json.dumps(body).encode()  # NaN and infinities as JavaScript spells them
+        return json.dumps(body).encode()
     except (UnicodeEncodeError, ValueError):
-        content = repr(body).encode("utf-8", "surrogatepass")  # not JSON: a 400 then
+        return repr(body).encode("utf-8", "surrogatepass")
+
+
+def _send(server: httpx.Client, path: str, body) -> None:
+    content = body_bytes(body)
     r = server.post(path, content=content, headers={"content-type": "application/json"})
     _check(path, r)
 

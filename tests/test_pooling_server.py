@@ -6,7 +6,6 @@ checkpoint on torch."""
 from __future__ import annotations
 
 import base64
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxllm.model_cache import resolve_model
-from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field
+from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field, body_bytes
 from tests.test_server_e2e import _start_server, _stop_server
 
 torch = pytest.importorskip("torch")
@@ -290,10 +289,7 @@ def test_fuzzed_pooling_bodies_get_no_5xx(server, case):
     """Generated bodies (valid values two times in three, anything else otherwise): no 5xx,
     every error in OpenAI's shape; the server still serves after (the next tests)."""
     path, body = case
-    try:
-        content = json.dumps(body).encode()
-    except (UnicodeEncodeError, ValueError):
-        content = repr(body).encode("utf-8", "surrogatepass")
+    content = body_bytes(body)
     r = httpx.post(f"{server}{path}", content=content, timeout=120,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code < 500, (path, r.status_code, r.text[:1000])

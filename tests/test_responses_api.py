@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field
+from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field, body_bytes
 from tests.test_server_e2e import _start_server, _stop_server
 
 pytestmark = pytest.mark.demo_model
@@ -182,10 +182,7 @@ def bodies(draw):
 @settings(max_examples=100, derandomize=True, **FUZZ_SETTINGS)
 @given(body=bodies())
 def test_fuzzed_responses_bodies_get_no_5xx(server, body):
-    try:
-        content = json.dumps(body).encode()
-    except (UnicodeEncodeError, ValueError):
-        content = repr(body).encode("utf-8", "surrogatepass")
+    content = body_bytes(body)
     r = httpx.post(f"{server}/v1/responses", content=content, timeout=120,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code < 500, r.text[:1000]
