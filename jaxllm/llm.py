@@ -110,6 +110,20 @@ class LLM:
     warmup_seconds = property(lambda self: self.engine.warmup_seconds)
     eos_token_ids = property(lambda self: self.input_processor.eos_token_ids)
 
+    def sleep(self, level: int = 1) -> None:
+        """Frees the device memory of the weights and the KV cache until `wake_up` (vLLM's
+        sleep mode): level 1 keeps the weights in host memory, level 2 drops them (waking
+        reloads them from the checkpoint). The compiled programs stay: waking compiles
+        nothing."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.sleep_level)
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False (nothing done) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -128,6 +142,8 @@ class LLM:
         return self.engine.is_pooling
 
     def _normalize(self, prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        if self.is_sleeping:
+            raise RuntimeError("the engine is asleep (LLM.sleep): call LLM.wake_up() first")
         if self.is_pooling_model:
             raise InputError(
                 "this is a pooling model: it embeds (LLM.embed), it does not generate",

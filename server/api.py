@@ -80,6 +80,7 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     state = ServerState(served_model_names, config.api_key, config.max_queued_requests, parser)
     if config.reasoning_parser is not None:
         state.reasoning_parser = REASONING_PARSERS[config.reasoning_parser]
+    state.enable_sleep_mode = config.enable_sleep_mode
 
     async def lifespan(app: FastAPI):
         async def start():
@@ -212,6 +213,53 @@ async def models(request: Request):
         for name in state.served_model_names
     ]
     return json_response(protocol.ModelList(data=cards))
+
+
+def _sleep_mode(state: ServerState):
+    if not state.enable_sleep_mode:
+        raise APIError.not_found("sleep mode is off (start the server with --enable-sleep-mode)")
+    if state.engine is None or state.engine.dead or state.draining:
+        raise APIError.unavailable("the engine is not ready")
+    return state.engine
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = 1):
+    """vLLM's sleep mode (see `ServerConfig.enable_sleep_mode`): only while idle."""
+    state = _state(request)
+    eng = _sleep_mode(state)
+    if level not in (1, 2):
+        raise APIError.bad_request(f"level must be 1 or 2, got {level}", "level")
+    if state.num_admitted or eng.num_unfinished:
+        raise APIError.bad_request(
+            f"{state.num_admitted} requests are running: sleep when the server is idle", "level"
+        )
+    state.sleeping = True
+    try:
+        await eng.sleep(level)
+    except RuntimeError as e:
+        state.sleeping = bool(eng.sleep_level)
+        raise APIError.unavailable(str(e)) from None
+    return Response(status_code=200)
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request):
+    state = _state(request)
+    eng = _sleep_mode(state)
+    try:
+        await eng.wake_up()
+    except RuntimeError as e:
+        raise APIError.unavailable(str(e)) from None
+    state.sleeping = False
+    return Response(status_code=200)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request):
+    state = _state(request)
+    _sleep_mode(state)
+    return {"is_sleeping": bool(state.sleeping or state.engine.sleep_level)}
 
 
 @router.post("/tokenize")

@@ -35,6 +35,10 @@ class ServerConfig:
     --tool-call-parser reads its calls out of the text."""
     tool_call_parser: str | None = option(None, choices=tuple(TOOL_PARSERS))
     """The format of the model's own tool calls, for tool_choice auto."""
+    enable_sleep_mode: bool = False
+    """Serve vLLM's sleep mode endpoints: POST /sleep?level=1|2 frees the weights' (level 1:
+    kept in host memory; 2: dropped, reloaded on waking) and the KV cache's device memory
+    while idle, POST /wake_up brings them back (nothing compiles), GET /is_sleeping."""
     reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS))
     """Split a reasoning model's thinking (<think>...</think>) off its answer, into
     message.reasoning_content: qwen3 or deepseek_r1 (vLLM's names)."""

@@ -75,6 +75,8 @@ class ServerState:
         self.metrics: Metrics | None = None  # once the engine is ready
         # Stored responses of the Responses API (`server.responses_api.ResponseStore`).
         self.responses = None
+        self.enable_sleep_mode = False  # --enable-sleep-mode: /sleep and /wake_up served
+        self.sleeping = False  # asleep or on the way (new requests get 503 from then on)
 
     def ready_engine(self, task: str | None = None, endpoint: str | None = None) -> AsyncLLM:
         """The engine, if it is serving; with `task`, only if its model does that task
@@ -84,6 +86,8 @@ class ServerState:
             raise APIError.unavailable("the server is shutting down")
         if self.engine is None or self.engine.dead:
             raise APIError.unavailable("the engine is not ready")
+        if self.sleeping or self.engine.sleep_level:
+            raise APIError.unavailable("the engine is asleep (sleep mode: POST /wake_up)")
         tasks = self.engine.supported_tasks
         if task is not None and task not in tasks:
             kind = "a pooling model" if self.engine.is_pooling_model else "a generative model"

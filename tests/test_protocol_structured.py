@@ -468,6 +468,7 @@ class FakeEngine:
         self.on_step = None
         self.is_pooling_model = False
         self.supported_tasks = ["generate"]
+        self.sleep_level = 0
         self.ready = SimpleNamespace(max_model_len=4096, num_pages=1, page_size=16, num_programs=0)
         self.config = SimpleNamespace(cache=CacheConfig())  # for the metrics
         self.stats = Stats()

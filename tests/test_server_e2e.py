@@ -159,6 +159,7 @@ def _metric(server, name: str) -> float:
 def test_models_and_version(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert client.models.list().data[0].supported_tasks == ["generate"]
+    assert httpx.post(f"{server}/sleep", headers=AUTH).status_code == 404  # no sleep mode
     assert httpx.get(f"{server}/version").json()["version"]
 
 

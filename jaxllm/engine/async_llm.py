@@ -25,7 +25,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
-from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Stats
+from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Sleep, Stats, WakeUp
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.loaders import load_tokenizer
@@ -90,6 +90,7 @@ class AsyncLLM:
         self.stats: Stats = ready.stats
         self._streams: dict[str, _Stream] = {}
         self._pooled: dict[str, asyncio.Future] = {}  # pooling requests: their vectors
+        self._outputs_seen = 0  # StepOutputs applied (sleep mode waits for the next one)
         self._prompts: dict[str, list[int]] = {}
         self.dead = False
         # Optional callback(IterationStats) after each step's outputs and each abort, for
@@ -226,6 +227,44 @@ class AsyncLLM:
                 self._finish(times, reason, stats)
                 self._report(stats)
 
+    # ---- sleep mode ---------------------------------------------------------------------
+
+    @property
+    def sleep_level(self) -> int:
+        return self.stats.sleep_level
+
+    async def sleep(self, level: int = 1, timeout: float = 600.0) -> None:
+        """Puts the idle engine to sleep (see `EngineCore.sleep`); raises if it did not
+        (unfinished requests, or no answer within `timeout` seconds)."""
+        await self._control(Sleep(level), level, timeout)
+
+    async def wake_up(self, timeout: float = 600.0) -> None:
+        await self._control(WakeUp(), 0, timeout)
+
+    async def _control(self, message, want: int, timeout: float) -> None:
+        """Sends a sleep mode message and waits for the core's stats to show `want`. The core
+        answers with one step's outputs; one that still shows another level, and no other
+        coming within a second (an output already on its way may precede the answer), means
+        it refused."""
+        if self.dead:
+            raise EngineDeadError("engine core is not running")
+        seen = self._outputs_seen
+        self.client.send(message)
+        deadline = time.monotonic() + timeout
+        refused_at = None
+        while self.stats.sleep_level != want:
+            if self._outputs_seen > seen and refused_at is None:
+                refused_at = time.monotonic() + 1.0
+            if refused_at is not None and (time.monotonic() > refused_at or
+                                           self._outputs_seen > seen + 1):  # fmt: skip
+                raise RuntimeError(
+                    f"the engine did not {'sleep' if want else 'wake up'}: it has unfinished "
+                    "requests"
+                )
+            if time.monotonic() > deadline or self.dead:
+                raise RuntimeError("the engine did not answer the sleep mode request in time")
+            await asyncio.sleep(0.02)
+
     # ---- pooling ------------------------------------------------------------------------
 
     async def encode(
@@ -289,6 +328,7 @@ class AsyncLLM:
 
     def _apply(self, out) -> None:
         self.stats = out.stats
+        self._outputs_seen += 1
         stats = IterationStats(step=out.step)
         for rid, queued_seconds, at in out.step.scheduled:
             if (times := self._times.get(rid)) is not None:

@@ -90,6 +90,7 @@ class EngineCore:
         # The front end's checks, which the core applies again to what it is handed (a
         # library caller of the core, or a front end with a bug, must not fail a step).
         self.checks: InputProcessor | None = None
+        self.sleep_level = 0  # sleep mode (see `sleep`)
         # How a decoder served for pooling pools (and a classifier's head); None: it
         # generates.
         self.pooler: PoolerConfig | None = None
@@ -248,10 +249,15 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    def _check_awake(self) -> None:
+        if self.sleep_level:
+            raise ValueError("the engine is asleep (sleep mode): wake it up first")
+
     def add_request(self, request: Request) -> None:
         """Queues a generation request; a ValueError (naming the parameter) if it cannot run here, before
         anything of it reaches a batch: one request's bad value must not fail a step that
         carries others."""
+        self._check_awake()
         if self.pooler is not None:
             raise ValueError(
                 "this model is served for pooling (embeddings), not generation (--runner)"
@@ -287,6 +293,7 @@ class EngineCore:
                 "this is a generative model: it serves completions, not pooling (embeddings); "
                 "serve it with --runner pooling"
             )
+        self._check_awake()
         check_params(params, self.hidden_size, self.head)
         if self.checks is not None:
             self.checks.check_pooling_ids(token_ids)
@@ -320,6 +327,51 @@ class EngineCore:
             self.scheduler.kv.reset_prefix_cache()
             self.runner.kv_cache_lost = False
 
+    # ---- sleep mode -----------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the device memory of the weights and the KV cache while idle (vLLM's sleep
+        mode): level 1 keeps the weights in host memory, level 2 drops them (`wake_up`
+        reloads them from the checkpoint). Cached prefixes are forgotten; compiled programs
+        are kept. A ValueError if requests are unfinished or `level` is not 1 or 2."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError("the engine has unfinished requests: sleep when it is idle")
+        if self.sleep_level:
+            return
+        self.drain()
+        self.scheduler.kv.reset_prefix_cache()
+        self.runner.sleep(keep_weights=level == 1)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Back from `sleep`: the weights where they were (from host memory, or reloaded from
+        the checkpoint after level 2) and an empty KV cache; nothing compiles."""
+        if not self.sleep_level:
+            return
+        weights = None
+        if self.sleep_level == 2:
+            import jax
+            from flax import nnx
+
+            from jaxllm.config import resolve_dtype
+            from jaxllm.loaders import load_model
+
+            config = self.config
+            loaded = load_model(
+                config.load.model,
+                dtype=resolve_dtype(config.load.dtype),
+                compilation=config.compilation,
+                mesh=self.mesh,
+                load_tokenizer=False,
+                quantization=config.load.quantization,
+                load_format=config.load.load_format,
+            )
+            weights = jax.tree.leaves(nnx.state(loaded.model))
+        self.runner.wake_up(weights)
+        self.sleep_level = 0
+
     def ready(self) -> Ready:
         """What the front end learns of this engine once it has warmed up."""
         return Ready(
@@ -352,6 +404,7 @@ class EngineCore:
             grammar_bitmask_seconds=scheduler.grammar_bitmask_seconds,
             grammar_bitmask_steps=scheduler.grammar_bitmask_steps,
             spec_decoding=scheduler.spec_decoding.copy(),
+            sleep_level=self.sleep_level,
         )
 
     def step(self) -> list[RequestUpdate]:

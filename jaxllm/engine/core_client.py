@@ -91,6 +91,10 @@ class EngineCoreClient:
     def add_request(self, request: AddRequest | AddPooling) -> None:
         self._send(request)
 
+    def send(self, message) -> None:
+        """A control message (`Sleep`, `WakeUp`)."""
+        self._send(message)
+
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive():
             self._send(Abort(request_ids))

@@ -27,7 +27,9 @@ from jaxllm.engine.messages import (
     AddRequest,
     Failed,
     Shutdown,
+    Sleep,
     StepOutputs,
+    WakeUp,
     encoder,
     input_decoder,
 )
@@ -125,9 +127,19 @@ class CoreLoop:
         self.step_error: BaseException | None = None
         self._refused: list[RequestUpdate] = []
 
-    def handle(self, message: AddRequest | AddPooling | Abort) -> None:
+    def handle(self, message: AddRequest | AddPooling | Abort | Sleep | WakeUp) -> None:
         if isinstance(message, Abort):
             self.engine.abort_requests(message.request_ids)
+            return
+        if isinstance(message, Sleep | WakeUp):
+            # The next StepOutputs' stats say whether it slept (a busy engine refuses).
+            try:
+                if isinstance(message, Sleep):
+                    self.engine.sleep(message.level)
+                else:
+                    self.engine.wake_up()
+            except Exception as e:
+                logger.warning("%s refused: %s", type(message).__name__, e)
             return
         try:
             if isinstance(message, AddPooling):

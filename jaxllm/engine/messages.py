@@ -1,6 +1,7 @@
 """What the front end and the engine core process say to each other, as msgpack (msgspec).
 
-Front end -> core: `AddRequest` (`AddPooling` for a pooling model), `Abort`, `Shutdown`.
+Front end -> core: `AddRequest` (`AddPooling` for a pooling model), `Abort`, `Sleep` and
+`WakeUp` (sleep mode), `Shutdown`.
 Core -> front end: `Ready` once warmup is done (or `Failed` if the engine could not start),
 then one `StepOutputs` per engine step. No pickle crosses the socket: every message is a typed
 struct.
@@ -40,6 +41,17 @@ class Abort(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
+class Sleep(msgspec.Struct, tag="sleep"):
+    """Sleep mode: free the weights' and the KV cache's device memory (see
+    `EngineCore.sleep`); the next `StepOutputs`' stats say the level reached."""
+
+    level: int = 1
+
+
+class WakeUp(msgspec.Struct, tag="wake_up"):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -70,7 +82,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     step: StepEvents = msgspec.field(default_factory=StepEvents)
 
 
-Input = AddRequest | AddPooling | Abort | Shutdown
+Input = AddRequest | AddPooling | Abort | Sleep | WakeUp | Shutdown
 Output = Ready | Failed | StepOutputs
 
 encoder = msgspec.msgpack.Encoder()

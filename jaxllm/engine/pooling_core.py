@@ -128,6 +128,13 @@ class PoolingEngineCore:
         return self.runner.max_model_len
 
     is_pooling = True  # it serves pooling requests only
+    sleep_level = 0  # sleep mode is the generative engine's
+
+    def sleep(self, level: int = 1) -> None:
+        raise ValueError("sleep mode is not supported for an encoder's pooling core")
+
+    def wake_up(self) -> None:
+        pass
 
     @property
     def hidden_size(self) -> int:

@@ -87,3 +87,4 @@ class Stats(msgspec.Struct):
     grammar_bitmask_seconds: float = 0.0
     grammar_bitmask_steps: int = 0
     spec_decoding: SpecDecodingStats = msgspec.field(default_factory=SpecDecodingStats)
+    sleep_level: int = 0  # sleep mode: 0 awake, 1 weights on the host, 2 weights dropped

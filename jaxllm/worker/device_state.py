@@ -43,6 +43,7 @@ class DeviceState:
         if self.abstract and mesh is None:
             self.replicated = first_param.sharding
         self.max_num_seqs = max_num_seqs
+        self._zeros_programs: dict = {}
         self.kv_cache = self.zeros_cache(cache_shape, cache_dtype)
         self.kv_cache_lost = False  # set when a failed step took a cache with it
         # The token each batch row sampled last, kept on the device: the next step's decode
@@ -105,10 +106,14 @@ class DeviceState:
         out = sharding.kv_cache_sharding(self.mesh, is_quantized_dtype(dtype))
         if self.abstract:
             return abstract_kv_cache(shape, dtype, out)
-        shards = self.mesh.shape["model"]
-        return jax.jit(
-            lambda: zeros_kv_cache(shape, dtype, self.platform, shards), out_shardings=out
-        )()
+        key = (tuple(shape), jnp.dtype(dtype))
+        make = self._zeros_programs.get(key)
+        if make is None:  # one program per cache shape, kept: remaking a cache compiles nothing
+            shards = self.mesh.shape["model"]
+            make = self._zeros_programs[key] = jax.jit(
+                lambda: zeros_kv_cache(shape, dtype, self.platform, shards), out_shardings=out
+            )
+        return make()
 
     def renewed(self, cache: KVCache) -> KVCache:
         """`cache`, or a zero one in its place when a failed step deleted it."""
@@ -116,6 +121,17 @@ class DeviceState:
             return cache
         self.kv_cache_lost = True
         return self.zeros_cache(cache.shape, cache.dtype)
+
+    def drop_cache(self) -> tuple:
+        """Frees the KV cache's device memory (sleep); returns what `restore_cache` needs."""
+        spec = (self.kv_cache.shape, self.kv_cache.dtype)
+        for a in jax.tree.leaves(self.kv_cache):
+            a.delete()
+        return spec
+
+    def restore_cache(self, spec: tuple) -> None:
+        """A zero KV cache again, as `drop_cache` left it (wake up)."""
+        self.kv_cache = self.zeros_cache(*spec)
 
     @contextlib.contextmanager
     def recovering(self, others: Iterable = ()):

@@ -133,6 +133,7 @@ class ModelRunner:
         self.head_and_sample = jax.jit(functools.partial(head_and_sample, *bound))
         self.scorer = PromptScorer(self.graphdef, self._params_def, ib, self.compiler)
         self.pooler = HiddenPooler(self.compiler, max_num_seqs) if pooling else None
+        self._sleep = None  # asleep: (the weights' shardings, their host copies, the cache's)
         self.proposer: Proposer | None = None
         if speculative is not None and speculative.method == "ngram":
             self.proposer = NgramProposer(
@@ -276,6 +277,46 @@ class ModelRunner:
         if check_in_place:
             self.compiler.check_in_place()
         return time.perf_counter() - start
+
+    # ---- sleep mode ---------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleep is not None
+
+    def sleep(self, *, keep_weights: bool) -> None:
+        """Frees the device memory of the weights and the KV cache (vLLM's sleep mode): the
+        weights go to host memory (`keep_weights`, level 1) or are dropped (level 2: `wake_up`
+        then takes fresh ones); the cache is dropped. The compiled programs stay, so waking
+        compiles nothing."""
+        if self.asleep:
+            return
+        if self.proposer is not None and self._other_caches():
+            raise ValueError("sleep mode with a draft model is not supported")
+        # Each weight's placement, and whether it was committed to it: the programs were
+        # compiled for exactly these (an uncommitted weight put back committed recompiles).
+        shardings = [p.sharding if p.committed else None for p in self.params]
+        # Copies (np.array), not views of buffers about to be freed.
+        host = [np.array(p) for p in self.params] if keep_weights else None
+        for p in self.params:
+            p.delete()
+        self.params = []
+        self._sleep = (shardings, host, self.device.drop_cache())
+
+    def wake_up(self, weights: list | None = None) -> None:
+        """Puts the weights back (from host memory, or `weights`: the model's flat parameter
+        list, freshly loaded, after a level-2 sleep) where they were, and a zero KV cache."""
+        if not self.asleep:
+            return
+        shardings, host, cache = self._sleep
+        if host is None and weights is None:
+            raise ValueError("wake_up: the weights were dropped (level 2); give them")
+        source = host if host is not None else weights
+        if len(source) != len(shardings):
+            raise ValueError(f"wake_up: {len(source)} weights for {len(shardings)} parameters")
+        self.params = [jax.device_put(w, s) for w, s in zip(source, shardings, strict=True)]
+        self.device.restore_cache(cache)
+        self._sleep = None
 
     def cache_copies(self) -> list[CompiledProgram]:
         """The compiled programs that take the KV cache and would copy it."""
