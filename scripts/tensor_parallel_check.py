@@ -73,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         before = llm.runner.num_compilations
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        # Sleep mode puts every shard back where it was: the same tokens, nothing compiled.
+        woke = []
+        for level in (1, 2):
+            llm.sleep(level)
+            llm.wake_up()
+            again = llm.generate(prompts, params, use_tqdm=False)
+            woke.append([o.outputs[0].token_ids for o in again] == outs)
         p_dev, p_all = per_device_bytes(llm.runner.state)
         k_dev, k_all = per_device_bytes(llm.runner.kv_cache)
         experts = [
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tp": tp,
                 "tokens": outs,
                 "compiled_after_warmup": llm.runner.num_compilations - before,
+                "same_tokens_after_sleep": woke,
                 "param_bytes_per_device": p_dev,
                 "param_bytes": p_all,
                 "expert_bytes_per_device": e_dev,

@@ -21,7 +21,8 @@ def test_tiny_model_8_q_heads_2_kv_heads(tmp_path, tokenizer_dir):
     )
     rows = tensor_parallel_report(model, "1,2,4,8", tmp_path)
     assert [r["same_tokens_as_first"] for r in rows] == [True] * 4
-    assert [r["compiled_after_warmup"] for r in rows] == [0] * 4
+    assert [r["compiled_after_warmup"] for r in rows] == [0] * 4  # sleep and wake included
+    assert [r["same_tokens_after_sleep"] for r in rows] == [[True, True]] * 4
     assert [r["kv_head_replicas"] for r in rows] == [1, 1, 2, 4]
     whole_params, whole_kv = rows[0]["param_bytes"], rows[0]["kv_bytes"]
     kv_proj = 2 * 2 * 64 * 2 * 16 * 4  # k and v projections: layers x D x K x H x f32
