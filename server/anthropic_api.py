@@ -36,7 +36,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from server import protocol
 from server.generation import ChatCompletion, chat_generation, render_chat
@@ -251,13 +251,6 @@ def to_chat_request(req: MessagesRequest, *, generate: bool) -> protocol.ChatCom
         raise APIError(e.status, message, e.type, param) from None
 
 
-def _parse(body: Any) -> MessagesRequest:
-    try:
-        return MessagesRequest.model_validate(body)
-    except ValidationError as exc:
-        raise protocol.from_validation_error(exc) from None
-
-
 # ---- the response -----------------------------------------------------------------------
 
 
@@ -430,18 +423,10 @@ class _Message(BaseModel):
 # ---- the routes -------------------------------------------------------------------------
 
 
-class _Body(_Model):
-    """Any JSON object (the Messages request is validated after, in its own terms)."""
-
-
-async def _read(request: Request, state: ServerState) -> MessagesRequest:
-    return _parse((await state.parse(request, _Body)).model_dump())
-
-
 @router.post(PATH_PREFIX)
 async def messages(request: Request):
     state: ServerState = request.app.state.server
-    req = await _read(request, state)
+    req = await state.parse(request, MessagesRequest)
     chat = to_chat_request(req, generate=True)
     chat.check_tool_choice(auto_tool_choice=state.tool_parser is not None)
     eng = state.ready_engine("generate", request.url.path)
@@ -457,7 +442,7 @@ async def messages(request: Request):
 @router.post(f"{PATH_PREFIX}/count_tokens")
 async def count_tokens(request: Request):
     state: ServerState = request.app.state.server
-    req = await _read(request, state)
+    req = await state.parse(request, MessagesRequest)
     chat = to_chat_request(req, generate=False)
     eng = state.ready_engine("generate", request.url.path)
     state.check_model(req.model)

@@ -37,7 +37,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from server import protocol
 from server.generation import ChatCompletion, chat_generation
@@ -489,18 +489,10 @@ class _Object(BaseModel):
 # ---- the routes -------------------------------------------------------------------------
 
 
-class _Body(_Model):
-    """Any JSON object (validated after, as a Responses request)."""
-
-
 @router.post("/v1/responses")
 async def create(request: Request):
     state: ServerState = request.app.state.server
-    body = (await state.parse(request, _Body)).model_dump()
-    try:
-        req = ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        raise protocol.from_validation_error(exc) from None
+    req = await state.parse(request, ResponsesRequest)
     history: list[dict] = []
     if req.previous_response_id is not None:
         stored = _store(state).get(req.previous_response_id)

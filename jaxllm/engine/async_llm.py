@@ -70,22 +70,9 @@ class AsyncLLM:
         # the EOS ids come from the model's own, whatever the server does with them.
         self.generation_config = generation_config
         self.max_model_len = ready.max_model_len
-        if ready.pooling:  # prompts only: no EOS, no sampling
-            self.input_processor = InputProcessor(
-                tokenizer,
-                eos_token_ids=(),
-                vocab_size=ready.vocab_size,
-                max_model_len=ready.max_model_len,
-            )
-        else:
-            self.input_processor = InputProcessor.create(
-                tokenizer,
-                generation_config,
-                model_eos_token_ids=ready.eos_token_ids,
-                vocab_size=ready.vocab_size,
-                max_model_len=ready.max_model_len,
-                seed=config.load.seed,
-            )
+        self.input_processor = InputProcessor.for_engine(
+            tokenizer, generation_config, ready, seed=config.load.seed
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: Stats = ready.stats
         self._streams: dict[str, _Stream] = {}

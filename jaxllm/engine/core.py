@@ -134,15 +134,7 @@ class EngineCore:
             attention_backend=pallas_kernels.resolve_backend(comp.attention_backend)
         )
         mesh = make_mesh(tp) if tp != 1 else None
-        loaded = load_model(
-            config.load.model,
-            dtype=resolve_dtype(config.load.dtype),
-            compilation=config.compilation,
-            mesh=mesh,
-            load_tokenizer=False,
-            quantization=config.load.quantization,
-            load_format=config.load.load_format,
-        )
+        loaded = _load_weights(config, mesh)
         spec = config.speculative.method
         draft = None
         if spec is not None and spec.method == "draft_model":
@@ -254,9 +246,9 @@ class EngineCore:
             raise ValueError("the engine is asleep (sleep mode): wake it up first")
 
     def add_request(self, request: Request) -> None:
-        """Queues a generation request; a ValueError (naming the parameter) if it cannot run here, before
-        anything of it reaches a batch: one request's bad value must not fail a step that
-        carries others."""
+        """Queues a generation request; a ValueError (naming the parameter) if it cannot run
+        here, before anything of it reaches a batch: one request's bad value must not fail a
+        step that carries others."""
         self._check_awake()
         if self.pooler is not None:
             raise ValueError(
@@ -355,20 +347,7 @@ class EngineCore:
             import jax
             from flax import nnx
 
-            from jaxllm.config import resolve_dtype
-            from jaxllm.loaders import load_model
-
-            config = self.config
-            loaded = load_model(
-                config.load.model,
-                dtype=resolve_dtype(config.load.dtype),
-                compilation=config.compilation,
-                mesh=self.mesh,
-                load_tokenizer=False,
-                quantization=config.load.quantization,
-                load_format=config.load.load_format,
-            )
-            weights = jax.tree.leaves(nnx.state(loaded.model))
+            weights = jax.tree.leaves(nnx.state(_load_weights(self.config, self.mesh).model))
         self.runner.wake_up(weights)
         self.sleep_level = 0
 
@@ -490,6 +469,22 @@ class EngineCore:
 
 # How long a step with nothing to run waits for a grammar that holds a request back.
 _GRAMMAR_POLL_S = 0.05
+
+
+def _load_weights(config: EngineConfig, mesh):
+    """The model of `config`, loaded onto `mesh` (at start, and waking from a level-2 sleep)."""
+    from jaxllm.config import resolve_dtype
+    from jaxllm.loaders import load_model
+
+    return load_model(
+        config.load.model,
+        dtype=resolve_dtype(config.load.dtype),
+        compilation=config.compilation,
+        mesh=mesh,
+        load_tokenizer=False,
+        quantization=config.load.quantization,
+        load_format=config.load.load_format,
+    )
 
 
 def _pooler(config: EngineConfig) -> tuple[PoolerConfig | None, ClassifierHead | None]:

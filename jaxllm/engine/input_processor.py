@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxllm.engine.messages import AddRequest
+from jaxllm.engine.messages import AddRequest, Ready
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -73,17 +73,50 @@ class InputProcessor:
             seed=seed,
         )
 
+    @classmethod
+    def for_engine(
+        cls, tokenizer, generation_config: dict, ready: Ready, seed: int | None = None
+    ) -> InputProcessor:
+        """The front end's processor for the engine that said `ready`: a pooling model's
+        takes prompts only (no EOS ids, no sampling); a generative model's as `create`."""
+        if ready.pooling:
+            return cls(
+                tokenizer,
+                eos_token_ids=(),
+                vocab_size=ready.vocab_size,
+                max_model_len=ready.max_model_len,
+            )
+        return cls.create(
+            tokenizer,
+            generation_config,
+            model_eos_token_ids=ready.eos_token_ids,
+            vocab_size=ready.vocab_size,
+            max_model_len=ready.max_model_len,
+            seed=seed,
+        )
+
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
     # ---- checks ------------------------------------------------------------------------
+
+    @property
+    def max_text_chars(self) -> int:
+        """The most characters a text that fits can have (0: no bound known): see
+        `check_text_fits`."""
+        return 2 * self.max_model_len * self.max_token_chars
+
+    def _kept_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many tokens `truncate_prompt_tokens` keeps (-1: max_model_len; None: all)."""
+        k = truncate_prompt_tokens
+        return self.max_model_len if k == -1 else k
 
     def check_text_fits(self, text: str, param: str = "prompt") -> None:
         """Refuses a text that cannot fit before it is tokenized (megabytes of text take the
         tokenizer seconds, holding the GIL): no token covers more than `max_token_chars`
         characters, so a text longer than max_model_len of them has more tokens than fit.
         Twice that, since a normalizer may shorten text."""
-        limit = 2 * self.max_model_len * self.max_token_chars
+        limit = self.max_text_chars
         if limit and len(text) > limit:
             raise InputError(
                 f"{param} is {len(text)} characters long, more than max_model_len "
@@ -151,13 +184,11 @@ class InputProcessor:
         `truncate_prompt_tokens` k (-1: max_model_len), a text is cut by its tokenizer to k
         tokens (on the tokenizer's truncation side, special tokens kept, as vLLM and
         sentence-transformers cut it) and token ids to their last k."""
-        k = truncate_prompt_tokens
-        if k == -1:
-            k = self.max_model_len
+        k = self._kept_tokens(truncate_prompt_tokens)
         if isinstance(prompt, str) and prompt and k is not None and self.tokenizer is not None:
             # Only the characters that can hold the k tokens kept are tokenized (a text of
             # megabytes takes the tokenizer seconds): see check_text_fits.
-            limit = 2 * self.max_model_len * self.max_token_chars
+            limit = self.max_text_chars
             text = prompt
             if limit and len(text) > limit:
                 left = getattr(self.tokenizer, "truncation_side", "right") == "left"
@@ -186,9 +217,7 @@ class InputProcessor:
             if not text:
                 raise InputError(f"{param}: a text must not be empty", param)
             self.check_text_fits(text, param)
-        k = truncate_prompt_tokens
-        if k == -1:
-            k = self.max_model_len
+        k = self._kept_tokens(truncate_prompt_tokens)
         encoded = self.tokenizer(
             first,
             second,

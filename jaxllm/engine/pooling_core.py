@@ -129,6 +129,7 @@ class PoolingEngineCore:
 
     is_pooling = True  # it serves pooling requests only
     sleep_level = 0  # sleep mode is the generative engine's
+    generation_config: dict = {}  # no sampling defaults: it does not generate
 
     def sleep(self, level: int = 1) -> None:
         raise ValueError("sleep mode is not supported for an encoder's pooling core")

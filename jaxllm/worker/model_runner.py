@@ -291,7 +291,7 @@ class ModelRunner:
         compiles nothing."""
         if self.asleep:
             return
-        if self.proposer is not None and self._other_caches():
+        if self._other_caches():
             raise ValueError("sleep mode with a draft model is not supported")
         # Each weight's placement, and whether it was committed to it: the programs were
         # compiled for exactly these (an uncommitted weight put back committed recompiles).
