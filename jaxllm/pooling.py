@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.classifier import ClassifierHead
+from jaxllm.loaders.hf import checkpoint_architectures
 
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 # sentence-transformers' Pooling config keys, by the pooling type each turns on.
@@ -57,10 +58,9 @@ def read_pooler_config(path: str | Path, default: PoolerConfig | None = None) ->
     (mean pooling, normalized)."""
     path = Path(path)
     default = default or PoolerConfig()
-    modules_file = path / "modules.json"
-    if not modules_file.is_file():
+    modules = _st_modules(path)
+    if modules is None:
         return default
-    modules = json.loads(modules_file.read_text())
     types = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
     pooling_type = default.pooling_type
     for module in modules:
@@ -77,12 +77,15 @@ def read_pooler_config(path: str | Path, default: PoolerConfig | None = None) ->
     return PoolerConfig(pooling_type, normalize="Normalize" in types)
 
 
+def _st_modules(path: Path) -> list[dict] | None:
+    """sentence-transformers' `modules.json` of a checkpoint directory, if it has one."""
+    modules_file = path / "modules.json"
+    return json.loads(modules_file.read_text()) if modules_file.is_file() else None
+
+
 def has_pooling_module(path: str | Path) -> bool:
     """Whether sentence-transformers' `modules.json` in the checkpoint directory pools it."""
-    modules_file = Path(path) / "modules.json"
-    if not modules_file.is_file():
-        return False
-    modules = json.loads(modules_file.read_text())
+    modules = _st_modules(Path(path)) or []
     return any(str(m.get("type", "")).endswith("Pooling") for m in modules)
 
 
@@ -96,12 +99,9 @@ def decoder_pools(path: str | Path, runner: str) -> bool:
 
 
 def has_lm_head(path: str | Path) -> bool:
-    """False for a Hugging Face base model's checkpoint (architectures `*Model`): no LM head."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return True  # a GGUF file, an orbax checkpoint: a generative model's
-    archs = json.loads(config.read_text()).get("architectures") or []
-    return not any(a.endswith("Model") for a in archs)
+    """False for a Hugging Face base model's checkpoint (architectures `*Model`): no LM head
+    (a GGUF file, an orbax checkpoint: a generative model's, with one)."""
+    return not any(a.endswith("Model") for a in checkpoint_architectures(path) or ())
 
 
 def resolve_pooler_config(

@@ -11,17 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.loaders.hf import iter_safetensors
+from jaxllm.loaders.hf import checkpoint_architectures, iter_safetensors
 from jaxllm.models.bert import ENCODER_ARCHITECTURES, BertEncoder, EncoderConfig
 
 
 def is_encoder(path: str | Path) -> bool:
     """Whether the checkpoint directory at `path` holds an encoder (a pooling model)."""
-    config = Path(path) / "config.json"
-    if not Path(path).is_dir() or not config.is_file():
-        return False
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    return any(a in ENCODER_ARCHITECTURES for a in architectures)
+    return any(a in ENCODER_ARCHITECTURES for a in checkpoint_architectures(path) or ())
 
 
 # The prefixes task checkpoints (`BertForMaskedLM`, ...) put before the encoder's tensors.

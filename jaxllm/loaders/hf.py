@@ -16,6 +16,15 @@ from jaxllm.config import ModelConfig
 from jaxllm.models.bert import ENCODER_ARCHITECTURES
 
 
+def checkpoint_architectures(path: str | Path) -> list[str] | None:
+    """The `architectures` a Hugging Face checkpoint directory's config.json names, or None
+    where `path` is no such directory (a GGUF file, say)."""
+    config = Path(path) / "config.json"
+    if not Path(path).is_dir() or not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("architectures") or []
+
+
 def load_hf_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
