@@ -52,7 +52,7 @@ from pallas_kernels.target import (
     lowering_platform,
     target_platform,
 )
-from pallas_kernels.tuning import BlockSizes, get_block_sizes
+from pallas_kernels.tuning import BlockSizes, exact_float32_dots, get_block_sizes
 
 BACKENDS = ("reference", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 ATTENTION_BACKENDS = ("auto", "pallas", *BACKENDS)
@@ -198,6 +198,7 @@ def ragged_paged_attention(
             group=num_heads // kv_cache.shape[2],
             kv_itemsize=kv_cache.dtype.itemsize,
             q_itemsize=q.dtype.itemsize,
+            exact_float32=exact_float32_dots(),
         )
     if backend == "pallas_tpu":
         if page_size % 8:

@@ -11,8 +11,8 @@ query block (`q_block`: query tokens per TPU grid step; the most query tokens pe
 the KV block in tokens (`kv_tokens`, turned into whole pages) and, for Triton, warps and
 pipeline stages.
 
-Provenance: the H200 rows (and the H100's, the same chip) were measured on an H200 with
-`benchmarks/kernels/tune_attention.py`. The TPU entries and the GPU fallback ("*") are starting
+Provenance: the H200 rows were measured on an H200 with `benchmarks/kernels/tune_attention.py`
+(the H100 takes them: the same chip, and its own sweep agrees). The TPU entries and the GPU fallback ("*") are starting
 points reasoned from the hardware (TPU: 512-token KV blocks keep a double-buffered block of one
 layer's K/V for 8 kv heads x 128 dims at 2 x 2 MiB of VMEM in bf16, and 32 query tokens give
 the MXU 32 x G rows; GPU: 64-token KV blocks keep the Triton program's `[rows, kv]` scores and
@@ -24,6 +24,8 @@ entries only make interpret mode fast: fewer, larger blocks.
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 
 from pallas_kernels.target import current_device_kind
 
@@ -59,8 +61,10 @@ _TABLE: dict[tuple[str, str, int | None, int | None], _Entry] = {
 }
 # By head_dim, measured on an H200 (benchmarks/results/gpu-h200-tune.json, bfloat16, page size
 # 16; against the entries before, which were reasoned: 8B decode 1.40x and 1.79x faster, 8B
-# prefill 1.12x, head_dim 256 decode 1.04x, head_dim 64 decode 1.05x). The H100 is the same
-# SM90 chip with slower memory: it takes the H200's rows until measured itself.
+# prefill 1.12x, head_dim 256 decode 1.04x, head_dim 64 decode 1.05x). The H100, the same SM90
+# chip with slower memory, takes the same rows: its own sweep (gpu-h100-tune.json) found them
+# fastest at four of the five shapes and within 11% at the fifth, the smallest worst case over
+# both 8B decode shapes of all candidates.
 _HOPPER = {
     128: _Entry(32, 32, 4, 3, decode=(256, 8, 2)),
     256: _Entry(16, 64, 4, 3, decode=(64, 4, 3)),
@@ -109,23 +113,45 @@ def gpu_shared_memory(
     kv_itemsize: int,
     q_itemsize: int,
     hopper: bool | None = True,
+    exact_float32: bool = False,
 ) -> int:
     """An upper estimate of the shared memory the Triton kernel's program takes, fitted to
     what XLA:GPU's Triton asks for on an H100 (tests/test_accelerator_compile.py checks it
-    against the compiler): the query block, and the [kv, 2H] K/V tile (widened to q's dtype).
-    Pipeline stages add nothing (the pages are gathered through registers, not copied in
-    asynchronously). On Hopper a block of 64 rows or more runs its dots as wgmma, which reads
-    its second operand from shared memory: the K/V tile is there twice. Fewer rows (a decode
-    block) use mma.sync, which stages the [rows, kv] probabilities in q's dtype instead.
-    `hopper` None (a GPU not known): the larger of the two."""
+    against the compiler): the query block, and the [kv, 2H] K/V tile, in the dots' dtype (the
+    cache's; q's for an 8-bit cache, which is widened to it). Pipeline stages add nothing (the
+    pages are gathered through registers, not copied in asynchronously). On Hopper a block of
+    64 rows or more runs its dots as wgmma, which reads its second operand from shared memory:
+    the K/V tile is there twice. Fewer rows (a decode block) use mma.sync, which stages the
+    [rows, kv] probabilities instead. `hopper` None (a GPU not known): the larger of the two.
+    `exact_float32` (float32 dots in IEEE float32, `exact_float32_dots()`): Triton runs them
+    on the FMA units with the K/V tile twice at any row count; a decode block of the demo
+    model's shape in float32 under JAX's "highest" precision asked an H100 for 260 KiB."""
+    item = q_itemsize if kv_itemsize == 1 else kv_itemsize
     group_padded = 1 << (group - 1).bit_length()
     rows = max(sizes.q_block * group_padded, 16)
     kv = sizes.kv_pages * page_size
-    tile = kv * 2 * head_dim * max(kv_itemsize, q_itemsize)
-    staged = tile + rows * kv * q_itemsize
-    if hopper is not False and rows >= 64:
+    tile = kv * 2 * head_dim * item
+    staged = tile + rows * kv * item
+    if exact_float32 and item == 4:
+        staged = 2 * tile
+    elif hopper is not False and rows >= 64:
         staged = 2 * tile if hopper else max(staged, 2 * tile)
-    return staged + rows * head_dim * q_itemsize + 1024  # 1 KiB: the compiler's own scratch
+    return staged + rows * head_dim * item + 1024  # 1 KiB: the compiler's own scratch
+
+
+def exact_float32_dots() -> bool:
+    """Whether JAX's default matmul precision in force (`jax.default_matmul_precision`, which
+    the kernel's dots take) makes float32 dots exact IEEE float32 ("highest", "float32",
+    "F32_F32_F32"), rather than TF32 or bfloat16 passes. Unknown algorithm presets count as
+    exact: the estimate they feed must not fall short."""
+    setting = jax.config.jax_default_matmul_precision
+    if setting is None:
+        return False
+    try:
+        return jax.lax.Precision(setting) == jax.lax.Precision.HIGHEST
+    except ValueError:
+        name = str(setting).upper()
+        return not (name.startswith(("BF16_BF16_F32", "TF32_TF32_F32")) and "_X" not in name)
 
 
 def _fit_gpu(sizes: BlockSizes, limit: int, **shape) -> BlockSizes:
@@ -152,10 +178,12 @@ def get_block_sizes(
     group: int = 1,
     kv_itemsize: int = 2,
     q_itemsize: int = 2,
+    exact_float32: bool = False,
 ) -> BlockSizes:
     """Block sizes for one call shape on the current device (or `device_kind`). `group` (query
-    heads per kv head) and the itemsizes of the cache and the queries size the GPU program's
-    shared memory, which the sizes are cut down to fit."""
+    heads per kv head), the itemsizes of the cache and the queries and whether float32 dots are
+    exact (`exact_float32_dots()`) size the GPU program's shared memory, which the sizes are cut
+    down to fit."""
     family = device_family(device_kind)
     entry = None
     for key in (
@@ -185,5 +213,6 @@ def get_block_sizes(
         limit = _GPU_SHARED_MEMORY.get(family, _GPU_SHARED_MEMORY["*"])
         hopper = {"h100": True, "h200": True, "a100": False}.get(family)
         shape = dict(page_size=page_size, head_dim=head_dim, group=group, hopper=hopper)
-        sizes = _fit_gpu(sizes, limit, kv_itemsize=kv_itemsize, q_itemsize=q_itemsize, **shape)
+        shape |= dict(kv_itemsize=kv_itemsize, q_itemsize=q_itemsize, exact_float32=exact_float32)
+        sizes = _fit_gpu(sizes, limit, **shape)
     return sizes

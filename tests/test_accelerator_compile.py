@@ -159,28 +159,62 @@ def test_gpu_block_sizes_fit_shared_memory(head_dim, page_size, group, kv, q):
 
 @gpu_only
 @pytest.mark.parametrize(
-    "head_dim,q_block,kv_pages",
-    [(128, 1, 64), (64, 1, 64), (128, 16, 16), (256, 16, 8)],
-    ids=["decode-h128", "decode-h64", "prefill-h128", "prefill-h256"],
-)
-def test_gpu_shared_memory_estimate_matches_the_compiler(head_dim, q_block, kv_pages):
+    "head_dim,q_block,kv_pages,dtype,precision",
+    [
+        (128, 1, 64, jnp.bfloat16, None),
+        (64, 1, 64, jnp.bfloat16, None),
+        (128, 16, 16, jnp.bfloat16, None),
+        (256, 16, 8, jnp.bfloat16, None),
+        (64, 1, 32, jnp.float32, "highest"),
+        (128, 16, 16, jnp.float32, "highest"),
+        (64, 1, 32, jnp.float32, None),
+        (128, 1, 64, jnp.float32, "F32_F32_F32"),
+    ],
+    ids=[
+        "decode-h128", "decode-h64", "prefill-h128", "prefill-h256", "decode-h64-f32-highest",
+        "prefill-h128-f32-highest", "decode-h64-f32-tf32", "decode-h128-f32-preset",
+    ],
+)  # fmt: skip
+def test_gpu_shared_memory_estimate_matches_the_compiler(
+    head_dim, q_block, kv_pages, dtype, precision
+):
     """Block sizes over an H100's shared memory, so the compiler's refusal says what it asked
     for: the estimate the table cuts block sizes by is that, within 2%, and never under it
-    (decode blocks and prefill blocks, whose dots Triton lays out differently)."""
-    from pallas_kernels.tuning import BlockSizes
+    (decode blocks and prefill blocks, whose dots Triton lays out differently; float32 dots
+    as TF32 and, under JAX's "highest" precision, as IEEE float32, whose decode blocks an H100
+    refused at run time when the estimate did not know them)."""
+    from pallas_kernels.tuning import BlockSizes, exact_float32_dots
 
     sizes = BlockSizes(q_block, kv_pages, num_warps=4, num_stages=2)
-    with pytest.raises(Exception) as refused:
-        _compile_kernel(
-            "h100", 32, 8, head_dim, 16, jnp.bfloat16, jnp.bfloat16, max_reqs=64, block_sizes=sizes
-        )
+    with jax.default_matmul_precision(precision), pytest.raises(Exception) as refused:
+        _compile_kernel("h100", 32, 8, head_dim, 16, dtype, dtype, max_reqs=64, block_sizes=sizes)
     asked = int(
         re.search(r"Shared memory size limit exceeded: requested (\d+)", str(refused.value))[1]
     )
+    item = jnp.dtype(dtype).itemsize
+    with jax.default_matmul_precision(precision):
+        exact = exact_float32_dots()
+    assert exact == (precision is not None)
     estimate = gpu_shared_memory(
-        sizes, page_size=16, head_dim=head_dim, group=4, kv_itemsize=2, q_itemsize=2
-    )
+        sizes, page_size=16, head_dim=head_dim, group=4, kv_itemsize=item, q_itemsize=item,
+        exact_float32=exact,
+    )  # fmt: skip
     assert asked <= estimate <= 1.02 * asked
+
+
+@gpu_only
+@pytest.mark.parametrize("num_tokens,max_reqs", [(64, 64), (4, 4), (512, 4)])
+def test_gpu_kernel_fits_an_h100_with_exact_float32_dots(num_tokens, max_reqs):
+    """The demo model's shape (9 q / 3 kv heads, head_dim 64) in float32 under JAX's "highest"
+    precision, as a float32 parity run sets it: the table's decode block asked an H100 for
+    260 KiB of shared memory and failed at its first step on the device; the block sizes are
+    now cut to what IEEE float32 dots take."""
+    with jax.default_matmul_precision("highest"):
+        compiled, nbytes = _compile_kernel(
+            "h100", 9, 3, 64, 16, jnp.float32, jnp.float32, num_tokens=num_tokens,
+            max_reqs=max_reqs,
+        )  # fmt: skip
+    _assert_no_cache_copy(compiled, nbytes)
 
 
 @pytest.mark.slow
