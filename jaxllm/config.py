@@ -443,6 +443,10 @@ class CacheConfig:
     """The KV cache's format: auto is the model's dtype (float32 on CPU); int8 and fp8 (e4m3,
     alias fp8_e4m3) store 8 bits per value with a float32 scale per token and head, for
     about 2x the pages of bfloat16 (4x float32) in the same memory."""
+    kv_offloading_size: float = 0.0
+    """GiB of host memory for a second tier of the prefix cache (vLLM's flag): full blocks
+    evicted from the device pool are copied there and copied back when a prompt's prefix
+    hits them, instead of being recomputed; 0: off. Needs prefix caching."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -454,6 +458,10 @@ class CacheConfig:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be >= 0, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs prefix caching (enable_prefix_caching)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=0.0,
+        help="GiB of host KV tier: a small pool, then the prompts again after others evicted them",
+    )
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     if args.cpu_devices:
@@ -63,13 +69,15 @@ def main(argv: list[str] | None = None) -> int:
             args.model,
             dtype=args.dtype,
             max_model_len=256,
-            num_pages=64,
+            # With the host tier, a pool the prompts fill: the others below evict them.
+            num_pages=24 if args.kv_offloading_size else 64,
             max_num_seqs=8,
             max_num_batched_tokens=64,
             tensor_parallel_size=tp,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_offloading_size=args.kv_offloading_size,
         )
         before = llm.runner.num_compilations
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -80,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
             llm.wake_up()
             again = llm.generate(prompts, params, use_tqdm=False)
             woke.append([o.outputs[0].token_ids for o in again] == outs)
+        from_host = None
+        if args.kv_offloading_size:  # evicted by others, then back from host memory
+            others = [{"prompt_token_ids": [300 + i] * 40} for i in range(6)]
+            llm.generate(others, greedy, use_tqdm=False)
+            again = llm.generate(prompts, params, use_tqdm=False)
+            from_host = {
+                "same_tokens": [o.outputs[0].token_ids for o in again] == outs,
+                "hit_tokens": llm.engine.stats().prefix_cache_hits_host,
+            }
         p_dev, p_all = per_device_bytes(llm.runner.state)
         k_dev, k_all = per_device_bytes(llm.runner.kv_cache)
         experts = [
@@ -94,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens": outs,
                 "compiled_after_warmup": llm.runner.num_compilations - before,
                 "same_tokens_after_sleep": woke,
+                "host_tier": from_host,
                 "param_bytes_per_device": p_dev,
                 "param_bytes": p_all,
                 "expert_bytes_per_device": e_dev,

@@ -72,12 +72,25 @@ class _EngineCollector:
                      "Number of requests waiting to be processed.", s.num_waiting)  # fmt: skip
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
                      "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)  # fmt: skip
+        yield family(GaugeMetricFamily, "jaxllm:kv_offload_usage_perc",
+                     "Host KV tier (kv_offloading_size) usage, in blocks held. 1 means 100 "
+                     "percent usage; 0 without the tier.",
+                     s.kv_offload_blocks / max(s.kv_offload_capacity, 1))  # fmt: skip
         for name, doc, value in (
             ("vllm:prefix_cache_queries",
              "Prefix cache queries, in terms of number of queried tokens.",
              s.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              s.prefix_cache_hits),
+            ("jaxllm:prefix_cache_hits_host",
+             "Prefix cache hits served from the host KV tier (kv_offloading_size), in tokens; "
+             "included in vllm:prefix_cache_hits.", s.prefix_cache_hits_host),
+            ("jaxllm:kv_offload_stored_blocks",
+             "KV blocks evicted from the device and copied to the host tier.",
+             s.kv_offload_stored),
+            ("jaxllm:kv_offload_loaded_blocks",
+             "KV blocks copied back from the host tier on a prefix-cache hit.",
+             s.kv_offload_loaded),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
              s.num_preemptions),
             ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_decoding.num_drafts),

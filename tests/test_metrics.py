@@ -80,6 +80,10 @@ JAXLLM_METRICS = {
     "jaxllm:padded_tokens": "counter",
     "jaxllm:grammar_bitmask_seconds": "counter",
     "jaxllm:step_host_time_seconds": "histogram",
+    "jaxllm:prefix_cache_hits_host": "counter",
+    "jaxllm:kv_offload_stored_blocks": "counter",
+    "jaxllm:kv_offload_loaded_blocks": "counter",
+    "jaxllm:kv_offload_usage_perc": "gauge",
 }
 MAX_MODEL_LEN = 2048
 
@@ -171,7 +175,9 @@ def test_histograms_have_vllms_buckets():
 def test_values_follow_one_request():
     stats = Stats(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=30,
                   prefix_cache_hits=16, num_preemptions=1, num_compilations=20, num_steps=3,
-                  num_scheduled_tokens=9, num_padded_tokens=48,
+                  num_scheduled_tokens=9, num_padded_tokens=48, prefix_cache_hits_host=5,
+                  kv_offload_stored=6, kv_offload_loaded=4, kv_offload_blocks=3,
+                  kv_offload_capacity=12,
                   spec_decoding=SpecDecodingStats(4, 12, 7, [4, 2, 1]))  # fmt: skip
     families = rendered(stats)
 
@@ -186,6 +192,10 @@ def test_values_follow_one_request():
     assert value("vllm:num_preemptions", "_total") == 1
     assert value("vllm:spec_decode_num_accepted_tokens_per_pos", "_total", position="2") == 1
     assert value("jaxllm:padded_tokens", "_total") == 48
+    assert value("jaxllm:prefix_cache_hits_host", "_total") == 5
+    assert value("jaxllm:kv_offload_stored_blocks", "_total") == 6
+    assert value("jaxllm:kv_offload_loaded_blocks", "_total") == 4
+    assert value("jaxllm:kv_offload_usage_perc") == 0.25
     assert value("vllm:prompt_tokens", "_total") == 7
     assert value("vllm:generation_tokens", "_total") == 3
     assert value("vllm:request_success", "_total", finished_reason="length") == 1

@@ -109,6 +109,7 @@ class EngineCore:
         from jaxllm.config import resolve_dtype
         from jaxllm.engine import multihost
         from jaxllm.engine.kv_cache_manager import KVCacheManager
+        from jaxllm.engine.kv_offload import HostBlockPool
         from jaxllm.kv_sizing import (
             device_page_bytes,
             kv_budget_bytes,
@@ -174,6 +175,7 @@ class EngineCore:
         )
         sched, cache = config.scheduler, config.cache
         pooler, head = _pooler(config)
+        num_host_blocks = _host_blocks(cache, page_bytes * tp, multi=multi, draft=draft)
         runner = ModelRunner.from_config(
             loaded.model,
             loaded.config,
@@ -182,9 +184,13 @@ class EngineCore:
             mesh=mesh,
             draft_model=None if draft is None else (draft.model, draft.config),
             pooling=pooler is not None,
+            num_host_blocks=num_host_blocks,
         )
         kv = KVCacheManager(
-            num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
+            num_pages,
+            cache.page_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            host=HostBlockPool(num_host_blocks) if num_host_blocks else None,
         )
         lookahead = runner.num_speculative_tokens if draft is not None else 0
         scheduler = Scheduler(
@@ -375,6 +381,7 @@ class EngineCore:
             kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_pages,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            **_host_tier_stats(kv.host),
             num_preemptions=scheduler.num_preemptions,
             num_compilations=self.runner.num_compilations,
             num_steps=self.num_steps,
@@ -485,6 +492,36 @@ def _load_weights(config: EngineConfig, mesh):
         quantization=config.load.quantization,
         load_format=config.load.load_format,
     )
+
+
+def _host_tier_stats(host) -> dict:
+    if host is None:
+        return {}
+    return dict(
+        prefix_cache_hits_host=host.hit_tokens,
+        kv_offload_stored=host.num_stored,
+        kv_offload_loaded=host.num_loaded,
+        kv_offload_blocks=len(host),
+        kv_offload_capacity=host.num_blocks,
+    )
+
+
+def _host_blocks(cache, block_bytes: int, *, multi: bool, draft) -> int:
+    """Blocks of the prefix cache's host tier (`kv_offloading_size` GiB over a whole block:
+    every layer, every device's shard); 0 when off."""
+    if not cache.kv_offloading_size:
+        return 0
+    if multi:
+        raise ValueError("kv_offloading_size is not supported in a multi-host run")
+    if draft is not None:
+        raise ValueError("kv_offloading_size with a draft model is not supported")
+    blocks = int(cache.kv_offloading_size * 2**30 // block_bytes)
+    if blocks < 1:
+        raise ValueError(
+            f"kv_offloading_size {cache.kv_offloading_size} GiB holds no block of "
+            f"{block_bytes / 2**20:.2f} MiB (every layer of {cache.page_size} tokens)"
+        )
+    return blocks
 
 
 def _pooler(config: EngineConfig) -> tuple[PoolerConfig | None, ClassifierHead | None]:

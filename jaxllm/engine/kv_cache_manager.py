@@ -11,6 +11,11 @@ released block keeps its key and waits in an LRU free queue: a later hit revives
 evicted (its key dropped) only when a new block is needed and it is the least recently freed.
 A request's blocks are released last-first, so the tail of a sequence, the part least likely
 to be shared, is evicted before its head.
+
+With a host tier (`HostBlockPool`, `--kv-offloading-size`), an evicted cached block is copied to
+host memory under its key, and a lookup goes on past the device's hits into the host's: those
+blocks get fresh device blocks, keyed at once, which the step copies back before it runs. The
+copies each step needs are taken with `take_transfers` into the scheduler's output.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from jaxllm.engine.kv_offload import HostBlockPool
 from jaxllm.engine.request import Request
 
 
@@ -31,9 +37,18 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        host: HostBlockPool | None = None,
+    ):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if host is not None and not enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs prefix caching (enable_prefix_caching)")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -46,7 +61,13 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # per request: leading blocks with keys
         self._hashes: dict[str, list[bytes]] = {}  # per request: keys of its full blocks
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found (on the device or in the host tier)
+        self.host = host
+        # This step's copies: (device block, host slot) stores, (host slot, device block) loads.
+        self._stores: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        # Per request being admitted: (device hits, the keys found in the host tier after them).
+        self._host_hits: dict[str, tuple[int, list[bytes]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,13 +96,24 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.page_size
+        hashes = self._block_hashes(request)[:max_blocks]
         blocks = []
-        for key in self._block_hashes(request)[:max_blocks]:
+        for key in hashes:
             block = self.cached.get(key)
             if block is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * self.page_size
+        self._host_hits.pop(request.request_id, None)
+        if self.host is None:
+            return blocks, len(blocks) * self.page_size
+        keys = []  # then the host tier's hits, which `allocate_slots` gives device blocks
+        for key in hashes[len(blocks) :]:
+            if key not in self.host or key in self.cached:
+                break
+            keys.append(key)
+        if keys:
+            self._host_hits[request.request_id] = (len(blocks), keys)
+        return blocks, (len(blocks) + len(keys)) * self.page_size
 
     def record_lookup(self, num_queried: int, num_hits: int) -> None:
         """Counts one admitted request's lookup (tokens queried and found)."""
@@ -118,6 +150,8 @@ class KVCacheManager:
             return False
         self.cached.clear()
         self.block_keys = [None] * self.num_pages
+        if self.host is not None:
+            self.host.clear()
         return True
 
     # ---- allocation ------------------------------------------------------------------
@@ -132,9 +166,15 @@ class KVCacheManager:
     ) -> bool:
         """Grows the request's block table to hold `num_computed_tokens + num_new_tokens`
         tokens and `num_lookahead_tokens` more (a draft model's drafts), starting with
-        `computed_blocks` (prefix-cache hits) for a new request. Returns False, changing
-        nothing, when the pool has too few free blocks."""
+        `computed_blocks` (prefix-cache hits) for a new request, then fresh blocks for the
+        host tier's hits that `get_computed_blocks` found after them (loaded by this step).
+        Returns False, changing nothing, when the pool has too few free blocks."""
         computed_blocks = computed_blocks or []
+        rid = request.request_id
+        host_keys = []
+        if rid not in self.block_tables and rid in self._host_hits:
+            num_device, keys = self._host_hits[rid]
+            host_keys = keys if num_device == len(computed_blocks) else []
         table = self.block_tables.get(request.request_id, [])
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         needed = self.blocks_needed(total) - len(table) - len(computed_blocks)
@@ -143,6 +183,10 @@ class KVCacheManager:
         if max(needed, 0) + revived > self.num_free_blocks:
             return False
         table = self.block_tables.setdefault(request.request_id, table)
+        # The host tier's slots, read (and made the most recently used) before this
+        # allocation's evictions store blocks there: a slot taken over by a store this step
+        # still holds the old block when the step loads it (stores land after).
+        slots = [self.host.lookup(key) for key in host_keys]
         for block in computed_blocks:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
@@ -156,9 +200,42 @@ class KVCacheManager:
             if key is not None:  # evict the least recently freed cached block
                 del self.cached[key]
                 self.block_keys[block] = None
+                self._offload(block, key)
             self.ref_counts[block] = 1
             table.append(block)
+        if host_keys:
+            fresh = table[len(computed_blocks) : len(computed_blocks) + len(host_keys)]
+            self._load(fresh, host_keys, slots)
+            self._num_cached_blocks[rid] = len(computed_blocks) + len(host_keys)
+        self._host_hits.pop(rid, None)
         return True
+
+    def _offload(self, block: int, key: bytes) -> None:
+        """An evicted cached block goes to the host tier, unless it is there already."""
+        if self.host is None:
+            return
+        if any(b == block for _, b in self._loads):
+            # Loaded by this step and evicted again before it ran: its data never arrived.
+            self._loads = [(slot, b) for slot, b in self._loads if b != block]
+            return
+        if self.host.lookup(key) is None:
+            self._stores.append((block, self.host.store(key)))
+
+    def _load(self, blocks: list[int], keys: list[bytes], slots: list[int]) -> None:
+        """Host-tier hits (`keys`, in `slots`) copied into fresh device `blocks`, keyed at once
+        (the copy runs before the step's forward pass, which may already read them)."""
+        for block, key, slot in zip(blocks, keys, slots, strict=True):
+            self._loads.append((slot, block))
+            self.cached[key] = block
+            self.block_keys[block] = key
+        self.host.num_loaded += len(blocks)
+        self.host.hit_tokens += len(blocks) * self.page_size
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies the step being built needs, stores then loads (see `HostBlockPool`)."""
+        stores, loads = self._stores, self._loads
+        self._stores, self._loads = [], []
+        return stores, loads
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks (last first); cached ones stay findable until evicted."""

@@ -238,6 +238,8 @@ class Scheduler:
             and r.pooled is None
         ]
         bitmask = self._grammar_bitmask(sampling, drafts)
+        # The host tier's copies wait, like the ids above, for a step that runs.
+        stores, loads = self.kv.take_transfers() if granted else ([], [])
         out = SchedulerOutput(
             new_requests=new_requests,
             requests=[
@@ -248,6 +250,8 @@ class Scheduler:
             preempted_request_ids=preempted,
             finished_request_ids=finished,
             grammar_bitmask=bitmask,
+            kv_stores=stores,
+            kv_loads=loads,
         )
         # The grants count as computed from now on, so the next step can be scheduled before
         # this one's output is back; `update_from_output` confirms them.

@@ -75,6 +75,13 @@ class Stats(msgspec.Struct):
     kv_cache_usage: float = 0.0  # share of pages held by requests
     prefix_cache_queries: int = 0  # counters, since start
     prefix_cache_hits: int = 0
+    # The prefix cache's host tier (kv_offloading_size): hits it served, in tokens (of
+    # `prefix_cache_hits`), blocks copied out and back since start, and blocks it holds.
+    prefix_cache_hits_host: int = 0
+    kv_offload_stored: int = 0
+    kv_offload_loaded: int = 0
+    kv_offload_blocks: int = 0
+    kv_offload_capacity: int = 0
     num_preemptions: int = 0
     num_compilations: int = 0
     num_steps: int = 0

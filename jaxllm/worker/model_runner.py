@@ -15,6 +15,7 @@ rarer a feature, the further from this file it sits (vLLM model runner V2's rule
   and the on-device sampler;
 - `prompt_logprobs`: scoring prompt tokens;
 - `hidden_pooler`: a decoder served for pooling: its chunks' hidden states pooled;
+- `kv_offload`: the host-RAM tier of the prefix cache: blocks copied out and back;
 - `spec_decode/`: draft proposers (n-gram, draft model) and the verification of drafts.
 
 The model is split once (`nnx.split`) and its parameters kept as a flat list of arrays: a call
@@ -44,6 +45,7 @@ from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
 from jaxllm.worker.device_state import DeviceState
 from jaxllm.worker.hidden_pooler import HiddenPooler
 from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.kv_offload import KVOffloader
 from jaxllm.worker.programs import forward, head_and_sample
 from jaxllm.worker.prompt_logprobs import PromptScorer
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
@@ -84,12 +86,14 @@ class ModelRunner:
         speculative: SpecMethod | None = None,
         draft_model: tuple[nnx.Module, ModelConfig] | None = None,
         pooling: bool = False,
+        num_host_blocks: int = 0,
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
         over its kv heads the same way); None for one device. `speculative`: how draft tokens
         are proposed (see `jaxllm.worker.spec_decode`), with `draft_model` (loaded onto the
         same mesh) for the draft_model method. `pooling`: the model is served for pooling
-        (its requests' hidden states pooled, see `hidden_pooler`)."""
+        (its requests' hidden states pooled, see `hidden_pooler`). `num_host_blocks`: blocks
+        of host memory for the prefix cache's host tier (see `kv_offload`); 0: none."""
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
@@ -133,6 +137,11 @@ class ModelRunner:
         self.head_and_sample = jax.jit(functools.partial(head_and_sample, *bound))
         self.scorer = PromptScorer(self.graphdef, self._params_def, ib, self.compiler)
         self.pooler = HiddenPooler(self.compiler, max_num_seqs) if pooling else None
+        self.offloader = None
+        if num_host_blocks:
+            if draft_model is not None:
+                raise ValueError("kv_offloading_size with a draft model is not supported")
+            self.offloader = KVOffloader(self.device, self.compiler, num_host_blocks)
         self._sleep = None  # asleep: (the weights' shardings, their host copies, the cache's)
         self.proposer: Proposer | None = None
         if speculative is not None and speculative.method == "ngram":
@@ -155,6 +164,7 @@ class ModelRunner:
         mesh: Mesh | None = None,
         draft_model: tuple[nnx.Module, ModelConfig] | None = None,
         pooling: bool = False,
+        num_host_blocks: int = 0,
     ) -> ModelRunner:
         """The runner of an engine whose KV cache is planned: `engine_config` with num_pages
         and max_model_len resolved (`EngineCore.from_config` and `jaxllm compile` build it)."""
@@ -174,6 +184,7 @@ class ModelRunner:
             speculative=engine_config.speculative.method,
             draft_model=draft_model,
             pooling=pooling,
+            num_host_blocks=num_host_blocks,
         )
 
     # What the engine reads of the runner's parts.
@@ -218,11 +229,17 @@ class ModelRunner:
         """The bound on compiled programs: a forward pass per shape, the head and sampler per
         logit bucket (the request buckets, without speculative decoding), one prompt scorer
         (prompt_logprobs) per token bucket, a draft model's step per shape, and for pooling
-        one pooler per token bucket."""
+        one pooler per token bucket, and with a host KV tier its copy programs."""
         drafts = len(self.shapes) if isinstance(self.proposer, DraftModelProposer) else 0
         poolers = len(self.token_buckets) if self.pooler is not None else 0
+        copies = KVOffloader.num_programs() if self.offloader is not None else 0
         return (
-            len(self.shapes) + len(self.logit_buckets) + len(self.token_buckets) + drafts + poolers
+            len(self.shapes)
+            + len(self.logit_buckets)
+            + len(self.token_buckets)
+            + drafts
+            + poolers
+            + copies
         )
 
     def warmup(
@@ -273,6 +290,8 @@ class ModelRunner:
                 jobs += self.proposer.warmup_jobs()
             if self.pooler is not None:
                 jobs += self.pooler.warmup_jobs(self.token_buckets, rows)
+            if self.offloader is not None:
+                jobs += self.offloader.warmup_jobs()
         self.compiler.run(jobs, progress=progress)
         if check_in_place:
             self.compiler.check_in_place()
@@ -352,6 +371,8 @@ class ModelRunner:
         step = self.prepare(out, rows)
         (sampling_reqs,) = np.nonzero(step.samples)
         with device.recovering(self._other_caches()):
+            if self.offloader is not None:
+                self.offloader.launch(out.kv_stores, out.kv_loads)
             last, hidden, device.kv_cache = self.forward(
                 self.params, device.kv_cache, device.last_tokens, step.batch
             )

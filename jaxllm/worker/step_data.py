@@ -66,6 +66,10 @@ class SchedulerOutput(msgspec.Struct):
     preempted_request_ids: list[str]  # preempted while this step was built: rows to drop
     finished_request_ids: list[str]  # finished since the previous step: rows to drop
     grammar_bitmask: GrammarBitmask | None = None
+    # The host KV tier's copies, run before the step's programs (`jaxllm.worker.kv_offload`):
+    # evicted cached blocks to host slots, then host slots to fresh device blocks.
+    kv_stores: list[tuple[int, int]] = []  # (device block, host slot)
+    kv_loads: list[tuple[int, int]] = []  # (host slot, device block)
 
     @property
     def is_empty(self) -> bool:
