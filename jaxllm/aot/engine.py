@@ -25,6 +25,7 @@ import pallas_kernels
 from jaxllm import loaders
 from jaxllm.aot.targets import Target
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
+from jaxllm.engine.kv_offload import host_blocks
 from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
@@ -168,6 +169,9 @@ def compile_engine(
         kv_dtype=kv_dtype,
         mesh=mesh,
         draft_model=None if len(weights) == 1 else (weights[1].model, weights[1].config),
+        num_host_blocks=host_blocks(
+            cache, page_bytes * tp, multi=False, draft=weights[1] if len(weights) > 1 else None
+        ),
     )
     build_seconds = time.perf_counter() - start
     runner.compiler.keep_executables = keep_executables

@@ -109,7 +109,7 @@ class EngineCore:
         from jaxllm.config import resolve_dtype
         from jaxllm.engine import multihost
         from jaxllm.engine.kv_cache_manager import KVCacheManager
-        from jaxllm.engine.kv_offload import HostBlockPool
+        from jaxllm.engine.kv_offload import HostBlockPool, host_blocks
         from jaxllm.kv_sizing import (
             device_page_bytes,
             kv_budget_bytes,
@@ -175,7 +175,7 @@ class EngineCore:
         )
         sched, cache = config.scheduler, config.cache
         pooler, head = _pooler(config)
-        num_host_blocks = _host_blocks(cache, page_bytes * tp, multi=multi, draft=draft)
+        num_host_blocks = host_blocks(cache, page_bytes * tp, multi=multi, draft=draft)
         runner = ModelRunner.from_config(
             loaded.model,
             loaded.config,
@@ -504,24 +504,6 @@ def _host_tier_stats(host) -> dict:
         kv_offload_blocks=len(host),
         kv_offload_capacity=host.num_blocks,
     )
-
-
-def _host_blocks(cache, block_bytes: int, *, multi: bool, draft) -> int:
-    """Blocks of the prefix cache's host tier (`kv_offloading_size` GiB over a whole block:
-    every layer, every device's shard); 0 when off."""
-    if not cache.kv_offloading_size:
-        return 0
-    if multi:
-        raise ValueError("kv_offloading_size is not supported in a multi-host run")
-    if draft is not None:
-        raise ValueError("kv_offloading_size with a draft model is not supported")
-    blocks = int(cache.kv_offloading_size * 2**30 // block_bytes)
-    if blocks < 1:
-        raise ValueError(
-            f"kv_offloading_size {cache.kv_offloading_size} GiB holds no block of "
-            f"{block_bytes / 2**20:.2f} MiB (every layer of {cache.page_size} tokens)"
-        )
-    return blocks
 
 
 def _pooler(config: EngineConfig) -> tuple[PoolerConfig | None, ClassifierHead | None]:

@@ -47,8 +47,6 @@ class KVCacheManager:
     ):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        if host is not None and not enable_prefix_caching:
-            raise ValueError("kv_offloading_size needs prefix caching (enable_prefix_caching)")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -247,8 +245,9 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
 
     def forget(self, request: Request) -> None:
-        """Drops the per-request hash memo once the request is gone for good."""
+        """Drops the per-request memos once the request is gone for good."""
         self._hashes.pop(request.request_id, None)
+        self._host_hits.pop(request.request_id, None)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
