@@ -266,15 +266,16 @@ def _tiny_config(path: Path, *, moe: bool = False) -> Path:
 
 
 # (target, model, engine settings): TP 1 and 4 on v5e and v6e, TP 1 and 2 on an H100;
-# quantized weights, 8-bit caches, mixture of experts (ragged_dot), speculative decoding and
-# the host KV tier's copy programs spread over them. The sampler with its grammar bitmask and draft verification is in every
+# quantized weights, 8-bit caches, mixture of experts (ragged_dot), speculative decoding, the
+# host KV tier's copy programs and a decoder's pooler spread over them. The sampler with its grammar bitmask and draft verification is in every
 # engine's head program. Each takes 2-5 minutes on 2 cores: the default suite compiles a TPU
 # slice under tensor parallelism and a GPU host with MoE; `-m slow` all six.
 SLOW = pytest.mark.slow
 ENGINES = [
     pytest.param("v5e-1", "llama", dict(kv_cache_dtype="int8", speculative_config={
         "method": "ngram", "num_speculative_tokens": 2}), marks=SLOW, id="v5e-1"),
-    pytest.param("v5e-4", "llama", dict(quantization="int8", kv_offloading_size=1), id="v5e-4"),
+    pytest.param("v5e-4", "llama", dict(quantization="int8", kv_offloading_size=1,
+                 runner="pooling"), id="v5e-4"),
     pytest.param("v6e-1", "moe", dict(quantization="int4"), marks=SLOW, id="v6e-1"),
     pytest.param("v6e-4", "moe", dict(kv_cache_dtype="fp8"), marks=SLOW, id="v6e-4"),
     pytest.param("h100", "llama", dict(quantization="int8", kv_cache_dtype="fp8"), marks=SLOW,
@@ -301,8 +302,10 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     engine = compile_engine(config, _target(target), progress=False, keep_executables=True)
     runner = engine.runner
     assert len(runner.programs) == runner.num_programs
+    names = {p.name for p in runner.programs}
     if settings.get("kv_offloading_size"):
-        assert {"kv_offload_store", "kv_offload_load"} <= {p.name for p in runner.programs}
+        assert {"kv_offload_store", "kv_offload_load"} <= names
+    assert ("hidden_pooler" in names) == (settings.get("runner") == "pooling")
     steps = [p for p in runner.programs if p.updates_cache]
     assert steps and not runner.cache_copies()
     for p in steps:

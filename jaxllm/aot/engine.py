@@ -24,12 +24,14 @@ from jax.sharding import SingleDeviceSharding
 import pallas_kernels
 from jaxllm import loaders
 from jaxllm.aot.targets import Target
+from jaxllm.classifier import is_classifier
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
 from jaxllm.engine.kv_offload import host_blocks
 from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_cache import resolve_model
+from jaxllm.pooling import decoder_pools
 from jaxllm.quantization import FORMATS
 from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
 from jaxllm.worker import ModelRunner
@@ -172,6 +174,7 @@ def compile_engine(
         num_host_blocks=host_blocks(
             cache, page_bytes * tp, multi=False, draft=weights[1] if len(weights) > 1 else None
         ),
+        pooling=serves_pooling(config),
     )
     build_seconds = time.perf_counter() - start
     runner.compiler.keep_executables = keep_executables
@@ -191,6 +194,16 @@ def compile_engine(
         compile_seconds,
         build_seconds,
     )
+
+
+def serves_pooling(config: EngineConfig) -> bool:
+    """Whether `serve` would run this decoder for pooling (`--runner`, a checkpoint that pools
+    or has no LM head, a sequence classifier), read from config.json alone: its pooler
+    programs are compiled too."""
+    if config.load.runner != "auto":
+        return config.load.runner == "pooling"
+    path = resolve_model(config.load.model)
+    return decoder_pools(path, "auto") or (path.is_dir() and is_classifier(_hf_config(path)))
 
 
 def abstract_model(
