@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestOutput",
@@ -25,6 +26,7 @@ _HOMES = {
     "LLM": "jaxllm.llm",
     "CompletionOutput": "jaxllm.outputs",
     "Logprob": "jaxllm.outputs",
+    "LoRARequest": "jaxllm.lora",
     "PoolingParams": "jaxllm.pooling_params",
     "RequestOutput": "jaxllm.outputs",
     "SamplingParams": "jaxllm.sampling_params",
@@ -32,6 +34,7 @@ _HOMES = {
 
 if TYPE_CHECKING:
     from jaxllm.llm import LLM
+    from jaxllm.lora import LoRARequest
     from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
     from jaxllm.pooling_params import PoolingParams
     from jaxllm.sampling_params import SamplingParams

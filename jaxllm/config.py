@@ -651,6 +651,32 @@ class SpeculativeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's flags): many PEFT adapters over the one base model, each request
+    naming its own (or none), served in the same batch."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (`LoRARequest` offline; the server's --lora-modules and `model`)."""
+    max_loras: int = 1
+    """Adapters on the device at once: the most distinct ones in a step (others wait)."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have (every slot is padded to it)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept read in host memory (least recently used dropped); default max_loras."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how an engine is built, one section per concern.
 
@@ -664,6 +690,7 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     @staticmethod
     def fields() -> dict[str, tuple[str, dataclasses.Field]]:

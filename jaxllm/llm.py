@@ -29,6 +29,7 @@ from jaxllm.engine.input_processor import InputError, InputProcessor
 from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.loaders import load_tokenizer
+from jaxllm.lora import LoRARequest
 from jaxllm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -164,12 +165,28 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """`priority`: one int per prompt, lower first; needs scheduling_policy="priority"."""
+        """`priority`: one int per prompt, lower first; needs scheduling_policy="priority".
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); needs enable_lora."""
         prompts, params = self._normalize(prompts, sampling_params)
         priorities = self._priorities(priority, len(prompts))
+        loras = self._loras(lora_request, len(prompts))
         tokenized = [self.input_processor.tokenize(p) for p in prompts]
-        return self._run(tokenized, params, use_tqdm=use_tqdm, priorities=priorities)
+        return self._run(tokenized, params, use_tqdm=use_tqdm, priorities=priorities, loras=loras)
+
+    @staticmethod
+    def _loras(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n or not all(r is None or isinstance(r, LoRARequest) for r in loras):
+            raise InputError(
+                f"lora_request must be a LoRARequest or a list of {n} (one per prompt)",
+                "lora_request",
+            )
+        return loras
 
     def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int] | None:
         if priority is None:
@@ -194,6 +211,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them (OpenAI-style messages)."""
         if self.tokenizer is None:
@@ -217,7 +235,8 @@ class LLM:
         prompts, params = self._normalize(texts, sampling_params)
         # The template already holds any BOS token, so none is added when tokenizing.
         tokenized = [self.input_processor.tokenize(p, add_special_tokens=False) for p in prompts]
-        return self._run(tokenized, params, use_tqdm=use_tqdm)
+        loras = self._loras(lora_request, len(prompts))
+        return self._run(tokenized, params, use_tqdm=use_tqdm, loras=loras)
 
     # ---- pooling ----------------------------------------------------------------------
 
@@ -421,15 +440,17 @@ class LLM:
         *,
         use_tqdm: bool,
         priorities: list[int] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         output_processor = OutputProcessor(self.tokenizer)
         groups: list[tuple[str, str | None, list[int], list[str]]] = []
         children: dict[str, int] = {}  # engine request id -> index into groups
         requests = []
         priorities = priorities or [0] * len(params)
-        for (text, ids), sp, prio in zip(tokenized, params, priorities, strict=True):
+        loras = loras or [None] * len(params)
+        for (text, ids), sp, prio, lora in zip(tokenized, params, priorities, loras, strict=True):
             rid = self.input_processor.next_request_id()
-            subs = self.input_processor.fan_out(rid, ids, sp, priority=prio)
+            subs = self.input_processor.fan_out(rid, ids, sp, priority=prio, lora_request=lora)
             for i, request in subs:
                 output_processor.add_request(request.request_id, i, ids, sp)
                 children[request.request_id] = len(groups)

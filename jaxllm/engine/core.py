@@ -198,6 +198,7 @@ class EngineCore:
             kv,
             num_lookahead_tokens=lookahead,
             structured_outputs=_structured_outputs(config.load.model, loaded.config),
+            loras=_lora_manager(config, runner, multi=multi),
         )
         core = cls(scheduler, runner, async_scheduling=sched.async_scheduling)
         if runner.num_speculative_tokens:
@@ -263,6 +264,10 @@ class EngineCore:
         if self.checks is not None:
             self.checks.check_prompt(request.prompt_token_ids)
             self.checks.check_params(request.sampling_params)
+        if request.lora is not None:
+            if self.scheduler.loras is None:
+                raise ValueError("lora_request: this engine serves no LoRA adapters (enable_lora)")
+            self.scheduler.loras.register(request.lora)
         self.scheduler.add_request(request)
 
     @property
@@ -492,6 +497,25 @@ def _load_weights(config: EngineConfig, mesh):
         quantization=config.load.quantization,
         load_format=config.load.load_format,
     )
+
+
+def _lora_manager(config: EngineConfig, runner, *, multi: bool):
+    """The LoRA adapters' slots and host copies, when the engine serves adapters."""
+    from jaxllm.engine.lora_manager import LoRAManager
+    from jaxllm.lora import load_adapter
+
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    if multi:
+        raise ValueError("enable_lora is not supported in a multi-host run")
+
+    def load(request):
+        return load_adapter(
+            request.lora_path, runner.config, max_rank=lora.max_lora_rank, name=request.lora_name
+        )
+
+    return LoRAManager(lora.max_loras, lora.max_cpu_loras or lora.max_loras, load, runner.lora.set)
 
 
 def _host_tier_stats(host) -> dict:

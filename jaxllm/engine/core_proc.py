@@ -160,6 +160,7 @@ class CoreLoop:
                     seed=message.seed,
                     priority=message.priority,
                     prefix_parent=message.prefix_parent,
+                    lora=message.lora_request,
                 )
             )
         except Exception as e:  # fails this request only

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxllm.engine.messages import AddRequest, Ready
+from jaxllm.lora import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -281,6 +282,7 @@ class InputProcessor:
         index: int = 0,
         priority: int = 0,
         prefix_parent: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AddRequest:
         """Completion `index` of a checked prompt, resolved for the core: its output bound
         (max_tokens, never past the context), its seed, the model's EOS ids."""
@@ -294,6 +296,7 @@ class InputProcessor:
             eos_token_ids=list(self.eos_token_ids),
             priority=priority,
             prefix_parent=prefix_parent,
+            lora_request=lora_request,
         )
 
     def fan_out(

@@ -36,6 +36,14 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def _chain_root(request: Request) -> bytes | None:
+    """The parent of a request's first block: none, or its LoRA adapter's name (a prefix
+    computed under one adapter holds other K/V than under another, or none)."""
+    if request.lora is None:
+        return None
+    return hashlib.sha256(b"lora\0" + request.lora.lora_name.encode()).digest()
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -82,9 +90,8 @@ class KVCacheManager:
         tokens, size = request.all_token_ids, self.page_size
         while (len(hashes) + 1) * size <= len(tokens):
             i = len(hashes)
-            hashes.append(
-                hash_block(hashes[-1] if hashes else None, tokens[i * size : (i + 1) * size])
-            )
+            parent = hashes[-1] if hashes else _chain_root(request)
+            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
+from jaxllm.lora import LoRARequest
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     eos_token_ids: list[int]  # resolved by the front end (model, generation config, tokenizer)
     priority: int = 0
     prefix_parent: str | None = None  # see Request.prefix_parent
+    lora_request: LoRARequest | None = None  # its LoRA adapter
 
 
 class AddPooling(msgspec.Struct, tag="pool"):

@@ -10,6 +10,7 @@ from jaxllm.engine.step_data import FinishReason
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jaxllm.lora import LoRARequest
     from jaxllm.pooling import PooledState
     from jaxllm.pooling_params import PoolingParams
     from jaxllm.structured_outputs import Grammar
@@ -59,6 +60,7 @@ class Request:
         seed: int,
         priority: int = 0,
         prefix_parent: str | None = None,
+        lora: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +73,10 @@ class Request:
         # A sibling with the same prompt (the first of n completions): this request waits
         # until the sibling has computed the prompt, then starts from its cached blocks.
         self.prefix_parent = prefix_parent
+        # Its LoRA adapter, and the device slot that holds it while the request runs (-1: not
+        # running, or none).
+        self.lora = lora
+        self.lora_slot = -1
         # The next prompt position whose logprob is owed (prompt_logprobs): position 0 has
         # none; positions scored before a preemption are not scored again.
         self.next_prompt_logprob = 1

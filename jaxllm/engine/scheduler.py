@@ -58,6 +58,7 @@ from jaxllm.worker import (
 )
 
 if TYPE_CHECKING:
+    from jaxllm.engine.lora_manager import LoRAManager
     from jaxllm.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,17 @@ class Scheduler:
         *,
         num_lookahead_tokens: int = 0,
         structured_outputs: StructuredOutputManager | None = None,
+        loras: LoRAManager | None = None,
     ):
+        """`loras`: the LoRA adapters' slots, when LoRA is served: a request with an adapter
+        is admitted only when its adapter has (or can take) a slot."""
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config
         self.kv = kv_cache_manager
         self.num_lookahead_tokens = num_lookahead_tokens
         self.structured_outputs = structured_outputs
+        self.loras = loras
         self.grammar_bitmask_seconds = 0.0  # host time filling bitmasks, since start
         self.grammar_bitmask_steps = 0
         # Requests failed outside a step (a grammar that did not compile): the engine core
@@ -115,6 +120,7 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._release_lora(request)
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -131,6 +137,7 @@ class Scheduler:
         step (now free again)."""
         self.running.remove(request)
         self.kv.free(request)
+        self._release_lora(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # A token an in-flight step samples for it is dropped: it is sampled again, the same
@@ -214,6 +221,8 @@ class Scheduler:
                 now = time.monotonic()
                 self.first_scheduled.append((request.request_id, now - request.arrival_time, now))
             request.status = RequestStatus.RUNNING
+            if request.lora is not None:
+                request.lora_slot = self.loras.acquire(request.lora)
             self.running.append(request)
             admitted.append(request)
             granted[request] = n
@@ -326,13 +335,21 @@ class Scheduler:
             return False  # it samples nothing; it ends with its prompt
         return request.num_tokens + request.num_pending_tokens >= self._end(request)
 
+    def _release_lora(self, request: Request) -> None:
+        """Unpins a running request's adapter slot (finished or preempted)."""
+        if request.lora_slot >= 0:
+            self.loras.release(request.lora.lora_name)
+            request.lora_slot = -1
+
     def _next_waiting(self) -> Request | None:
         """The next request to admit: the first in arrival order (preempted requests went back
         to the front) or by (priority, arrival), among those not waiting for a sibling."""
         ready = (
             r
             for r in self.waiting
-            if not self._waits_for_parent(r) and (r.grammar is None or r.grammar.compiled)
+            if not self._waits_for_parent(r)
+            and (r.grammar is None or r.grammar.compiled)
+            and (r.lora is None or self.loras.can_acquire(r.lora.lora_name))
         )
         if self.config.scheduling_policy == "priority":
             return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)
@@ -381,6 +398,7 @@ class Scheduler:
             seed=request.seed,
             eos_token_ids=list(request.eos_token_ids),
             block_ids=block_ids,
+            lora_slot=request.lora_slot,
         )
 
     def _scheduled(self, request: Request, n: int, drafts: list[int]) -> ScheduledRequest:

@@ -19,6 +19,8 @@ scan).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +38,7 @@ from jaxllm.models.layers import (
     param,
     rope_inv_freq,
 )
+from jaxllm.models.lora import LoRABatch, layer_lora
 from jaxllm.models.moe import MoE
 from jaxllm.quantization import QArray, qmatmul, take_rows
 from pallas_kernels import KVCache, as_kv_cache
@@ -71,15 +74,18 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(config, dtype=dtype, rngs=rngs)
         self.local_rope = config.layer_uses_local_rope(layer)
 
-    def __call__(self, x, ropes: tuple[Rope, Rope], kv_cache, layer: int, meta):
+    def __call__(self, x, ropes: tuple[Rope, Rope], kv_cache, layer: int, meta, lora=None):
         rope = ropes[1] if self.local_rope else ropes[0]
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), rope, kv_cache, layer, meta)
+        attn_out, kv_cache = self.self_attn(
+            self.input_layernorm(x), rope, kv_cache, layer, meta, lora
+        )
+        mlp = self.mlp if lora is None else functools.partial(self.mlp, lora=lora)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn_out)
-            mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+            mlp_out = mlp(self.pre_feedforward_layernorm(x))
             return x + self.post_feedforward_layernorm(mlp_out), kv_cache
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + mlp(self.post_attention_layernorm(x)), kv_cache
 
 
 class DecoderForCausalLM(nnx.Module):
@@ -134,11 +140,12 @@ class DecoderForCausalLM(nnx.Module):
         positions: jax.Array,  # i32[T]
         kv_cache: KVCache | jax.Array,  # [L, num_pages, K, page_size, 2H]; an array: float
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,  # each token's adapter (see jaxllm.models.lora)
     ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
         with using_kernels(self.compilation):
-            return self._forward(input_ids, positions, as_kv_cache(kv_cache), meta)
+            return self._forward(input_ids, positions, as_kv_cache(kv_cache), meta, lora)
 
-    def _forward(self, input_ids, positions, kv_cache: KVCache, meta):
+    def _forward(self, input_ids, positions, kv_cache: KVCache, meta, lora):
         table = self.embed_tokens.get_value()
         x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
         if self.embed_scale is not None:
@@ -151,7 +158,9 @@ class DecoderForCausalLM(nnx.Module):
         )
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, kv_cache = layer(x, (global_rope, local_rope), kv_cache, i, meta)
+                x, kv_cache = layer(
+                    x, (global_rope, local_rope), kv_cache, i, meta, layer_lora(lora, i)
+                )
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]

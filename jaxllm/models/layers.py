@@ -247,8 +247,11 @@ class Attention(nnx.Module):
         kv_cache: KVCache,  # [L, num_pages, K, page_size, 2H]
         layer: int,  # this layer's index into the cache
         meta: AttentionMetadata,
+        lora=None,  # this layer's adapters (`jaxllm.models.lora.LayerLoRA`), or None
     ) -> tuple[jax.Array, jax.Array]:
         q, k, v = linears(x, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)])
+        if lora is not None:
+            q, k, v = (lora.add(t, x, y) for t, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
         if self.q_bias is not None:
             q = q + self.q_bias.get_value()
             k = k + self.k_bias.get_value()
@@ -261,7 +264,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
-        out = linear(out.reshape(out.shape[0], -1), self.o_proj.get_value())
+        out = out.reshape(out.shape[0], -1)
+        projected = linear(out, self.o_proj.get_value())
+        out = projected if lora is None else lora.add("o_proj", out, projected)
         if self.o_bias is not None:
             out = out + self.o_bias.get_value()
         return out, kv_cache
@@ -310,7 +315,10 @@ class MLP(nnx.Module):
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), dtype)
         self.act = ACTIVATIONS[config.hidden_act]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora=None) -> jax.Array:
         gate, up = linears(x, [self.gate_proj.get_value(), self.up_proj.get_value()])
-        gate = self.act(gate)
-        return linear(gate * up, self.down_proj.get_value())
+        if lora is not None:
+            gate, up = lora.add("gate_proj", x, gate), lora.add("up_proj", x, up)
+        h = self.act(gate) * up
+        out = linear(h, self.down_proj.get_value())
+        return out if lora is None else lora.add("down_proj", h, out)

@@ -27,6 +27,7 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(n, np.int32)
         self.block_table = np.zeros((n, pages_per_seq), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
+        self.lora_slot = np.full(n, -1, np.int32)  # each row's LoRA adapter slot; -1: none
         self.sampling = SamplingRows(n, vocab_size, max_model_len)
 
     def __len__(self) -> int:
@@ -45,6 +46,7 @@ class InputBatch:
         self.num_tokens[i] = n
         self.num_prompt_tokens[i] = new.num_prompt_tokens
         self.num_blocks[i] = 0
+        self.lora_slot[i] = new.lora_slot
         self.append_blocks(i, new.block_ids)
         self.sampling.write(i, new)
 

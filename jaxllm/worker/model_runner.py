@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm.config import EngineConfig, ModelConfig, SpecMethod, using_kernels
+from jaxllm.config import EngineConfig, LoRAConfig, ModelConfig, SpecMethod, using_kernels
 from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
@@ -46,6 +46,7 @@ from jaxllm.worker.device_state import DeviceState
 from jaxllm.worker.hidden_pooler import HiddenPooler
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_offload import KVOffloader
+from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.programs import forward, head_and_sample
 from jaxllm.worker.prompt_logprobs import PromptScorer
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
@@ -87,13 +88,15 @@ class ModelRunner:
         draft_model: tuple[nnx.Module, ModelConfig] | None = None,
         pooling: bool = False,
         num_host_blocks: int = 0,
+        lora: LoRAConfig | None = None,
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
         over its kv heads the same way); None for one device. `speculative`: how draft tokens
         are proposed (see `jaxllm.worker.spec_decode`), with `draft_model` (loaded onto the
         same mesh) for the draft_model method. `pooling`: the model is served for pooling
         (its requests' hidden states pooled, see `hidden_pooler`). `num_host_blocks`: blocks
-        of host memory for the prefix cache's host tier (see `kv_offload`); 0: none."""
+        of host memory for the prefix cache's host tier (see `kv_offload`); 0: none. `lora`:
+        LoRA adapters served (`enable_lora`), in slots on the device (see `lora_slots`)."""
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
@@ -115,6 +118,15 @@ class ModelRunner:
         self.input_batch = ib = InputBatch(
             max_num_seqs, max_model_len, pages_per_seq, config.vocab_size
         )
+        self.lora = None
+        if lora is not None and lora.enable_lora:
+            self.lora = LoRASlots(
+                config,
+                max_loras=lora.max_loras,
+                max_rank=lora.max_lora_rank,
+                dtype=model.embed_tokens.get_value().dtype,
+                mesh=mesh,
+            )
         self.inputs = StepInputs(
             ib,
             SamplingInputsBuilder(ib, self.device, config.vocab_size, max_model_len),
@@ -123,6 +135,7 @@ class ModelRunner:
             page_size,
             pages_per_seq,
             k,
+            lora=self.lora is not None,
         )
         # Counters since start, for metrics: the tokens the steps computed, the token slots of
         # the compiled shapes they ran (the difference is padding), and the seconds `fetch`
@@ -185,6 +198,7 @@ class ModelRunner:
             draft_model=draft_model,
             pooling=pooling,
             num_host_blocks=num_host_blocks,
+            lora=engine_config.lora,
         )
 
     # What the engine reads of the runner's parts.
@@ -273,7 +287,8 @@ class ModelRunner:
         def compile_forward(shape):
             args = (self.params, device.kv_cache, device.last_tokens)
             batch = self.inputs.padding_batch(*shape)
-            compile_("forward", shape, self.forward, *args, batch, updates_cache=True)
+            lora = self._lora_weights()
+            compile_("forward", shape, self.forward, *args, batch, lora, updates_cache=True)
 
         def compile_head(n):
             sampling, verify = self.inputs.sampling.padding(n), self.inputs.padding_verify(n)
@@ -374,7 +389,7 @@ class ModelRunner:
             if self.offloader is not None:
                 self.offloader.launch(out.kv_stores, out.kv_loads)
             last, hidden, device.kv_cache = self.forward(
-                self.params, device.kv_cache, device.last_tokens, step.batch
+                self.params, device.kv_cache, device.last_tokens, step.batch, self._lora_weights()
             )
             result, device.last_tokens = self.head_and_sample(
                 self.params, last, step.sampling, step.verify, device.last_tokens
@@ -470,6 +485,10 @@ class ModelRunner:
         return RunnerOutput(
             dict(zip(ids, tokens, strict=True)), logprobs, prompt_logprobs, drafts, pooled
         )
+
+    def _lora_weights(self):
+        """The forward pass's adapter slots (None without LoRA)."""
+        return None if self.lora is None else self.lora.device
 
     def _other_caches(self) -> list:
         """Holders of KV caches beside the target's (a draft model's), for recovery."""

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.models import AttentionMetadata
+from jaxllm.models.lora import LoRABatch
 from jaxllm.worker.sampler import SamplingInputs, sample, token_logprobs
 from jaxllm.worker.spec_decode.verification import VerifyInputs, kept_rows
 
@@ -34,6 +35,7 @@ class BatchInputs:
     # also its draft tokens: L = `logit_rows`)
     logits_indices: jax.Array
     attn: AttentionMetadata
+    lora_slots: jax.Array | None = None  # i32[T]: each token's LoRA slot (-1: none), if served
 
 
 def merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
@@ -41,13 +43,17 @@ def merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
 
 
-def forward(graphdef, params_def, mesh, params, kv_cache, last_tokens, batch: BatchInputs):
+def forward(
+    graphdef, params_def, mesh, params, kv_cache, last_tokens, batch: BatchInputs, lora=None
+):
     """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
-    the updated cache)."""
+    the updated cache). `lora`: the device's adapter slots by target (see `lora_slots`), when
+    LoRA is served."""
     model = merge(graphdef, params_def, params)
     src = batch.token_src
     input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
-    hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn)
+    adapters = None if lora is None else LoRABatch(lora, batch.lora_slots)
+    hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn, adapters)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
     return hidden[batch.logits_indices], hidden, kv_cache

@@ -31,6 +31,7 @@ class NewRequestData(msgspec.Struct):
     seed: int  # resolved: never None
     eos_token_ids: list[int]  # empty under ignore_eos
     block_ids: list[int]  # the whole block table, with the blocks granted this step
+    lora_slot: int = -1  # the device slot of its LoRA adapter; -1: none
 
 
 class ScheduledRequest(msgspec.Struct):

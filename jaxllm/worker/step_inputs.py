@@ -42,6 +42,7 @@ class StepInputs:
     page_size: int
     pages_per_seq: int  # the block table's width
     num_speculative_tokens: int
+    lora: bool = False  # each token's LoRA slot is an input (LoRA served)
 
     def padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -59,6 +60,7 @@ class StepInputs:
                 cu_q_lens=_ints(r_pad + 1),
                 num_seqs=_ints(1),
             ),
+            lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
         )
 
     def padding_verify(self, n: int) -> VerifyInputs:
@@ -91,6 +93,8 @@ class StepInputs:
         batch.input_ids[:num_tokens] = np.maximum(ids, 0)
         batch.token_src[:num_tokens] = np.where(ids < 0, token_rows, -1)
         batch.positions[:num_tokens] = pos
+        if batch.lora_slots is not None:
+            batch.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
         attn.slot_mapping[:num_tokens] = (
             ib.block_table[token_rows, pos // self.page_size] * self.page_size
             + pos % self.page_size

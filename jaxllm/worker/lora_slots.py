@@ -1,0 +1,81 @@
+"""The LoRA adapters resident on the device: `max_loras` slots per target projection, stacked
+as `jaxllm.models.lora` reads them (A [L, in, S, R], B [L, S, R, out], ranks padded to
+`max_lora_rank` with zeros), in the model's dtype.
+
+The slots keep a host copy; putting an adapter in a slot rewrites that copy and replaces the
+device arrays of its targets with fresh ones of the same shapes and shardings (a steps still
+in flight keeps the arrays it was given): no program changes. Under tensor parallelism the
+matrices split with their base weights: B on its output columns for q, k, v, gate and up, A
+on its input rows for o and down (their partial products are summed like the base ones).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllm import sharding
+from jaxllm.config import ModelConfig
+from jaxllm.lora import TARGETS, LoRAAdapter, target_shape
+from jaxllm.models.lora import LoRABatch
+
+_ROW_SPLIT = ("o_proj", "down_proj")  # the targets whose input side is split over devices
+
+
+class LoRASlots:
+    def __init__(
+        self, config: ModelConfig, *, max_loras: int, max_rank: int, dtype, mesh: Mesh | None
+    ):
+        """`config`: the model's as sharded (kv heads repeated under tensor parallelism)."""
+        self.num_slots, self.max_rank, self.dtype = max_loras, max_rank, dtype
+        self.config = config
+        n, s, r = config.num_layers, max_loras, max_rank
+        self.host: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.shardings: dict[str, tuple] = {}
+        for t in TARGETS:
+            num_in, num_out = target_shape(config, t)
+            if t in ("k_proj", "v_proj"):
+                num_out *= config.kv_head_replicas
+            self.host[t] = (
+                np.zeros((n, num_in, s, r), np.float32),
+                np.zeros((n, s, r, num_out), np.float32),
+            )
+            if mesh is None:
+                self.shardings[t] = (None, None)
+            elif t in _ROW_SPLIT:
+                split = NamedSharding(mesh, PartitionSpec(None, "model", None, None))
+                self.shardings[t] = (split, sharding.replicated(mesh))
+            else:
+                split = NamedSharding(mesh, PartitionSpec(None, None, None, "model"))
+                self.shardings[t] = (sharding.replicated(mesh), split)
+        self.names: list[str | None] = [None] * max_loras  # the adapter in each slot
+        self._slot_targets: list[set[str]] = [set() for _ in range(max_loras)]
+        self.device = {t: self._upload(t) for t in TARGETS}
+
+    def _upload(self, target: str) -> tuple[jax.Array, jax.Array]:
+        return tuple(
+            jax.device_put(h.astype(self.dtype), sh)
+            for h, sh in zip(self.host[target], self.shardings[target], strict=True)
+        )
+
+    def set(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Puts `adapter` in `slot` (whatever was there is gone)."""
+        targets = {t for _, t in adapter.weights}
+        touched = targets | self._slot_targets[slot]
+        for t in touched:
+            a, b = self.host[t]
+            a[:, :, slot] = 0
+            b[:, slot] = 0
+        for (layer, t), (a, b) in adapter.weights.items():
+            rank = a.shape[1]
+            self.host[t][0][layer, :, slot, :rank] = a
+            self.host[t][1][layer, slot, :rank] = b
+        for t in touched:
+            self.device[t] = self._upload(t)
+        self.names[slot] = adapter.name
+        self._slot_targets[slot] = targets
+
+    def batch(self, token_slots) -> LoRABatch:
+        """The forward pass's LoRA input for tokens in `token_slots` (i32[T], -1: none)."""
+        return LoRABatch(dict(self.device), token_slots)

@@ -1,0 +1,212 @@
+"""Multi-LoRA serving: PEFT adapters made with `peft` on tiny random Llama and Qwen3 models
+(ranks 4, 8 and 16, different targets, rsLoRA) against transformers + peft, greedy: each
+adapter alone, three adapters and the base model in one batch, chunked prefill, no prefix-cache
+hit across adapters, adapters swapped through fewer device slots with nothing compiled after
+warmup, and bad adapters refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, LoRARequest, SamplingParams
+from tests.helpers import VOCAB, write_family_checkpoint
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name: (rank, alpha, targets, rsLoRA)
+ADAPTERS = {
+    "r4-attn": (4, 8, ATTENTION, False),
+    "r8-all": (8, 16, ATTENTION + MLP, False),
+    "r16-mlp-rs": (16, 8, MLP + ["q_proj"], True),
+}
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, size=int(k)).tolist() for k in rng.integers(5, 40, size=n)]
+
+
+@pytest.fixture(scope="module", params=["llama3.1-rope", "qwen3"])
+def family(request, tmp_path_factory):
+    """A tiny base model, three adapters on it, and transformers + peft's greedy tokens for
+    each prompt under each adapter and under none."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp(request.param)
+    base_dir = root / "base"
+    write_family_checkpoint(request.param, base_dir)
+    prompts = _prompts(6)
+    expected: dict[str | None, list[list[int]]] = {}
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    expected[None] = _hf_greedy(base, prompts)
+    for i, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(10 + i)
+        config = peft.LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=targets,
+            use_rslora=rs,
+            lora_dropout=0.0,
+            init_lora_weights=False,  # random A and B: an adapter that changes the tokens
+        )
+        model = peft.get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), config
+        ).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn_like(p) * 0.2)
+        model.save_pretrained(root / name)
+        expected[name] = _hf_greedy(model, prompts)
+    loras = {name: LoRARequest(name, i + 1, str(root / name)) for i, name in enumerate(ADAPTERS)}
+    assert len({tuple(map(tuple, v)) for v in expected.values()}) == len(expected), (
+        "each adapter should change the greedy tokens"
+    )
+    return base_dir, prompts, loras, expected
+
+
+def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            gen = model.generate(
+                input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+            out.append(gen[0, len(ids) :].tolist())
+    return out
+
+
+def _llm(base_dir, **kwargs) -> LLM:
+    kwargs = dict(max_model_len=128, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64) | (
+        kwargs
+    )
+    return LLM(base_dir, enable_lora=True, max_lora_rank=16, **kwargs)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_each_adapter_alone_and_all_mixed_in_one_batch(family):
+    base_dir, prompts, loras, expected = family
+    llm = _llm(base_dir, max_loras=3)
+    before = llm.runner.num_compilations
+    for name, lora in loras.items():
+        got = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                   lora_request=lora, use_tqdm=False))  # fmt: skip
+        assert got == expected[name], name
+    assert _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                use_tqdm=False)) == expected[None]  # fmt: skip
+    # One batch: every prompt under each adapter and under none, interleaved.
+    names = [None, *loras]
+    batch = [(p, names[(i + j) % 4]) for i, p in enumerate(prompts) for j in range(4)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in batch],
+        GREEDY,
+        lora_request=[None if n is None else loras[n] for _, n in batch],
+        use_tqdm=False,
+    )
+    for (p, name), got in zip(batch, _tokens(outs), strict=True):
+        assert got == expected[name][prompts.index(p)], name
+    assert llm.runner.num_compilations == before, "compiled after warmup"
+
+
+def test_chunked_prefill_and_no_prefix_hit_across_adapters(family):
+    """Prompts longer than the step's 16 tokens go in chunks; the same prompt under two
+    adapters and none is computed three times (a block cached under one serves only it), and
+    again under the first adapter it hits."""
+    base_dir, prompts, loras, expected = family
+    llm = _llm(base_dir, max_loras=2, max_num_batched_tokens=16, page_size=4)
+    kv = llm.kv_cache_manager
+    longest = max(prompts, key=len)
+    i = prompts.index(longest)
+    a, b = list(loras)[:2]
+    for name in (a, b, None):
+        lora = None if name is None else loras[name]
+        hits = kv.prefix_cache_hits
+        out = llm.generate({"prompt_token_ids": longest}, GREEDY, lora_request=lora,
+                           use_tqdm=False)  # fmt: skip
+        assert _tokens(out)[0] == expected[name][i], name
+        assert kv.prefix_cache_hits == hits, f"{name}: a prefix computed under another adapter"
+    hits = kv.prefix_cache_hits
+    out = llm.generate({"prompt_token_ids": longest}, GREEDY, lora_request=loras[a],
+                       use_tqdm=False)  # fmt: skip
+    assert _tokens(out)[0] == expected[a][i] and kv.prefix_cache_hits > hits
+
+
+def test_more_adapters_than_slots_take_turns(family):
+    """Three adapters through one device slot: requests of the others wait, each batch holds
+    one adapter (and the base model), every answer is right, and swapping compiles nothing."""
+    base_dir, prompts, loras, expected = family
+    llm = _llm(base_dir, max_loras=1, max_cpu_loras=1)
+    before = llm.runner.num_compilations
+    batch = [(p, name) for p in prompts[:3] for name in (*loras, None)]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in batch],
+        GREEDY,
+        lora_request=[None if n is None else loras[n] for _, n in batch],
+        use_tqdm=False,
+    )
+    for (p, name), got in zip(batch, _tokens(outs), strict=True):
+        assert got == expected[name][prompts.index(p)], name
+    assert llm.runner.num_compilations == before
+
+
+def _write_adapter(path, config: dict, tensors: dict[str, np.ndarray]):
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    "config,tensors,message",
+    [
+        ({"r": 32}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                     np.zeros((32, 64), np.float32)}, "rank 32 is over max_lora_rank"),
+        ({"r": 4}, {"base_model.model.model.embed_tokens.lora_A.weight":
+                    np.zeros((4, VOCAB), np.float32)}, "embeddings or the head"),
+        ({"r": 4, "modules_to_save": ["lm_head"]}, {}, "modules_to_save"),
+        ({"r": 4}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                    np.zeros((4, 32), np.float32),
+                    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+                    np.zeros((96, 4), np.float32)}, "another model"),
+        ({"r": 4}, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                    np.zeros((4, 64), np.float32)}, "lacks lora_A or lora_B"),
+    ],
+    ids=["rank", "embeddings", "modules-to-save", "shapes", "half"],
+)  # fmt: skip
+def test_bad_adapters_fail_their_request_by_name(family, tmp_path, config, tensors, message):
+    base_dir, prompts, loras, expected = family
+    path = _write_adapter(tmp_path / "bad", config, tensors or {"x": np.zeros(1, np.float32)})
+    llm = _llm(base_dir, max_loras=1)
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request(_request(prompts[0], LoRARequest("bad", 9, str(path))))
+    out = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, lora_request=next(
+        iter(loras.values())), use_tqdm=False)  # fmt: skip
+    assert _tokens(out)[0] == expected[next(iter(loras))][0]
+
+
+def test_lora_needs_enable_lora(family):
+    base_dir, prompts, loras, _ = family
+    llm = LLM(base_dir, max_model_len=128, num_pages=32, skip_warmup=True)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.engine.add_request(_request(prompts[0], next(iter(loras.values()))))
+
+
+def _request(prompt, lora):
+    from jaxllm.engine.request import Request
+
+    return Request("r", prompt, GREEDY, eos_token_ids=(), max_tokens=4, seed=0, lora=lora)
