@@ -6,9 +6,10 @@ For a target projection y = x W, an adapter adds `x A B * scaling`: A [in, r] an
 (PEFT stores them transposed, `lora_A.weight` [r, in] and `lora_B.weight` [out, r]); scaling
 is `lora_alpha / r`, or `lora_alpha / sqrt(r)` with rsLoRA. Here B is kept pre-multiplied by
 the scaling, in float32. Targets: the attention's q, k, v and o projections and the MLP's
-gate, up and down ones, of any subset of the layers; adapters that also train the embeddings
-or the head (`modules_to_save`, `embed_tokens`, `lm_head`), DoRA, bias training or other
-PEFT types are refused with the reason.
+gate, up and down ones (the attention's only on a mixture of experts), of any subset of the
+layers; adapters that also train the embeddings or the head (`modules_to_save`,
+`embed_tokens`, `lm_head`), DoRA, bias training or other PEFT types are refused with the
+reason.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class LoRARequest:
 @dataclasses.dataclass
 class LoRAAdapter:
     """An adapter's matrices by (layer, target): (A f32[in, r], B f32[r, out] times the
-    scaling), in this engine's layout (kv heads repeated as the model's are)."""
+    scaling), in the checkpoint's layout."""
 
     name: str
     rank: int
@@ -58,23 +59,60 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
-    """(in, out) of a target projection in the checkpoint's layout (kv heads unrepeated)."""
-    d, h = config.hidden_size, config.head_dim
-    kv = config.num_kv_heads // config.kv_head_replicas * h
-    return {
-        "q_proj": (d, config.num_heads * h),
-        "k_proj": (d, kv),
-        "v_proj": (d, kv),
-        "o_proj": (config.num_heads * h, d),
-        "gate_proj": (d, config.intermediate_size),
-        "up_proj": (d, config.intermediate_size),
-        "down_proj": (config.intermediate_size, d),
-    }[target]
+@dataclasses.dataclass(frozen=True)
+class BaseDims:
+    """The base model's widths an adapter must match, in the checkpoint's layout."""
+
+    num_layers: int
+    hidden: int
+    q: int  # query heads x head_dim
+    kv: int  # kv heads x head_dim (as the checkpoint has them: not repeated)
+    intermediate: int
+    moe: bool
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> BaseDims:
+        h = config.head_dim
+        return cls(
+            config.num_layers,
+            config.hidden_size,
+            config.num_heads * h,
+            config.num_kv_heads // config.kv_head_replicas * h,
+            config.intermediate_size,
+            bool(config.num_experts),
+        )
+
+    @classmethod
+    def of_hf_config(cls, hf: dict) -> BaseDims:
+        """From a checkpoint's config.json (what a server's front end reads, without JAX)."""
+        hf = hf.get("text_config") or hf
+        heads = hf["num_attention_heads"]
+        h = hf.get("head_dim") or hf["hidden_size"] // heads
+        return cls(
+            hf["num_hidden_layers"],
+            hf["hidden_size"],
+            heads * h,
+            hf.get("num_key_value_heads", heads) * h,
+            hf.get("intermediate_size", 0),
+            bool(hf.get("num_experts") or hf.get("num_local_experts")),
+        )
+
+    def shape(self, target: str) -> tuple[int, int]:
+        """(in, out) of a target projection."""
+        d, f = self.hidden, self.intermediate
+        return {
+            "q_proj": (d, self.q),
+            "k_proj": (d, self.kv),
+            "v_proj": (d, self.kv),
+            "o_proj": (self.q, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }[target]
 
 
-def load_adapter(path: str | Path, config: ModelConfig, *, max_rank: int, name: str = ""):
-    """The PEFT LoRA adapter at `path` for a base model of `config`; ValueError (naming the
+def load_adapter(path: str | Path, dims: BaseDims, *, max_rank: int, name: str = ""):
+    """The PEFT LoRA adapter at `path` for a base model of `dims`; ValueError (naming the
     file and the reason) for anything this engine does not serve."""
     from jaxllm.loaders.hf import iter_safetensors
 
@@ -98,8 +136,6 @@ def load_adapter(path: str | Path, config: ModelConfig, *, max_rank: int, name: 
             raise ValueError(f"lora_path {path}: the adapter {why}, which is not supported")
     if meta.get("bias", "none") != "none":
         raise ValueError(f"lora_path {path}: the adapter trains biases, which is not supported")
-    if config.num_experts:
-        raise ValueError("LoRA adapters on mixture-of-experts models are not supported")
     rank = int(meta.get("r", 8))
     if not 1 <= rank <= max_rank:
         raise ValueError(f"lora_path {path}: rank {rank} is over max_lora_rank ({max_rank})")
@@ -116,25 +152,27 @@ def load_adapter(path: str | Path, config: ModelConfig, *, max_rank: int, name: 
         layer, target, half = int(m[1]), m[2], m[3]
         if target not in TARGETS:
             raise ValueError(f"lora_path {path}: target module {target} is not one of {TARGETS}")
-        if layer >= config.num_layers:
-            raise ValueError(f"lora_path {path}: layer {layer} of {config.num_layers}")
+        if dims.moe and target in ("gate_proj", "up_proj", "down_proj"):
+            raise ValueError(
+                f"lora_path {path}: adapters of a mixture-of-experts model's MLP ({target}) are "
+                "not supported; its attention's are"
+            )
+        if layer >= dims.num_layers:
+            raise ValueError(f"lora_path {path}: layer {layer} of {dims.num_layers}")
         halves.setdefault((layer, target), {})[half] = np.asarray(tensor, np.float32)
     if not halves:
         raise ValueError(f"lora_path {path}: adapter_model.safetensors has no LoRA matrices")
     weights = {}
-    r = config.kv_head_replicas
     for (layer, target), pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise ValueError(f"lora_path {path}: layer {layer} {target} lacks lora_A or lora_B")
         a, b = pair["A"].T, pair["B"].T * scaling  # [in, r], [r, out]
-        want = (target_shape(config, target)[0], rank), (rank, target_shape(config, target)[1])
+        num_in, num_out = dims.shape(target)
+        want = (num_in, rank), (rank, num_out)
         if (a.shape, b.shape) != want:
             raise ValueError(
                 f"lora_path {path}: layer {layer} {target} has A {a.shape} and B {b.shape}, "
                 f"the base model needs {want[0]} and {want[1]} (an adapter of another model?)"
             )
-        if target in ("k_proj", "v_proj") and r > 1:  # as the base weights' kv heads
-            h = config.head_dim
-            b = np.repeat(b.reshape(rank, -1, h), r, axis=1).reshape(rank, -1)
         weights[layer, target] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
     return LoRAAdapter(name or path.name, rank, weights)

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="GiB of host KV tier: a small pool, then the prompts again after others evicted them",
     )
+    parser.add_argument(
+        "--lora", default=None, help="a PEFT adapter directory: every other prompt runs with it"
+    )
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     if args.cpu_devices:
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flax import nnx
 
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM, LoRARequest, SamplingParams
     from jaxllm.sharding import per_device_bytes
 
     prompts = [{"prompt_token_ids": [5 + i, 17, 40 + 2 * i, 9] * (i + 3)} for i in range(6)]
@@ -78,21 +81,28 @@ def main(argv: list[str] | None = None) -> int:
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_offloading_size=args.kv_offloading_size,
+            enable_lora=args.lora is not None,
+            max_lora_rank=64,
         )
         before = llm.runner.num_compilations
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        lora = None if args.lora is None else LoRARequest("adapter", 1, args.lora)
+        loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
+        outs = [
+            o.outputs[0].token_ids
+            for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        ]
         # Sleep mode puts every shard back where it was: the same tokens, nothing compiled.
         woke = []
         for level in (1, 2):
             llm.sleep(level)
             llm.wake_up()
-            again = llm.generate(prompts, params, use_tqdm=False)
+            again = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             woke.append([o.outputs[0].token_ids for o in again] == outs)
         from_host = None
         if args.kv_offloading_size:  # evicted by others, then back from host memory
             others = [{"prompt_token_ids": [300 + i] * 40} for i in range(6)]
             llm.generate(others, greedy, use_tqdm=False)
-            again = llm.generate(prompts, params, use_tqdm=False)
+            again = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             from_host = {
                 "same_tokens": [o.outputs[0].token_ids for o in again] == outs,
                 "hit_tokens": llm.engine.stats().prefix_cache_hits_host,

@@ -51,6 +51,8 @@ from server.generation import (
     render_chat,
     sampling_params,
 )
+from server.lora_api import lora_registry
+from server.lora_api import router as lora_router
 from server.metrics import Metrics
 from server.pooling_api import router as pooling_router
 from server.protocol import APIError
@@ -81,11 +83,13 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     if config.reasoning_parser is not None:
         state.reasoning_parser = REASONING_PARSERS[config.reasoning_parser]
     state.enable_sleep_mode = config.enable_sleep_mode
+    state.allow_runtime_lora_updating = config.allow_runtime_lora_updating
 
     async def lifespan(app: FastAPI):
         async def start():
             try:
                 state.engine = await start_engine()
+                state.loras = lora_registry(state.engine, config, served_model_names[0])
                 state.metrics = Metrics(state.engine, served_model_names[0])
                 state.engine.on_step = state.metrics.observe
                 ready = state.engine.ready
@@ -163,6 +167,7 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     app.include_router(pooling_router)
     app.include_router(anthropic_router)
     app.include_router(responses_router)
+    app.include_router(lora_router)
     return app
 
 
@@ -212,6 +217,14 @@ async def models(request: Request):
         )
         for name in state.served_model_names
     ]
+    if state.loras is not None:  # vLLM's cards of adapters: their path and base model
+        cards += [
+            protocol.ModelCard(
+                id=name, created=state.created, max_model_len=max_len, supported_tasks=tasks,
+                root=lora.lora_path, parent=state.loras.parents[name],
+            )
+            for name, lora in state.loras.adapters.items()
+        ]  # fmt: skip
     return json_response(protocol.ModelList(data=cards))
 
 
@@ -301,7 +314,7 @@ async def completions(request: Request):
     async def make_gen():
         prompts = await state.tokenizing(completion_prompts, eng, req)
         jobs = [(ids, sampling_params(eng, req, ids, "prompt"), text) for ids, text in prompts]
-        return Completion(req, model, jobs, eng)
+        return Completion(req, model, jobs, eng, state.lora_request(model))
 
     return await state.respond(request, state.admit(len(req.prompts()) * req.n), make_gen)
 

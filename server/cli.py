@@ -31,6 +31,10 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=config.api_key or os.environ.get("JAXLLM_API_KEY") or None,
         served_model_name=config.served_model_name or (str(args.model),),
     )
+    if (config.lora_modules or config.allow_runtime_lora_updating) and not (
+        engine_config.lora.enable_lora
+    ):
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     worker = multihost_worker(engine_config)  # hosts other than 0 serve no HTTP
     if worker is not None:
         return worker

@@ -42,6 +42,13 @@ class ServerConfig:
     reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS))
     """Split a reasoning model's thinking (<think>...</think>) off its answer, into
     message.reasoning_content: qwen3 or deepseek_r1 (vLLM's names)."""
+    lora_modules: tuple[str, ...] | None = None
+    """LoRA adapters to serve (with --enable-lora), each name=path (a PEFT directory) or
+    vLLM's JSON {"name": ..., "path": ..., "base_model_name": ...}; a request's `model` field
+    picks one by name."""
+    allow_runtime_lora_updating: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's environment
+    switch VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag); needs --enable-lora."""
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1:

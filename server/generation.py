@@ -103,7 +103,8 @@ class _Generation:
     response_cls: ClassVar[type[BaseModel]]
     chunk_cls: ClassVar[type[BaseModel]]
 
-    def __init__(self, req, model: str, jobs, eng: AsyncLLM):
+    def __init__(self, req, model: str, jobs, eng: AsyncLLM, lora=None):
+        """`lora`: the LoRA adapter `model` names (`ServerState.lora_request`), or None."""
         self.req, self.model, self.jobs, self.eng = req, model, jobs, eng
         self.prompt_logprobs: dict[int, list] = {}  # choice -> the engine's prompt_logprobs
         # The response model's own id form ("cmpl-...", "chatcmpl-..."), one for all chunks.
@@ -112,7 +113,9 @@ class _Generation:
         self.requests = [
             request
             for p, (ids, params, _) in enumerate(jobs)
-            for request in eng.input_processor.fan_out(f"{self.id}-{p}", ids, params)
+            for request in eng.input_processor.fan_out(
+                f"{self.id}-{p}", ids, params, lora_request=lora
+            )
         ]
         self.created = int(time.time())
         self.arrival = time.monotonic()
@@ -319,11 +322,12 @@ class ChatCompletion(_Generation):
         eng: AsyncLLM,
         tool_parser: type[ToolCallStream] | None,
         reasoning: Callable[[], ReasoningStream] | None = None,
+        lora=None,
     ):
         """`reasoning`: makes each choice's `ReasoningStream` (a server with a
         --reasoning-parser): the thinking is split off first, and the rest (the answer) is
         what content and tool calls are read from."""
-        super().__init__(req, model, jobs, eng)
+        super().__init__(req, model, jobs, eng, lora)
         self.new_tool_stream = tool_call_streams(req, tool_parser)
         self.tool_streams: dict[int, ToolCallStream] = {}  # choice -> its stream
         self.called: set[int] = set()  # choices that made a tool call so far
@@ -496,4 +500,5 @@ async def chat_generation(
             # Structured outputs (and forced tool calls) constrain the answer only.
             params.reasoning_end_token_id = reasoning_parsers.end_token_id(eng.tokenizer)
     cls = cls or ChatCompletion
-    return cls(req, model, [(ids, params, None)], eng, state.tool_parser, reasoning)
+    lora = state.lora_request(model)
+    return cls(req, model, [(ids, params, None)], eng, state.tool_parser, reasoning, lora)

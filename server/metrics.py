@@ -14,6 +14,7 @@ Every metric carries vLLM's labels `model_name` and `engine` (one engine core: "
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -112,6 +113,17 @@ class _EngineCollector:
              s.grammar_bitmask_seconds),
         ):  # fmt: skip
             yield family(CounterMetricFamily, name, doc, value)
+        if s.max_loras:  # vLLM's, only when LoRA is served: the value is when it was read
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            )
+            info.add_metric(
+                [",".join(s.running_loras), str(s.max_loras), ",".join(s.waiting_loras)],
+                time.time(),
+            )
+            yield info
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",

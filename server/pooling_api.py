@@ -112,7 +112,7 @@ async def _serve(request: Request, req_cls, task: str, n_items, answer):
     state = _state(request)
     req = await state.parse(request, req_cls)
     eng = state.ready_engine(task, request.url.path)
-    model = state.check_model(req.model)
+    model = state.check_model(req.model, adapters=False)
     count, field = n_items(req)
     release = state.admit(count, field, "inputs")
     try:

@@ -1230,6 +1230,9 @@ class ModelCard(_Response):
     # What the model serves (vLLM's task names): ["generate"], or a pooling model's
     # ["encode", "embed", "score"]; None while the engine starts.
     supported_tasks: list[str] | None = None
+    # vLLM's: a LoRA adapter's directory and the model it adapts (None for the base model).
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(_Response):

@@ -76,6 +76,9 @@ class ServerState:
         # Stored responses of the Responses API (`server.responses_api.ResponseStore`).
         self.responses = None
         self.enable_sleep_mode = False  # --enable-sleep-mode: /sleep and /wake_up served
+        # The LoRA adapters served by name (`server.lora_api.LoRARegistry`), with --enable-lora.
+        self.loras = None
+        self.allow_runtime_lora_updating = False
         self.sleeping = False  # asleep or on the way (new requests get 503 from then on)
 
     def ready_engine(self, task: str | None = None, endpoint: str | None = None) -> AsyncLLM:
@@ -98,10 +101,22 @@ class ServerState:
             )
         return self.engine
 
-    def check_model(self, name: str | None) -> str:
+    def check_model(self, name: str | None, *, adapters: bool = True) -> str:
+        """The served model (or LoRA adapter) a request names; 404 for any other. Without
+        `adapters` (an endpoint that does not generate), an adapter's name is a 400."""
         if name is None or name in self.served_model_names:
             return self.served_model_names[0] if name is None else name
+        if self.loras is not None and name in self.loras.adapters:
+            if not adapters:
+                raise APIError.bad_request(
+                    f"model: {name!r} is a LoRA adapter, which serves generation only", "model"
+                )
+            return name
         raise APIError.model_not_found(name)
+
+    def lora_request(self, model: str):
+        """The LoRA adapter a checked `model` names, or None (the base model)."""
+        return None if self.loras is None else self.loras.adapters.get(model)
 
     async def tokenizing(self, fn, *args, **kwargs):
         """Tokenizing and templating, off the event loop (a 10 MB prompt takes seconds, and

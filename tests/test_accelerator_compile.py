@@ -267,7 +267,7 @@ def _tiny_config(path: Path, *, moe: bool = False) -> Path:
 
 # (target, model, engine settings): TP 1 and 4 on v5e and v6e, TP 1 and 2 on an H100;
 # quantized weights, 8-bit caches, mixture of experts (ragged_dot), speculative decoding, the
-# host KV tier's copy programs and a decoder's pooler spread over them. The sampler with its grammar bitmask and draft verification is in every
+# host KV tier's copy programs, a decoder's pooler and LoRA slots spread over them. The sampler with its grammar bitmask and draft verification is in every
 # engine's head program. Each takes 2-5 minutes on 2 cores: the default suite compiles a TPU
 # slice under tensor parallelism and a GPU host with MoE; `-m slow` all six.
 SLOW = pytest.mark.slow
@@ -280,7 +280,8 @@ ENGINES = [
     pytest.param("v6e-4", "moe", dict(kv_cache_dtype="fp8"), marks=SLOW, id="v6e-4"),
     pytest.param("h100", "llama", dict(quantization="int8", kv_cache_dtype="fp8"), marks=SLOW,
                  id="h100"),
-    pytest.param("h100x2", "moe", dict(kv_offloading_size=1), id="h100x2"),
+    pytest.param("h100x2", "moe", dict(kv_offloading_size=1, enable_lora=True, max_loras=2),
+                 id="h100x2"),
 ]  # fmt: skip
 
 

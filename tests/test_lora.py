@@ -210,3 +210,90 @@ def _request(prompt, lora):
     from jaxllm.engine.request import Request
 
     return Request("r", prompt, GREEDY, eos_token_ids=(), max_tokens=4, seed=0, lora=lora)
+
+
+@pytest.mark.parametrize("family", ["llama3.1-rope"], indirect=True)
+def test_server_serves_adapters_by_model_name_and_swaps_them_while_serving(family, tmp_path):
+    """`jaxllm serve --enable-lora --lora-modules ...` with the official openai client: the
+    adapter named by `model` (listed in /v1/models with its parent), streamed and not, equal
+    to transformers + peft; another adapter loaded and the first unloaded while a request
+    runs: no request fails, the unloaded name answers 404, nothing compiles after warmup."""
+    import httpx
+    import openai
+
+    from tests.test_server_e2e import _start_server, _stop_server
+
+    base_dir, prompts, loras, expected = family
+    first, second = list(loras)[:2]
+    proc, url = _start_server(
+        base_dir, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+        "--lora-modules", f"{first}={loras[first].lora_path}", "--allow-runtime-lora-updating",
+        name="base",
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"base", first}
+        assert cards[first].parent == "base" and cards[first].root == loras[first].lora_path
+
+        def complete(model, i, stream=False):
+            kw = dict(model=model, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0)
+            if not stream:
+                return client.completions.create(**kw).choices[0].text
+            return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+
+        def text(ids):
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(base_dir).decode(ids)
+
+        compilations = _metric(url, "jaxllm:num_compilations_total")
+        assert complete(first, 0) == complete(first, 0, stream=True) == text(expected[first][0])
+        assert complete("base", 1) == text(expected[None][1])
+        # While a stream of the first adapter runs (its first chunk read, 100 tokens to
+        # come), load the second and unload the first: the stream goes on to its end.
+        stream = client.completions.create(
+            model=first, prompt=prompts[2], max_tokens=100, temperature=0, stream=True
+        )
+        chunks = iter(stream)
+        next(chunks)
+        load = {"lora_name": second, "lora_path": loras[second].lora_path}
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 200
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 400
+        assert complete(second, 3) == text(expected[second][3])
+        gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": first})
+        assert gone.status_code == 200
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        with pytest.raises(openai.NotFoundError):
+            complete(first, 0)
+        bad = httpx.post(
+            f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        assert "vllm:lora_requests_info" in httpx.get(f"{url}/metrics").text
+        assert _metric(url, "jaxllm:num_compilations_total") == compilations
+    finally:
+        log = _stop_server(proc)
+    assert "Traceback" not in log, log[-3000:]
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+@pytest.mark.parametrize("family", ["llama3.1-rope"], indirect=True)
+def test_tensor_parallel_adapters_split_with_their_base_weights(family, tmp_path):
+    """An adapter of every target at TP 1, 2 and 4 (4 devices for 2 kv heads: each repeated,
+    its B's columns too): the same tokens, every other prompt under the adapter."""
+    from tests.helpers import tensor_parallel_report
+
+    base_dir, _, loras, _ = family
+    rows = tensor_parallel_report(base_dir, "1,2,4", tmp_path, "--lora", loras["r8-all"].lora_path)
+    for row in rows:
+        assert row["same_tokens_as_first"], row["tp"]
+        assert row["compiled_after_warmup"] == 0, row

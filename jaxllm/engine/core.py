@@ -267,7 +267,7 @@ class EngineCore:
         if request.lora is not None:
             if self.scheduler.loras is None:
                 raise ValueError("lora_request: this engine serves no LoRA adapters (enable_lora)")
-            self.scheduler.loras.register(request.lora)
+            self.scheduler.loras.prepare(request.lora)
         self.scheduler.add_request(request)
 
     @property
@@ -396,6 +396,7 @@ class EngineCore:
             grammar_bitmask_steps=scheduler.grammar_bitmask_steps,
             spec_decoding=scheduler.spec_decoding.copy(),
             sleep_level=self.sleep_level,
+            **_lora_stats(scheduler),
         )
 
     def step(self) -> list[RequestUpdate]:
@@ -502,7 +503,7 @@ def _load_weights(config: EngineConfig, mesh):
 def _lora_manager(config: EngineConfig, runner, *, multi: bool):
     """The LoRA adapters' slots and host copies, when the engine serves adapters."""
     from jaxllm.engine.lora_manager import LoRAManager
-    from jaxllm.lora import load_adapter
+    from jaxllm.lora import BaseDims, load_adapter
 
     lora = config.lora
     if not lora.enable_lora:
@@ -510,12 +511,22 @@ def _lora_manager(config: EngineConfig, runner, *, multi: bool):
     if multi:
         raise ValueError("enable_lora is not supported in a multi-host run")
 
+    dims = BaseDims.of(runner.config)
+
     def load(request):
         return load_adapter(
-            request.lora_path, runner.config, max_rank=lora.max_lora_rank, name=request.lora_name
+            request.lora_path, dims, max_rank=lora.max_lora_rank, name=request.lora_name
         )
 
     return LoRAManager(lora.max_loras, lora.max_cpu_loras or lora.max_loras, load, runner.lora.set)
+
+
+def _lora_stats(scheduler) -> dict:
+    loras = scheduler.loras
+    if loras is None:
+        return {}
+    waiting = sorted({r.lora.lora_name for r in scheduler.waiting if r.lora is not None})
+    return dict(running_loras=loras.running(), waiting_loras=waiting, max_loras=loras.num_slots)
 
 
 def _host_tier_stats(host) -> dict:

@@ -37,11 +37,14 @@ def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 
 def _chain_root(request: Request) -> bytes | None:
-    """The parent of a request's first block: none, or its LoRA adapter's name (a prefix
-    computed under one adapter holds other K/V than under another, or none)."""
-    if request.lora is None:
+    """The parent of a request's first block: none, or its LoRA adapter (a prefix computed
+    under one adapter holds other K/V than under another, or none)."""
+    lora = request.lora
+    if lora is None:
         return None
-    return hashlib.sha256(b"lora\0" + request.lora.lora_name.encode()).digest()
+    return hashlib.sha256(
+        f"lora\0{lora.lora_int_id}\0{lora.lora_name}\0{lora.lora_path}".encode()
+    ).digest()
 
 
 class KVCacheManager:

@@ -338,7 +338,7 @@ class Scheduler:
     def _release_lora(self, request: Request) -> None:
         """Unpins a running request's adapter slot (finished or preempted)."""
         if request.lora_slot >= 0:
-            self.loras.release(request.lora.lora_name)
+            self.loras.release(request.lora)
             request.lora_slot = -1
 
     def _next_waiting(self) -> Request | None:
@@ -349,7 +349,7 @@ class Scheduler:
             for r in self.waiting
             if not self._waits_for_parent(r)
             and (r.grammar is None or r.grammar.compiled)
-            and (r.lora is None or self.loras.can_acquire(r.lora.lora_name))
+            and (r.lora is None or self.loras.can_acquire(r.lora))
         )
         if self.config.scheduling_policy == "priority":
             return min(ready, key=lambda r: (r.priority, r.arrival_time), default=None)

@@ -95,3 +95,8 @@ class Stats(msgspec.Struct):
     grammar_bitmask_steps: int = 0
     spec_decoding: SpecDecodingStats = msgspec.field(default_factory=SpecDecodingStats)
     sleep_level: int = 0  # sleep mode: 0 awake, 1 weights on the host, 2 weights dropped
+    # LoRA (enable_lora): the adapters of the running and the waiting requests, by name, and
+    # how many the device holds at once (0: LoRA off), for vllm:lora_requests_info.
+    running_loras: list[str] = msgspec.field(default_factory=list)
+    waiting_loras: list[str] = msgspec.field(default_factory=list)
+    max_loras: int = 0

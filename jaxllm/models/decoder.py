@@ -79,7 +79,9 @@ class DecoderLayer(nnx.Module):
         attn_out, kv_cache = self.self_attn(
             self.input_layernorm(x), rope, kv_cache, layer, meta, lora
         )
-        mlp = self.mlp if lora is None else functools.partial(self.mlp, lora=lora)
+        # Adapters of a mixture of experts' MLPs are not served (`jaxllm.lora`).
+        dense = lora is not None and not isinstance(self.mlp, MoE)
+        mlp = functools.partial(self.mlp, lora=lora) if dense else self.mlp
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn_out)
             mlp_out = mlp(self.pre_feedforward_layernorm(x))

@@ -17,47 +17,58 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
-from jaxllm.lora import TARGETS, LoRAAdapter, target_shape
+from jaxllm.lora import TARGETS, BaseDims, LoRAAdapter
 from jaxllm.models.lora import LoRABatch
+from jaxllm.worker.device_state import DeviceState
 
 _ROW_SPLIT = ("o_proj", "down_proj")  # the targets whose input side is split over devices
 
 
 class LoRASlots:
     def __init__(
-        self, config: ModelConfig, *, max_loras: int, max_rank: int, dtype, mesh: Mesh | None
+        self,
+        config: ModelConfig,
+        device: DeviceState,
+        *,
+        max_loras: int,
+        max_rank: int,
+        dtype,
+        mesh: Mesh | None,
     ):
-        """`config`: the model's as sharded (kv heads repeated under tensor parallelism)."""
+        """`config`: the model's as sharded (kv heads repeated under tensor parallelism);
+        `device`: where the runner's programs run (an abstract one's slots are abstract: a
+        target's programs are compiled with them, see `jaxllm.aot`)."""
         self.num_slots, self.max_rank, self.dtype = max_loras, max_rank, dtype
+        self.abstract = device.abstract
         self.config = config
         n, s, r = config.num_layers, max_loras, max_rank
         self.host: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.shardings: dict[str, tuple] = {}
+        dims = BaseDims.of(config)
         for t in TARGETS:
-            num_in, num_out = target_shape(config, t)
-            if t in ("k_proj", "v_proj"):
+            num_in, num_out = dims.shape(t)
+            if t in ("k_proj", "v_proj"):  # as the base weights' kv heads (see sharding.py)
                 num_out *= config.kv_head_replicas
             self.host[t] = (
                 np.zeros((n, num_in, s, r), np.float32),
                 np.zeros((n, s, r, num_out), np.float32),
             )
             if mesh is None:
-                self.shardings[t] = (None, None)
+                self.shardings[t] = (device.replicated, device.replicated)
             elif t in _ROW_SPLIT:
                 split = NamedSharding(mesh, PartitionSpec(None, "model", None, None))
                 self.shardings[t] = (split, sharding.replicated(mesh))
             else:
                 split = NamedSharding(mesh, PartitionSpec(None, None, None, "model"))
                 self.shardings[t] = (sharding.replicated(mesh), split)
-        self.names: list[str | None] = [None] * max_loras  # the adapter in each slot
         self._slot_targets: list[set[str]] = [set() for _ in range(max_loras)]
         self.device = {t: self._upload(t) for t in TARGETS}
 
     def _upload(self, target: str) -> tuple[jax.Array, jax.Array]:
-        return tuple(
-            jax.device_put(h.astype(self.dtype), sh)
-            for h, sh in zip(self.host[target], self.shardings[target], strict=True)
-        )
+        pairs = zip(self.host[target], self.shardings[target], strict=True)
+        if self.abstract:
+            return tuple(jax.ShapeDtypeStruct(h.shape, self.dtype, sharding=sh) for h, sh in pairs)
+        return tuple(jax.device_put(h.astype(self.dtype), sh) for h, sh in pairs)
 
     def set(self, slot: int, adapter: LoRAAdapter) -> None:
         """Puts `adapter` in `slot` (whatever was there is gone)."""
@@ -67,13 +78,15 @@ class LoRASlots:
             a, b = self.host[t]
             a[:, :, slot] = 0
             b[:, slot] = 0
+        replicas, h = self.config.kv_head_replicas, self.config.head_dim
         for (layer, t), (a, b) in adapter.weights.items():
             rank = a.shape[1]
+            if t in ("k_proj", "v_proj") and replicas > 1:  # each kv head repeated
+                b = np.repeat(b.reshape(rank, -1, h), replicas, axis=1).reshape(rank, -1)
             self.host[t][0][layer, :, slot, :rank] = a
             self.host[t][1][layer, slot, :rank] = b
         for t in touched:
             self.device[t] = self._upload(t)
-        self.names[slot] = adapter.name
         self._slot_targets[slot] = targets
 
     def batch(self, token_slots) -> LoRABatch:

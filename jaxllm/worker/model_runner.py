@@ -122,6 +122,7 @@ class ModelRunner:
         if lora is not None and lora.enable_lora:
             self.lora = LoRASlots(
                 config,
+                self.device,
                 max_loras=lora.max_loras,
                 max_rank=lora.max_lora_rank,
                 dtype=model.embed_tokens.get_value().dtype,
