@@ -1,5 +1,5 @@
-"""The LoRA adapters resident on the device: `max_loras` slots per target projection, stacked
-as `jaxllm.models.lora` reads them (A [L, in, S, R], B [L, S, R, out], ranks padded to
+"""The LoRA adapters resident on the device: `max_loras` slots per target projection and
+layer, as `jaxllm.models.lora` reads them (A [in, S, R], B [S, R, out], ranks padded to
 `max_lora_rank` with zeros), in the model's dtype.
 
 The slots keep a host copy; putting an adapter in a slot rewrites that copy and replaces the
@@ -56,19 +56,26 @@ class LoRASlots:
             if mesh is None:
                 self.shardings[t] = (device.replicated, device.replicated)
             elif t in _ROW_SPLIT:
-                split = NamedSharding(mesh, PartitionSpec(None, "model", None, None))
+                split = NamedSharding(mesh, PartitionSpec("model", None, None))
                 self.shardings[t] = (split, sharding.replicated(mesh))
             else:
-                split = NamedSharding(mesh, PartitionSpec(None, None, None, "model"))
+                split = NamedSharding(mesh, PartitionSpec(None, None, "model"))
                 self.shardings[t] = (sharding.replicated(mesh), split)
         self._slot_targets: list[set[str]] = [set() for _ in range(max_loras)]
         self.device = {t: self._upload(t) for t in TARGETS}
 
-    def _upload(self, target: str) -> tuple[jax.Array, jax.Array]:
+    def _upload(self, target: str) -> tuple[list[jax.Array], list[jax.Array]]:
+        """The target's A and B of every layer, as device arrays (abstract ones when the
+        runner is)."""
         pairs = zip(self.host[target], self.shardings[target], strict=True)
         if self.abstract:
-            return tuple(jax.ShapeDtypeStruct(h.shape, self.dtype, sharding=sh) for h, sh in pairs)
-        return tuple(jax.device_put(h.astype(self.dtype), sh) for h, sh in pairs)
+            return tuple(
+                [jax.ShapeDtypeStruct(h.shape[1:], self.dtype, sharding=sh)] * len(h)
+                for h, sh in pairs
+            )
+        return tuple(
+            [jax.device_put(layer.astype(self.dtype), sh) for layer in h] for h, sh in pairs
+        )
 
     def set(self, slot: int, adapter: LoRAAdapter) -> None:
         """Puts `adapter` in `slot` (whatever was there is gone)."""
