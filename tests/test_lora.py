@@ -144,11 +144,14 @@ def test_chunked_prefill_and_no_prefix_hit_across_adapters(family):
     assert _tokens(out)[0] == expected[a][i] and kv.prefix_cache_hits > hits
 
 
-def test_more_adapters_than_slots_take_turns(family):
+@pytest.mark.parametrize("num_pages", [64, 6], ids=["roomy", "preempting"])
+def test_more_adapters_than_slots_take_turns(family, num_pages):
     """Three adapters through one device slot: requests of the others wait, each batch holds
-    one adapter (and the base model), every answer is right, and swapping compiles nothing."""
+    one adapter (and the base model), every answer is right, and swapping compiles nothing;
+    with a pool of 6 pages of 16 tokens (96: one longest request), requests are preempted
+    and resume with their adapter."""
     base_dir, prompts, loras, expected = family
-    llm = _llm(base_dir, max_loras=1, max_cpu_loras=1)
+    llm = _llm(base_dir, max_loras=1, max_cpu_loras=1, num_pages=num_pages, max_model_len=96)
     before = llm.runner.num_compilations
     batch = [(p, name) for p in prompts[:3] for name in (*loras, None)]
     outs = llm.generate(
@@ -160,6 +163,7 @@ def test_more_adapters_than_slots_take_turns(family):
     for (p, name), got in zip(batch, _tokens(outs), strict=True):
         assert got == expected[name][prompts.index(p)], name
     assert llm.runner.num_compilations == before
+    assert (llm.engine.scheduler.num_preemptions > 0) == (num_pages == 6)
 
 
 def _write_adapter(path, config: dict, tensors: dict[str, np.ndarray]):
