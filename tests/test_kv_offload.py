@@ -12,24 +12,10 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.kv_offload import HostBlockPool
-from jaxllm.engine.request import Request
 from tests.helpers import tensor_parallel_report
+from tests.test_prefix_caching import _admit, _request
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=6, seed=0)
-
-
-def _admit(kv: KVCacheManager, req: Request) -> int:
-    blocks, cached = kv.get_computed_blocks(req)
-    req.num_computed_tokens = cached
-    assert kv.allocate_slots(req, req.num_tokens - cached, blocks)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_full_blocks(req)
-    kv.check_invariants()
-    return cached
 
 
 def test_evicted_blocks_go_to_the_host_and_come_back():

@@ -110,6 +110,13 @@ def test_each_adapter_alone_and_all_mixed_in_one_batch(family):
     # One batch: every prompt under each adapter and under none, interleaved.
     names = [None, *loras]
     batch = [(p, names[(i + j) % 4]) for i, p in enumerate(prompts) for j in range(4)]
+    _check_batch(llm, family, batch)
+    assert llm.runner.num_compilations == before, "compiled after warmup"
+
+
+def _check_batch(llm, family, batch: list[tuple[list[int], str | None]]) -> None:
+    """One `generate` of (prompt, adapter name or None) pairs: each as transformers + peft."""
+    _, prompts, loras, expected = family
     outs = llm.generate(
         [{"prompt_token_ids": p} for p, _ in batch],
         GREEDY,
@@ -118,7 +125,6 @@ def test_each_adapter_alone_and_all_mixed_in_one_batch(family):
     )
     for (p, name), got in zip(batch, _tokens(outs), strict=True):
         assert got == expected[name][prompts.index(p)], name
-    assert llm.runner.num_compilations == before, "compiled after warmup"
 
 
 def test_chunked_prefill_and_no_prefix_hit_across_adapters(family):
@@ -150,18 +156,10 @@ def test_more_adapters_than_slots_take_turns(family, num_pages):
     one adapter (and the base model), every answer is right, and swapping compiles nothing;
     with a pool of 6 pages of 16 tokens (96: one longest request), requests are preempted
     and resume with their adapter."""
-    base_dir, prompts, loras, expected = family
+    base_dir, prompts, loras, _ = family
     llm = _llm(base_dir, max_loras=1, max_cpu_loras=1, num_pages=num_pages, max_model_len=96)
     before = llm.runner.num_compilations
-    batch = [(p, name) for p in prompts[:3] for name in (*loras, None)]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p, _ in batch],
-        GREEDY,
-        lora_request=[None if n is None else loras[n] for _, n in batch],
-        use_tqdm=False,
-    )
-    for (p, name), got in zip(batch, _tokens(outs), strict=True):
-        assert got == expected[name][prompts.index(p)], name
+    _check_batch(llm, family, [(p, name) for p in prompts[:3] for name in (*loras, None)])
     assert llm.runner.num_compilations == before
     assert (llm.engine.scheduler.num_preemptions > 0) == (num_pages == 6)
 
