@@ -29,6 +29,7 @@ from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Sleep, Stats, 
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.loaders import load_tokenizer
+from jaxllm.lora import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -144,6 +145,7 @@ class AsyncLLM:
         priority: int = 0,
         prefix_parent: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields a `RequestOutput` when new tokens came: its one completion is a snapshot of
         everything so far (tokens that came while the caller was not reading arrive together;
@@ -154,7 +156,8 @@ class AsyncLLM:
         processor, which raises `InputError` naming the parameter), or a request the input
         processor made already (the server's path: `input_processor.fan_out`). `index` is the
         completion's place among the n of one prompt (it picks the seed); the siblings pass
-        the first one's id as `prefix_parent` to share its cached prompt."""
+        the first one's id as `prefix_parent` to share its cached prompt. `lora_request`: the
+        LoRA adapter of a prompt given as token ids (an engine with enable_lora)."""
         if self.dead:
             raise EngineDeadError("engine core is not running")
         if isinstance(prompt, AddRequest):
@@ -170,6 +173,7 @@ class AsyncLLM:
                 index=index,
                 priority=priority,
                 prefix_parent=prefix_parent,
+                lora_request=lora_request,
             )
         request_id, params = request.request_id, request.sampling_params
         if request_id in self._streams:
