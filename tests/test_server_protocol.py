@@ -679,8 +679,11 @@ def test_model_list_json():
     data = ModelList(data=[card]).model_dump()
     assert data["object"] == "list"
     card = data["data"][0]
-    assert set(card) == {"id", "object", "created", "owned_by", "max_model_len", "supported_tasks"}
+    assert set(card) == {
+        "id", "object", "created", "owned_by", "max_model_len", "supported_tasks", "root", "parent"
+    }  # fmt: skip
     assert (card["object"], card["owned_by"], card["max_model_len"]) == ("model", "jaxllm", 2048)
+    assert card["parent"] is None  # vLLM's: set on a LoRA adapter's card only
     assert card["supported_tasks"] == ["generate"]
 
 
