@@ -77,9 +77,9 @@ class LoRARegistry:
         load_adapter(path, self.dims, max_rank=self.max_rank)
 
     def add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
+        """Serves the adapter at `path` (checked already: `check`) as `name`."""
         if name in self.adapters:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-        self.check(path)
         lora = self.adapters[name] = LoRARequest(name, next(self._ids), str(Path(path).resolve()))
         self.parents[name] = parent or self.base_name
         return lora
@@ -104,6 +104,7 @@ def lora_registry(engine, config, base_name: str) -> LoRARegistry | None:
     )
     for entry in config.lora_modules or ():
         name, path, parent = parse_lora_module(entry)
+        registry.check(path)
         registry.add(name, path, parent)
     return registry
 
@@ -126,7 +127,10 @@ async def load_lora_adapter(request: Request):
     if req.lora_name in state.served_model_names:
         raise APIError.bad_request(f"lora_name {req.lora_name!r} is the base model's", "lora_name")
     try:
-        await asyncio.to_thread(loras.add, req.lora_name, req.lora_path)
+        if req.lora_name in loras.adapters:  # before reading files; `add` checks it again
+            raise ValueError(f"The lora adapter '{req.lora_name}' has already been loaded.")
+        await asyncio.to_thread(loras.check, req.lora_path)  # reads files: off the loop
+        loras.add(req.lora_name, req.lora_path)
     except ValueError as e:
         param = "lora_path" if "lora_path" in str(e) else "lora_name"
         raise APIError.bad_request(str(e), param) from None

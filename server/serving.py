@@ -115,8 +115,14 @@ class ServerState:
         raise APIError.model_not_found(name)
 
     def lora_request(self, model: str):
-        """The LoRA adapter a checked `model` names, or None (the base model)."""
-        return None if self.loras is None else self.loras.adapters.get(model)
+        """The LoRA adapter a checked `model` names, or None (the base model); a 404 if the
+        adapter was unloaded since the check (never the base model in its place)."""
+        if model in self.served_model_names:
+            return None
+        lora = None if self.loras is None else self.loras.adapters.get(model)
+        if lora is None:
+            raise APIError.model_not_found(model)
+        return lora
 
     async def tokenizing(self, fn, *args, **kwargs):
         """Tokenizing and templating, off the event loop (a 10 MB prompt takes seconds, and
