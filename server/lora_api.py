@@ -126,14 +126,18 @@ async def load_lora_adapter(request: Request):
     loras = _registry(request)
     if req.lora_name in state.served_model_names:
         raise APIError.bad_request(f"lora_name {req.lora_name!r} is the base model's", "lora_name")
+    if req.lora_name in loras.adapters:  # before reading files; `add` checks it again
+        raise APIError.bad_request(
+            f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name"
+        )
     try:
-        if req.lora_name in loras.adapters:  # before reading files; `add` checks it again
-            raise ValueError(f"The lora adapter '{req.lora_name}' has already been loaded.")
         await asyncio.to_thread(loras.check, req.lora_path)  # reads files: off the loop
+    except (ValueError, OSError) as e:
+        raise APIError.bad_request(f"lora_path: {e}", "lora_path") from None
+    try:
         loras.add(req.lora_name, req.lora_path)
     except ValueError as e:
-        param = "lora_path" if "lora_path" in str(e) else "lora_name"
-        raise APIError.bad_request(str(e), param) from None
+        raise APIError.bad_request(str(e), "lora_name") from None
     logger.info("loaded LoRA adapter %s from %s", req.lora_name, req.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
