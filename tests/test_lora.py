@@ -355,3 +355,16 @@ def test_tensor_parallel_adapters_split_with_their_base_weights(family, tmp_path
     for row in rows:
         assert row["same_tokens_as_first"], row["tp"]
         assert row["compiled_after_warmup"] == 0, row
+
+
+def test_the_kv_pool_is_sized_after_the_slots(tiny_model_dir):
+    """The slots' device bytes, as the KV budget subtracts them, are what the runner holds."""
+    import jax
+
+    from jaxllm.worker import lora_slot_bytes
+
+    llm = LLM(tiny_model_dir, enable_lora=True, max_loras=3, max_lora_rank=8, num_pages=16,
+              skip_warmup=True)  # fmt: skip
+    arrays = jax.tree.leaves(llm.runner.lora.device)
+    held, itemsize = sum(a.nbytes for a in arrays), arrays[0].dtype.itemsize
+    assert held == lora_slot_bytes(llm.runner.config, llm.engine.config.lora, itemsize) > 0

@@ -34,7 +34,7 @@ from jaxllm.model_cache import resolve_model
 from jaxllm.pooling import decoder_pools
 from jaxllm.quantization import FORMATS
 from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
-from jaxllm.worker import ModelRunner
+from jaxllm.worker import ModelRunner, lora_slot_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,9 @@ def compile_engine(
         )
     weight_device_bytes = sum(w.weight_device_bytes for w in weights)
     usable = memory * cache.memory_utilization
-    budget = int(usable - weight_device_bytes)
+    # The LoRA slots (with --enable-lora) take their share before the KV pool.
+    lora_bytes = lora_slot_bytes(model.config, config.lora, jnp.dtype(dtype).itemsize, tp)
+    budget = int(usable - weight_device_bytes - lora_bytes)
     if budget < 2 * page_bytes and cache.num_pages is None:
         raise DoesNotFit(
             f"{config.load.model} does not fit {target.name}: its weights take "

@@ -119,7 +119,7 @@ class EngineCore:
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
         from jaxllm.sharding import kv_cache_placement, make_mesh
-        from jaxllm.worker import ModelRunner
+        from jaxllm.worker import ModelRunner, lora_slot_bytes
 
         comp, parallel = config.compilation, config.parallel
         xla_cache = comp.compilation_cache_dir
@@ -166,7 +166,11 @@ class EngineCore:
             page_bytes=page_bytes,
             budget_bytes=None
             if config.cache.num_pages is not None
-            else kv_budget_bytes(config.cache, jax.local_devices()[0]),
+            else kv_budget_bytes(config.cache, jax.local_devices()[0])
+            # the LoRA slots (enable_lora) come out of it first, in the model's dtype
+            - lora_slot_bytes(
+                loaded.config, config.lora, loaded.model.embed_tokens.get_value().dtype.itemsize, tp
+            ),
         )
         config = config.replace(
             max_model_len=max_model_len,

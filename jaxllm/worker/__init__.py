@@ -20,6 +20,7 @@ _HOMES = {
     "make_buckets": "jaxllm.worker.buckets",
     "pick_shape": "jaxllm.worker.buckets",
     "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
+    "lora_slot_bytes": "jaxllm.worker.lora_slots",
     "GrammarBitmask": "jaxllm.worker.step_data",
     "NewRequestData": "jaxllm.worker.step_data",
     "PooledChunk": "jaxllm.worker.step_data",
@@ -44,6 +45,7 @@ __all__ = [
     "TokenLogprobs",
     "cache_copy_ops",
     "check_draft_config",
+    "lora_slot_bytes",
     "make_buckets",
     "pick_shape",
 ]
@@ -51,6 +53,7 @@ __all__ = [
 if TYPE_CHECKING:
     from jaxllm.worker.buckets import make_buckets, pick_shape
     from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
+    from jaxllm.worker.lora_slots import lora_slot_bytes
     from jaxllm.worker.model_runner import InflightStep, ModelRunner
     from jaxllm.worker.pooling_runner import EncoderRunner
     from jaxllm.worker.spec_decode.draft_model import check_draft_config

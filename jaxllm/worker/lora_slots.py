@@ -16,12 +16,28 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm import sharding
-from jaxllm.config import ModelConfig
+from jaxllm.config import LoRAConfig, ModelConfig
 from jaxllm.lora import TARGETS, BaseDims, LoRAAdapter
 from jaxllm.models.lora import LoRABatch
 from jaxllm.worker.device_state import DeviceState
 
 _ROW_SPLIT = ("o_proj", "down_proj")  # the targets whose input side is split over devices
+
+
+def lora_slot_bytes(config: ModelConfig, lora: LoRAConfig, itemsize: int, shards: int = 1) -> int:
+    """The device memory the slots take on one device (the KV pool is sized after it): A and
+    B of every target and layer, split over `shards` devices as `LoRASlots` places them; 0
+    when LoRA is off. `config`: the model's as sharded."""
+    if not lora.enable_lora:
+        return 0
+    dims, total = BaseDims.of(config), 0
+    for t in TARGETS:
+        num_in, num_out = dims.shape(t)
+        if t in ("k_proj", "v_proj"):
+            num_out *= config.kv_head_replicas
+        a, b = num_in * lora.max_lora_rank, lora.max_lora_rank * num_out
+        total += (a // shards + b) if t in _ROW_SPLIT else (a + b // shards)
+    return total * lora.max_loras * config.num_layers * itemsize
 
 
 class LoRASlots:
