@@ -142,3 +142,23 @@ def test_tensor_parallel_host_tier(tiny_model_dir, tmp_path, kv_cache_dtype):
         assert row["same_tokens_as_first"], row["tp"]
         assert row["host_tier"]["same_tokens"] and row["host_tier"]["hit_tokens"] > 0, row
         assert row["compiled_after_warmup"] == 0, row
+
+
+def test_the_host_tier_outlives_sleep(tiny_model_dir):
+    """Sleep drops the device's cache and its prefixes; the host tier's copies stay, and a
+    returning conversation after waking is served from them, with the same tokens."""
+    convs = _conversations(6, 150, seed=1)
+    llm = LLM(tiny_model_dir, max_model_len=256, num_pages=24, max_num_seqs=4,
+              max_num_batched_tokens=64, kv_offloading_size=0.004)  # fmt: skip
+
+    def run():
+        outs = [llm.generate({"prompt_token_ids": c}, GREEDY, use_tqdm=False) for c in convs]
+        return [o[0].outputs[0].token_ids for o in outs]
+
+    first = run()  # the early conversations' blocks are evicted to the host by the later ones
+    for level in (1, 2):
+        llm.sleep(level)
+        llm.wake_up()
+        hits = llm.engine.stats().prefix_cache_hits_host
+        assert run() == first, level
+        assert llm.engine.stats().prefix_cache_hits_host > hits, level

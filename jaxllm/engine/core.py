@@ -339,8 +339,8 @@ class EngineCore:
     def sleep(self, level: int = 1) -> None:
         """Frees the device memory of the weights and the KV cache while idle (vLLM's sleep
         mode): level 1 keeps the weights in host memory, level 2 drops them (`wake_up`
-        reloads them from the checkpoint). Cached prefixes are forgotten; compiled programs
-        are kept. A ValueError if requests are unfinished or `level` is not 1 or 2."""
+        reloads them from the checkpoint). Cached prefixes are forgotten, but for the host KV
+        tier's; compiled programs are kept. A ValueError if requests are unfinished or `level` is not 1 or 2."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         if self.has_unfinished_requests():
@@ -348,7 +348,9 @@ class EngineCore:
         if self.sleep_level:
             return
         self.drain()
-        self.scheduler.kv.reset_prefix_cache()
+        # The host KV tier's copies stay: the same weights come back (level 2 reloads them
+        # from the checkpoint), so a prefix they hold is right after waking.
+        self.scheduler.kv.reset_prefix_cache(host=False)
         self.runner.sleep(keep_weights=level == 1)
         self.sleep_level = level
 

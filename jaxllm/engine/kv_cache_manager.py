@@ -152,13 +152,15 @@ class KVCacheManager:
             # a plain block and returns to the pool uncached.
         self._num_cached_blocks[rid] = end
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix. Only possible while no block is in use (as in vLLM)."""
+    def reset_prefix_cache(self, *, host: bool = True) -> bool:
+        """Forgets every cached prefix, in the host tier too unless `host` is off (sleep:
+        the device's cache is dropped, the host's copies stay right). Only possible while no
+        block is in use (as in vLLM)."""
         if self.num_free_blocks != self.num_pages:
             return False
         self.cached.clear()
         self.block_keys = [None] * self.num_pages
-        if self.host is not None:
+        if self.host is not None and host:
             self.host.clear()
         return True
 
