@@ -3,7 +3,7 @@ layer, as `jaxllm.models.lora` reads them (A [in, S, R], B [S, R, out], ranks pa
 `max_lora_rank` with zeros), in the model's dtype.
 
 The slots keep a host copy; putting an adapter in a slot rewrites that copy and replaces the
-device arrays of its targets with fresh ones of the same shapes and shardings (a steps still
+device arrays of its targets with fresh ones of the same shapes and shardings (a step still
 in flight keeps the arrays it was given): no program changes. Under tensor parallelism the
 matrices split with their base weights: B on its output columns for q, k, v, gate and up, A
 on its input rows for o and down (their partial products are summed like the base ones).
@@ -18,10 +18,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxllm import sharding
 from jaxllm.config import LoRAConfig, ModelConfig
 from jaxllm.lora import TARGETS, BaseDims, LoRAAdapter
-from jaxllm.models.lora import LoRABatch
 from jaxllm.worker.device_state import DeviceState
 
 _ROW_SPLIT = ("o_proj", "down_proj")  # the targets whose input side is split over devices
+
+
+def _slot_shapes(config: ModelConfig, slots: int, rank: int) -> dict[str, tuple[tuple, tuple]]:
+    """Per target, one layer's A [in, S, R] and B [S, R, out] shapes, kv heads repeated as
+    the base weights' are (see sharding.py). `config`: the model's as sharded."""
+    dims, shapes = BaseDims.of(config), {}
+    for t in TARGETS:
+        num_in, num_out = dims.shape(t)
+        if t in ("k_proj", "v_proj"):
+            num_out *= config.kv_head_replicas
+        shapes[t] = (num_in, slots, rank), (slots, rank, num_out)
+    return shapes
 
 
 def lora_slot_bytes(config: ModelConfig, lora: LoRAConfig, itemsize: int, shards: int = 1) -> int:
@@ -30,14 +41,11 @@ def lora_slot_bytes(config: ModelConfig, lora: LoRAConfig, itemsize: int, shards
     when LoRA is off. `config`: the model's as sharded."""
     if not lora.enable_lora:
         return 0
-    dims, total = BaseDims.of(config), 0
-    for t in TARGETS:
-        num_in, num_out = dims.shape(t)
-        if t in ("k_proj", "v_proj"):
-            num_out *= config.kv_head_replicas
-        a, b = num_in * lora.max_lora_rank, lora.max_lora_rank * num_out
+    total = 0
+    for t, (a, b) in _slot_shapes(config, lora.max_loras, lora.max_lora_rank).items():
+        a, b = int(np.prod(a)), int(np.prod(b))
         total += (a // shards + b) if t in _ROW_SPLIT else (a + b // shards)
-    return total * lora.max_loras * config.num_layers * itemsize
+    return total * config.num_layers * itemsize
 
 
 class LoRASlots:
@@ -57,18 +65,11 @@ class LoRASlots:
         self.num_slots, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.abstract = device.abstract
         self.config = config
-        n, s, r = config.num_layers, max_loras, max_rank
+        n = config.num_layers
         self.host: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.shardings: dict[str, tuple] = {}
-        dims = BaseDims.of(config)
-        for t in TARGETS:
-            num_in, num_out = dims.shape(t)
-            if t in ("k_proj", "v_proj"):  # as the base weights' kv heads (see sharding.py)
-                num_out *= config.kv_head_replicas
-            self.host[t] = (
-                np.zeros((n, num_in, s, r), np.float32),
-                np.zeros((n, s, r, num_out), np.float32),
-            )
+        for t, (a, b) in _slot_shapes(config, max_loras, max_rank).items():
+            self.host[t] = (np.zeros((n, *a), np.float32), np.zeros((n, *b), np.float32))
             if mesh is None:
                 self.shardings[t] = (device.replicated, device.replicated)
             elif t in _ROW_SPLIT:
@@ -111,7 +112,3 @@ class LoRASlots:
         for t in touched:
             self.device[t] = self._upload(t)
         self._slot_targets[slot] = targets
-
-    def batch(self, token_slots) -> LoRABatch:
-        """The forward pass's LoRA input for tokens in `token_slots` (i32[T], -1: none)."""
-        return LoRABatch(dict(self.device), token_slots)
