@@ -111,9 +111,10 @@ class BaseDims:
         }[target]
 
 
-def load_adapter(path: str | Path, dims: BaseDims, *, max_rank: int, name: str = ""):
-    """The PEFT LoRA adapter at `path` for a base model of `dims`; ValueError (naming the
-    file and the reason) for anything this engine does not serve."""
+def load_adapter(path: str | Path, dims: BaseDims | None, *, max_rank: int, name: str = ""):
+    """The PEFT LoRA adapter at `path` for a base model of `dims` (None: not known, as for a
+    GGUF file's front end: every check but the shapes); ValueError (naming the file and the
+    reason) for anything this engine does not serve."""
     from jaxllm.loaders.hf import iter_safetensors
 
     path = Path(path)
@@ -152,12 +153,12 @@ def load_adapter(path: str | Path, dims: BaseDims, *, max_rank: int, name: str =
         layer, target, half = int(m[1]), m[2], m[3]
         if target not in TARGETS:
             raise ValueError(f"lora_path {path}: target module {target} is not one of {TARGETS}")
-        if dims.moe and target in ("gate_proj", "up_proj", "down_proj"):
+        if dims is not None and dims.moe and target in ("gate_proj", "up_proj", "down_proj"):
             raise ValueError(
                 f"lora_path {path}: adapters of a mixture-of-experts model's MLP ({target}) are "
                 "not supported; its attention's are"
             )
-        if layer >= dims.num_layers:
+        if dims is not None and layer >= dims.num_layers:
             raise ValueError(f"lora_path {path}: layer {layer} of {dims.num_layers}")
         halves.setdefault((layer, target), {})[half] = np.asarray(tensor, np.float32)
     if not halves:
@@ -167,7 +168,7 @@ def load_adapter(path: str | Path, dims: BaseDims, *, max_rank: int, name: str =
         if set(pair) != {"A", "B"}:
             raise ValueError(f"lora_path {path}: layer {layer} {target} lacks lora_A or lora_B")
         a, b = pair["A"].T, pair["B"].T * scaling  # [in, r], [r, out]
-        num_in, num_out = dims.shape(target)
+        num_in, num_out = dims.shape(target) if dims is not None else (a.shape[0], b.shape[1])
         want = (num_in, rank), (rank, num_out)
         if (a.shape, b.shape) != want:
             raise ValueError(

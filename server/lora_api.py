@@ -71,9 +71,8 @@ class LoRARegistry:
         )
 
     def check(self, path: str) -> None:
-        """Reads the adapter at `path` as the engine will; ValueError naming what is wrong."""
-        if self.dims is None:  # a GGUF model: no config.json to check against here
-            return
+        """Reads the adapter at `path` as the engine will; ValueError naming what is wrong. A
+        GGUF model has no config.json: its shapes are checked by the engine at first use."""
         load_adapter(path, self.dims, max_rank=self.max_rank)
 
     def add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
