@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -70,11 +70,14 @@ def _tokenize(
     return out
 
 
-async def _all(work: Sequence[Awaitable]) -> list:
-    """Every result, or the first failure with the rest cancelled (which aborts them)."""
-    tasks = [asyncio.ensure_future(w) for w in work]
+async def _encode_all(eng: AsyncLLM, requests: list[AddPooling], arrival: float) -> list:
+    """Every request's output, in order; on the first failure the rest are cancelled (which
+    aborts them) and the response is a 500."""
+    tasks = [asyncio.ensure_future(eng.encode(r, arrival_time=arrival)) for r in requests]
     try:
         return await asyncio.gather(*tasks)
+    except (EngineDeadError, RequestFailedError):
+        raise APIError.internal("the engine failed this request") from None
     finally:
         for t in tasks:
             if not t.done():
@@ -98,10 +101,7 @@ async def _pool(
     prompts = await state.tokenizing(_tokenize, eng, items, params, req, field)
     rid = _id("pool")()
     requests = [AddPooling(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
-    try:
-        vectors = await _all([eng.encode(r, arrival_time=arrival) for r in requests])
-    except (EngineDeadError, RequestFailedError):
-        raise APIError.internal("the engine failed this request") from None
+    vectors = await _encode_all(eng, requests, arrival)
     return _Pooled(vectors, sum(len(ids) for ids in prompts))
 
 
@@ -217,10 +217,7 @@ async def _pair_scores(
     requests = [
         AddPooling(f"{rid}-{i}", ids, params, types) for i, (ids, types) in enumerate(prompts)
     ]
-    try:
-        outputs = await _all([eng.encode(r, arrival_time=arrival) for r in requests])
-    except (EngineDeadError, RequestFailedError):
-        raise APIError.internal("the engine failed this request") from None
+    outputs = await _encode_all(eng, requests, arrival)
     return [o[0] for o in outputs], sum(len(ids) for ids, _ in prompts)
 
 
