@@ -38,7 +38,7 @@ from jaxllm.models.layers import (
     param,
     rope_inv_freq,
 )
-from jaxllm.models.lora import LoRABatch, layer_lora
+from jaxllm.models.lora import LayerLoRA
 from jaxllm.models.moe import MoE
 from jaxllm.quantization import QArray, qmatmul, take_rows
 from pallas_kernels import KVCache, as_kv_cache
@@ -142,7 +142,7 @@ class DecoderForCausalLM(nnx.Module):
         positions: jax.Array,  # i32[T]
         kv_cache: KVCache | jax.Array,  # [L, num_pages, K, page_size, 2H]; an array: float
         meta: AttentionMetadata,
-        lora: LoRABatch | None = None,  # each token's adapter (see jaxllm.models.lora)
+        lora: list[LayerLoRA] | None = None,  # per layer, each token's adapter (models.lora)
     ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
         with using_kernels(self.compilation):
             return self._forward(input_ids, positions, as_kv_cache(kv_cache), meta, lora)
@@ -158,11 +158,10 @@ class DecoderForCausalLM(nnx.Module):
             if self.inv_freq[1] == self.inv_freq[0]
             else Rope.at(positions, self.inv_freq[1])
         )
+        loras = lora or [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, kv_cache = layer(
-                    x, (global_rope, local_rope), kv_cache, i, meta, layer_lora(lora, i)
-                )
+                x, kv_cache = layer(x, (global_rope, local_rope), kv_cache, i, meta, loras[i])
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]

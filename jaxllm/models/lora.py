@@ -22,20 +22,18 @@ import jax.numpy as jnp
 from jaxllm.models.layers import matmul
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LoRABatch:
-    """What a step's forward pass needs for LoRA: the slots' matrices by target and layer
-    ({target: ([A [in, S, R] per layer], [B [S, R, out] per layer])}) and each token's slot
-    (i32[T], -1: none)."""
-
-    weights: dict[str, tuple[list[jax.Array], list[jax.Array]]]
-    token_slots: jax.Array
-
-    def layer(self, i: int) -> LayerLoRA:
-        some = next(iter(self.weights.values()))[1][0]
-        onehot = self.token_slots[:, None] == jnp.arange(some.shape[0], dtype=jnp.int32)
-        return LayerLoRA({t: (a[i], b[i]) for t, (a, b) in self.weights.items()}, onehot)
+def layer_loras(
+    weights: dict[str, tuple[list[jax.Array], list[jax.Array]]], token_slots: jax.Array
+) -> list[LayerLoRA]:
+    """Each layer's adapters for a step: the slots' matrices by target and layer ({target:
+    ([A [in, S, R] per layer], [B [S, R, out] per layer])}) and the one-hot of each token's
+    slot (`token_slots` i32[T], -1: none), made once for all layers."""
+    a_layers, b_layers = next(iter(weights.values()))
+    onehot = token_slots[:, None] == jnp.arange(b_layers[0].shape[0], dtype=jnp.int32)
+    return [
+        LayerLoRA({t: (a[i], b[i]) for t, (a, b) in weights.items()}, onehot)
+        for i in range(len(a_layers))
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +51,3 @@ class LayerLoRA:
         h = jnp.where(self.onehot[:, :, None], h, 0.0).reshape(-1, slots * rank)
         delta = matmul(h.astype(b.dtype), b.reshape(slots * rank, -1))
         return (y.astype(jnp.float32) + delta).astype(y.dtype)
-
-
-def layer_lora(lora: LoRABatch | None, i: int) -> LayerLoRA | None:
-    return None if lora is None else lora.layer(i)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.models import AttentionMetadata
-from jaxllm.models.lora import LoRABatch
+from jaxllm.models.lora import layer_loras
 from jaxllm.worker.sampler import SamplingInputs, sample, token_logprobs
 from jaxllm.worker.spec_decode.verification import VerifyInputs, kept_rows
 
@@ -52,7 +52,7 @@ def forward(
     model = merge(graphdef, params_def, params)
     src = batch.token_src
     input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
-    adapters = None if lora is None else LoRABatch(lora, batch.lora_slots)
+    adapters = None if lora is None else layer_loras(lora, batch.lora_slots)
     hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn, adapters)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
