@@ -221,20 +221,18 @@ def _request(prompt, lora):
 def lora_server(family):
     """`jaxllm serve --enable-lora` on the family's base model with its first adapter named
     by --lora-modules and runtime updating on (one family: the server is the same code)."""
-    from tests.test_server_e2e import _start_server, _stop_server
+    from tests.test_server_e2e import running_server
 
     base_dir, _, loras, _ = family
     if "qwen3" in str(base_dir):
         pytest.skip("the server is checked on the Llama family")
     first = next(iter(loras))
-    proc, url = _start_server(
+    with running_server(
         base_dir, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
         "--lora-modules", f"{first}={loras[first].lora_path}", "--allow-runtime-lora-updating",
         name="base",
-    )  # fmt: skip
-    yield url
-    log = _stop_server(proc)
-    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+    ) as url:  # fmt: skip
+        yield url
 
 
 def test_server_serves_adapters_by_model_name_and_swaps_them_while_serving(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jaxllm.model_cache import resolve_model
 from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field, body_bytes
-from tests.test_server_e2e import _start_server, _stop_server
+from tests.test_server_e2e import running_server
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,13 +50,11 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = _start_server(
+    with running_server(
         "all-minilm-l6-v2", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
         "--max-queued-requests", "64", name=MODEL,
-    )  # fmt: skip
-    yield url
-    log = _stop_server(proc)
-    assert "Traceback" not in log and "internal error" not in log, log[-5000:]
+    ) as url:  # fmt: skip
+        yield url
 
 
 @pytest.fixture(scope="module")

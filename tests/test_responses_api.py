@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field, body_bytes
-from tests.test_server_e2e import _start_server, _stop_server
+from tests.test_server_e2e import running_server
 
 pytestmark = pytest.mark.demo_model
 
@@ -32,13 +32,11 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The forecas
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = _start_server(
+    with running_server(
         MODEL, "--max-model-len", "1024", "--num-pages", "256", "--max-num-batched-tokens",
         "256", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", name=MODEL,
-    )  # fmt: skip
-    yield url
-    log = _stop_server(proc)
-    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+    ) as url:  # fmt: skip
+        yield url
 
 
 @pytest.fixture(scope="module")

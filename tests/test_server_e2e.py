@@ -10,6 +10,7 @@ of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -63,6 +64,16 @@ def _start_server(model_dir, *extra: str, name: str = "tiny") -> tuple[subproces
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError("server did not become healthy in time")
+
+
+@contextlib.contextmanager
+def running_server(model_dir, *extra: str, name: str = "tiny"):
+    """A server for a module's tests (`_start_server`'s arguments): its URL; stopped on exit
+    (as `_stop_server` checks), its log free of tracebacks and internal errors."""
+    proc, url = _start_server(model_dir, *extra, name=name)
+    yield url
+    log = _stop_server(proc)
+    assert "Traceback" not in log and "internal error" not in log, log[-5000:]
 
 
 def _children(pid: int) -> dict[int, str]:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from jaxllm.testing import write_tiny_tokenizer
-from tests.test_server_e2e import _start_server, _stop_server
+from tests.test_server_e2e import running_server
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -54,10 +54,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    proc, url = _start_server(model_dir, "--reasoning-parser", "qwen3", name="thinker")
-    yield url
-    log = _stop_server(proc)
-    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+    with running_server(model_dir, "--reasoning-parser", "qwen3", name="thinker") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
