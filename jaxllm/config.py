@@ -447,6 +447,11 @@ class CacheConfig:
     """GiB of host memory for a second tier of the prefix cache (vLLM's flag): full blocks
     evicted from the device pool are copied there and copied back when a prompt's prefix
     hits them, instead of being recomputed; 0: off. Needs prefix caching."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Keep every token of every layer, sliding-window layers included (vLLM's flag). By
+    default a model that mixes sliding-window and full-attention layers (Gemma 2/3) keeps
+    only the window's blocks in its sliding layers, for more sequences in the same memory
+    (see `jaxllm.kv_groups`)."""
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import CacheConfig, ModelConfig, resolve_dtype
+from jaxllm.kv_groups import KVCacheGroups
 from pallas_kernels import (
     QUANTIZED_KV_DTYPES,
     cache_head_dim,
@@ -49,31 +50,44 @@ def resolve_kv_cache_dtype(
 
 
 def bytes_per_page(
-    config: ModelConfig, page_size: int, dtype: jnp.dtype, platform: str | None = None
+    config: ModelConfig,
+    page_size: int,
+    dtype: jnp.dtype,
+    platform: str | None = None,
+    num_slots: int | None = None,
 ) -> int:
-    """Logical bytes of one page of every layer, an 8-bit cache's scales included, with the
-    heads as wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
-    heads = config.num_layers * 2 * config.num_kv_heads
+    """Logical bytes of one page of `num_slots` layers (default: every layer; a hybrid model's
+    groups, `KVCacheGroups.num_slots`), an 8-bit cache's scales included, with the heads as
+    wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
+    heads = (num_slots or config.num_layers) * 2 * config.num_kv_heads
     head_dim = config.head_dim if platform is None else cache_head_dim(config.head_dim, platform)
     return heads * page_size * kv_bytes_per_token_head(head_dim, dtype)
 
 
 def device_page_bytes(
-    config: ModelConfig, page_size: int, dtype: jnp.dtype, sharding=None, num_devices: int = 1
+    config: ModelConfig,
+    page_size: int,
+    dtype: jnp.dtype,
+    sharding=None,
+    num_devices: int = 1,
+    num_slots: int | None = None,
 ) -> int:
-    """Bytes one page of every layer takes on one device, in the layout the device gives the
-    cache: on a TPU, from the compiled allocation of a cache (tiles pad its minor dimensions);
-    elsewhere the logical bytes split over `num_devices`. `sharding`: the cache's (a `KVCache`
-    of shardings, see `jaxllm.sharding.kv_cache_sharding`), or a single device's sharding."""
+    """Bytes one page of `num_slots` layers (default: every layer) takes on one device, in
+    the layout the device gives the cache: on a TPU, from the compiled allocation of a cache
+    (tiles pad its minor dimensions); elsewhere the logical bytes split over `num_devices`.
+    `sharding`: the cache's (a `KVCache` of shardings, see
+    `jaxllm.sharding.kv_cache_sharding`), or a single device's sharding."""
+    num_slots = num_slots or config.num_layers
     if sharding is None:
-        return -(-bytes_per_page(config, page_size, dtype) // num_devices)
+        return -(-bytes_per_page(config, page_size, dtype, None, num_slots) // num_devices)
     if not isinstance(sharding, tuple):  # one sharding for the data and the scales
         sharding = (sharding, sharding)
     device = next(iter(sharding[0].device_set))
-    logical = -(-bytes_per_page(config, page_size, dtype, device.platform) // num_devices)
+    logical = bytes_per_page(config, page_size, dtype, device.platform, num_slots)
+    logical = -(-logical // num_devices)
     if device.platform != "tpu":
         return logical
-    args = (config.num_layers, page_size, config.num_kv_heads, config.head_dim)
+    args = (num_slots, page_size, config.num_kv_heads, config.head_dim)
     small, large = (_compiled_cache_bytes(n, *args, jnp.dtype(dtype), sharding) for n in (64, 128))
     return max(logical, -(-(large - small) // 64))
 
@@ -136,13 +150,18 @@ def plan_kv_cache(
     *,
     page_bytes: int | None = None,
     budget_bytes: int | None = None,
+    kv_groups: KVCacheGroups | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> tuple[int, int]:
     """Returns (num_pages, max_model_len), checked against each other and the model. Under
     tensor parallelism each device holds 1/tp of every page (its kv heads). A draft model
     (speculative decoding) keeps a cache of the same pages: each page costs both.
     `page_bytes`: one page's bytes on one device, both caches included (default: the logical
     bytes, see `device_page_bytes`); `budget_bytes`: the bytes the pool may take on one device
-    (default: `kv_budget_bytes`)."""
+    (default: `kv_budget_bytes`). `kv_groups`: how the layers share the pages (default: one
+    group of every layer); a sliding group holds at most its window and a step's
+    `max_num_batched_tokens` of a sequence."""
+    groups = kv_groups or KVCacheGroups.single(config.num_layers)
     if max_model_len is not None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -152,7 +171,7 @@ def plan_kv_cache(
                 f"({config.max_position_embeddings})"
             )
     if page_bytes is None:
-        page_bytes = bytes_per_page(config, cache.page_size, dtype)
+        page_bytes = bytes_per_page(config, cache.page_size, dtype, None, groups.num_slots)
         if draft_config is not None:
             page_bytes += bytes_per_page(draft_config, cache.page_size, dtype)
         page_bytes //= tensor_parallel_size
@@ -161,18 +180,25 @@ def plan_kv_cache(
     else:
         budget = kv_budget_bytes(cache) if budget_bytes is None else budget_bytes
         num_pages = budget // page_bytes
-    capacity = num_pages * cache.page_size
+
+    def pages(length: int) -> int:
+        return pages_per_sequence(groups, length, cache.page_size, max_num_batched_tokens)
+
     if max_model_len is None:
-        max_model_len = min(config.max_position_embeddings, capacity)
+        lo, hi = 1, config.max_position_embeddings  # the longest sequence the pool holds
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if pages(mid) <= num_pages else (lo, mid - 1)
+        max_model_len = lo if pages(lo) <= num_pages else 0
         if max_model_len < 2:
             raise ValueError(
                 f"the KV cache holds {num_pages} page(s) of {cache.page_size} tokens, too few "
                 f"for any sequence; give it more memory or num_pages"
             )
-    elif max_model_len > capacity:
+    elif pages(max_model_len) > num_pages:
         raise ValueError(
-            f"max_model_len ({max_model_len}) needs {-(-max_model_len // cache.page_size)} "
-            f"pages but the KV cache has {num_pages}; lower max_model_len or raise num_pages"
+            f"max_model_len ({max_model_len}) needs {pages(max_model_len)} pages but the KV "
+            f"cache has {num_pages}; lower max_model_len or raise num_pages"
         )
     logger.info(
         "KV cache: %d pages x %d tokens (%.1f MiB per device, %s), max_model_len %d",
@@ -183,3 +209,22 @@ def plan_kv_cache(
         max_model_len,
     )
     return num_pages, max_model_len
+
+
+def pages_per_sequence(
+    groups: KVCacheGroups, length: int, page_size: int, max_num_batched_tokens: int | None = None
+) -> int:
+    """The most pages one sequence of `length` tokens holds at once: every block in a full
+    group; in a sliding group of window w, with steps of at most `max_num_batched_tokens`
+    (None: any), the blocks of w - 1 tokens before a step, the step's own and the previous
+    step's (kept until keyed for the prefix cache, a step late under async scheduling), and
+    one more where they straddle a block boundary."""
+    blocks = -(-length // page_size)
+    total = 0
+    for window in groups.windows:
+        if window is None or max_num_batched_tokens is None:
+            total += blocks
+        else:
+            span = -(-(window - 1 + 2 * max_num_batched_tokens) // page_size) + 1
+            total += min(blocks, span)
+    return total

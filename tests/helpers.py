@@ -27,9 +27,9 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     )
     cache = jnp.zeros(shape, jnp.float32)
     meta = AttentionMetadata(
-        slot_mapping=jnp.arange(num_tokens, dtype=jnp.int32),
+        slot_mapping=jnp.arange(num_tokens, dtype=jnp.int32)[None],
         seq_lens=jnp.array([num_tokens], jnp.int32),
-        block_tables=jnp.arange(pages, dtype=jnp.int32)[None],
+        block_tables=jnp.arange(pages, dtype=jnp.int32)[None, None],
         cu_q_lens=jnp.array([0, num_tokens], jnp.int32),
         num_seqs=jnp.array([1], jnp.int32),
     )

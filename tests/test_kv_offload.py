@@ -34,7 +34,7 @@ def test_evicted_blocks_go_to_the_host_and_come_back():
     again = _request("a2", list(range(9)))
     assert _admit(kv, again) == 8
     stores, loads = kv.take_transfers()
-    table = kv.get_block_table("a2")
+    table = kv.get_block_table("a2")[0]
     assert [block for _, block in loads] == table[:2]
     assert sorted(slot for slot, _ in loads) == [0, 1] and len(stores) == 3
     assert all(kv.block_keys[b] is not None for b in table[:2])
@@ -58,7 +58,7 @@ def test_a_block_loaded_and_evicted_in_one_step_is_neither_loaded_nor_stored():
     kv.free(hit)  # preempted within the same step: its blocks are free again
     _admit(kv, _request("d", list(range(40, 48))))  # takes both, the loaded one too
     stores, loads = kv.take_transfers()
-    loaded_block = kv.get_block_table("d")
+    loaded_block = kv.get_block_table("d")[0]
     assert loads == [], "a load into a block taken over in the same step"
     assert all(block in loaded_block for block, _ in stores)
     assert len(stores) == 2  # b's two blocks, evicted for c: gathered before d writes them

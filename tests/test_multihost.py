@@ -71,7 +71,7 @@ def _new(request_id: str = "r0") -> NewRequestData:
         sampling_params=params,
         seed=2**63 + 5,
         eos_token_ids=[0],
-        block_ids=[3, 9],
+        block_ids=[[3, 9]],
     )
 
 
@@ -80,7 +80,7 @@ def _scheduled(request_id: str = "r0", **overrides) -> ScheduledRequest:
         request_id=request_id,
         num_computed_tokens=3,
         num_scheduled_tokens=3,
-        new_block_ids=[4],
+        new_block_ids=[[4]],
         prompt_logprob_targets=[6, 7, -1],
     )
     return ScheduledRequest(**{**fields, **overrides})
@@ -89,7 +89,7 @@ def _scheduled(request_id: str = "r0", **overrides) -> ScheduledRequest:
 def test_scheduler_output_round_trip():
     out = SchedulerOutput(
         new_requests=[_new()],
-        requests=[_scheduled(), _scheduled("r1", new_block_ids=[], prompt_logprob_targets=None)],
+        requests=[_scheduled(), _scheduled("r1", new_block_ids=[[]], prompt_logprob_targets=None)],
         total_num_scheduled_tokens=6,
         preempted_request_ids=["r7"],
         finished_request_ids=["r2", "r3"],

@@ -43,8 +43,8 @@ def test_hits_sharing_and_lru_eviction():
     assert _admit(kv, first) == 0
     second = _request("b", [*range(8), 77, 78, 79])  # same first 2 blocks
     assert _admit(kv, second) == 8
-    shared = kv.get_block_table("a")[:2]
-    assert kv.get_block_table("b")[:2] == shared
+    shared = kv.get_block_table("a")[0][:2]
+    assert kv.get_block_table("b")[0][:2] == shared
     assert all(kv.ref_counts[b] == 2 for b in shared)
     # A prompt that is exactly cached still computes its last token.
     third = _request("c", list(range(8)))
@@ -60,7 +60,7 @@ def test_hits_sharing_and_lru_eviction():
     # Filling the pool with unrelated blocks evicts the cached ones.
     big = _request("e", list(range(100, 124)))  # 6 blocks: the whole pool
     assert _admit(kv, big) == 0
-    assert not kv.cached or all(b in kv.get_block_table("e") for b in kv.cached.values())
+    assert not kv.cached or all(b in kv.get_block_table("e")[0] for b in kv.cached.values())
     kv.free(big)
     assert _admit(kv, _request("f", [*range(8), 5])) == 0  # the old prefix was evicted
 

@@ -125,14 +125,14 @@ def test_full_request_data_crosses_once():
     first = s.schedule()
     assert [n.request_id for n in first.new_requests] == [a.request_id, b.request_id]
     assert first.new_requests[0].token_ids == a.prompt_token_ids
-    assert [r.new_block_ids for r in first.requests] == [[], []]  # whole tables sent as new
+    assert [r.new_block_ids for r in first.requests] == [[[]], [[]]]  # whole tables sent as new
     s.update_from_output(first, RunnerOutput({a.request_id: [7], b.request_id: [7]}, {}, {}))
     second = s.schedule()
     assert second.new_requests == []
     # a's fifth token starts its second page: only that block crosses; b's fits its first.
     assert [r.new_block_ids for r in second.requests] == [
-        s.kv.get_block_table(a.request_id)[1:],
-        [],
+        [s.kv.get_block_table(a.request_id)[0][1:]],
+        [[]],
     ]
     assert [(r.num_computed_tokens, r.num_scheduled_tokens) for r in second.requests] == [
         (PAGE, 1),

@@ -27,6 +27,7 @@ from jaxllm.aot.targets import Target
 from jaxllm.classifier import is_classifier
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
 from jaxllm.engine.kv_offload import host_blocks
+from jaxllm.kv_groups import engine_kv_groups
 from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
@@ -121,8 +122,12 @@ def compile_engine(
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype, platform)
     cache = config.cache
     placement = kv_cache_placement(mesh, kv_dtype, devices[0])
+    groups = engine_kv_groups(model.config, cache, draft=len(weights) > 1)
     page_bytes = sum(
-        device_page_bytes(w.config, cache.page_size, kv_dtype, placement, tp) for w in weights
+        device_page_bytes(
+            w.config, cache.page_size, kv_dtype, placement, tp, groups.num_slots if i == 0 else None
+        )
+        for i, w in enumerate(weights)
     )
     if any(w.weight_device_bytes is None for w in weights):
         logical = sum(w.weight_bytes for w in weights)
@@ -155,6 +160,8 @@ def compile_engine(
             tp,
             page_bytes=page_bytes,
             budget_bytes=budget,
+            kv_groups=groups,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         )
     except ValueError as e:
         raise DoesNotFit(

@@ -110,6 +110,7 @@ class EngineCore:
         from jaxllm.engine import multihost
         from jaxllm.engine.kv_cache_manager import KVCacheManager
         from jaxllm.engine.kv_offload import HostBlockPool, host_blocks
+        from jaxllm.kv_groups import engine_kv_groups
         from jaxllm.kv_sizing import (
             device_page_bytes,
             kv_budget_bytes,
@@ -152,11 +153,14 @@ class EngineCore:
             check_draft_config(loaded.config, draft.config)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
         cache_sharding = kv_cache_placement(mesh, kv_dtype)
-        page_bytes = sum(
-            device_page_bytes(c, config.cache.page_size, kv_dtype, cache_sharding, tp)
-            for c in (loaded.config, None if draft is None else draft.config)
-            if c is not None
+        groups = engine_kv_groups(loaded.config, config.cache, draft=draft is not None)
+        page_bytes = device_page_bytes(
+            loaded.config, config.cache.page_size, kv_dtype, cache_sharding, tp, groups.num_slots
         )
+        if draft is not None:
+            page_bytes += device_page_bytes(
+                draft.config, config.cache.page_size, kv_dtype, cache_sharding, tp
+            )
         num_pages, max_model_len = plan_kv_cache(
             loaded.config,
             config.cache,
@@ -164,6 +168,8 @@ class EngineCore:
             config.scheduler.max_model_len,
             tp,
             page_bytes=page_bytes,
+            kv_groups=groups,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             budget_bytes=None
             if config.cache.num_pages is not None
             else kv_budget_bytes(config.cache, jax.local_devices()[0])
@@ -193,6 +199,7 @@ class EngineCore:
         kv = KVCacheManager(
             num_pages,
             cache.page_size,
+            windows=groups.windows,
             enable_prefix_caching=cache.enable_prefix_caching,
             host=HostBlockPool(num_host_blocks) if num_host_blocks else None,
         )

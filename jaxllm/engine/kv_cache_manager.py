@@ -1,12 +1,20 @@
-"""The pool of KV cache pages, each request's block table, and automatic prefix caching.
+"""The pool of KV cache pages, each request's block tables, and automatic prefix caching.
 
-Pages ("blocks") hold `page_size` tokens of every layer. A request owns a block table that
-grows as its tokens are scheduled and is released when it finishes, is aborted or is
-preempted. Blocks carry reference counts because a block can be shared.
+Pages ("blocks") hold `page_size` tokens of one layer group (`jaxllm.kv_groups`: all layers,
+for most models). A request owns one block table per group, which grow together as its tokens
+are scheduled and are released when it finishes, is aborted or is preempted. Blocks carry
+reference counts because a block can be shared.
+
+A sliding-window group's table drops the blocks wholly behind the window of the request's next
+token (a null entry, `NULL_BLOCK`, takes their place, so every group's table keeps one entry
+per block of the sequence): they go back to the pool as any freed block does, cached ones
+still findable.
 
 Prefix caching: once a block is full, its key is a SHA-256 chained from the parent block's key
 and the block's token ids, so equal keys mean equal prefixes. A new request looks its blocks'
-keys up in order and reuses the longest run of hits: those tokens start out computed. A
+keys up in order and reuses the longest run of hits: those tokens start out computed. Each
+group caches its own blocks under the same keys; a hit must be found in every full group, and
+in each sliding group only for the blocks the window after it sees (vLLM's hybrid lookup). A
 released block keeps its key and waits in an LRU free queue: a later hit revives it, and it is
 evicted (its key dropped) only when a new block is needed and it is the least recently freed.
 A request's blocks are released last-first, so the tail of a sequence, the part least likely
@@ -27,6 +35,13 @@ import numpy as np
 
 from jaxllm.engine.kv_offload import HostBlockPool
 from jaxllm.engine.request import Request
+
+NULL_BLOCK = -1
+"""A table entry with no block: in a sliding group, a block behind the window (freed, or never
+taken on a prefix-cache hit). Sent to the runner as page 0, which no kernel reads there."""
+
+# A block's key in the cache map and the host tier: (group, hash of the prefix).
+Key = tuple[int, bytes]
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -53,21 +68,25 @@ class KVCacheManager:
         num_pages: int,
         page_size: int,
         *,
+        windows: tuple[int | None, ...] = (None,),
         enable_prefix_caching: bool = True,
         host: HostBlockPool | None = None,
     ):
+        """`windows`: per layer group (`KVCacheGroups.windows`), its sliding window or None."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.windows = windows
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
-        self.block_keys: list[bytes | None] = [None] * num_pages
+        self.block_keys: list[Key | None] = [None] * num_pages
         # Free blocks, least recently freed first; cached ones keep their key until evicted.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
-        self.cached: dict[bytes, int] = {}  # key -> block holding that prefix
-        self.block_tables: dict[str, list[int]] = {}
-        self._num_cached_blocks: dict[str, int] = {}  # per request: leading blocks with keys
+        self.cached: dict[Key, int] = {}  # key -> block holding that prefix in that group
+        self.block_tables: dict[str, list[list[int]]] = {}  # per request, per group
+        self._num_cached_blocks: dict[str, int] = {}  # per request: leading blocks keyed
+        self._first_live: dict[str, list[int]] = {}  # per request, per group: before it, null
         self._hashes: dict[str, list[bytes]] = {}  # per request: keys of its full blocks
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found (on the device or in the host tier)
@@ -75,8 +94,10 @@ class KVCacheManager:
         # This step's copies: (device block, host slot) stores, (host slot, device block) loads.
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
-        # Per request being admitted: (device hits, the keys found in the host tier after them).
-        self._host_hits: dict[str, tuple[int, list[bytes]]] = {}
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,6 +105,13 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def _first_visible_block(self, group: int, position: int) -> int:
+        """The first block a query at `position` (or after it) reads in `group`."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, position - window + 1) // self.page_size
 
     # ---- prefix cache ----------------------------------------------------------------
 
@@ -97,31 +125,47 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of the request: (block ids, number of tokens).
+    def _found(self, key: Key) -> bool:
+        return key in self.cached or (self.host is not None and key in self.host)
+
+    def get_computed_blocks(self, request: Request) -> tuple[CacheHit | None, int]:
+        """The longest cached prefix of the request: (its blocks, number of tokens), for
+        `allocate_slots`. A block is found on the device or, with a host tier, in host memory
+        (then `allocate_slots` gives it a fresh device block that the step loads).
 
         At least one token is always left to compute: the step must produce logits."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return None, 0
         max_blocks = (request.num_tokens - 1) // self.page_size
         hashes = self._block_hashes(request)[:max_blocks]
-        blocks = []
-        for key in hashes:
-            block = self.cached.get(key)
-            if block is None:
+        n = len(hashes)
+        for g, window in enumerate(self.windows):  # every full group: a run from the start
+            if window is None:
+                n = next((i for i, h in enumerate(hashes[:n]) if not self._found((g, h))), n)
+        sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        # Each sliding group: the blocks the window after the hit sees, found; shrink the hit
+        # until every group agrees (a hit that suits one group may not suit another).
+        runs = {g: _runs([self._found((g, h)) for h in hashes[:n]]) for g in sliding}
+        while True:
+            m = n
+            for g in sliding:
+                while m and runs[g][m - 1] < m - self._first_visible_block(g, m * self.page_size):
+                    m -= 1
+            if m == n:
                 break
-            blocks.append(block)
-        self._host_hits.pop(request.request_id, None)
-        if self.host is None:
-            return blocks, len(blocks) * self.page_size
-        keys = []  # then the host tier's hits, which `allocate_slots` gives device blocks
-        for key in hashes[len(blocks) :]:
-            if key not in self.host or key in self.cached:
-                break
-            keys.append(key)
-        if keys:
-            self._host_hits[request.request_id] = (len(blocks), keys)
-        return blocks, (len(blocks) + len(keys)) * self.page_size
+            n = m
+        if n == 0:
+            return None, 0
+        hit = CacheHit(
+            [
+                [
+                    None if i < self._first_visible_block(g, n * self.page_size) else (g, h)
+                    for i, h in enumerate(hashes[:n])
+                ]
+                for g in range(self.num_groups)
+            ]
+        )
+        return hit, n * self.page_size
 
     def record_lookup(self, num_queried: int, num_hits: int) -> None:
         """Counts one admitted request's lookup (tokens queried and found)."""
@@ -134,22 +178,27 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        table = self.block_tables.get(rid, [])
+        tables = self.block_tables.get(rid)
+        if tables is None:
+            return
         start = self._num_cached_blocks.get(rid, 0)
         # Speculative decoding: a stop inside accepted drafts leaves confirmed tokens that
         # were never appended (the ones after the stop).
         confirmed = min(request.num_confirmed_tokens, request.num_tokens)
-        end = min(confirmed // self.page_size, len(table))
+        end = min(confirmed // self.page_size, len(tables[0]))
         if end <= start:
             return
         hashes = self._block_hashes(request)
-        for i in range(start, end):
-            block, key = table[i], hashes[i]
-            if key not in self.cached and self.block_keys[block] is None:
-                self.cached[key] = block
-                self.block_keys[block] = key
-            # Else an equal block is cached already (computed concurrently): this one stays
-            # a plain block and returns to the pool uncached.
+        for g, table in enumerate(tables):
+            for i in range(start, end):
+                block, key = table[i], (g, hashes[i])
+                if block == NULL_BLOCK:  # freed behind the window before it was computed
+                    continue
+                if key not in self.cached and self.block_keys[block] is None:
+                    self.cached[key] = block
+                    self.block_keys[block] = key
+                # Else an equal block is cached already (computed concurrently): this one
+                # stays a plain block and returns to the pool uncached.
         self._num_cached_blocks[rid] = end
 
     def reset_prefix_cache(self, *, host: bool = True) -> bool:
@@ -170,57 +219,134 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        computed_blocks: list[int] | None = None,
+        hit: CacheHit | None = None,
         *,
         num_lookahead_tokens: int = 0,
     ) -> bool:
-        """Grows the request's block table to hold `num_computed_tokens + num_new_tokens`
-        tokens and `num_lookahead_tokens` more (a draft model's drafts), starting with
-        `computed_blocks` (prefix-cache hits) for a new request, then fresh blocks for the
-        host tier's hits that `get_computed_blocks` found after them (loaded by this step).
-        Returns False, changing nothing, when the pool has too few free blocks."""
-        computed_blocks = computed_blocks or []
+        """Grows the request's block tables to hold `num_computed_tokens + num_new_tokens`
+        tokens and `num_lookahead_tokens` more (a draft model's drafts), starting, for a new
+        request, with `hit` (`get_computed_blocks`): its device blocks, and fresh blocks for
+        its host-tier blocks (loaded by this step). A running request's sliding groups first
+        release the blocks behind the window of its next token. Returns False, changing
+        nothing else, when the pool has too few free blocks."""
         rid = request.request_id
-        host_keys = []
-        if rid not in self.block_tables and rid in self._host_hits:
-            num_device, keys = self._host_hits[rid]
-            host_keys = keys if num_device == len(computed_blocks) else []
-        table = self.block_tables.get(request.request_id, [])
+        tables = self.block_tables.get(rid)
+        if tables is None:
+            entries = hit.entries if hit is not None else [[] for _ in self.windows]
+            located = [[self._locate(key) for key in group] for group in entries]
+            length = len(entries[0])
+        else:
+            self._free_skipped(request)
+            located, length = None, len(tables[0])
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        needed = self.blocks_needed(total) - len(table) - len(computed_blocks)
-        # Reviving a free cached block takes it out of the free queue.
-        revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
-        if max(needed, 0) + revived > self.num_free_blocks:
+        fresh = max(self.blocks_needed(total) - length, 0) * self.num_groups
+        if located is not None:
+            # Host-tier blocks take fresh blocks; reviving a free cached one takes it out of
+            # the free queue.
+            fresh += sum(loc is not None and loc[0] == "host" for g in located for loc in g)
+            fresh += sum(
+                loc is not None and loc[0] == "device" and self.ref_counts[loc[1]] == 0
+                for g in located
+                for loc in g
+            )
+        if fresh > self.num_free_blocks:
             return False
-        table = self.block_tables.setdefault(request.request_id, table)
-        # The host tier's slots, read (and made the most recently used) before this
-        # allocation's evictions store blocks there: a slot taken over by a store this step
-        # still holds the old block when the step loads it (stores land after).
-        slots = [self.host.lookup(key) for key in host_keys]
-        for block in computed_blocks:
-            if self.ref_counts[block] == 0:
-                del self.free_queue[block]
-            self.ref_counts[block] += 1
-            table.append(block)
-        if computed_blocks:
-            self._num_cached_blocks[request.request_id] = len(table)
-        for _ in range(max(needed, 0)):
-            block, _ = self.free_queue.popitem(last=False)
-            key = self.block_keys[block]
-            if key is not None:  # evict the least recently freed cached block
-                del self.cached[key]
-                self.block_keys[block] = None
-                self._offload(block, key)
-            self.ref_counts[block] = 1
-            table.append(block)
-        if host_keys:
-            fresh = table[len(computed_blocks) : len(computed_blocks) + len(host_keys)]
-            self._load(fresh, host_keys, slots)
-            self._num_cached_blocks[rid] = len(computed_blocks) + len(host_keys)
-        self._host_hits.pop(rid, None)
+        if located is not None:
+            tables = self.block_tables[rid] = self._take_hit(rid, entries, located)
+            self._first_live[rid] = [
+                next((i for i, b in enumerate(t) if b != NULL_BLOCK), len(t)) for t in tables
+            ]
+        for table in tables:
+            for _ in range(self.blocks_needed(total) - len(table)):
+                table.append(self._pop_free())
         return True
 
-    def _offload(self, block: int, key: bytes) -> None:
+    def _locate(self, key: Key | None) -> tuple[str, int] | None:
+        """Where a hit's block is: ("device", block), ("host", slot), or None (not needed).
+        Reading a host slot makes it the most recently used, before this allocation's
+        evictions store blocks there: a slot taken over by a store this step still holds
+        the old block when the step loads it (stores land after loads)."""
+        if key is None:
+            return None
+        block = self.cached.get(key)
+        if block is not None:
+            return ("device", block)
+        return ("host", self.host.lookup(key))
+
+    def _take_hit(self, rid: str, entries, located) -> list[list[int]]:
+        """A new request's tables from its cache hit: device blocks held, host-tier blocks
+        copied into fresh device blocks (keyed at once: the copy runs before the step's
+        forward pass, which may already read them)."""
+        tables = []
+        for group_locs in located:
+            table = []
+            for loc in group_locs:
+                if loc is None:
+                    table.append(NULL_BLOCK)
+                elif loc[0] == "device":
+                    block = loc[1]
+                    if self.ref_counts[block] == 0:
+                        del self.free_queue[block]
+                    self.ref_counts[block] += 1
+                    table.append(block)
+                else:
+                    table.append(None)  # placeholder: filled after the device hits are held
+            tables.append(table)
+        loaded = set()  # the positions of the blocks copied back (in any group)
+        for table, group_keys, group_locs in zip(tables, entries, located, strict=True):
+            for i, (key, loc) in enumerate(zip(group_keys, group_locs, strict=True)):
+                if loc is not None and loc[0] == "host":
+                    block = table[i] = self._pop_free()
+                    self._loads.append((loc[1], block))
+                    self.cached[key] = block
+                    self.block_keys[block] = key
+                    self.host.num_loaded += 1
+                    loaded.add(i)
+        if loaded:
+            self.host.hit_tokens += len(loaded) * self.page_size
+        self._num_cached_blocks[rid] = len(tables[0])
+        return tables
+
+    def _pop_free(self) -> int:
+        """The least recently freed block, evicting its cached prefix (to the host tier)."""
+        block, _ = self.free_queue.popitem(last=False)
+        key = self.block_keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.block_keys[block] = None
+            self._offload(block, key)
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+
+    def _free_skipped(self, request: Request) -> None:
+        """Releases the sliding groups' blocks that no query from the request's next token on
+        sees, once they are keyed where they will be (a later request with the same prefix
+        needs the ones before its hit's end; async scheduling keys a step's blocks a step
+        late). The step in flight may still read them: it runs before any step that writes
+        a block given out again."""
+        rid = request.request_id
+        tables, first_live = self.block_tables[rid], self._first_live[rid]
+        keyed = len(tables[0])
+        if self.enable_prefix_caching and request.pooled is None:
+            keyed = self._num_cached_blocks.get(rid, 0)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            visible = self._first_visible_block(g, request.num_computed_tokens)
+            end = min(visible, keyed, len(tables[g]))
+            table = tables[g]
+            for i in range(first_live[g], end):
+                if table[i] != NULL_BLOCK:
+                    self._release(table[i])
+                    table[i] = NULL_BLOCK
+            first_live[g] = max(first_live[g], end)
+
+    def _offload(self, block: int, key: Key) -> None:
         """An evicted cached block goes to the host tier, unless it is there already."""
         if self.host is None:
             return
@@ -231,16 +357,6 @@ class KVCacheManager:
         if self.host.lookup(key) is None:
             self._stores.append((block, self.host.store(key)))
 
-    def _load(self, blocks: list[int], keys: list[bytes], slots: list[int]) -> None:
-        """Host-tier hits (`keys`, in `slots`) copied into fresh device `blocks`, keyed at once
-        (the copy runs before the step's forward pass, which may already read them)."""
-        for block, key, slot in zip(blocks, keys, slots, strict=True):
-            self._loads.append((slot, block))
-            self.cached[key] = block
-            self.block_keys[block] = key
-        self.host.num_loaded += len(blocks)
-        self.host.hit_tokens += len(blocks) * self.page_size
-
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies the step being built needs, stores then loads (see `HostBlockPool`)."""
         stores, loads = self._stores, self._loads
@@ -248,29 +364,42 @@ class KVCacheManager:
         return stores, loads
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks (last first); cached ones stay findable until evicted."""
+        """Releases the request's blocks, the sequence's last first in every group (the tail,
+        least likely shared, is evicted first); cached ones stay findable until evicted."""
         rid = request.request_id
-        for block in reversed(self.block_tables.pop(rid, [])):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
+        tables = self.block_tables.pop(rid, None)
+        if tables:
+            for i in range(len(tables[0]) - 1, -1, -1):
+                for table in tables:
+                    if table[i] != NULL_BLOCK:
+                        self._release(table[i])
         self._num_cached_blocks.pop(rid, None)
+        self._first_live.pop(rid, None)
 
     def forget(self, request: Request) -> None:
         """Drops the per-request memos once the request is gone for good."""
         self._hashes.pop(request.request_id, None)
-        self._host_hits.pop(request.request_id, None)
 
-    def get_block_table(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
+    def get_block_table(self, request_id: str) -> list[list[int]]:
+        """The request's table per group (`NULL_BLOCK` where a sliding group holds none)."""
+        return self.block_tables.get(request_id) or [[] for _ in self.windows]
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """The blocks the request holds, over all groups."""
+        tables = self.block_tables.get(request_id, [])
+        return sum(b != NULL_BLOCK for table in tables for b in table)
 
     def check_invariants(self) -> None:
         """free + used = total; ref counts equal the number of tables holding a block; a block
-        is free exactly when unreferenced; the cache map and the block keys agree."""
+        is free exactly when unreferenced; the cache map and the block keys agree; every
+        group's table as long as the others."""
         owners = [0] * self.num_pages
-        for table in self.block_tables.values():
-            assert len(set(table)) == len(table), "a block appears twice in one block table"
-            for block in table:
+        for tables in self.block_tables.values():
+            assert len(tables) == self.num_groups, "a request without a table per group"
+            assert len({len(t) for t in tables}) == 1, "groups' tables of different lengths"
+            held = [b for table in tables for b in table if b != NULL_BLOCK]
+            assert len(set(held)) == len(held), "a block appears twice in one request's tables"
+            for block in held:
                 owners[block] += 1
         used = sum(1 for c in self.ref_counts if c > 0)
         assert used + self.num_free_blocks == self.num_pages, "free + used != total"
@@ -280,3 +409,22 @@ class KVCacheManager:
         for key, block in self.cached.items():
             assert self.block_keys[block] == key, f"block {block}: cache map disagrees"
         assert sum(k is not None for k in self.block_keys) == len(self.cached), "stray block key"
+
+
+class CacheHit:
+    """A prefix-cache hit, from `get_computed_blocks` to `allocate_slots`: per group, per block
+    of the prefix, its key, or None where a sliding group needs no block."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: list[list[Key | None]]):
+        self.entries = entries
+
+
+def _runs(found: list[bool]) -> list[int]:
+    """Per index, how many consecutive True end there."""
+    runs, run = [], 0
+    for f in found:
+        run = run + 1 if f else 0
+        runs.append(run)
+    return runs

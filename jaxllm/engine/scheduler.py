@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxllm.config import SchedulerConfig
-from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.kv_cache_manager import CacheHit, KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.step_data import FinishReason, RequestUpdate, SpecDecodingStats
 from jaxllm.worker import (
@@ -200,18 +200,18 @@ class Scheduler:
                 budget += self._preempt(victim, granted, preempted)
             # A new or preempted request starts from its longest cached prefix, unless its
             # prompt positions must be scored (prompt_logprobs) or pooled.
-            computed_blocks, num_cached = (
-                ([], 0)
+            hit, num_cached = (
+                (None, 0)
                 if request.owes_prompt_logprobs or request.pooled is not None
                 else self.kv.get_computed_blocks(request)
             )
             n = min(request.num_tokens - num_cached, budget)
             request.num_computed_tokens = num_cached
-            allocated = self._allocate(request, n, computed_blocks)
+            allocated = self._allocate(request, n, hit)
             while not allocated and (victim := self._displaceable(request)) is not None:
                 budget += self._preempt(victim, granted, preempted)
                 n = min(request.num_tokens - num_cached, budget)
-                allocated = self._allocate(request, n, computed_blocks)
+                allocated = self._allocate(request, n, hit)
             if not allocated:
                 request.num_computed_tokens = 0
                 break
@@ -318,12 +318,13 @@ class Scheduler:
                 request.grammar.wait(timeout)
                 return
 
-    def _allocate(self, request: Request, n: int, computed_blocks: list[int] | None = None) -> bool:
-        """Slots for a grant of `n` tokens and, past them, the `num_lookahead_tokens` where a
-        draft model writes its drafts' KV (none past the request's end)."""
+    def _allocate(self, request: Request, n: int, hit: CacheHit | None = None) -> bool:
+        """Slots for a grant of `n` tokens (a new request's from its prefix-cache `hit`) and,
+        past them, the `num_lookahead_tokens` where a draft model writes its drafts' KV (none
+        past the request's end)."""
         end = self._end(request) - request.num_computed_tokens - n
         lookahead = max(0, min(self.num_lookahead_tokens, end))
-        return self.kv.allocate_slots(request, n, computed_blocks, num_lookahead_tokens=lookahead)
+        return self.kv.allocate_slots(request, n, hit, num_lookahead_tokens=lookahead)
 
     def _end(self, request: Request) -> int:
         """The sequence length a request may reach."""
@@ -388,8 +389,8 @@ class Scheduler:
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))
 
     def _new_request_data(self, request: Request) -> NewRequestData:
-        block_ids = list(self.kv.get_block_table(request.request_id))
-        request.num_blocks_sent = len(block_ids)
+        block_ids = _sent(self.kv.get_block_table(request.request_id), 0)
+        request.num_blocks_sent = len(block_ids[0])
         return NewRequestData(
             request_id=request.request_id,
             token_ids=list(request.all_token_ids),
@@ -402,9 +403,9 @@ class Scheduler:
         )
 
     def _scheduled(self, request: Request, n: int, drafts: list[int]) -> ScheduledRequest:
-        table = self.kv.get_block_table(request.request_id)
-        new_block_ids = list(table[request.num_blocks_sent :])
-        request.num_blocks_sent = len(table)
+        tables = self.kv.get_block_table(request.request_id)
+        new_block_ids = _sent(tables, request.num_blocks_sent)
+        request.num_blocks_sent = len(tables[0])
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
@@ -522,3 +523,9 @@ class Scheduler:
         if request.num_tokens >= self._end(request):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _sent(tables: list[list[int]], start: int) -> list[list[int]]:
+    """Each group's table from `start`, as the runner gets it: a null entry (a sliding
+    group's block behind the window) as page 0, which no kernel reads there."""
+    return [[max(b, 0) for b in table[start:]] for table in tables]

@@ -192,13 +192,23 @@ def _num_in_axes(shape: tuple[int, ...], num_in: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Where this step's tokens live in the paged KV cache (all arrays padded to buckets)."""
+    """Where this step's tokens live in the paged KV cache (all arrays padded to buckets), per
+    layer group (`jaxllm.kv_groups`: G = 1 but for a hybrid sliding-window model)."""
 
-    slot_mapping: jax.Array  # i32[T]      cache slot of each token; >= num_slots for padding
-    seq_lens: jax.Array  # i32[R]      tokens in the cache per request after this step
-    block_tables: jax.Array  # i32[R, P]   page ids per request
-    cu_q_lens: jax.Array  # i32[R + 1]  start of each request's tokens in the flat batch
-    num_seqs: jax.Array  # i32[1]      requests that are real; the rest is padding
+    slot_mapping: jax.Array  # i32[G, T]     cache slot of each token; >= num_slots: padding
+    seq_lens: jax.Array  # i32[R]        tokens in the cache per request after this step
+    block_tables: jax.Array  # i32[G, R, P]  page ids per request
+    cu_q_lens: jax.Array  # i32[R + 1]    start of each request's tokens in the flat batch
+    num_seqs: jax.Array  # i32[1]        requests that are real; the rest is padding
+    # Static: per model layer, (its group, its slot in the cache's leading axis); None: one
+    # group whose slot i is layer i.
+    layer_slots: tuple[tuple[int, int], ...] | None = dataclasses.field(
+        default=None, metadata=dict(static=True)
+    )
+
+    def where(self, layer: int) -> tuple[int, int]:
+        """(group, cache slot) of model layer `layer`."""
+        return (0, layer) if self.layer_slots is None else self.layer_slots[layer]
 
 
 class Attention(nnx.Module):
@@ -244,8 +254,8 @@ class Attention(nnx.Module):
         self,
         x: jax.Array,  # [T, D]
         rope: Rope,  # of this step's positions
-        kv_cache: KVCache,  # [L, num_pages, K, page_size, 2H]
-        layer: int,  # this layer's index into the cache
+        kv_cache: KVCache,  # [slots, num_pages, K, page_size, 2H]
+        layer: int,  # this layer's index in the model (`meta.where` maps it into the cache)
         meta: AttentionMetadata,
         lora=None,  # this layer's adapters (`jaxllm.models.lora.LayerLoRA`), or None
     ) -> tuple[jax.Array, jax.Array]:
@@ -275,18 +285,27 @@ class Attention(nnx.Module):
         """Writes the new K/V into the cache and attends; with a mesh, per device on its own
         heads (q, k, v and the cache are split on heads, the metadata is replicated)."""
 
-        def run(q, k, v, kv_cache, layer, meta):
-            kv_cache = pallas_kernels.write_kv(kv_cache, layer, k, v, meta.slot_mapping)
+        group, slot = meta.where(layer)
+        meta = dict(
+            slot_mapping=meta.slot_mapping[group],
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables[group],
+            cu_q_lens=meta.cu_q_lens,
+            num_seqs=meta.num_seqs,
+        )
+
+        def run(q, k, v, kv_cache, slot, meta):
+            kv_cache = pallas_kernels.write_kv(kv_cache, slot, k, v, meta["slot_mapping"])
             out = pallas_kernels.ragged_paged_attention(
                 # A float cache may be wider than the model (see kv_sizing.py); an 8-bit one
                 # is widened to q's dtype by the kernel.
                 q if kv_cache.quantized else q.astype(kv_cache.dtype),
                 kv_cache,
-                layer,
-                meta.seq_lens,
-                meta.block_tables,
-                meta.cu_q_lens,
-                meta.num_seqs,
+                slot,
+                meta["seq_lens"],
+                meta["block_tables"],
+                meta["cu_q_lens"],
+                meta["num_seqs"],
                 sm_scale=self.sm_scale,
                 sliding_window=self.sliding_window,
                 soft_cap=self.soft_cap,
@@ -295,7 +314,7 @@ class Attention(nnx.Module):
             return out.astype(q.dtype), kv_cache
 
         if self.mesh is None:
-            return run(q, k, v, kv_cache, layer, meta)
+            return run(q, k, v, kv_cache, slot, meta)
         heads = P(None, "model", None)
         cache = kv_cache_specs(kv_cache.quantized)
         return jax.shard_map(
@@ -304,7 +323,7 @@ class Attention(nnx.Module):
             in_specs=(heads, heads, heads, cache, P(), P()),
             out_specs=(heads, cache),
             check_vma=False,
-        )(q, k, v, kv_cache, layer, meta)
+        )(q, k, v, kv_cache, slot, meta)
 
 
 class MLP(nnx.Module):

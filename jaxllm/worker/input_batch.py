@@ -16,7 +16,14 @@ from jaxllm.worker.step_data import NewRequestData, ScheduledRequest
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, pages_per_seq: int, vocab_size: int):
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        pages_per_seq: int,
+        vocab_size: int,
+        num_kv_groups: int = 1,
+    ):
         n = max_num_reqs
         self.vocab_size = vocab_size
         self.row_of: dict[str, int] = {}
@@ -25,7 +32,8 @@ class InputBatch:
         self.token_ids = np.full((n, max_model_len), vocab_size, np.int32)
         self.num_tokens = np.zeros(n, np.int32)
         self.num_prompt_tokens = np.zeros(n, np.int32)
-        self.block_table = np.zeros((n, pages_per_seq), np.int32)
+        # Per layer group (`jaxllm.kv_groups`), per row, its pages.
+        self.block_table = np.zeros((num_kv_groups, n, pages_per_seq), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
         self.lora_slot = np.full(n, -1, np.int32)  # each row's LoRA adapter slot; -1: none
         self.sampling = SamplingRows(n, vocab_size, max_model_len)
@@ -56,19 +64,20 @@ class InputBatch:
         if i is not None:
             self._free_rows.append(i)
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        if block_ids:
+    def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
+        """Appends each group's new blocks (as many in every group) to the row's tables."""
+        n = len(block_ids[0]) if block_ids else 0
+        if n:
             start = self.num_blocks[row]
-            self.block_table[row, start : start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+            self.block_table[:, row, start : start + n] = block_ids
+            self.num_blocks[row] = start + n
 
     def apply(self, requests: list[ScheduledRequest]) -> np.ndarray:
         """Appends each scheduled request's new blocks and writes its draft tokens after its
         last token (not counted in num_tokens); returns the rows, in batch order."""
         rows = np.fromiter((self.row_of[s.request_id] for s in requests), np.int32, len(requests))
         for row, s in zip(rows, requests, strict=True):
-            if s.new_block_ids:
-                self.append_blocks(row, s.new_block_ids)
+            self.append_blocks(row, s.new_block_ids)
             if s.spec_token_ids:
                 n = self.num_tokens[row]
                 self.token_ids[row, n : n + len(s.spec_token_ids)] = s.spec_token_ids

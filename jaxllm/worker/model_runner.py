@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig, LoRAConfig, ModelConfig, SpecMethod, using_kernels
+from jaxllm.kv_groups import KVCacheGroups, engine_kv_groups
 from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
@@ -89,6 +90,7 @@ class ModelRunner:
         pooling: bool = False,
         num_host_blocks: int = 0,
         lora: LoRAConfig | None = None,
+        kv_groups: KVCacheGroups | None = None,
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
         over its kv heads the same way); None for one device. `speculative`: how draft tokens
@@ -96,7 +98,9 @@ class ModelRunner:
         same mesh) for the draft_model method. `pooling`: the model is served for pooling
         (its requests' hidden states pooled, see `hidden_pooler`). `num_host_blocks`: blocks
         of host memory for the prefix cache's host tier (see `kv_offload`); 0: none. `lora`:
-        LoRA adapters served (`enable_lora`), in slots on the device (see `lora_slots`)."""
+        LoRA adapters served (`enable_lora`), in slots on the device (see `lora_slots`).
+        `kv_groups`: how the layers share the cache (`jaxllm.kv_groups`, as the engine's KV
+        cache manager keeps their tables); None: one group of every layer."""
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
@@ -109,14 +113,22 @@ class ModelRunner:
         self.graphdef, state = nnx.split(model)
         self.params, self._params_def = jax.tree.flatten(state)
         platform = next(iter(self.params[0].sharding.device_set)).platform  # the target's
+        self.kv_groups = kv_groups = kv_groups or KVCacheGroups.single(config.num_layers)
+        if draft_model is not None and kv_groups.num_groups > 1:
+            raise ValueError("a draft model shares the block tables: one KV cache group only")
         cache_shape = get_kv_cache_shape(
-            config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, platform
+            kv_groups.num_slots,
+            num_pages,
+            page_size,
+            config.num_kv_heads,
+            config.head_dim,
+            platform,
         )
         self.device = DeviceState(self.params[0], mesh, cache_shape, dtype, max_num_seqs)
         self.compiler = Compiler(self.device)
         pages_per_seq = -(-max_model_len // page_size)  # the block table's width
         self.input_batch = ib = InputBatch(
-            max_num_seqs, max_model_len, pages_per_seq, config.vocab_size
+            max_num_seqs, max_model_len, pages_per_seq, config.vocab_size, kv_groups.num_groups
         )
         self.lora = None
         if lora is not None and lora.enable_lora:
@@ -137,6 +149,7 @@ class ModelRunner:
             pages_per_seq,
             k,
             lora=self.lora is not None,
+            layer_slots=None if kv_groups.num_groups == 1 else kv_groups.layer_slots,
         )
         # Counters since start, for metrics: the tokens the steps computed, the token slots of
         # the compiled shapes they ran (the difference is padding), and the seconds `fetch`
@@ -200,6 +213,7 @@ class ModelRunner:
             pooling=pooling,
             num_host_blocks=num_host_blocks,
             lora=engine_config.lora,
+            kv_groups=engine_kv_groups(config, cache, draft=draft_model is not None),
         )
 
     # What the engine reads of the runner's parts.

@@ -30,7 +30,7 @@ class NewRequestData(msgspec.Struct):
     sampling_params: SamplingParams
     seed: int  # resolved: never None
     eos_token_ids: list[int]  # empty under ignore_eos
-    block_ids: list[int]  # the whole block table, with the blocks granted this step
+    block_ids: list[list[int]]  # per layer group, the whole block table, with this step's
     lora_slot: int = -1  # the device slot of its LoRA adapter; -1: none
 
 
@@ -40,7 +40,7 @@ class ScheduledRequest(msgspec.Struct):
     request_id: str
     num_computed_tokens: int  # tokens already in the KV cache: the position of the first one
     num_scheduled_tokens: int  # tokens to compute now (a prompt chunk, or 1 to decode)
-    new_block_ids: list[int]  # blocks appended to its table since the previous step
+    new_block_ids: list[list[int]]  # per layer group, blocks appended since the last step
     # prompt_logprobs: per scheduled token, the next prompt token to score it against, or -1;
     # None when the chunk scores nothing.
     prompt_logprob_targets: list[int] | None = None

@@ -43,22 +43,27 @@ class StepInputs:
     pages_per_seq: int  # the block table's width
     num_speculative_tokens: int
     lora: bool = False  # each token's LoRA slot is an input (LoRA served)
+    # Per model layer, (its group, its cache slot) (`KVCacheGroups.layer_slots`); None: one
+    # group, slot i is layer i.
+    layer_slots: tuple[tuple[int, int], ...] | None = None
 
     def padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
         nothing. `prepare` fills requests in."""
         num_logits = logit_rows((t_pad, r_pad), self.num_speculative_tokens)
+        groups = self.input_batch.block_table.shape[0]
         return BatchInputs(
             input_ids=_ints(t_pad),
             token_src=_ints(t_pad, fill=-1),
             positions=_ints(t_pad),
             logits_indices=_ints(num_logits),
             attn=AttentionMetadata(
-                slot_mapping=_ints(t_pad, fill=self.num_pages * self.page_size),  # dropped
+                slot_mapping=_ints(groups, t_pad, fill=self.num_pages * self.page_size),  # dropped
                 seq_lens=_ints(r_pad),
-                block_tables=_ints(r_pad, self.pages_per_seq),
+                block_tables=_ints(groups, r_pad, self.pages_per_seq),
                 cu_q_lens=_ints(r_pad + 1),
                 num_seqs=_ints(1),
+                layer_slots=self.layer_slots,
             ),
             lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
         )
@@ -95,15 +100,15 @@ class StepInputs:
         batch.positions[:num_tokens] = pos
         if batch.lora_slots is not None:
             batch.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
-        attn.slot_mapping[:num_tokens] = (
-            ib.block_table[token_rows, pos // self.page_size] * self.page_size
+        attn.slot_mapping[:, :num_tokens] = (
+            ib.block_table[:, token_rows, pos // self.page_size] * self.page_size
             + pos % self.page_size
         )
         attn.num_seqs[0] = num_reqs
         attn.cu_q_lens[:num_reqs] = starts[:num_reqs]
         attn.cu_q_lens[num_reqs:] = num_tokens  # padding requests: empty, after the last token
         attn.seq_lens[:num_reqs] = computed + lens
-        attn.block_tables[:num_reqs] = ib.block_table[rows]
+        attn.block_tables[:, :num_reqs] = ib.block_table[:, rows]
 
         # Logit rows: request i has 1 + num_drafts[i], from first_row[i]; its row j samples
         # the token after its last token and its first j drafts.

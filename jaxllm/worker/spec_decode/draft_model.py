@@ -142,7 +142,7 @@ class DraftModelProposer:
         inputs.positions[:num_reqs] = ib.num_tokens[rows]
         inputs.num_slots[:num_reqs] = ib.num_blocks[rows] * self.inputs.page_size
         inputs.active[:num_reqs] = step.samples
-        tables[:num_reqs] = ib.block_table[rows]
+        tables[:num_reqs] = ib.block_table[0, rows]  # one layer group: see `kv_cache_groups`
         drafts, self.kv_cache = self._step(
             self._params,
             self.kv_cache,
@@ -204,9 +204,9 @@ def _draft_step(
         writes = inputs.active & (positions < inputs.num_slots)
         slots = jnp.where(writes, page * page_size + at % page_size, dropped_slot)
         meta = AttentionMetadata(
-            slot_mapping=slots,
+            slot_mapping=slots[None],
             seq_lens=at + 1,
-            block_tables=block_tables,
+            block_tables=block_tables[None],
             cu_q_lens=jnp.arange(num_reqs + 1, dtype=jnp.int32),
             num_seqs=jnp.full((1,), num_reqs, jnp.int32),
         )

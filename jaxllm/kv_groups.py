@@ -1,0 +1,88 @@
+"""How the layers share the paged KV cache: groups of layers, one block table per group (vLLM
+V1's hybrid KV cache manager).
+
+A sliding-window layer needs only its window's last tokens: once a block is wholly before the
+window of every query still to come, its memory can serve someone else. A model that mixes
+sliding and full-attention layers (Gemma 2/3, Qwen2 with `max_window_layers`) frees them per
+layer group: the layers are grouped by window, each group has its own block table over one
+shared pool, and a sliding group's table drops (to a null entry) the blocks behind its window.
+
+The groups are equally sized so that one page serves any of them: the cache is
+`[num_slots, num_pages, ...]` and layer j of every group is slot j (a page of group g holds
+`num_slots` layers' K/V for the tokens of that block of g). The group size is the smallest
+number of layers of one window kind, and the last group of a kind is padded (its extra slots
+unused). Gemma 3 270M (15 sliding, 3 full layers): 6 groups of 3, one full; at a 32k context
+each token costs the 3 full layers' K/V plus the sliding groups' few hundred tokens, about 18%
+of the 18 layers' cost of one group for all.
+
+A model whose layers all share one window (all full, or all sliding like Mistral) has one group
+of all its layers: slot j is layer j, and a sliding one frees its blocks behind the window too.
+`hybrid=False` (`--disable-hybrid-kv-cache-manager`) makes a mixed model one full group: every
+layer keeps every token, as before this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.config import CacheConfig, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroups:
+    windows: tuple[int | None, ...]
+    """Per group: the sliding window its layers share, or None (full attention: it keeps every
+    block)."""
+    layers: tuple[tuple[int, ...], ...]
+    """Per group: its layers, in order; the j-th is in cache slot j."""
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def num_slots(self) -> int:
+        """The cache's leading dimension: the largest group's layers."""
+        return max(len(layers) for layers in self.layers)
+
+    @property
+    def layer_slots(self) -> tuple[tuple[int, int], ...]:
+        """Per model layer, (its group, its slot in the cache)."""
+        where = {
+            layer: (g, j) for g, layers in enumerate(self.layers) for j, layer in enumerate(layers)
+        }
+        return tuple(where[i] for i in range(len(where)))
+
+    @classmethod
+    def single(cls, num_layers: int, window: int | None = None) -> KVCacheGroups:
+        """One group of every layer (slot i is layer i)."""
+        return cls((window,), (tuple(range(num_layers)),))
+
+
+def kv_cache_groups(config: ModelConfig, *, hybrid: bool = True) -> KVCacheGroups:
+    """The groups `config`'s layers share the cache in (see the module doc): one per window
+    kind of `group size` layers, full attention first; without `hybrid`, a model with more
+    than one window kind is one full group."""
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    if len(kinds) == 1:
+        return KVCacheGroups.single(config.num_layers, kinds[0])
+    if not hybrid:
+        return KVCacheGroups.single(config.num_layers)
+    by_kind = {w: [i for i, wi in enumerate(windows) if wi == w] for w in kinds}
+    size = min(len(layers) for layers in by_kind.values())
+    group_windows, group_layers = [], []
+    for w in kinds:
+        layers = by_kind[w]
+        for start in range(0, len(layers), size):
+            group_windows.append(w)
+            group_layers.append(tuple(layers[start : start + size]))
+    return KVCacheGroups(tuple(group_windows), tuple(group_layers))
+
+
+def engine_kv_groups(config: ModelConfig, cache: CacheConfig, *, draft: bool) -> KVCacheGroups:
+    """The groups an engine serves `config` with: `kv_cache_groups` unless turned off; one full
+    group with a draft model, which shares the target's block tables for its own layers."""
+    if draft:
+        return KVCacheGroups.single(config.num_layers)
+    return kv_cache_groups(config, hybrid=not cache.disable_hybrid_kv_cache_manager)
