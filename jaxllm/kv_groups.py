@@ -11,9 +11,9 @@ The groups are equally sized so that one page serves any of them: the cache is
 `[num_slots, num_pages, ...]` and layer j of every group is slot j (a page of group g holds
 `num_slots` layers' K/V for the tokens of that block of g). The group size is the smallest
 number of layers of one window kind, and the last group of a kind is padded (its extra slots
-unused). Gemma 3 270M (15 sliding, 3 full layers): 6 groups of 3, one full; at a 32k context
-each token costs the 3 full layers' K/V plus the sliding groups' few hundred tokens, about 18%
-of the 18 layers' cost of one group for all.
+unused). Gemma 3 270M (15 sliding, 3 full layers): 6 groups of 3, one full; a sequence of 32k
+tokens holds 6,624 bytes per token in float32 against 36,864 with one group of every layer
+(`benchmarks/kv_bytes.py`).
 
 A model whose layers all share one window (all full, or all sliding like Mistral) has one group
 of all its layers: slot j is layer j, and a sliding one frees its blocks behind the window too.

@@ -126,7 +126,10 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
     forward = [p for p in programs if p.updates_cache]
     copies = runner.cache_copies()
     batches = sorted({min(b, cfg.scheduler.max_num_seqs) for b in batches})
-    capacity = runner.num_pages * runner.page_size
+    # The pool's tokens at every layer's cost (a hybrid model's pages hold one layer group:
+    # a sequence's sliding layers take less, see `jaxllm.kv_groups`).
+    groups, num_layers = runner.kv_groups, engine.model_config.num_layers
+    capacity = runner.num_pages * runner.page_size * groups.num_slots // num_layers
     predictions = [
         predict_decode(engine, b, max(1, min(context, cfg.scheduler.max_model_len, capacity // b)))
         for b in batches
@@ -155,6 +158,7 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
             "kv_page_bytes": engine.page_bytes,
             "num_pages": runner.num_pages,
             "kv_cache_tokens": capacity,
+            "kv_cache_groups": {"windows": list(groups.windows), "slots": groups.num_slots},
             "max_temp_bytes": temp.temp_bytes,
             "max_temp_program": f"{temp.name} {temp.shape}",
             "total_bytes": total,
@@ -213,8 +217,9 @@ def render(data: dict[str, Any]) -> str:
         f"memory_utilization {m['memory_utilization']}",
         f"  weights      {_g(m['weight_device_bytes']):>12}  (logical {_g(m['weight_bytes'])})",
         f"  KV cache     {_g(m['kv_cache_bytes']):>12}  {m['num_pages']:,} pages = "
-        f"{m['kv_cache_tokens']:,} tokens ({m['kv_page_bytes'] / data['page_size'] / 1024:.1f} "
-        "KiB per token)",
+        f"{m['kv_cache_tokens']:,} tokens of every layer "
+        f"({m['kv_cache_bytes'] / max(m['kv_cache_tokens'], 1) / 1024:.1f} KiB per token)"
+        + _groups_line(m.get("kv_cache_groups")),
         f"  temporaries  {_g(m['max_temp_bytes']):>12}  (the most of one program: "
         f"{m['max_temp_program']})",
         f"  total        {_g(m['total_bytes']):>12}  "
@@ -270,3 +275,14 @@ def _g(n: float) -> str:
 
 def _q(quantization: str | None) -> str:
     return "" if quantization in (None, "float") else f" ({quantization})"
+
+
+def _groups_line(groups: dict | None) -> str:
+    """How a hybrid model's layers share the pages, or nothing for one group."""
+    if not groups or len(groups["windows"]) == 1:
+        return ""
+    sliding = [w for w in groups["windows"] if w is not None]
+    return (
+        f"; hybrid: {len(groups['windows'])} layer groups of {groups['slots']}, "
+        f"{len(sliding)} sliding (window {max(sliding)}) keep only their window"
+    )
