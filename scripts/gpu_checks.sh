@@ -46,6 +46,11 @@ stage attention-tests "${T_TESTS:-110}" "$py" -m pytest -q -p no:cacheprovider -
     -k "OnDevice" tests/test_attention_kernels.py -rfE --durations=5
 stage qmatmul-tests "${T_QTESTS:-60}" "$py" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
     -k "OnDevice" tests/test_quant_matmul_gpu.py -rfE --durations=5
+# The hybrid KV cache (sliding groups' block tables with null entries behind the window) on the
+# device's kernel: Gemma 3/2 tiny checkpoints against transformers, and with against without.
+stage hybrid-tests "${T_HYBRID:-150}" env JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest \
+    -q -p no:cacheprovider tests/test_hybrid_kv.py tests/test_model_families.py \
+    -k "gemma and (greedy or logits)" -rfE --durations=5
 stage attention-bench "${T_BENCH:-60}" "$py" benchmarks/kernels/ragged_attention.py --check \
     --batch 1,8,64,256 --context 1024,8192 --iters 20 --json "$out/attention.json"
 stage tune "${T_TUNE:-100}" "$py" benchmarks/kernels/tune_attention.py --threads 12 \

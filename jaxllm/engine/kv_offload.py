@@ -59,7 +59,8 @@ class HostBlockPool:
 
 def host_blocks(cache: CacheConfig, block_bytes: int, *, multi: bool, draft: object) -> int:
     """Blocks of the prefix cache's host tier (`kv_offloading_size` GiB over a whole block:
-    every layer, every device's shard); 0 when off. `jaxllm compile` sizes it too."""
+    a page of the cache's layer slots, every device's shard); 0 when off. `jaxllm compile`
+    sizes it too."""
     if not cache.kv_offloading_size:
         return 0
     if multi:
@@ -70,6 +71,6 @@ def host_blocks(cache: CacheConfig, block_bytes: int, *, multi: bool, draft: obj
     if blocks < 1:
         raise ValueError(
             f"kv_offloading_size {cache.kv_offloading_size} GiB holds no block of "
-            f"{block_bytes / 2**20:.2f} MiB (every layer of {cache.page_size} tokens)"
+            f"{block_bytes / 2**20:.2f} MiB (one page of {cache.page_size} tokens)"
         )
     return blocks
