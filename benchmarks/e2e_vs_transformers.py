@@ -98,6 +98,18 @@ def reference(model_dir: Path, config_dir: Path, layers: int, out: Path, max_tok
     out.write_text(json.dumps(answers))
 
 
+def _pages(model: Path, length: int) -> int:
+    """The KV pages one sequence of `length` tokens may hold in `model`'s engine (a hybrid
+    model's pages hold one layer group: `jaxllm.kv_groups`), pages of 16 tokens."""
+    from jaxllm.config import CacheConfig
+    from jaxllm.kv_groups import engine_kv_groups
+    from jaxllm.kv_sizing import pages_per_sequence
+    from jaxllm.loaders import load_config
+
+    groups = engine_kv_groups(load_config(model), CacheConfig(), draft=False)
+    return pages_per_sequence(groups, length, 16) + 1
+
+
 def parity(args, work: Path) -> dict:
     model_dir, answers = work / "model", work / "reference.json"
     start = time.perf_counter()
@@ -121,7 +133,8 @@ def parity(args, work: Path) -> dict:
                 max_model_len=max(PROMPT_LENS) + args.max_tokens + 16,
                 max_num_seqs=len(PROMPT_LENS),
                 attention_backend=args.attention_backend,
-                num_pages=len(PROMPT_LENS) * ((max(PROMPT_LENS) + args.max_tokens) // 16 + 2),
+                num_pages=len(PROMPT_LENS)
+                * _pages(model_dir, max(PROMPT_LENS) + args.max_tokens + 16),
                 skip_warmup=True,
             )
             params = SamplingParams(
@@ -174,7 +187,7 @@ def speed(args) -> dict:
         dtype="bfloat16",
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=max(args.batches),
-        num_pages=max(args.batches) * ((args.input_len + args.output_len) // 16 + 2),
+        num_pages=max(args.batches) * _pages(args.config, args.input_len + args.output_len + 16),
         skip_warmup=True,
     )
     vocab = llm.model_config.vocab_size

@@ -50,7 +50,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
 def test_greedy_parity_with_transformers(name, spec):
     """With n-gram speculative decoding too: the same tokens."""
     demo = parity_reference.DEMOS[name]
-    llm = LLM(name, dtype="float32", max_model_len=1024, num_pages=128, max_num_seqs=8,
+    # A pool of memory, not pages: Gemma 3's pages hold a layer group (kv_groups).
+    llm = LLM(name, dtype="float32", max_model_len=1024, cpu_kv_cache_gib=0.1, max_num_seqs=8,
               speculative_config=spec)  # fmt: skip
     prompts = parity_reference.prompt_token_ids(llm.get_tokenizer(), demo)
     assert max(map(len, prompts)) <= 1024 - demo.max_new_tokens

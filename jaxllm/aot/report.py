@@ -69,9 +69,10 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     )
     q_bytes = shape[0] * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     layers = cfg.num_layers
-    per_token = _kv_bytes_per_token(engine)
-    kv_read = batch * context * per_token
-    attention_flops = 4 * cfg.head_dim * heads * batch * context * layers
+    # Each layer reads the keys its window sees (a sliding layer at most its window).
+    seen = [min(context, cfg.layer_window(i) or context) for i in range(layers)]
+    kv_read = batch * sum(seen) * _kv_bytes_per_token(engine) / layers
+    attention_flops = 4 * cfg.head_dim * heads * batch * sum(seen)
     weights = engine.weights[0]
     if forward.bytes_accessed is None or head.bytes_accessed is None:
         source = "counted"  # each weight read once, 2 flops per weight and row

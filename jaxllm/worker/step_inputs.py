@@ -108,7 +108,10 @@ class StepInputs:
         attn.cu_q_lens[:num_reqs] = starts[:num_reqs]
         attn.cu_q_lens[num_reqs:] = num_tokens  # padding requests: empty, after the last token
         attn.seq_lens[:num_reqs] = computed + lens
-        attn.block_tables[:, :num_reqs] = ib.block_table[:, rows]
+        # Only the columns some request uses (the rest stay 0): a long max_model_len makes the
+        # tables wide, and a hybrid model has one per layer group.
+        width = int(ib.num_blocks[rows].max(initial=0))
+        attn.block_tables[:, :num_reqs, :width] = ib.block_table[:, rows, :width]
 
         # Logit rows: request i has 1 + num_drafts[i], from first_row[i]; its row j samples
         # the token after its last token and its first j drafts.
