@@ -243,8 +243,9 @@ def test_kernel_matrix(request, target, page_size, cache_dtype, head_dim, kv_hea
 # ---- whole engines -----------------------------------------------------------------------
 
 
-def _tiny_config(path: Path, *, moe: bool = False) -> Path:
-    """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims."""
+def _tiny_config(path: Path, *, moe: bool = False, gemma: bool = False) -> Path:
+    """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
+    Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups)."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -260,6 +261,16 @@ def _tiny_config(path: Path, *, moe: bool = False) -> Path:
     }
     if moe:
         config |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    if gemma:
+        sliding, full = "sliding_attention", "full_attention"
+        config |= {
+            "architectures": ["Gemma3ForCausalLM"],
+            "num_hidden_layers": 4,
+            "sliding_window": 64,
+            "layer_types": [sliding, sliding, full, sliding],
+            "query_pre_attn_scalar": 64,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     return path
@@ -268,8 +279,9 @@ def _tiny_config(path: Path, *, moe: bool = False) -> Path:
 # (target, model, engine settings): TP 1 and 4 on v5e and v6e, TP 1 and 2 on an H100;
 # quantized weights, 8-bit caches, mixture of experts (ragged_dot), speculative decoding, the
 # host KV tier's copy programs, a decoder's pooler and LoRA slots spread over them. The sampler with its grammar bitmask and draft verification is in every
-# engine's head program. Each takes 2-5 minutes on 2 cores: the default suite compiles a TPU
-# slice under tensor parallelism and a GPU host with MoE; `-m slow` all six.
+# engine's head program. Each takes 2-5 minutes on 2 cores (the hybrid Gemma ones seconds):
+# the default suite compiles a TPU slice under tensor parallelism, a GPU host with MoE and the
+# hybrid KV cache on both; `-m slow` all eight.
 SLOW = pytest.mark.slow
 ENGINES = [
     pytest.param("v5e-1", "llama", dict(kv_cache_dtype="int8", speculative_config={
@@ -282,6 +294,10 @@ ENGINES = [
                  id="h100"),
     pytest.param("h100x2", "moe", dict(kv_offloading_size=1, enable_lora=True, max_loras=2),
                  id="h100x2"),
+    # The hybrid KV cache: a table and slot mapping per layer group, the cache's layer axis
+    # a group's slots.
+    pytest.param("v5e-1", "gemma", dict(kv_offloading_size=1), id="v5e-1-hybrid"),
+    pytest.param("h100", "gemma", dict(kv_cache_dtype="int8"), id="h100-hybrid"),
 ]  # fmt: skip
 
 
@@ -296,7 +312,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     from jaxllm.aot.engine import compile_engine
     from jaxllm.config import EngineConfig
 
-    path = _tiny_config(tmp_path / model, moe=model == "moe")
+    path = _tiny_config(tmp_path / model, moe=model == "moe", gemma=model == "gemma")
     config = EngineConfig.create(
         path, max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536, **settings
     )
@@ -307,6 +323,8 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     if settings.get("kv_offloading_size"):
         assert {"kv_offload_store", "kv_offload_load"} <= names
     assert ("hidden_pooler" in names) == (settings.get("runner") == "pooling")
+    if model == "gemma":
+        assert runner.kv_groups.num_groups == 4 and runner.kv_cache.shape[0] == 1
     steps = [p for p in runner.programs if p.updates_cache]
     assert steps and not runner.cache_copies()
     for p in steps:
