@@ -65,6 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         logit_bias={7: 2.0},
     )
     params = [greedy] * (len(prompts) - 1) + [penalized]
+    from jaxllm.config import CacheConfig
+    from jaxllm.kv_groups import engine_kv_groups
+    from jaxllm.loaders import load_config
+    from jaxllm.model_cache import resolve_model
+
+    config = load_config(resolve_model(args.model))
+    layers_per_slot = (
+        config.num_layers // engine_kv_groups(config, CacheConfig(), draft=False).num_slots
+    )
     rows = []
     for tp in (int(x) for x in args.tp.split(",")):
         start = time.perf_counter()
@@ -72,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             args.model,
             dtype=args.dtype,
             max_model_len=256,
-            # With the host tier, a pool the prompts fill: the others below evict them.
-            num_pages=24 if args.kv_offloading_size else 64,
+            # With the host tier, a pool the prompts fill: the others below evict them. Pages
+            # of every layer's bytes (a hybrid model's hold one layer group: kv_groups).
+            num_pages=(24 if args.kv_offloading_size else 64) * layers_per_slot,
             max_num_seqs=8,
             max_num_batched_tokens=64,
             tensor_parallel_size=tp,

@@ -307,3 +307,25 @@ def test_gemma3_greedy_tokens_are_the_same_with_and_without_the_hybrid_cache(gem
     assert outs[0] == outs[1]
     print(f"one request's peak, in pages of one layer: {peaks[0]} hybrid, {peaks[1]} not")
     assert peaks[0] < 0.75 * peaks[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra", [(), ("--kv-offloading-size", "0.01", "--kv-cache-dtype", "int8")], ids=["", "host"]
+)
+def test_gemma3_hybrid_cache_under_tensor_parallelism(gemma3, tmp_path, extra):
+    """TP 2 (8 fake CPU devices, in a subprocess): the same greedy tokens as TP 1 with the
+    hybrid cache, each device holding half of every group's pages, nothing compiled after
+    warmup; with the host tier and an 8-bit cache, prompts evicted by others come back from
+    host memory with the same tokens."""
+    from helpers import tensor_parallel_report
+
+    path, _ = gemma3
+    rows = tensor_parallel_report(path, "1,2", tmp_path, *extra)
+    assert [r["tp"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["same_tokens_as_first"] and row["compiled_after_warmup"] == 0, row
+        assert all(row["same_tokens_after_sleep"]), row
+        if extra:
+            assert row["host_tier"]["same_tokens"] and row["host_tier"]["hit_tokens"] > 0, row
+    assert rows[1]["kv_bytes_per_device"] * 2 == rows[1]["kv_bytes"] == rows[0]["kv_bytes"]
