@@ -329,3 +329,37 @@ def test_gemma3_hybrid_cache_under_tensor_parallelism(gemma3, tmp_path, extra):
         if extra:
             assert row["host_tier"]["same_tokens"] and row["host_tier"]["hit_tokens"] > 0, row
     assert rows[1]["kv_bytes_per_device"] * 2 == rows[1]["kv_bytes"] == rows[0]["kv_bytes"]
+
+
+def test_gemma3_ngram_speculation_with_the_hybrid_cache(gemma3):
+    """Rejected drafts roll a request back, never behind a block its sliding groups freed:
+    with n-gram speculation, preemptions and prefix hits, the same greedy tokens as without."""
+    from helpers import VOCAB
+
+    path, _ = gemma3
+    rng = np.random.default_rng(5)
+    base = rng.integers(3, VOCAB, 30).tolist()
+    prompts = [
+        (base * 4)[: int(n)] + rng.integers(3, VOCAB, 5).tolist() for n in rng.integers(20, 110, 8)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(
+            path,
+            dtype="float32",
+            page_size=8,
+            num_pages=80,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=192,
+            speculative_config=spec,
+            skip_warmup=True,
+        )
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs.append([o.outputs[0].token_ids for o in got])
+        kv = llm.kv_cache_manager
+        kv.check_invariants()
+        assert kv.num_free_blocks == kv.num_pages and llm.engine.scheduler.num_preemptions
+    assert llm.engine.stats().spec_decoding.num_accepted_tokens > 0
+    assert outs[0] == outs[1]
