@@ -98,7 +98,7 @@ def reference(model_dir: Path, config_dir: Path, layers: int, out: Path, max_tok
     out.write_text(json.dumps(answers))
 
 
-def _pages(model: Path, length: int) -> int:
+def _pages(model: Path, length: int, hybrid: bool = True) -> int:
     """The KV pages one sequence of `length` tokens may hold in `model`'s engine (a hybrid
     model's pages hold one layer group: `jaxllm.kv_groups`), pages of 16 tokens."""
     from jaxllm.config import CacheConfig
@@ -106,7 +106,8 @@ def _pages(model: Path, length: int) -> int:
     from jaxllm.kv_sizing import pages_per_sequence
     from jaxllm.loaders import load_config
 
-    groups = engine_kv_groups(load_config(model), CacheConfig(), draft=False)
+    cache = CacheConfig(disable_hybrid_kv_cache_manager=not hybrid)
+    groups = engine_kv_groups(load_config(model), cache, draft=False)
     return pages_per_sequence(groups, length, 16) + 1
 
 
@@ -187,8 +188,14 @@ def speed(args) -> dict:
         dtype="bfloat16",
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=max(args.batches),
-        num_pages=max(args.batches) * _pages(args.config, args.input_len + args.output_len + 16),
+        num_pages=max(args.batches)
+        * _pages(
+            args.config,
+            args.input_len + args.output_len + 16,
+            hybrid=not args.disable_hybrid_kv_cache_manager,
+        ),
         skip_warmup=True,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
     )
     vocab = llm.model_config.vocab_size
     report = {"device": jax.devices()[0].device_kind, "attention_backend": llm.attention_backend}
@@ -228,6 +235,11 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--profile", type=Path, help="a JAX profile of the first batch size's run")
+    p.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="speed: every layer in one KV cache group (see jaxllm/kv_groups.py)",
+    )
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--json", type=Path)
