@@ -826,7 +826,9 @@ def test_chunked_bodies_are_capped_as_they_arrive(server):
         ))  # fmt: skip
     grown_mib = (_memory_kib(pid, "VmHWM") - before) / 1024
     assert statuses == [413] * 12, statuses
-    assert grown_mib < 100, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
+    # Read whole, the bodies grew it by 703 MiB; capped, it grows 78-102 MiB from run to run
+    # (the allocator's state after the module's earlier tests; 100 failed once in a full run).
+    assert grown_mib < 160, f"the server's peak RSS grew by {grown_mib:.0f} MiB"
     assert httpx.get(f"{server}/health").status_code == 200
 
 
