@@ -123,11 +123,10 @@ def compile_engine(
     cache = config.cache
     placement = kv_cache_placement(mesh, kv_dtype, devices[0])
     groups = engine_kv_groups(model.config, cache, draft=len(weights) > 1)
-    page_bytes = sum(
-        device_page_bytes(
-            w.config, cache.page_size, kv_dtype, placement, tp, groups.num_slots if i == 0 else None
-        )
-        for i, w in enumerate(weights)
+    page_bytes = device_page_bytes(
+        model.config, cache.page_size, kv_dtype, placement, tp, groups.num_slots
+    ) + sum(
+        device_page_bytes(w.config, cache.page_size, kv_dtype, placement, tp) for w in weights[1:]
     )
     if any(w.weight_device_bytes is None for w in weights):
         logical = sum(w.weight_bytes for w in weights)
@@ -184,6 +183,7 @@ def compile_engine(
             cache, page_bytes * tp, multi=False, draft=weights[1] if len(weights) > 1 else None
         ),
         pooling=serves_pooling(config),
+        kv_groups=groups,
     )
     build_seconds = time.perf_counter() - start
     runner.compiler.keep_executables = keep_executables

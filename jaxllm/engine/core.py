@@ -195,11 +195,12 @@ class EngineCore:
             draft_model=None if draft is None else (draft.model, draft.config),
             pooling=pooler is not None,
             num_host_blocks=num_host_blocks,
+            kv_groups=groups,
         )
         kv = KVCacheManager(
             num_pages,
             cache.page_size,
-            windows=groups.windows,
+            windows=runner.kv_groups.windows,
             enable_prefix_caching=cache.enable_prefix_caching,
             host=HostBlockPool(num_host_blocks) if num_host_blocks else None,
         )

@@ -241,11 +241,10 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         fresh = max(self.blocks_needed(total) - length, 0) * self.num_groups
         if located is not None:
-            # Host-tier blocks take fresh blocks; reviving a free cached one takes it out of
-            # the free queue.
-            fresh += sum(loc is not None and loc[0] == "host" for g in located for loc in g)
+            # A host-tier block takes a fresh block; reviving a free cached one takes it out
+            # of the free queue.
             fresh += sum(
-                loc is not None and loc[0] == "device" and self.ref_counts[loc[1]] == 0
+                loc is not None and (loc[0] == "host" or self.ref_counts[loc[1]] == 0)
                 for g in located
                 for loc in g
             )

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig, LoRAConfig, ModelConfig, SpecMethod, using_kernels
-from jaxllm.kv_groups import KVCacheGroups, engine_kv_groups
+from jaxllm.kv_groups import KVCacheGroups
 from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
@@ -192,9 +192,12 @@ class ModelRunner:
         draft_model: tuple[nnx.Module, ModelConfig] | None = None,
         pooling: bool = False,
         num_host_blocks: int = 0,
+        kv_groups: KVCacheGroups,
     ) -> ModelRunner:
         """The runner of an engine whose KV cache is planned: `engine_config` with num_pages
-        and max_model_len resolved (`EngineCore.from_config` and `jaxllm compile` build it)."""
+        and max_model_len resolved, `kv_groups` the layer groups the pool was sized for and the
+        KV cache manager keeps tables of (`EngineCore.from_config` and `jaxllm compile` build
+        it)."""
         cache, sched = engine_config.cache, engine_config.scheduler
         if cache.num_pages is None or sched.max_model_len is None:
             raise ValueError("ModelRunner.from_config: plan num_pages and max_model_len first")
@@ -213,7 +216,7 @@ class ModelRunner:
             pooling=pooling,
             num_host_blocks=num_host_blocks,
             lora=engine_config.lora,
-            kv_groups=engine_kv_groups(config, cache, draft=draft_model is not None),
+            kv_groups=kv_groups,
         )
 
     # What the engine reads of the runner's parts.
