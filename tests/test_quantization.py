@@ -71,14 +71,9 @@ def _rounded_per_16(x: np.ndarray) -> np.ndarray:
 
 def _native_product(x: np.ndarray, w: QArray, variant: str = "native") -> tuple[np.ndarray, bool]:
     """x @ w.T as that build of the native kernel computes it (up to summation order), and
-    whether it takes the integer path (int8 / int4 codes, whole vectors of inputs, groups of
-    16, 32 or whole vectors)."""
-    vector = {"avx512_vnni": 64, "avx_vnni": 32}.get(quant_matmul_cpu.path(variant))
+    whether it takes the integer path (int8 / int4 codes in groups of whole 16s)."""
     integer = (
-        w.fmt != "fp8"
-        and vector is not None
-        and w.num_in % vector == 0
-        and (w.group_size in (16, 32) or w.group_size % vector == 0)
+        w.fmt != "fp8" and quant_matmul_cpu.path(variant) != "float" and w.group_size % 16 == 0
     )
     return (_rounded_per_16(x) if integer else x) @ dequantize_np(w).T, integer
 
@@ -93,7 +88,8 @@ def _native_product(x: np.ndarray, w: QArray, variant: str = "native") -> tuple[
         (576, 32, True, np.float16),  # GGUF's blocks (the demo model's width)
         (256, 16, False, np.float32),  # Q6_K's sub-blocks
         (512, 128, True, np.float16),  # our int4's groups
-        (96, 32, False, np.float32),  # not a whole 64-input vector: the float path
+        (96, 32, False, np.float32),  # rows end inside a vector (masked loads)
+        (48, 8, False, np.float32),  # groups finer than x's sub-blocks: the float path
     ],
 )
 def test_native_matmul_variants_match_their_reference(
@@ -114,7 +110,7 @@ def test_native_matmul_variants_match_their_reference(
     matmul = jax.jit(
         lambda x, w: quant_matmul_cpu.quant_matmul_cpu(x, w.q, w.scale, w.offset, w.fmt, variant)
     )
-    x = rng.standard_normal((7, num_in)).astype(np.float32)
+    x = rng.standard_normal((19, num_in)).astype(np.float32)  # blocks of 8 or 4, and the rest
     x[3] = 0.0  # a row of zeros (scale 0) gives zeros
     got = np.asarray(matmul(x, wj))
     exact = x @ dense.T
@@ -124,7 +120,7 @@ def test_native_matmul_variants_match_their_reference(
     assert np.all(got[3] == 0)
     if integer:  # int8 rounding of x: about 0.4% of x's range per input
         assert 1e-4 * scale < np.abs(got - exact).max() < 2e-2 * scale
-    for rows in ((0, 1), (5, 6), (1, 3)):  # batch-invariant: the same bits alone or in two
+    for rows in ((0, 1), (5, 6), (1, 3), (2, 19)):  # batch-invariant: the same bits in any batch
         np.testing.assert_array_equal(np.asarray(matmul(x[slice(*rows)], wj)), got[slice(*rows)])
 
 
@@ -299,7 +295,12 @@ def test_gguf_block_types_are_bit_exact(kind):
 def test_demo_gguf_kept_quantized(smollm2_path):
     """SmolLM2's Q4_1 / Q8_0 tensors stay integers: bit-exact to the float loader's (which
     dequantizes with the gguf package, Q/K rows un-permuted), the model holds 0.18x the
-    float32 bytes (float16 block factors), and its logits match the float model's."""
+    float32 bytes (float16 block factors), and its logits match the float model's: to float32
+    summation through XLA's dequantization; through the CPU kernel's integer path (x rounded
+    to 8 bits per 16 inputs, in every one of 211 matmuls) within a few percent, the greedy
+    token the same at almost every position (its quality bar is the perplexity test's)."""
+    import dataclasses
+
     from jaxllm.loaders import load_model
     from jaxllm.loaders.gguf import iter_gguf
     from jaxllm.sharding import per_device_bytes
@@ -321,10 +322,17 @@ def test_demo_gguf_kept_quantized(smollm2_path):
     f_bytes = per_device_bytes(nnx.state(dense.model))[1]
     assert q_bytes / f_bytes < 0.18, (q_bytes, f_bytes)
     tokens = list(range(100, 164))
-    got = prefill_logits(quant.model, quant.config, tokens)
     want = prefill_logits(dense.model, dense.config, tokens)
-    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).all()
+    native = quant.model.compilation
+    quant.model.compilation = dataclasses.replace(native, quant_matmul_backend="xla")
+    exact = prefill_logits(quant.model, quant.config, tokens)
+    quant.model.compilation = native
+    assert np.abs(exact - want).max() < 1e-3 * np.abs(want).max()
+    assert (exact.argmax(-1) == want.argmax(-1)).all()
+    if quant_matmul_cpu.path() != "float":  # the integer path: 0.7 of 30 measured (2-core EPYC)
+        got = prefill_logits(quant.model, quant.config, tokens)
+        assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
 @pytest.mark.demo_model

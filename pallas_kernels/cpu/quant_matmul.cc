@@ -18,26 +18,37 @@
 //
 // Two paths, picked when the library is built (`-march=native`: the CPU's own features):
 //
-// The integer path (int8 and int4, where the CPU has 8-bit dot products: AVX-512 VNNI, else
-// AVX-VNNI): x is quantized to int8 per sub-block of 16 inputs (one float scale each; finer
-// than llama.cpp's blocks of 32), and each weight vector is multiplied with it by `vpdpbusd`
-// (64 multiply-adds of u8 x s8 into int32 per instruction), as llama.cpp's CPU backend
-// does. Per 16 inputs the int32 sums become float once, times weight scale x input scale:
+// The integer path (int8 and int4 in groups of whole 16s, where the CPU has 8-bit dot
+// products: AVX-512 VNNI, else AVX-VNNI): x is quantized to int8 per sub-block of 16 inputs
+// (one float scale each; finer than llama.cpp's blocks of 32) and multiplied with the codes by
+// `vpdpbusd` (u8 x s8 multiply-adds into int32), as llama.cpp's CPU backend does:
 //   sum_i w[o,i] x[t,i] ~= sum_sub s[o,g] dx[t,sub] sum_{i in sub} code[o,i] xq[t,i]
 //                          + sum_sub m'[o,g] dx[t,sub] sum_{i in sub} xq[t,i]
 // `vpdpbusd` takes the weight side unsigned: int4 codes are 0..15 already, and int8 codes
 // are flipped to code + 128 (one xor), the 128 x sum(xq) this adds being taken back through
-// the offset term (m' = offset - 128 s). Nothing of the weight is expanded in memory: each
-// 64 codes are loaded (and int4 unpacked) in registers once per block of kT input rows.
+// the offset term (m' = offset - 128 s).
+//
+// Output rows go in panels of kP (16 with AVX-512, 8 with AVX-VNNI), one row per int32 lane:
+// each row's codes are read in pieces of 4 kP bytes, transposed in registers (dwords; int4
+// unpacked after), so that one vector holds 4 codes of every row of the panel for the same 4
+// inputs, which `vpdpbusd` meets with those 4 inputs of x broadcast. Four such instructions sum
+// a whole sub-block of 16 inputs in int32, exactly, for 16 rows; the sum then becomes float
+// once, times weight scale x input scale. The first version kept 64 inputs of one row per
+// vector, so every `vpdpbusd` (4 products per lane) needed its own conversion and two float
+// operations: 4 instructions per 64 multiply-adds against about 1.75 here, which is what a
+// batch of rows (prefill, many decodes) is bound by. The scales and offsets are transposed the
+// same way, once per panel. With more than one block of kT input rows the panel's transposed
+// codes are stored once (16 I bytes, L1/L2) and reused by every block; with fewer they go from
+// registers to the dot products. Each thread prefetches the next panel's codes and factors as
+// it reads its own: out of cache, the factors alone had cost as much as the codes.
 // Its error is that of rounding x to 8 bits per 16 values (the tests bound it; the demo's
-// perplexity is checked by scripts/quant_quality.py). On a 2-core AMD EPYC (Zen 4) a [1, 4096]
-// x [4096, 4096] int4 matmul went 9.3 -> 2.1 ms against the float path, int8 6.3 -> 2.2 ms,
-// and a batch-1 decode of the demo GGUF kept quantized 142 -> 40 ms (benchmarks/results/
-// qmatmul-int-path-cpu.json).
+// perplexity is checked by scripts/quant_quality.py). Figures: benchmarks/results/
+// qmatmul-int-path-cpu.json (against the float path) and qmatmul-panels-cpu.json (panels
+// against the first version).
 //
 // One call takes any number of matrices of the same x (a layer's q, k and v; its gate and
 // up): x is rounded once, and their row blocks, numbered one after another, are spread over
-// the threads together (`Weights`). Each thread prefetches its codes kPrefetchBytes ahead.
+// the threads together (`Weights`).
 //
 // The float path (fp8, shapes the integer path does not take, CPUs without 8-bit dot
 // products): output rows in blocks of kRows, spread over XLA's intra-op threads (parallel.h,
@@ -124,9 +135,9 @@ inline float hsum(vf v) {
 
 // The matrices of one call, all multiplied by the same x: one format, input size, group
 // count and factor type (float32 or float16 `ST`), each with its own output rows and result.
-// Their row blocks are numbered one after another, so one ParallelFor spreads all of them
-// (q, k and v in one call: fewer calls, one quantization of x, and work enough for every
-// thread).
+// Their blocks of output rows (`rows` high: the path's) are numbered one after another, so one
+// ParallelFor spreads all of them (q, k and v in one call: fewer calls, one quantization of
+// x, and work enough for every thread).
 template <typename ST>
 struct Weights {
   struct One {
@@ -140,16 +151,25 @@ struct Weights {
   std::vector<One> w;
   int64_t num_blocks = 0;
   int64_t row_bytes = 0;  // of q
+  int64_t rows = 1;       // per block
 
   void Add(const uint8_t* q, const ST* scale, const ST* offset, int64_t num_out, float* out) {
-    w.push_back({q, scale, offset, num_out, out, num_blocks});
-    num_blocks += (num_out + kRows - 1) / kRows;
+    w.push_back({q, scale, offset, num_out, out, 0});
+  }
+  // Numbers the blocks of `block_rows` rows.
+  void Split(int64_t block_rows) {
+    rows = block_rows;
+    num_blocks = 0;
+    for (One& m : w) {
+      m.first_block = num_blocks;
+      num_blocks += (m.num_out + rows - 1) / rows;
+    }
   }
   // The matrix holding block b (they are few: a scan), and the block's first row in it.
   const One& Of(int64_t b, int64_t* o0) const {
     size_t i = 0;
     while (i + 1 < w.size() && w[i + 1].first_block <= b) ++i;
-    *o0 = (b - w[i].first_block) * kRows;
+    *o0 = (b - w[i].first_block) * rows;
     return w[i];
   }
   // Prefetches block `next` of a thread's blocks [.., end).
@@ -158,10 +178,10 @@ struct Weights {
     int64_t o0;
     const One& m = Of(next, &o0);
     const char* p = reinterpret_cast<const char*>(m.q + o0 * row_bytes);
-    const int64_t bytes = std::min<int64_t>(kRows, m.num_out - o0) * row_bytes;
+    const int64_t bytes = std::min<int64_t>(rows, m.num_out - o0) * row_bytes;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
   }
-  int64_t Ahead() const { return std::max<int64_t>(1, kPrefetchBytes / (kRows * row_bytes)); }
+  int64_t Ahead() const { return std::max<int64_t>(1, kPrefetchBytes / (rows * row_bytes)); }
 };
 
 // Dequantizes output row o into buf[0:I].
@@ -229,18 +249,21 @@ void MicroKernel(const float* x, int64_t t0, const float* buf, int nr, int64_t i
   }
 }
 
-// kernel(NT, t0) over the input rows in blocks of kT, then one block of the 1-3 left: NT is a
-// std::integral_constant, so each micro-kernel is compiled for its row count.
-template <typename Kernel>
+// kernel(NT, t0) with NT = kBlock over the input rows, then NT = the 1 to kBlock - 1 left: NT
+// is a std::integral_constant, so each micro-kernel is compiled for its row count.
+template <int N, typename Kernel>
+void ForLastRows(int64_t n, int64_t t0, const Kernel& kernel) {
+  if constexpr (N > 0) {
+    if (n == N) return kernel(std::integral_constant<int, N>(), t0);
+    ForLastRows<N - 1>(n, t0, kernel);
+  }
+}
+
+template <int kBlock, typename Kernel>
 void ForInputRowBlocks(int64_t num_t, const Kernel& kernel) {
   int64_t t0 = 0;
-  for (; t0 + kT <= num_t; t0 += kT) kernel(std::integral_constant<int, kT>(), t0);
-  switch (num_t - t0) {
-    case 3: kernel(std::integral_constant<int, 3>(), t0); break;
-    case 2: kernel(std::integral_constant<int, 2>(), t0); break;
-    case 1: kernel(std::integral_constant<int, 1>(), t0); break;
-    default: break;
-  }
+  for (; t0 + kBlock <= num_t; t0 += kBlock) kernel(std::integral_constant<int, kBlock>(), t0);
+  ForLastRows<kBlock - 1>(num_t - t0, t0, kernel);
 }
 
 template <Format kFormat, typename ST>
@@ -265,7 +288,7 @@ void Run(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool has_
         dequant(m.q, m.scale, m.offset, has_offset, o0 + r, in, groups, buf + r * in);
       // Rows past the last real one are zero, so the micro-kernel may always run kRows rows.
       for (int r = nr; r < kRows; ++r) std::fill(buf + r * in, buf + (r + 1) * in, 0.f);
-      ForInputRowBlocks(num_t, [&](auto nt, int64_t t0) {
+      ForInputRowBlocks<kT>(num_t, [&](auto nt, int64_t t0) {
         MicroKernel<decltype(nt)::value>(x, t0, buf, nr, in, m.out, m.num_out, o0);
       });
     }
@@ -277,220 +300,371 @@ void Run(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool has_
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define JAXLLM_INT_PATH_ENABLED 1
 #define JAXLLM_INT_PATH "avx512_vnni"
-// 64 codes per vector; 16 int32 lanes, 4 per sub-block of 16 inputs.
+// A panel of 16 output rows, one per int32 lane.
 struct Vec {
-  static constexpr int kChunk = 64;
+  static constexpr int kP = 16;  // output rows per panel
+  static constexpr int kT = 8;   // input rows per micro-kernel call
   using I = __m512i;
   using F = __m512;
-  static I LoadInt8(const uint8_t* p) {  // int8 codes + 128, as u8
-    return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(static_cast<char>(0x80)));
+  // 4 kP bytes of a row; past `bytes` (a multiple of 4 below that), zeros.
+  static I LoadRow(const uint8_t* p, int64_t bytes) {
+    if (bytes >= 4 * kP) return _mm512_loadu_si512(p);
+    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (bytes / 4)) - 1), p);
   }
-  static I LoadInt4(const uint8_t* p) {  // 32 bytes: two blocks of 32, in element order
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i m = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(v, m);  // [block 0: 0..15, block 1: 0..15]
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);  // [.. 16..31, .. 16..31]
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));  // lo 0, hi 0, lo 1, hi 1
+  // r[d] becomes the vector whose lane l is dword d of the old r[l].
+  static void Transpose(I r[kP]) {
+    I t[kP];
+    for (int i = 0; i < kP; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < kP; i += 4) {
+      r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+      r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+      t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+      t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+      t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; ++i) {
+      r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+      r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
   }
-  static I LoadX(const int8_t* p) { return _mm512_loadu_si512(p); }
-  static F Dot(I w, I x) {
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+  static I Low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+  static I High4(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+  static I Flip(I v) {  // int8 codes + 128, as u8
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
   }
+  // n <= kP factors as float32 bits (float16 converted), zeros after them.
+  static I LoadFactors(const float* p, int64_t n) {
+    if (n >= kP) return _mm512_loadu_si512(p);
+    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  static I LoadFactors(const uint16_t* p, int64_t n) {
+    const __m256i h = n >= kP ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+    return _mm512_castps_si512(_mm512_cvtph_ps(h));
+  }
+  static I LoadI(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void StoreI(uint8_t* p, I v) { _mm512_storeu_si512(p, v); }
+  static I ZeroI() { return _mm512_setzero_si512(); }
+  static I Dot(I acc, I w, int32_t x4) {  // lane r += sum_j w[r][j] x4[j], u8 x s8
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
+  }
+  static F ToFloat(I v) { return _mm512_cvtepi32_ps(v); }
   static F Load(const float* p) { return _mm512_loadu_ps(p); }
-  static F Expand(const float* p) {  // 4 sub-block values, each over its 4 lanes
-    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(p)));
-  }
-  static F Expand32(const float* p) {  // groups of 32: 2 values, each over 8 lanes
-    return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
-  }
-  static F Broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static F Broadcast(float v) { return _mm512_set1_ps(v); }
   static F Zero() { return _mm512_setzero_ps(); }
   static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static float Sum(F v) { return _mm512_reduce_add_ps(v); }
+  static void Store(float* p, F v, int n) {  // its first n lanes
+    if (n == kP) return _mm512_storeu_ps(p, v);
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+  }
 };
 #elif defined(__AVXVNNI__) && defined(__AVX2__)
 #define JAXLLM_INT_PATH_ENABLED 1
 #define JAXLLM_INT_PATH "avx_vnni"
-// 32 codes per vector; 8 int32 lanes, 4 per sub-block of 16 inputs.
+// A panel of 8 output rows, one per int32 lane.
 struct Vec {
-  static constexpr int kChunk = 32;
+  static constexpr int kP = 8;
+  static constexpr int kT = 4;  // 16 registers: kT accumulators, 4 code vectors, temporaries
   using I = __m256i;
   using F = __m256;
-  static I LoadInt8(const uint8_t* p) {
-    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  static __m256i FirstLanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
-  static I LoadInt4(const uint8_t* p) {  // 16 bytes: one block of 32
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+  static I LoadRow(const uint8_t* p, int64_t bytes) {
+    if (bytes >= 4 * kP) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), FirstLanes(bytes / 4));
   }
-  static I LoadX(const int8_t* p) {
+  static void Transpose(I r[kP]) {
+    I t[kP];
+    for (int i = 0; i < kP; i += 2) {
+      t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < kP; i += 4) {
+      r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+      r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+      r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      t[i] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x20);
+      t[i + 4] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < kP; ++i) r[i] = t[i];
+  }
+  static I Low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+  static I High4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+  static I Flip(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static I LoadFactors(const float* p, int64_t n) {
+    if (n >= kP) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), FirstLanes(n));
+  }
+  static I LoadFactors(const uint16_t* p, int64_t n) {  // no 16-bit masked loads: by copy
+    alignas(16) uint16_t h[kP] = {};
+    std::memcpy(h, p, std::min<int64_t>(n, kP) * sizeof(uint16_t));
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(h));
+    return _mm256_castps_si256(_mm256_cvtph_ps(v));
+  }
+  static I LoadI(const uint8_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
-  static F Dot(I w, I x) {
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x));
+  static void StoreI(uint8_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static I ZeroI() { return _mm256_setzero_si256(); }
+  static I Dot(I acc, I w, int32_t x4) {
+    return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x4));
   }
+  static F ToFloat(I v) { return _mm256_cvtepi32_ps(v); }
   static F Load(const float* p) { return _mm256_loadu_ps(p); }
-  static F Expand(const float* p) { return _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0])); }
-  static F Expand32(const float* p) { return _mm256_set1_ps(*p); }  // a chunk is one group
-  static F Broadcast(const float* p) { return _mm256_set1_ps(*p); }
+  static F Broadcast(float v) { return _mm256_set1_ps(v); }
   static F Zero() { return _mm256_setzero_ps(); }
   static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static float Sum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  static void Store(float* p, F v, int n) {
+    if (n == kP) return _mm256_storeu_ps(p, v);
+    _mm256_maskstore_ps(p, FirstLanes(n), v);
   }
 };
 #endif
 
 #ifdef JAXLLM_INT_PATH_ENABLED
-constexpr int kSub = 16;  // inputs per activation scale (and per float conversion)
+constexpr int kSub = 16;  // inputs per activation scale
 
-// x quantized: codes [T, I], the scale of each int32 lane's sub-block [T, I / 4] (so the
-// micro-kernel loads it as a vector), scale x sum of codes per sub-block [T, I / 16].
+// x rounded to int8 per sub-block of kSub inputs: codes [T, I], each sub-block's scale
+// [T, I / kSub], and per weight group the sum of scale x code over its inputs [T, G] (for the
+// offset term).
 struct QuantizedX {
   std::vector<int8_t> q;
-  std::vector<float> lane_scale, scaled_sum;
+  std::vector<float> scale, group_sum;
 };
 
-QuantizedX QuantizeX(ffi::ThreadPool& pool, const float* x, int64_t num_t, int64_t in) {
-  const int64_t subs = in / kSub;
-  QuantizedX r{std::vector<int8_t>(num_t * in), std::vector<float>(num_t * in / 4),
-               std::vector<float>(num_t * subs)};
-  jaxllm::ParallelFor(pool, num_t, jaxllm::Grain(pool, num_t), [&](int64_t t_begin, int64_t t_end) {
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    for (int64_t s = 0; s < subs; ++s) {
-      const float* v = x + t * in + s * kSub;
-      float amax = 0.f;
-      for (int i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int i = 0; i < kSub; ++i) {
-        const int c = static_cast<int>(std::nearbyint(v[i] * inv));
-        r.q[t * in + s * kSub + i] = static_cast<int8_t>(c);
-        sum += c;
+QuantizedX QuantizeX(ffi::ThreadPool& pool, const float* x, int64_t num_t, int64_t in,
+                     int64_t groups) {
+  const int64_t subs = in / kSub, subs_per_group = subs / groups;
+  QuantizedX r{std::vector<int8_t>(num_t * in), std::vector<float>(num_t * subs),
+               std::vector<float>(num_t * groups, 0.f)};
+  jaxllm::ParallelFor(pool, num_t, jaxllm::Grain(pool, num_t), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t s = 0; s < subs; ++s) {
+        const float* v = x + t * in + s * kSub;
+        float amax = 0.f;
+        for (int i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < kSub; ++i) {
+          const int c = static_cast<int>(std::nearbyint(v[i] * inv));
+          r.q[t * in + s * kSub + i] = static_cast<int8_t>(c);
+          sum += c;
+        }
+        r.scale[t * subs + s] = d;
+        r.group_sum[t * groups + s / subs_per_group] += d * static_cast<float>(sum);
       }
-      for (int l = 0; l < kSub / 4; ++l) r.lane_scale[t * in / 4 + s * kSub / 4 + l] = d;
-      r.scaled_sum[t * subs + s] = d * static_cast<float>(sum);
     }
-  }
   });
   return r;
 }
 
-// Factors to float32: n of them from p.
-inline void ToFloats(const float* p, int64_t n, float* out) { std::memcpy(out, p, n * 4); }
-inline void ToFloats(const uint16_t* p, int64_t n, float* out) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-  for (; i + 4 <= n; i += 4)
-    _mm_storeu_ps(out + i, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i))));
-#endif
-  for (; i < n; ++i) out[i] = to_float(p[i]);
-}
-
-// How a chunk's lanes find their weight scales: groups of 16 (4 or 2 per chunk), of 32, or
-// of whole chunks.
-enum ScaleMode { kGroup16, kGroup32, kGroupChunks };
-
-// out[t0 + a, o0 + r] for a < NT, r < nr. The codes' term by vector sums over chunks (gf:
-// each row's group scales, as float32; chunk_group: each chunk's first group); the offset
-// term (the offsets gm, and for int8 the -128 x scale of the flipped codes) by a plain sum
-// over groups against x's per-group sums.
-template <Format kFormat, ScaleMode kMode, int NT>
-void IntMicroKernel(const QuantizedX& xq, const float* group_sum, int64_t t0,
-                    const uint8_t* const* rows, const float* gf, const float* gm,
-                    const int32_t* chunk_group, bool has_offset, int nr, int64_t in,
-                    int64_t groups, float* out, int64_t num_out, int64_t o0) {
-  typename Vec::F acc[NT][kRows];
-  for (int a = 0; a < NT; ++a)
-    for (int r = 0; r < kRows; ++r) acc[a][r] = Vec::Zero();
-  constexpr int64_t kBytes = kFormat == kInt4 ? Vec::kChunk / 2 : Vec::kChunk;
-  for (int64_t c = 0; c < in / Vec::kChunk; ++c) {
-    typename Vec::I xv[NT];
-    typename Vec::F dv[NT];
-    for (int a = 0; a < NT; ++a) {
-      xv[a] = Vec::LoadX(xq.q.data() + (t0 + a) * in + c * Vec::kChunk);
-      dv[a] = Vec::Load(xq.lane_scale.data() + (t0 + a) * in / 4 + c * Vec::kChunk / 4);
-    }
-    const int64_t g = chunk_group[c];
-    for (int r = 0; r < kRows; ++r) {
-      const typename Vec::I w = kFormat == kInt4 ? Vec::LoadInt4(rows[r] + c * kBytes)
-                                                 : Vec::LoadInt8(rows[r] + c * kBytes);
-      const float* f = gf + r * groups + g;
-      const typename Vec::F s = kMode == kGroup16   ? Vec::Expand(f)
-                                : kMode == kGroup32 ? Vec::Expand32(f)
-                                                    : Vec::Broadcast(f);
-      for (int a = 0; a < NT; ++a)
-        acc[a][r] = Vec::Fma(Vec::Dot(w, xv[a]), Vec::Mul(s, dv[a]), acc[a][r]);
+// The panel's codes by sub-block of 16 inputs, in order: visit(s, w) with w[q] (q < 4) the
+// vector whose lane r holds row r's codes of inputs 16 s + 4 q .. + 3 as u8 (int8 codes + 128;
+// int4 codes as they are). Each row's bytes are read in pieces of 4 kP, transposed in registers
+// (dwords), and for int4 unpacked after the transpose, two codes per byte.
+// `next` (next_bytes of them, contiguous): the codes of the panel to come, prefetched a share
+// per piece as this panel's are read (a decode reads each code once: too fast for the
+// hardware prefetcher alone, and 16 rows at once are more streams than it follows).
+template <Format kFormat, typename Visit>
+inline void ForPanelSubs(const uint8_t* const* rows, const uint8_t* next, int64_t next_bytes,
+                         int64_t row_bytes, const Visit& visit) {
+  constexpr int64_t kPiece = 4 * Vec::kP;
+  const int64_t pieces = (row_bytes + kPiece - 1) / kPiece;
+  const int64_t share = (next_bytes + pieces - 1) / pieces;
+  typename Vec::I v[Vec::kP], w[4];
+  for (int64_t c = 0; c < row_bytes; c += kPiece) {
+    const int64_t bytes = std::min(kPiece, row_bytes - c);
+    const int64_t from = c / kPiece * share, to = std::min(next_bytes, from + share);
+    for (int64_t b = from; b < to; b += 64) __builtin_prefetch(next + b, 0, 3);
+    for (int r = 0; r < Vec::kP; ++r) v[r] = Vec::LoadRow(rows[r] + c, bytes);
+    Vec::Transpose(v);  // v[d], lane r: the piece's dword d of row r
+    if constexpr (kFormat == kInt8) {
+      for (int64_t j = 0; j < bytes / 16; ++j) {  // dwords 4j..4j+3: sub-block c / 16 + j
+        for (int q = 0; q < 4; ++q) w[q] = Vec::Flip(v[4 * j + q]);
+        visit(c / 16 + j, w);
+      }
+    } else {
+      // A 16-byte block b holds inputs 32 b + j (low nibble of byte j) and 32 b + 16 + j (high).
+      for (int64_t j = 0; j < bytes / 16; ++j) {
+        const int64_t block = c / 16 + j;
+        for (int q = 0; q < 4; ++q) w[q] = Vec::Low4(v[4 * j + q]);
+        visit(2 * block, w);
+        for (int q = 0; q < 4; ++q) w[q] = Vec::High4(v[4 * j + q]);
+        visit(2 * block + 1, w);
+      }
     }
   }
+}
+
+// A panel's factors (scales or offsets) as float32, group-major: out[g * kP + r] = row r's
+// factor of group g, from its nr rows of [O, G] (rows past them repeat the last), loaded in
+// pieces of kP groups per row (float16 converted on the way) and transposed in registers.
+template <typename ST>
+void PanelFactors(const ST* factors, int nr, int64_t groups, float* out) {
+  const ST* rows[Vec::kP];
+  for (int r = 0; r < Vec::kP; ++r) rows[r] = factors + std::min(r, nr - 1) * groups;
+  typename Vec::I v[Vec::kP];
+  for (int64_t g0 = 0; g0 < groups; g0 += Vec::kP) {
+    const int64_t n = std::min<int64_t>(Vec::kP, groups - g0);
+    for (int r = 0; r < Vec::kP; ++r) v[r] = Vec::LoadFactors(rows[r] + g0, n);
+    Vec::Transpose(v);
+    for (int64_t d = 0; d < n; ++d)
+      Vec::StoreI(reinterpret_cast<uint8_t*>(out + (g0 + d) * Vec::kP), v[d]);
+  }
+}
+
+// What the micro-kernels share: x and the panel's factors, group-major (`sc`: scales; `mv`:
+// the offsets, and for int8 -128 x the scales, which the +128 of the codes added).
+struct PanelArgs {
+  const QuantizedX* xq;
+  const float* sc;
+  const float* mv;
+  bool offset_term;
+  const int32_t* sub_group;
+  int64_t in, groups;
+};
+
+// acc[a] += sub-block s of token t0 + a against the panel's codes w: 4 `vpdpbusd` into one
+// int32 sum per row (exact), then one float multiply-add with the row's weight scale times the
+// token's x scale.
+template <int NT>
+inline void SubStep(const PanelArgs& p, int64_t t0, int64_t s, const typename Vec::I* w,
+                    typename Vec::F* acc) {
+  const int64_t subs = p.in / kSub;
+  const typename Vec::F sv = Vec::Load(p.sc + p.sub_group[s] * Vec::kP);
   for (int a = 0; a < NT; ++a) {
-    const float* xs = group_sum + (t0 + a) * groups;
-    for (int r = 0; r < nr; ++r) {
-      float sum = Vec::Sum(acc[a][r]);
-      if (has_offset) {
-        float off = 0.f;
-        for (int64_t j = 0; j < groups; ++j) off += gm[r * groups + j] * xs[j];
-        sum += off;
-      }
-      if constexpr (kFormat == kInt8) {
-        float flip = 0.f;
-        for (int64_t j = 0; j < groups; ++j) flip += gf[r * groups + j] * xs[j];
-        sum -= 128.f * flip;
-      }
-      out[(t0 + a) * num_out + o0 + r] = sum;
-    }
+    int32_t x4[4];
+    std::memcpy(x4, p.xq->q.data() + (t0 + a) * p.in + s * kSub, sizeof(x4));
+    typename Vec::I d = Vec::Dot(Vec::ZeroI(), w[0], x4[0]);
+    d = Vec::Dot(d, w[1], x4[1]);
+    d = Vec::Dot(d, w[2], x4[2]);
+    d = Vec::Dot(d, w[3], x4[3]);
+    const float dx = p.xq->scale[(t0 + a) * subs + s];
+    acc[a] = Vec::Fma(Vec::ToFloat(d), Vec::Mul(sv, Vec::Broadcast(dx)), acc[a]);
   }
 }
 
-template <Format kFormat, ScaleMode kMode, typename ST>
-void RunInt(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool has_offset,
+// The offset term (per weight group, `mv` against x's group sums), then out[t0 + a, o0 + r]
+// for the panel's rows r < nr.
+template <int NT>
+inline void FinishRows(const PanelArgs& p, int64_t t0, typename Vec::F* acc, float* out,
+                       int64_t num_out, int64_t o0, int nr) {
+  if (p.offset_term) {
+    const float* xs = p.xq->group_sum.data() + t0 * p.groups;
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const typename Vec::F m = Vec::Load(p.mv + g * Vec::kP);
+      for (int a = 0; a < NT; ++a)
+        acc[a] = Vec::Fma(m, Vec::Broadcast(xs[a * p.groups + g]), acc[a]);
+    }
+  }
+  for (int a = 0; a < NT; ++a) Vec::Store(out + (t0 + a) * num_out + o0, acc[a], nr);
+}
+
+// Tokens t0 .. t0 + NT against the panel: straight from its rows (`rows`, when every token of
+// the call is in this one block: each code is used once, so it is not stored), or from the
+// packed codes `buf` (ForPanelSubs's vectors, sub-block after sub-block). The arithmetic is
+// SubStep's either way, in the same order: a row's result never depends on the batch.
+template <Format kFormat, int NT>
+void IntMicroKernel(const PanelArgs& p, int64_t t0, const uint8_t* const* rows,
+                    const uint8_t* next, int64_t next_bytes, int64_t row_bytes,
+                    const uint8_t* buf, float* out, int64_t num_out, int64_t o0, int nr) {
+  typename Vec::F acc[NT];
+  for (int a = 0; a < NT; ++a) acc[a] = Vec::Zero();
+  if (buf == nullptr) {
+    ForPanelSubs<kFormat>(rows, next, next_bytes, row_bytes,
+                          [&](int64_t s, const typename Vec::I* w) {
+                            SubStep<NT>(p, t0, s, w, acc);
+                          });
+  } else {
+    constexpr int64_t kSubBytes = 16 * Vec::kP;
+    for (int64_t s = 0; s < p.in / kSub; ++s) {
+      typename Vec::I w[4];
+      for (int q = 0; q < 4; ++q) w[q] = Vec::LoadI(buf + s * kSubBytes + q * 4 * Vec::kP);
+      SubStep<NT>(p, t0, s, w, acc);
+    }
+  }
+  FinishRows<NT>(p, t0, acc, out, num_out, o0, nr);
+}
+
+template <Format kFormat, typename ST>
+void RunInt(ffi::ThreadPool& pool, const float* x, Weights<ST>& ws, bool has_offset,
             int64_t num_t, int64_t in, int64_t groups) {
-  const QuantizedX xq = QuantizeX(pool, x, num_t, in);
-  const int64_t subs = in / kSub, group_size = in / groups, subs_per_group = group_size / kSub;
-  const int64_t row_bytes = ws.row_bytes;
-  std::vector<int32_t> chunk_group(in / Vec::kChunk);
-  for (size_t c = 0; c < chunk_group.size(); ++c)
-    chunk_group[c] = static_cast<int32_t>(c * Vec::kChunk / group_size);
-  std::vector<float> group_sum(num_t * groups, 0.f);  // x's scale x code sums per weight group
-  for (int64_t t = 0; t < num_t; ++t)
-    for (int64_t s = 0; s < subs; ++s)
-      group_sum[t * groups + s / subs_per_group] += xq.scaled_sum[t * subs + s];
+  ws.Split(Vec::kP);
+  const QuantizedX xq = QuantizeX(pool, x, num_t, in, groups);
+  const int64_t group_size = in / groups, row_bytes = ws.row_bytes;
+  std::vector<int32_t> sub_group(in / kSub);
+  for (size_t s = 0; s < sub_group.size(); ++s)
+    sub_group[s] = static_cast<int32_t>(s * kSub / group_size);
+  // Up to one block of tokens, each code is used once: it goes from the rows to the dot
+  // products in registers. More, and the panel is packed once into `buf` for every block.
+  const bool pack = num_t > Vec::kT;
   const int64_t grain = jaxllm::Grain(pool, ws.num_blocks);
   jaxllm::ParallelFor(pool, ws.num_blocks, grain, [&](int64_t b0, int64_t b1) {
-    thread_local std::vector<float> gf, gm;
-    gf.resize(kRows * groups);
-    gm.resize(has_offset ? kRows * groups : 0);
-    const int64_t ahead = ws.Ahead();
+    thread_local std::vector<uint8_t> buf;
+    thread_local std::vector<float> sc, mv;
+    if (pack) buf.resize(in * Vec::kP);
+    sc.resize(groups * Vec::kP);
+    mv.resize(groups * Vec::kP);
+    const PanelArgs args{&xq, sc.data(), mv.data(), has_offset || kFormat == kInt8,
+                         sub_group.data(), in, groups};
+    const uint8_t* rows[Vec::kP];
     for (int64_t blk = b0; blk < b1; ++blk) {
       int64_t o0;
       const auto& m = ws.Of(blk, &o0);
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, m.num_out - o0));
-      ws.Prefetch(blk + ahead, b1);
-      // The block's rows are contiguous in q, scale and offset: their factors convert in one
-      // run. Past the last row: repeat it (computed, never written).
-      const uint8_t* rows[kRows];
-      for (int r = 0; r < kRows; ++r) rows[r] = m.q + (o0 + std::min(r, nr - 1)) * row_bytes;
-      ToFloats(m.scale + o0 * groups, nr * groups, gf.data());
-      if (has_offset) ToFloats(m.offset + o0 * groups, nr * groups, gm.data());
-      for (int r = nr; r < kRows; ++r) {
-        std::copy_n(gf.data() + (nr - 1) * groups, groups, gf.data() + r * groups);
-        if (has_offset) std::copy_n(gm.data() + (nr - 1) * groups, groups, gm.data() + r * groups);
+      const int nr = static_cast<int>(std::min<int64_t>(Vec::kP, m.num_out - o0));
+      // Past the panel's last row: repeat it (computed, never written).
+      for (int r = 0; r < Vec::kP; ++r)
+        rows[r] = m.q + (o0 + std::min(r, nr - 1)) * row_bytes;
+      const uint8_t* next = nullptr;  // the next panel's codes, to prefetch
+      int64_t next_bytes = 0;
+      if (blk + 1 < b1) {
+        int64_t n0;
+        const auto& n = ws.Of(blk + 1, &n0);
+        const int64_t rows_next = std::min<int64_t>(Vec::kP, n.num_out - n0);
+        next = n.q + n0 * row_bytes;
+        next_bytes = rows_next * row_bytes;
+        // Its factors too: out of cache, waiting for them cost as much as the codes.
+        const int64_t factor_bytes = rows_next * groups * static_cast<int64_t>(sizeof(ST));
+        for (int64_t b = 0; b < factor_bytes; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(n.scale + n0 * groups) + b, 0, 3);
+          if (has_offset)
+            __builtin_prefetch(reinterpret_cast<const char*>(n.offset + n0 * groups) + b, 0, 3);
+        }
       }
-      ForInputRowBlocks(num_t, [&](auto nt, int64_t t0) {
-        IntMicroKernel<kFormat, kMode, decltype(nt)::value>(
-            xq, group_sum.data(), t0, rows, gf.data(), gm.data(), chunk_group.data(),
-            has_offset, nr, in, groups, m.out, m.num_out, o0);
+      PanelFactors(m.scale + o0 * groups, nr, groups, sc.data());
+      if (has_offset)
+        PanelFactors(m.offset + o0 * groups, nr, groups, mv.data());
+      else
+        std::fill(mv.begin(), mv.end(), 0.f);
+      if constexpr (kFormat == kInt8)
+        for (int64_t i = 0; i < groups * Vec::kP; ++i) mv[i] -= 128.f * sc[i];
+      if (pack) {
+        constexpr int64_t kSubBytes = 16 * Vec::kP;
+        ForPanelSubs<kFormat>(rows, next, next_bytes, row_bytes,
+                              [&](int64_t s, const typename Vec::I* w) {
+                                uint8_t* to = buf.data() + s * kSubBytes;
+                                for (int q = 0; q < 4; ++q) Vec::StoreI(to + q * 4 * Vec::kP, w[q]);
+                              });
+      }
+      ForInputRowBlocks<Vec::kT>(num_t, [&](auto nt, int64_t t0) {
+        IntMicroKernel<kFormat, decltype(nt)::value>(args, t0, rows, next, next_bytes, row_bytes,
+                                                     pack ? buf.data() : nullptr, m.out,
+                                                     m.num_out, o0, nr);
       });
     }
   });
@@ -499,18 +673,15 @@ void RunInt(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool h
 #define JAXLLM_INT_PATH "float"
 #endif
 
-// Whether the integer path takes this matmul (int8 or int4 codes, whole vectors of inputs,
-// weight groups of 16, 32 or whole vectors), and how its scales are read.
-bool IntPathTakes(Format format, int64_t in, int64_t groups, int* mode) {
+// Whether the integer path takes this matmul: int8 or int4 codes, weight groups in whole
+// sub-blocks of x (so inputs too).
+bool IntPathTakes(Format format, int64_t in, int64_t groups) {
 #ifdef JAXLLM_INT_PATH_ENABLED
-  const int64_t group_size = in / groups;
-  if (format == kFp8 || in % Vec::kChunk) return false;
-  if (group_size == 16) return *mode = kGroup16, true;
-  if (group_size == 32) return *mode = kGroup32, true;
-  if (group_size % Vec::kChunk == 0) return *mode = kGroupChunks, true;
-#endif
-  (void)format, (void)in, (void)groups, (void)mode;
+  return format != kFp8 && (in / groups) % kSub == 0;
+#else
+  (void)format, (void)in, (void)groups;
   return false;
+#endif
 }
 
 // Checks matrix i of the call (q, scale, offset, and its result) against x and the first
@@ -577,21 +748,13 @@ ffi::Error RunAll(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   }
   auto run = [&](auto fmt) {
     constexpr Format F = decltype(fmt)::value;
-    if constexpr (F != kFp8) {
 #ifdef JAXLLM_INT_PATH_ENABLED
-      int mode = 0;
-      if (IntPathTakes(F, in, groups, &mode)) {
-        const float* xp = x.typed_data();
-        if (mode == kGroup16)
-          RunInt<F, kGroup16, ST>(pool, xp, ws, has_offset, num_t, in, groups);
-        else if (mode == kGroup32)
-          RunInt<F, kGroup32, ST>(pool, xp, ws, has_offset, num_t, in, groups);
-        else
-          RunInt<F, kGroupChunks, ST>(pool, xp, ws, has_offset, num_t, in, groups);
-        return;
-      }
-#endif
+    if constexpr (F != kFp8) {
+      if (IntPathTakes(F, in, groups))
+        return RunInt<F, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
     }
+#endif
+    ws.Split(kRows);
     Run<F, ST>(pool, x.typed_data(), ws, has_offset, num_t, in, groups);
   };
   if (format == kInt8) run(std::integral_constant<Format, kInt8>());
