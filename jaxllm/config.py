@@ -400,8 +400,8 @@ class LoadConfig:
     quantization: str | None = option(None, "-q", choices=QUANTIZATIONS)
     """Weight quantization: int8 (per channel), int4 (groups of 32, with offsets) or fp8
     (e4m3, per channel) quantize the linear layers and embedding at load; gguf keeps a GGUF
-    file's quantized tensors as they are (none: on accelerators; on CPU none dequantizes
-    them), as gptq, awq and compressed-tensors (or none) do a checkpoint's of that method;
+    file's quantized tensors as they are (none: on accelerators, and on CPUs with 8-bit dot
+    products; on other CPUs none dequantizes them), as gptq, awq and compressed-tensors (or none) do a checkpoint's of that method;
     float dequantizes them at load (see jaxllm/quantization.py)."""
     load_format: str = option("auto", choices=("auto", "dummy"))
     """auto reads the weights from the model; dummy makes random ones in its shapes (a

@@ -44,14 +44,15 @@ def test_dequantized_unpermuted_tensors(qtype, hf_dir, tmp_path):
 
 
 def test_gguf_model_matches_transformers(hf_dir, tmp_path):
-    """transformers loads the same GGUF (undoing the permutation itself): logits agree."""
+    """transformers loads the same GGUF (undoing the permutation itself): logits agree, ours
+    dequantized as transformers' are (kept quantized, x would be rounded to 8 bits)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "m.gguf"
     write_gguf(hf_dir, path, Q.Q8_0)
-    loaded = load_model(path, dtype=jnp.float32)
+    loaded = load_model(path, dtype=jnp.float32, quantization="float")
     ids = list(range(3, 60))
     ours = prefill_logits(loaded.model, loaded.config, ids)
     ref_model = AutoModelForCausalLM.from_pretrained(

@@ -50,9 +50,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
 def test_greedy_parity_with_transformers(name, spec):
     """With n-gram speculative decoding too: the same tokens."""
     demo = parity_reference.DEMOS[name]
-    # A pool of memory, not pages: Gemma 3's pages hold a layer group (kv_groups).
+    # A pool of memory, not pages: Gemma 3's pages hold a layer group (kv_groups). The GGUF
+    # dequantized, as transformers reads it (kept quantized, the CPU rounds x to 8 bits).
     llm = LLM(name, dtype="float32", max_model_len=1024, cpu_kv_cache_gib=0.1, max_num_seqs=8,
-              speculative_config=spec)  # fmt: skip
+              speculative_config=spec, quantization="float")  # fmt: skip
     prompts = parity_reference.prompt_token_ids(llm.get_tokenizer(), demo)
     assert max(map(len, prompts)) <= 1024 - demo.max_new_tokens
     ref_tokens, ref_gaps = _reference(name, demo, prompts)

@@ -27,6 +27,7 @@ from jaxllm.loaders.weights import build_state
 from jaxllm.model_cache import cache_dir, resolve_model
 from jaxllm.models import get_model_class
 from jaxllm.sharding import param_shardings, shard_config
+from pallas_kernels import quant_matmul_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,19 @@ def load_tokenizer(model: str | os.PathLike) -> tuple[Any, dict]:
         return gguf_loader.load_gguf_tokenizer(path, cache_dir()), {}
     load_config(path)  # raises the error that names what the path should be
     raise AssertionError
+
+
+def gguf_kept_quantized() -> bool:
+    """Whether a GGUF file's quantized tensors stay quantized when no quantization is asked
+    for: on accelerators, and on CPUs where the native kernel has its integer path (8-bit dot
+    products). There the demo model decodes at 2.8-2.9x the speed of its float32
+    dequantization at batch 1 and serves 2.1x and 2.7x llama.cpp's server at 8 and 32 clients
+    (benchmarks/results/README.md), in 0.18x the bytes. Elsewhere the kernel's float path
+    would dequantize every weight on every step, so the weights are dequantized once
+    (`quantization="float"`); `quantization="gguf"` keeps them quantized anyway."""
+    if jax.default_backend() != "cpu":
+        return True
+    return quant_matmul_cpu.available() and quant_matmul_cpu.path() != "float"
 
 
 def load_model(
@@ -113,12 +127,7 @@ def load_model(
             f"quantization {quantization} does not match the checkpoint {path} "
             f"({method or 'not quantized'})"
         )
-    if quantization is None and method == "gguf" and jax.default_backend() == "cpu":
-        # On the CPU a GGUF file's weights are dequantized unless asked otherwise: kept
-        # quantized, decode is faster (2.2-2.7x at batch 1, 1.5x at 8 on the demo model) but a
-        # prefill through the integer kernel is slower than XLA's float32 GEMM, and float32
-        # serves more at 32 clients (benchmarks/results/README.md); `quantization="gguf"`
-        # keeps them quantized (0.18x the bytes of the demo model).
+    if quantization is None and method == "gguf" and not gguf_kept_quantized():
         quantization = "float"
     start = time.perf_counter()
     config, graphdef, abstract_state = abstract_model(load_config(path), dtype, compilation, mesh)
