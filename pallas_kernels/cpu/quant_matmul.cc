@@ -447,6 +447,36 @@ struct QuantizedX {
   std::vector<float> scale, group_sum;
 };
 
+// One sub-block of x: q[i] = round(v[i] * 127 / max|v|) (to nearest, ties to even: the
+// rounding mode's, as std::nearbyint), the sum of the codes in *sum; returns the scale
+// max|v| / 127. In vector registers: a prefill quantizes I x T values per matmul.
+inline float QuantizeSub(const float* v, int8_t* q, int* sum) {
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_loadu_ps(v);
+  const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(x));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(c));
+  *sum = _mm512_reduce_add_epi32(c);
+#else  // AVX2, which the AVX-VNNI path implies
+  const __m256 a = _mm256_loadu_ps(v), b = _mm256_loadu_ps(v + 8);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 k = _mm256_set1_ps(inv);
+  alignas(32) int32_t c[kSub];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), _mm256_cvtps_epi32(_mm256_mul_ps(a, k)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8), _mm256_cvtps_epi32(_mm256_mul_ps(b, k)));
+  int total = 0;
+  for (int i = 0; i < kSub; ++i) q[i] = static_cast<int8_t>(c[i]), total += c[i];
+  *sum = total;
+#endif
+  return amax / 127.f;
+}
+
 QuantizedX QuantizeX(ffi::ThreadPool& pool, const float* x, int64_t num_t, int64_t in,
                      int64_t groups) {
   const int64_t subs = in / kSub, subs_per_group = subs / groups;
@@ -455,16 +485,8 @@ QuantizedX QuantizeX(ffi::ThreadPool& pool, const float* x, int64_t num_t, int64
   jaxllm::ParallelFor(pool, num_t, jaxllm::Grain(pool, num_t), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t s = 0; s < subs; ++s) {
-        const float* v = x + t * in + s * kSub;
-        float amax = 0.f;
-        for (int i = 0; i < kSub; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int i = 0; i < kSub; ++i) {
-          const int c = static_cast<int>(std::nearbyint(v[i] * inv));
-          r.q[t * in + s * kSub + i] = static_cast<int8_t>(c);
-          sum += c;
-        }
+        int sum;
+        const float d = QuantizeSub(x + t * in + s * kSub, r.q.data() + t * in + s * kSub, &sum);
         r.scale[t * subs + s] = d;
         r.group_sum[t * groups + s / subs_per_group] += d * static_cast<float>(sum);
       }
