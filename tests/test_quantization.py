@@ -315,7 +315,7 @@ def test_demo_gguf_kept_quantized(smollm2_path):
     assert kept == 1 + 30 * 7
 
     quant = load_model(smollm2_path, load_tokenizer=False, quantization="gguf")
-    dense = load_model(smollm2_path, load_tokenizer=False)  # dequantized: the CPU's default
+    dense = load_model(smollm2_path, load_tokenizer=False, quantization="float")
     from flax import nnx
 
     q_bytes = per_device_bytes(nnx.state(quant.model))[1]
