@@ -165,20 +165,23 @@ struct Weights {
       num_blocks += (m.num_out + rows - 1) / rows;
     }
   }
-  // The matrix holding block b (they are few: a scan), and the block's first row in it.
-  const One& Of(int64_t b, int64_t* o0) const {
+  // The matrix holding block b (they are few: a scan), the block's first row in it and its
+  // number of rows (`rows`, fewer in a matrix's last block).
+  const One& Of(int64_t b, int64_t* o0, int* nr) const {
     size_t i = 0;
     while (i + 1 < w.size() && w[i + 1].first_block <= b) ++i;
     *o0 = (b - w[i].first_block) * rows;
+    *nr = static_cast<int>(std::min<int64_t>(rows, w[i].num_out - *o0));
     return w[i];
   }
   // Prefetches block `next` of a thread's blocks [.., end).
   void Prefetch(int64_t next, int64_t end) const {
     if (next >= end) return;
     int64_t o0;
-    const One& m = Of(next, &o0);
+    int nr;
+    const One& m = Of(next, &o0, &nr);
     const char* p = reinterpret_cast<const char*>(m.q + o0 * row_bytes);
-    const int64_t bytes = std::min<int64_t>(rows, m.num_out - o0) * row_bytes;
+    const int64_t bytes = nr * row_bytes;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
   }
   int64_t Ahead() const { return std::max<int64_t>(1, kPrefetchBytes / (rows * row_bytes)); }
@@ -281,8 +284,8 @@ void Run(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool has_
     const int64_t ahead = ws.Ahead();
     for (int64_t blk = b0; blk < b1; ++blk) {
       int64_t o0;
-      const auto& m = ws.Of(blk, &o0);
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, m.num_out - o0));
+      int nr;
+      const auto& m = ws.Of(blk, &o0, &nr);
       ws.Prefetch(blk + ahead, b1);
       for (int r = 0; r < nr; ++r)
         dequant(m.q, m.scale, m.offset, has_offset, o0 + r, in, groups, buf + r * in);
@@ -647,8 +650,8 @@ void RunInt(ffi::ThreadPool& pool, const float* x, Weights<ST>& ws, bool has_off
     const uint8_t* rows[Vec::kP];
     for (int64_t blk = b0; blk < b1; ++blk) {
       int64_t o0;
-      const auto& m = ws.Of(blk, &o0);
-      const int nr = static_cast<int>(std::min<int64_t>(Vec::kP, m.num_out - o0));
+      int nr;
+      const auto& m = ws.Of(blk, &o0, &nr);
       // Past the panel's last row: repeat it (computed, never written).
       for (int r = 0; r < Vec::kP; ++r)
         rows[r] = m.q + (o0 + std::min(r, nr - 1)) * row_bytes;
@@ -656,8 +659,8 @@ void RunInt(ffi::ThreadPool& pool, const float* x, Weights<ST>& ws, bool has_off
       int64_t next_bytes = 0;
       if (blk + 1 < b1) {
         int64_t n0;
-        const auto& n = ws.Of(blk + 1, &n0);
-        const int64_t rows_next = std::min<int64_t>(Vec::kP, n.num_out - n0);
+        int rows_next;
+        const auto& n = ws.Of(blk + 1, &n0, &rows_next);
         next = n.q + n0 * row_bytes;
         next_bytes = rows_next * row_bytes;
         // Its factors too: out of cache, waiting for them cost as much as the codes.
