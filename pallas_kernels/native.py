@@ -64,17 +64,18 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
+def _build(name: str, extra_flags: tuple[str, ...] = (), sources: Path = _SOURCES) -> Path:
     """The compiled library of `cpu/<name>.cc`, building it if it is not cached yet.
     `extra_flags` follow `-march=native`: the tests build a kernel's other variants with them
-    (`-mno-avx512f` takes away what an older CPU lacks)."""
+    (`-mno-avx512f` takes away what an older CPU lacks). `sources`: another directory holding
+    `<name>.cc` and its headers (a benchmark builds a kernel's source at an older revision)."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
-    source_path = _SOURCES / f"{name}.cc"
+    source_path = sources / f"{name}.cc"
     # The key covers the headers beside the sources too (shared code such as e4m3.h).
     source = source_path.read_bytes() + b"".join(
-        h.read_bytes() for h in sorted(_SOURCES.glob("*.h"))
+        h.read_bytes() for h in sorted(sources.glob("*.h"))
     )
     flags = [*_FLAGS, *extra_flags]
     key = hashlib.sha256(

@@ -12,8 +12,8 @@ Two measurements, each the median (and min) of alternated calls:
   int4) chained in one jitted function, as a decode step reads them: once each, from memory.
 
 Weights are random codes with float16 factors per 32 inputs (int4 with offsets: GGUF's Q4_1;
-int8 without: Q8_0). The baseline's library is built with the same flags (`native._FLAGS`) and
-registered under its own FFI target; its headers come from the same revision.
+int8 without: Q8_0). The baseline's library is built as the current one is and
+registered under its own FFI target (`native._build`, given the revision's source and headers).
 """
 
 from __future__ import annotations
@@ -54,15 +54,7 @@ def build_baseline(rev: str, out_dir: Path) -> str:
                 ["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, check=True
             ).stdout
             (src / Path(path).name).write_bytes(blob)
-    obj, lib = out_dir / "baseline.o", out_dir / "baseline.so"
-    include = f"-I{jax.ffi.include_dir()}"
-    cxx = native._compiler()
-    subprocess.run(
-        [cxx, *native._FLAGS, include, "-c", str(src / "quant_matmul.cc"), "-o", str(obj)],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run([cxx, *native._LINK_FLAGS, str(obj), "-o", str(lib)], check=True)
+    lib = native._build("quant_matmul", sources=src)  # the same flags, cached by content
     handle = ctypes.cdll.LoadLibrary(str(lib))
     target = "jaxllm_quant_matmul_baseline"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handle.JaxllmQuantMatmul), platform="cpu")
