@@ -26,7 +26,12 @@ import types
 import typing
 from typing import Any
 
-from jaxllm.families import FAMILIES, FULL_ATTENTION, SLIDING_ATTENTION, family_of
+from jaxllm.families import (
+    FAMILIES,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    text_family_of,
+)
 
 _DTYPES = {
     "float32": "float32",
@@ -247,7 +252,7 @@ class ModelConfig:
                 f"supported: {', '.join(FAMILIES)}"
             )
         if family.text_of is not None:  # an image-text model: its text decoder
-            family = family_of(family.text_of)
+            family = text_family_of(family, config)
             config = {**config, **config.get("text_config", {})}
         arch = family.architecture
         features = dict(family.features)
@@ -682,6 +687,56 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiModalConfig:
+    """Image inputs of an image-text model (vLLM's flags)."""
+
+    limit_mm_per_prompt: dict | None = None
+    """The most items of each modality one prompt may carry, as vLLM's JSON: {"image": 4};
+    default 16 images."""
+    allowed_local_media_path: str | None = None
+    """A directory whose files (and only those) requests may name as `file://` image URLs;
+    default: none may."""
+    max_num_encoder_input_tokens: int | None = None
+    """The most image tokens the vision encoder computes in one step; default
+    max_num_batched_tokens (at least one image)."""
+    encoder_cache_size: int | None = None
+    """Image tokens the encoder cache holds on the device (encoded images, kept while their
+    requests need them and reused by image content); default max_num_encoder_input_tokens."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limit_mm_per_prompt, str):  # JSON text, as the flag takes it
+            try:
+                parsed = json.loads(self.limit_mm_per_prompt)
+            except ValueError as e:
+                raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
+            object.__setattr__(self, "limit_mm_per_prompt", parsed)
+        _check_types(self)
+        limits = self.limit_mm_per_prompt or {}
+        for modality, n in limits.items():
+            if modality != "image":
+                raise ValueError(
+                    f"limit_mm_per_prompt: modality {modality!r} is not supported (only image)"
+                )
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"limit_mm_per_prompt: image must be an integer >= 0, got {n!r}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def image_limit(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", 16)
+
+    def encoder_plan(self, tokens_per_image: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        """(the encoder cache's slots of one image each, the image tokens a step encodes) for
+        images of `tokens_per_image` tokens: at least one image each."""
+        budget = max(self.max_num_encoder_input_tokens or max_num_batched_tokens, tokens_per_image)
+        size = max(self.encoder_cache_size or budget, tokens_per_image)
+        return size // tokens_per_image, budget
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how an engine is built, one section per concern.
 
@@ -696,6 +751,7 @@ class EngineConfig:
     compilation: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    multimodal: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
 
     @staticmethod
     def fields() -> dict[str, tuple[str, dataclasses.Field]]:

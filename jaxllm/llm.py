@@ -30,6 +30,9 @@ from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
+from jaxllm.model_cache import resolve_model
+from jaxllm.multimodal.chat import split_images
+from jaxllm.multimodal.processor import ImageProcessor
 from jaxllm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -80,8 +83,13 @@ class LLM:
         self.engine = build_engine_core(config)  # a pooling model (an encoder): `embed`
         self.config = self.engine.config
         self.tokenizer = tokenizer.result()[0]
+        ready = self.engine.ready()
         self.input_processor = InputProcessor.for_engine(
-            self.tokenizer, self.generation_config, self.engine.ready(), seed=self.config.load.seed
+            self.tokenizer,
+            self.generation_config,
+            ready,
+            seed=self.config.load.seed,
+            images=ImageProcessor.for_engine(resolve_model(config.load.model), ready, self.config),
         )
         # The engine is driven as the server's core process drives it (one loop, one way
         # to fail a step), in this thread.
@@ -173,7 +181,7 @@ class LLM:
         prompts, params = self._normalize(prompts, sampling_params)
         priorities = self._priorities(priority, len(prompts))
         loras = self._loras(lora_request, len(prompts))
-        tokenized = [self.input_processor.tokenize(p) for p in prompts]
+        tokenized = [self.input_processor.prompt_inputs(p) for p in prompts]
         return self._run(tokenized, params, use_tqdm=use_tqdm, priorities=priorities, loras=loras)
 
     @staticmethod
@@ -213,16 +221,22 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation or a list of them (OpenAI-style messages)."""
+        """Generates replies to one conversation or a list of them (OpenAI-style messages;
+        an image-text model's may hold `image_url` parts, and `image_pil` parts with a PIL
+        image)."""
         if self.tokenizer is None:
             raise InputError("messages: this model has no tokenizer or chat template", "messages")
         if not isinstance(messages, list) or not messages:
             raise InputError("messages must be a non-empty list", "messages")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        texts = []
+        texts, images = [], []
         for conv in conversations:
             if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
                 raise InputError("messages: each message must be a dict with a 'role'", "messages")
+            conv, sources = split_images(conv)
+            if sources and self.input_processor.images is None:
+                raise InputError("messages: this model takes no images", sources[0][1])
+            images.append(self.input_processor.images.load(sources, "messages") if sources else [])
             texts.append(
                 self.tokenizer.apply_chat_template(
                     conv,
@@ -234,7 +248,10 @@ class LLM:
             )
         prompts, params = self._normalize(texts, sampling_params)
         # The template already holds any BOS token, so none is added when tokenizing.
-        tokenized = [self.input_processor.tokenize(p, add_special_tokens=False) for p in prompts]
+        tokenized = [
+            self.input_processor.prompt_inputs(p, i, add_special_tokens=False)
+            for p, i in zip(prompts, images, strict=True)
+        ]
         loras = self._loras(lora_request, len(prompts))
         return self._run(tokenized, params, use_tqdm=use_tqdm, loras=loras)
 
@@ -448,9 +465,13 @@ class LLM:
         requests = []
         priorities = priorities or [0] * len(params)
         loras = loras or [None] * len(params)
-        for (text, ids), sp, prio, lora in zip(tokenized, params, priorities, loras, strict=True):
+        for (text, ids, items), sp, prio, lora in zip(
+            tokenized, params, priorities, loras, strict=True
+        ):
             rid = self.input_processor.next_request_id()
-            subs = self.input_processor.fan_out(rid, ids, sp, priority=prio, lora_request=lora)
+            subs = self.input_processor.fan_out(
+                rid, ids, sp, priority=prio, lora_request=lora, mm_items=items
+            )
             for i, request in subs:
                 output_processor.add_request(request.request_id, i, ids, sp)
                 children[request.request_id] = len(groups)

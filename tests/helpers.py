@@ -255,3 +255,85 @@ def write_family_checkpoint(case: str, path, **overrides) -> object:
     model.save_pretrained(path, safe_serialization=True)
     write_tiny_tokenizer(path, vocab_size=VOCAB)
     return model
+
+
+# An image-text chat template for the tiny checkpoints: ChatML, with an image part written as
+# the image token (as LLaVA's templates write it).
+IMAGE_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+IMAGE_SIZE, PATCH = 32, 8  # 16 patches: 16 placeholder tokens per image
+
+
+def write_llava_checkpoint(path, tower: str = "clip"):
+    """A tiny random LLaVA (a CLIP or SigLIP tower, the MLP projector, a Llama decoder) with
+    its processor (tokenizer with an `<image>` token, image processor, chat template), as
+    transformers writes them; returns the transformers model."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    write_tiny_tokenizer(path, vocab_size=VOCAB, chat_template=IMAGE_CHATML)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    common = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    if tower == "clip":
+        vision = transformers.CLIPVisionConfig(**common, projection_dim=32)
+        images = transformers.CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        )
+        extra, strategy, layer = 1, "default", -2
+    else:
+        vision = transformers.SiglipVisionConfig(**common)
+        images = transformers.SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+        extra, strategy, layer = 0, "full", -1
+    text = transformers.LlamaConfig(
+        vocab_size=VOCAB + 16,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=image_token,
+        image_seq_length=(IMAGE_SIZE // PATCH) ** 2,
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=layer,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms start at 0 or 1 and biases at 0: make every weight count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
+    model.save_pretrained(path, safe_serialization=True)
+    processor = transformers.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy=strategy,
+        image_token="<image>",
+        num_additional_image_tokens=extra,
+        chat_template=IMAGE_CHATML,
+    )
+    processor.save_pretrained(path)
+    return model

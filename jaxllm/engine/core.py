@@ -31,6 +31,7 @@ from jaxllm.engine.messages import Ready
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
+from jaxllm.multimodal.processor import check_mm_items
 from jaxllm.pooling import (
     DECODER_CLASSIFIER_POOLER,
     DECODER_POOLER,
@@ -47,6 +48,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import SchedulerOutput
 
 if TYPE_CHECKING:
+    from jaxllm.models.vision import VisionConfig
     from jaxllm.worker import InflightStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ class EngineCore:
         # generates.
         self.pooler: PoolerConfig | None = None
         self.head: ClassifierHead | None = None
+        self.vision: VisionConfig | None = None  # an image-text model's vision side
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -108,6 +111,7 @@ class EngineCore:
         from jaxllm.compilation_cache import setup_compilation_cache
         from jaxllm.config import resolve_dtype
         from jaxllm.engine import multihost
+        from jaxllm.engine.encoder_cache import EncoderCache
         from jaxllm.engine.kv_cache_manager import KVCacheManager
         from jaxllm.engine.kv_offload import HostBlockPool, host_blocks
         from jaxllm.kv_groups import engine_kv_groups
@@ -137,7 +141,10 @@ class EngineCore:
         )
         mesh = make_mesh(tp) if tp != 1 else None
         loaded = _load_weights(config, mesh)
+        vision = _load_vision(config, mesh)
         spec = config.speculative.method
+        if vision is not None and spec is not None and spec.method == "draft_model":
+            raise ValueError("speculative_config: a draft model with image inputs is not supported")
         draft = None
         if spec is not None and spec.method == "draft_model":
             from jaxllm.worker import check_draft_config
@@ -186,6 +193,12 @@ class EngineCore:
         sched, cache = config.scheduler, config.cache
         pooler, head = _pooler(config)
         num_host_blocks = host_blocks(cache, page_bytes * tp, multi=multi, draft=draft)
+        encoder_cache = None
+        if vision is not None:
+            slots, budget = config.multimodal.encoder_plan(
+                vision.config.tokens_per_image, sched.max_num_batched_tokens
+            )
+            encoder_cache = EncoderCache(slots, vision.config.tokens_per_image, budget)
         runner = ModelRunner.from_config(
             loaded.model,
             loaded.config,
@@ -196,6 +209,10 @@ class EngineCore:
             pooling=pooler is not None,
             num_host_blocks=num_host_blocks,
             kv_groups=groups,
+            vision=vision,
+            encoder_cache=(0, 0)
+            if encoder_cache is None
+            else (encoder_cache.num_slots, encoder_cache.max_items_per_step),
         )
         kv = KVCacheManager(
             num_pages,
@@ -211,6 +228,7 @@ class EngineCore:
             num_lookahead_tokens=lookahead,
             structured_outputs=_structured_outputs(config.load.model, loaded.config),
             loras=_lora_manager(config, runner, multi=multi),
+            encoder_cache=encoder_cache,
         )
         core = cls(scheduler, runner, async_scheduling=sched.async_scheduling)
         if runner.num_speculative_tokens:
@@ -228,6 +246,7 @@ class EngineCore:
                 ", normalized" if pooler.normalize else "",
             )
         core.model_config = loaded.config
+        core.vision = None if vision is None else vision.config
         core.generation_config = loaded.generation_config
         core.mesh = mesh
         core.checks = InputProcessor(
@@ -276,6 +295,13 @@ class EngineCore:
         if self.checks is not None:
             self.checks.check_prompt(request.prompt_token_ids)
             self.checks.check_params(request.sampling_params)
+        if request.mm_items or self.vision is not None:
+            check_mm_items(
+                request.mm_items,
+                request.prompt_token_ids,
+                self.vision,
+                self.config.multimodal.image_limit if self.config is not None else None,
+            )
         if request.lora is not None:
             if self.scheduler.loras is None:
                 raise ValueError("lora_request: this engine serves no LoRA adapters (enable_lora)")
@@ -390,6 +416,9 @@ class EngineCore:
             hidden_size=self.hidden_size,
             labels=list(self.head.labels) if self.head is not None else [],
             supported_tasks=supported_tasks(self.head) if self.is_pooling else ["generate"],
+            image_limit=0 if self.vision is None else self.config.multimodal.image_limit,
+            image_token_id=-1 if self.vision is None else self.vision.image_token_id,
+            image_tokens=0 if self.vision is None else self.vision.tokens_per_image,
         )
 
     def stats(self) -> Stats:
@@ -512,6 +541,22 @@ def _load_weights(config: EngineConfig, mesh):
         quantization=config.load.quantization,
         load_format=config.load.load_format,
     )
+
+
+def _load_vision(config: EngineConfig, mesh):
+    """An image-text checkpoint's vision encoder (None for a text model)."""
+    from jaxllm.config import resolve_dtype
+    from jaxllm.loaders.vision import load_vision_encoder, vision_config
+    from jaxllm.model_cache import resolve_model
+
+    path = resolve_model(config.load.model)
+    vision = vision_config(path)
+    if vision is None:
+        return None
+    if config.load.load_format == "dummy":
+        raise ValueError("load_format dummy: an image-text model's vision encoder is not made")
+    dtype = resolve_dtype(config.load.dtype)
+    return load_vision_encoder(path, vision, dtype=dtype, mesh=mesh)
 
 
 def _lora_manager(config: EngineConfig, runner, *, multi: bool):

@@ -161,6 +161,7 @@ class CoreLoop:
                     priority=message.priority,
                     prefix_parent=message.prefix_parent,
                     lora=message.lora_request,
+                    mm_items=message.mm_items,
                 )
             )
         except Exception as e:  # fails this request only

@@ -23,6 +23,7 @@ import numpy as np
 from jaxllm.engine.messages import AddRequest, Ready
 from jaxllm.lora import LoRARequest
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker import MultiModalItem
 
 
 class InputError(ValueError):
@@ -42,8 +43,12 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         seed: int | None = None,
+        images=None,
     ):
+        """`images`: an image-text model's `jaxllm.multimodal.processor.ImageProcessor`
+        (prompts may carry images), else None."""
         self.tokenizer = tokenizer
+        self.images = images
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -76,10 +81,16 @@ class InputProcessor:
 
     @classmethod
     def for_engine(
-        cls, tokenizer, generation_config: dict, ready: Ready, seed: int | None = None
+        cls,
+        tokenizer,
+        generation_config: dict,
+        ready: Ready,
+        seed: int | None = None,
+        images=None,
     ) -> InputProcessor:
         """The front end's processor for the engine that said `ready`: a pooling model's
-        takes prompts only (no EOS ids, no sampling); a generative model's as `create`."""
+        takes prompts only (no EOS ids, no sampling); a generative model's as `create`, with
+        `images` (see `__init__`)."""
         if ready.pooling:
             return cls(
                 tokenizer,
@@ -87,7 +98,7 @@ class InputProcessor:
                 vocab_size=ready.vocab_size,
                 max_model_len=ready.max_model_len,
             )
-        return cls.create(
+        processor = cls.create(
             tokenizer,
             generation_config,
             model_eos_token_ids=ready.eos_token_ids,
@@ -95,6 +106,8 @@ class InputProcessor:
             max_model_len=ready.max_model_len,
             seed=seed,
         )
+        processor.images = images
+        return processor
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -167,9 +180,47 @@ class InputProcessor:
     def tokenize(self, prompt: str | dict[str, Any], *, add_special_tokens: bool = True):
         """(text or None, checked token ids) of `LLM`'s prompt forms: a string, or a dict with
         `prompt_token_ids` (and optionally the `prompt` text they came from)."""
-        text, ids, param = self._prompt_ids(prompt, add_special_tokens)
-        self.check_prompt(ids, param)
+        text, ids, _ = self.prompt_inputs(prompt, add_special_tokens=add_special_tokens)
         return text, ids
+
+    def prompt_inputs(
+        self, prompt: str | dict[str, Any], images: list | None = None, *, add_special_tokens=True
+    ):
+        """(text or None, checked token ids, images as `MultiModalItem`s) of `LLM`'s prompt
+        forms: a string, or a dict with `prompt` text or `prompt_token_ids` and optionally
+        `multi_modal_data` {"image": an image or a list} (vLLM's). `images`: images already
+        loaded (a chat's), for a prompt without `multi_modal_data`."""
+        param = "multi_modal_data"
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            data = prompt["multi_modal_data"]
+            unknown = sorted(set(data) - {"image"}) if isinstance(data, dict) else None
+            if unknown is None or unknown:
+                raise InputError(
+                    "multi_modal_data must be a dict with 'image' (an image or a list of "
+                    f"them){'; got ' + ', '.join(map(repr, unknown)) if unknown else ''}",
+                    param,
+                )
+            sources = data.get("image")
+            sources = list(sources) if isinstance(sources, list | tuple) else [sources]
+            if self.images is None:
+                raise InputError(f"{param}: this model takes no images", param)
+            images = self.images.load(sources, param)
+        if not images:
+            text, ids, came_as = self._prompt_ids(prompt, add_special_tokens)
+            self.check_prompt(ids, came_as)
+            return text, ids, []
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, source, _ = self._prompt_ids(prompt, add_special_tokens)
+        else:
+            text = source = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            if not isinstance(source, str) or not source:
+                raise InputError("prompt must be a non-empty string", "prompt")
+            self.check_text_fits(source)
+        ids, items = self.images.process(
+            source, images, add_special_tokens=add_special_tokens, param=param
+        )
+        self.check_prompt(ids, "prompt")
+        return text, ids, items
 
     def pooling_prompt(
         self,
@@ -248,6 +299,10 @@ class InputProcessor:
     def _prompt_ids(self, prompt: str | dict[str, Any], add_special_tokens: bool):
         """(text or None, token ids, the parameter they came from) of a prompt: a string,
         tokenized, or a dict with `prompt_token_ids` (and optionally its `prompt` text)."""
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+            prompt = prompt["prompt"]  # vLLM's {"prompt": text}
+            if not isinstance(prompt, str):
+                raise InputError("prompt must be a string", "prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("prompt must not be empty", "prompt")
@@ -283,9 +338,17 @@ class InputProcessor:
         priority: int = 0,
         prefix_parent: str | None = None,
         lora_request: LoRARequest | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> AddRequest:
         """Completion `index` of a checked prompt, resolved for the core: its output bound
-        (max_tokens, never past the context), its seed, the model's EOS ids."""
+        (max_tokens, never past the context), its seed, the model's EOS ids. `mm_items`: its
+        images (`prompt_inputs`)."""
+        if not mm_items and self.images is not None:
+            if self.images.image_token_id in prompt_token_ids:
+                raise InputError(
+                    "prompt: it holds image placeholder tokens but no image was given",
+                    "prompt",
+                )
         room = self.max_model_len - len(prompt_token_ids)
         return AddRequest(
             request_id,
@@ -297,6 +360,7 @@ class InputProcessor:
             priority=priority,
             prefix_parent=prefix_parent,
             lora_request=lora_request,
+            mm_items=list(mm_items),
         )
 
     def fan_out(

@@ -44,11 +44,23 @@ taken on a prefix-cache hit). Sent to the runner as page 0, which no kernel read
 Key = tuple[int, bytes]
 
 
-def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """The key of a full block: SHA-256 over the parent's key and the block's token ids."""
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """The key of a full block: SHA-256 over the parent's key, the block's token ids, and
+    `extra`: what else decides its K/V (the images whose placeholders it holds)."""
     h = hashlib.sha256(parent or b"\x00" * 32)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(extra)
     return h.digest()
+
+
+def _image_keys(request: Request, start: int, end: int) -> bytes:
+    """The images whose placeholders lie in positions [start, end), by content hash and
+    first position: blocks of the same placeholder tokens hold other K/V for another image."""
+    return b"".join(
+        f"{item.hash}@{item.offset}\0".encode()
+        for item in request.mm_items
+        if item.offset < end and item.offset + item.length > start
+    )
 
 
 def _chain_root(request: Request) -> bytes | None:
@@ -122,7 +134,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * size <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else _chain_root(request)
-            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
+            extra = _image_keys(request, i * size, (i + 1) * size) if request.mm_items else b""
+            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size], extra))
         return hashes
 
     def _found(self, key: Key) -> bool:

@@ -15,6 +15,7 @@ from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
 from jaxllm.lora import LoRARequest
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.worker import MultiModalItem
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -27,6 +28,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     priority: int = 0
     prefix_parent: str | None = None  # see Request.prefix_parent
     lora_request: LoRARequest | None = None  # its LoRA adapter
+    mm_items: list[MultiModalItem] = []  # its images (an image-text model)
 
 
 class AddPooling(msgspec.Struct, tag="pool"):
@@ -72,6 +74,11 @@ class Ready(msgspec.Struct, tag="ready"):
     hidden_size: int = 0
     labels: list[str] = msgspec.field(default_factory=list)
     supported_tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
+    # An image-text model: the most images a prompt may carry (0: it takes none), its image
+    # placeholder token and the placeholders an image fills.
+    image_limit: int = 0
+    image_token_id: int = -1
+    image_tokens: int = 0
 
 
 class Failed(msgspec.Struct, tag="failed"):

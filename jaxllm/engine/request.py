@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxllm.engine.step_data import FinishReason
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from jaxllm.pooling import PooledState
     from jaxllm.pooling_params import PoolingParams
     from jaxllm.structured_outputs import Grammar
+    from jaxllm.worker import MultiModalItem
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +63,7 @@ class Request:
         priority: int = 0,
         prefix_parent: str | None = None,
         lora: LoRARequest | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -77,6 +80,8 @@ class Request:
         # running, or none).
         self.lora = lora
         self.lora_slot = -1
+        # Its images, in prompt order: each fills `length` placeholder tokens from `offset`.
+        self.mm_items = sorted(mm_items, key=lambda item: item.offset)
         # The next prompt position whose logprob is owed (prompt_logprobs): position 0 has
         # none; positions scored before a preemption are not scored again.
         self.next_prompt_logprob = 1

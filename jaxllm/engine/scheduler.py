@@ -58,6 +58,7 @@ from jaxllm.worker import (
 )
 
 if TYPE_CHECKING:
+    from jaxllm.engine.encoder_cache import EncoderCache
     from jaxllm.engine.lora_manager import LoRAManager
     from jaxllm.structured_outputs import StructuredOutputManager
 
@@ -73,9 +74,12 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         structured_outputs: StructuredOutputManager | None = None,
         loras: LoRAManager | None = None,
+        encoder_cache: EncoderCache | None = None,
     ):
         """`loras`: the LoRA adapters' slots, when LoRA is served: a request with an adapter
-        is admitted only when its adapter has (or can take) a slot."""
+        is admitted only when its adapter has (or can take) a slot. `encoder_cache`: an
+        image-text model's encoded images on the device: a chunk reaching an image is granted
+        only when the image is cached or can be encoded in its step."""
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config
@@ -83,6 +87,7 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.structured_outputs = structured_outputs
         self.loras = loras
+        self.encoder_cache = encoder_cache
         self.grammar_bitmask_seconds = 0.0  # host time filling bitmasks, since start
         self.grammar_bitmask_steps = 0
         # Requests failed outside a step (a grammar that did not compile): the engine core
@@ -128,6 +133,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         self.kv.forget(request)
+        if self.encoder_cache is not None:
+            self.encoder_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -137,6 +144,8 @@ class Scheduler:
         step (now free again)."""
         self.running.remove(request)
         self.kv.free(request)
+        if self.encoder_cache is not None:
+            self.encoder_cache.free(request)
         self._release_lora(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -158,6 +167,7 @@ class Scheduler:
         drafts: dict[Request, list[int]] = {}  # the draft tokens among a request's grant
         admitted: list[Request] = []  # entering the batch: the runner gets their full data
         preempted: list[str] = []
+        spans: dict[Request, list[tuple[int, int, int]]] = {}  # images the grants reach
 
         # Running requests first, oldest first. When blocks run out, a victim is preempted:
         # the newest running request not yet granted this step ("fcfs"), or the lowest-priority,
@@ -172,7 +182,9 @@ class Scheduler:
             n = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
             if n == 0:
                 continue  # a pooling request whose last chunk is in flight
-            n = min(n, budget)
+            n = self._cut_for_images(request, request.num_computed_tokens, min(n, budget))
+            if n == 0:
+                continue  # its chunk starts at an image this step cannot encode
             spec = self._drafts(request, n, budget)
             n += len(spec)
             while not self._allocate(request, n):
@@ -185,6 +197,7 @@ class Scheduler:
                 budget -= n
                 if spec:
                     drafts[request] = spec
+                self._take_images(request, n, spans)
 
         # Then waiting requests in arrival (or priority) order, while budget, seats and blocks
         # last. Nothing new is admitted in a step that had to preempt (memory is short), except
@@ -205,13 +218,17 @@ class Scheduler:
                 if request.owes_prompt_logprobs or request.pooled is not None
                 else self.kv.get_computed_blocks(request)
             )
-            n = min(request.num_tokens - num_cached, budget)
+            n = self._cut_for_images(
+                request, num_cached, min(request.num_tokens - num_cached, budget)
+            )
             request.num_computed_tokens = num_cached
-            allocated = self._allocate(request, n, hit)
-            while not allocated and (victim := self._displaceable(request)) is not None:
+            allocated = n > 0 and self._allocate(request, n, hit)
+            while not allocated and n and (victim := self._displaceable(request)) is not None:
                 budget += self._preempt(victim, granted, preempted)
-                n = min(request.num_tokens - num_cached, budget)
-                allocated = self._allocate(request, n, hit)
+                n = self._cut_for_images(
+                    request, num_cached, min(request.num_tokens - num_cached, budget)
+                )
+                allocated = n > 0 and self._allocate(request, n, hit)
             if not allocated:
                 request.num_computed_tokens = 0
                 break
@@ -227,6 +244,7 @@ class Scheduler:
             admitted.append(request)
             granted[request] = n
             budget -= n
+            self._take_images(request, n, spans)
 
         # Ids the runner must drop wait for a step that runs (an empty one is not sent).
         self._preempted_ids += preempted
@@ -249,10 +267,11 @@ class Scheduler:
         bitmask = self._grammar_bitmask(sampling, drafts)
         # The host tier's copies wait, like the ids above, for a step that runs.
         stores, loads = self.kv.take_transfers() if granted else ([], [])
+        encodes = self.encoder_cache.take_step() if self.encoder_cache is not None else []
         out = SchedulerOutput(
             new_requests=new_requests,
             requests=[
-                self._scheduled(request, n, drafts.get(request, []))
+                self._scheduled(request, n, drafts.get(request, []), spans.get(request, []))
                 for request, n in granted.items()
             ],
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
@@ -261,6 +280,7 @@ class Scheduler:
             grammar_bitmask=bitmask,
             kv_stores=stores,
             kv_loads=loads,
+            encoder_inputs=encodes,
         )
         # The grants count as computed from now on, so the next step can be scheduled before
         # this one's output is back; `update_from_output` confirms them.
@@ -270,6 +290,18 @@ class Scheduler:
         for request in sampling:
             request.num_pending_tokens += 1  # the token this step samples
         return out
+
+    def _cut_for_images(self, request: Request, start: int, n: int) -> int:
+        """A grant of `n` tokens from `start`, stopped before an image it reaches that this
+        step cannot encode (see `EncoderCache`)."""
+        if self.encoder_cache is None or not request.mm_items:
+            return n
+        return self.encoder_cache.cut(request, start, n)
+
+    def _take_images(self, request: Request, n: int, spans: dict) -> None:
+        """Records the images a grant reaches: held, queued to encode if not cached."""
+        if self.encoder_cache is not None and request.mm_items:
+            spans[request] = self.encoder_cache.take(request, request.num_computed_tokens, n)
 
     def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decode grant of `n`: the request's proposals, as
@@ -402,7 +434,9 @@ class Scheduler:
             lora_slot=request.lora_slot,
         )
 
-    def _scheduled(self, request: Request, n: int, drafts: list[int]) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, n: int, drafts: list[int], spans: list[tuple[int, int, int]]
+    ) -> ScheduledRequest:
         tables = self.kv.get_block_table(request.request_id)
         new_block_ids = _sent(tables, request.num_blocks_sent)
         request.num_blocks_sent = len(tables[0])
@@ -415,6 +449,7 @@ class Scheduler:
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, n),
             spec_token_ids=drafts,
             pool=request.pooled is not None,
+            mm_spans=spans,
         )
 
     @staticmethod

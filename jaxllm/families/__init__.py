@@ -4,7 +4,7 @@ shared decoder already covers, write its module and import it here."""
 
 from __future__ import annotations
 
-from jaxllm.families import gemma, llama, mixtral, qwen  # noqa: F401  (they register)
+from jaxllm.families import gemma, llama, llava, mixtral, qwen  # noqa: F401  (they register)
 from jaxllm.families.base import (
     FAMILIES,
     FULL_ATTENTION,
@@ -13,7 +13,19 @@ from jaxllm.families.base import (
     SLIDING_ATTENTION,
     Family,
     GGUFFormat,
+    image_text_tensor_name,
 )
+
+
+def text_family_of(family: Family, config: dict) -> Family:
+    """The text decoder's family of an image-text architecture: the family whose model type
+    `text_config` names (LLaVA's decoder is a Llama, a Mistral, a Qwen2...), else the
+    architecture's own `text_of`."""
+    model_type = (config.get("text_config") or {}).get("model_type")
+    for f in FAMILIES.values():
+        if f.text_of is None and f.gguf is not None and f.gguf.model_type == model_type:
+            return f
+    return family_of(family.text_of)
 
 
 def family_of(architecture: str) -> Family:
@@ -34,4 +46,6 @@ __all__ = [
     "Family",
     "GGUFFormat",
     "family_of",
+    "image_text_tensor_name",
+    "text_family_of",
 ]

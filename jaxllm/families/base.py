@@ -22,6 +22,29 @@ def every_layer_slides(config: dict, num_layers: int) -> list[bool]:
     return [True] * num_layers
 
 
+# Image-text checkpoints: the text decoder's tensors under a prefix, which comes off, and the
+# vision side's, which the decoder skips (`jaxllm.loaders.vision` reads them).
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def image_text_tensor_name(name: str) -> str | None:
+    """A tensor's name as the text decoder knows it, in an image-text checkpoint or a plain
+    one; None for the vision side."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    if name.startswith(_TEXT_PREFIXES):
+        return "model." + name.split(".", 2)[2]
+    if name == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    return name
+
+
 def llama_tensor_name(name: str) -> str:
     return name
 

@@ -25,27 +25,6 @@ def _all_but_every_nth_slide(config: dict, num_layers: int) -> list[bool]:
     return [(i + 1) % period != 0 for i in range(num_layers)]
 
 
-# Image-text checkpoints: the text decoder's tensors under a prefix, which comes off, and the
-# vision tower's, which are skipped.
-_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
-_VISION_PREFIXES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
-
-
-def _gemma3_tensor_name(name: str) -> str | None:
-    if name.startswith(_VISION_PREFIXES):
-        return None
-    if name.startswith(_TEXT_PREFIXES):
-        return "model." + name.split(".", 2)[2]
-    if name == "language_model.lm_head.weight":
-        return "lm_head.weight"
-    return name
-
-
 # Gemma's chat template (google/gemma-3-*-it): <bos> first, the roles user and model, and a
 # system prompt folded into the first user turn (text parts only: image parts are dropped).
 _GEMMA_CHAT_TEMPLATE = (
@@ -131,7 +110,6 @@ register(
             "rope_local_theta": 10_000.0,
         },
         sliding_layers=_all_but_every_nth_slide,
-        tensor_name=_gemma3_tensor_name,
         gguf=GGUFFormat(
             "gemma3",
             "gemma3_text",

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.families import family_of
+from jaxllm.families import family_of, image_text_tensor_name
 from jaxllm.models.layers import _num_in_axes
 from jaxllm.quantization import (
     FORMATS,
@@ -97,7 +97,10 @@ def hf_to_path(name: str, config: ModelConfig) -> Target | None:
     the tensor. `index` is an expert's row of a stacked [E, ...] weight; None: the whole
     parameter. The family renames its own tensor names to Llama's first."""
     same = lambda w: w  # noqa: E731
-    original, name = name, family_of(config.architecture).tensor_name(name)
+    original, name = name, image_text_tensor_name(name)
+    if name is None:
+        return None  # an image-text checkpoint's vision side (`loaders.vision`)
+    name = family_of(config.architecture).tensor_name(name)
     if name is None:
         return None
     if name.startswith("layers.") or name in ("embed_tokens.weight", "norm.weight"):

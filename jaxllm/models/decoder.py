@@ -143,15 +143,24 @@ class DecoderForCausalLM(nnx.Module):
         kv_cache: KVCache | jax.Array,  # [L, num_pages, K, page_size, 2H]; an array: float
         meta: AttentionMetadata,
         lora: list[LayerLoRA] | None = None,  # per layer, each token's adapter (models.lora)
+        # An image-text model's image embeddings: (rows [N, D], i32[T] each token's row, -1
+        # for a token that is not an image placeholder), taken instead of the token's
+        # embedding (after its scaling: HF merges them into the scaled embeddings).
+        mm_embeds: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
         with using_kernels(self.compilation):
-            return self._forward(input_ids, positions, as_kv_cache(kv_cache), meta, lora)
+            kv_cache = as_kv_cache(kv_cache)
+            return self._forward(input_ids, positions, kv_cache, meta, lora, mm_embeds)
 
-    def _forward(self, input_ids, positions, kv_cache: KVCache, meta, lora):
+    def _forward(self, input_ids, positions, kv_cache: KVCache, meta, lora, mm_embeds=None):
         table = self.embed_tokens.get_value()
         x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the dtype, as HF does
+        if mm_embeds is not None:
+            rows, index = mm_embeds
+            image = rows[jnp.maximum(index, 0)].astype(x.dtype)
+            x = jnp.where((index >= 0)[:, None], image, x)
         global_rope = Rope.at(positions, self.inv_freq[0])
         local_rope = (
             global_rope

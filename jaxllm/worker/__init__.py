@@ -22,6 +22,9 @@ _HOMES = {
     "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
     "lora_slot_bytes": "jaxllm.worker.lora_slots",
     "GrammarBitmask": "jaxllm.worker.step_data",
+    "PixelArray": "jaxllm.worker.step_data",
+    "MultiModalItem": "jaxllm.worker.step_data",
+    "EncoderInput": "jaxllm.worker.step_data",
     "NewRequestData": "jaxllm.worker.step_data",
     "PooledChunk": "jaxllm.worker.step_data",
     "PromptTokenLogprobs": "jaxllm.worker.step_data",
@@ -32,11 +35,14 @@ _HOMES = {
 }
 __all__ = [
     "CompiledProgram",
+    "EncoderInput",
     "EncoderRunner",
     "GrammarBitmask",
     "InflightStep",
     "ModelRunner",
+    "MultiModalItem",
     "NewRequestData",
+    "PixelArray",
     "PooledChunk",
     "PromptTokenLogprobs",
     "RunnerOutput",
@@ -58,8 +64,11 @@ if TYPE_CHECKING:
     from jaxllm.worker.pooling_runner import EncoderRunner
     from jaxllm.worker.spec_decode.draft_model import check_draft_config
     from jaxllm.worker.step_data import (
+        EncoderInput,
         GrammarBitmask,
+        MultiModalItem,
         NewRequestData,
+        PixelArray,
         PooledChunk,
         PromptTokenLogprobs,
         RunnerOutput,

@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig, LoRAConfig, ModelConfig, SpecMethod, using_kernels
 from jaxllm.kv_groups import KVCacheGroups
+from jaxllm.models.vision import VisionEncoder
 from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
@@ -48,6 +49,7 @@ from jaxllm.worker.hidden_pooler import HiddenPooler
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_offload import KVOffloader
 from jaxllm.worker.lora_slots import LoRASlots
+from jaxllm.worker.mm_encoder import MMEncoder
 from jaxllm.worker.programs import forward, head_and_sample
 from jaxllm.worker.prompt_logprobs import PromptScorer
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
@@ -91,6 +93,8 @@ class ModelRunner:
         num_host_blocks: int = 0,
         lora: LoRAConfig | None = None,
         kv_groups: KVCacheGroups | None = None,
+        vision: VisionEncoder | None = None,
+        encoder_cache: tuple[int, int] = (0, 0),
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
         over its kv heads the same way); None for one device. `speculative`: how draft tokens
@@ -100,7 +104,9 @@ class ModelRunner:
         of host memory for the prefix cache's host tier (see `kv_offload`); 0: none. `lora`:
         LoRA adapters served (`enable_lora`), in slots on the device (see `lora_slots`).
         `kv_groups`: how the layers share the cache (`jaxllm.kv_groups`, as the engine's KV
-        cache manager keeps their tables); None: one group of every layer."""
+        cache manager keeps their tables); None: one group of every layer. `vision`: an
+        image-text model's vision encoder, with `encoder_cache` (slots, the most images a step
+        encodes) for its images' rows on the device (see `mm_encoder`)."""
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
@@ -150,7 +156,18 @@ class ModelRunner:
             k,
             lora=self.lora is not None,
             layer_slots=None if kv_groups.num_groups == 1 else kv_groups.layer_slots,
+            mm=vision is not None,
         )
+        self.mm = None
+        if vision is not None:
+            self.mm = MMEncoder(
+                vision,
+                self.device,
+                self.compiler,
+                num_slots=encoder_cache[0],
+                max_items_per_step=encoder_cache[1],
+                dtype=model.embed_tokens.get_value().dtype,
+            )
         # Counters since start, for metrics: the tokens the steps computed, the token slots of
         # the compiled shapes they ran (the difference is padding), and the seconds `fetch`
         # waited for the device.
@@ -203,6 +220,8 @@ class ModelRunner:
         pooling: bool = False,
         num_host_blocks: int = 0,
         kv_groups: KVCacheGroups,
+        vision: VisionEncoder | None = None,
+        encoder_cache: tuple[int, int] = (0, 0),
     ) -> ModelRunner:
         """The runner of an engine whose KV cache is planned: `engine_config` with num_pages
         and max_model_len resolved, `kv_groups` the layer groups the pool was sized for and the
@@ -227,6 +246,8 @@ class ModelRunner:
             num_host_blocks=num_host_blocks,
             lora=engine_config.lora,
             kv_groups=kv_groups,
+            vision=vision,
+            encoder_cache=encoder_cache,
         )
 
     # What the engine reads of the runner's parts.
@@ -275,8 +296,10 @@ class ModelRunner:
         drafts = len(self.shapes) if isinstance(self.proposer, DraftModelProposer) else 0
         poolers = len(self.token_buckets) if self.pooler is not None else 0
         copies = KVOffloader.num_programs() if self.offloader is not None else 0
+        encoders = self.mm.num_programs if self.mm is not None else 0
         return (
-            len(self.shapes)
+            encoders
+            + len(self.shapes)
             + len(self.logit_buckets)
             + len(self.token_buckets)
             + drafts
@@ -305,6 +328,8 @@ class ModelRunner:
                 device.kv_cache,
                 device.last_tokens,
                 self.inputs.padding_batch(*self.shapes[0]),
+                self._lora_weights(),
+                self._mm_pool(),
             )
 
         def rows(n: int) -> jax.ShapeDtypeStruct:  # hidden states shaped as the forward makes them
@@ -315,8 +340,8 @@ class ModelRunner:
         def compile_forward(shape):
             args = (self.params, device.kv_cache, device.last_tokens)
             batch = self.inputs.padding_batch(*shape)
-            lora = self._lora_weights()
-            compile_("forward", shape, self.forward, *args, batch, lora, updates_cache=True)
+            lora, mm = self._lora_weights(), self._mm_pool()
+            compile_("forward", shape, self.forward, *args, batch, lora, mm, updates_cache=True)
 
         def compile_head(n):
             sampling, verify = self.inputs.sampling.padding(n), self.inputs.padding_verify(n)
@@ -335,6 +360,8 @@ class ModelRunner:
                 jobs += self.pooler.warmup_jobs(self.token_buckets, rows)
             if self.offloader is not None:
                 jobs += self.offloader.warmup_jobs()
+            if self.mm is not None:
+                jobs += self.mm.warmup_jobs()
         self.compiler.run(jobs, progress=progress)
         if check_in_place:
             self.compiler.check_in_place()
@@ -416,8 +443,15 @@ class ModelRunner:
         with device.recovering(self._other_caches()):
             if self.offloader is not None:
                 self.offloader.launch(out.kv_stores, out.kv_loads)
+            if out.encoder_inputs:
+                self.mm.launch(out.encoder_inputs)
             last, hidden, device.kv_cache = self.forward(
-                self.params, device.kv_cache, device.last_tokens, step.batch, self._lora_weights()
+                self.params,
+                device.kv_cache,
+                device.last_tokens,
+                step.batch,
+                self._lora_weights(),
+                self._mm_pool(),
             )
             result, device.last_tokens = self.head_and_sample(
                 self.params, last, step.sampling, step.verify, device.last_tokens
@@ -517,6 +551,10 @@ class ModelRunner:
     def _lora_weights(self):
         """The forward pass's adapter slots (None without LoRA)."""
         return None if self.lora is None else self.lora.device
+
+    def _mm_pool(self):
+        """The encoder cache's rows the forward pass reads (None without images)."""
+        return None if self.mm is None else self.mm.pool
 
     def _other_caches(self) -> list:
         """Holders of KV caches beside the target's (a draft model's), for recovery."""

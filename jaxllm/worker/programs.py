@@ -36,6 +36,9 @@ class BatchInputs:
     logits_indices: jax.Array
     attn: AttentionMetadata
     lora_slots: jax.Array | None = None  # i32[T]: each token's LoRA slot (-1: none), if served
+    # i32[T]: each image placeholder's row of the encoder cache (-1: a text token), for an
+    # image-text model (see `mm_encoder`)
+    mm_rows: jax.Array | None = None
 
 
 def merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
@@ -44,16 +47,26 @@ def merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
 
 
 def forward(
-    graphdef, params_def, mesh, params, kv_cache, last_tokens, batch: BatchInputs, lora=None
+    graphdef,
+    params_def,
+    mesh,
+    params,
+    kv_cache,
+    last_tokens,
+    batch: BatchInputs,
+    lora=None,
+    mm_pool=None,
 ):
     """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
     the updated cache). `lora`: the device's adapter slots by target (see `lora_slots`), when
-    LoRA is served."""
+    LoRA is served. `mm_pool`: the encoder cache's rows (an image-text model, see
+    `mm_encoder`)."""
     model = merge(graphdef, params_def, params)
     src = batch.token_src
     input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
     adapters = None if lora is None else layer_loras(lora, batch.lora_slots)
-    hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn, adapters)
+    mm = None if mm_pool is None else (mm_pool, batch.mm_rows)
+    hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn, adapters, mm)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
     return hidden[batch.logits_indices], hidden, kv_cache

@@ -16,9 +16,52 @@ appends the tokens it sampled to its own copy of each request.
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
+import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
+
+
+class PixelArray(msgspec.Struct, array_like=True):
+    """One image's pixels as its model's image processor made them (float32, C-order), as
+    raw bytes: an array crosses the sockets without pickle."""
+
+    data: bytes
+    shape: list[int]
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> PixelArray:
+        array = np.ascontiguousarray(array, np.float32)
+        return cls(array.tobytes(), list(array.shape))
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, np.float32).reshape(self.shape)
+
+
+class MultiModalItem(msgspec.Struct, array_like=True):
+    """An image of a prompt: its pixels, their hash (which keys the encoder's cache and the
+    prefix cache's blocks over its placeholders), and the placeholder tokens it fills."""
+
+    hash: str  # hex SHA-256 of the pixels and their shape
+    offset: int  # the prompt position of its first placeholder token
+    length: int  # its placeholder tokens: the rows the encoder makes of it
+    pixels: PixelArray
+
+    @classmethod
+    def of(cls, pixels: np.ndarray, offset: int, length: int) -> MultiModalItem:
+        array = PixelArray.of(pixels)
+        digest = hashlib.sha256(repr(array.shape).encode())
+        digest.update(array.data)
+        return cls(digest.hexdigest(), offset, length, array)
+
+
+class EncoderInput(msgspec.Struct, array_like=True):
+    """An image the step encodes first, into its slot of the encoder cache on the device."""
+
+    slot: int
+    pixels: PixelArray
 
 
 class NewRequestData(msgspec.Struct):
@@ -48,6 +91,9 @@ class ScheduledRequest(msgspec.Struct):
     # to verify after the request's last token; the step's output keeps the accepted ones.
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
     pool: bool = False  # a pooling request's chunk: pooled, never sampled after
+    # Images whose placeholders the chunk computes: (first placeholder position, placeholders,
+    # the encoder cache row of the first), read in place of those tokens' embeddings.
+    mm_spans: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
 
 
 class GrammarBitmask(msgspec.Struct):
@@ -71,6 +117,8 @@ class SchedulerOutput(msgspec.Struct):
     # evicted cached blocks to host slots, then host slots to fresh device blocks.
     kv_stores: list[tuple[int, int]] = []  # (device block, host slot)
     kv_loads: list[tuple[int, int]] = []  # (host slot, device block)
+    # Images to encode before the step's programs, into the encoder cache (vision models).
+    encoder_inputs: list[EncoderInput] = []
 
     @property
     def is_empty(self) -> bool:

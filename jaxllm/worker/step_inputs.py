@@ -46,6 +46,7 @@ class StepInputs:
     # Per model layer, (its group, its cache slot) (`KVCacheGroups.layer_slots`); None: one
     # group, slot i is layer i.
     layer_slots: tuple[tuple[int, int], ...] | None = None
+    mm: bool = False  # image placeholders read the encoder cache (an image-text model)
 
     def padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -66,6 +67,7 @@ class StepInputs:
                 layer_slots=self.layer_slots,
             ),
             lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
+            mm_rows=_ints(t_pad, fill=-1) if self.mm else None,
         )
 
     def padding_verify(self, n: int) -> VerifyInputs:
@@ -100,6 +102,12 @@ class StepInputs:
         batch.positions[:num_tokens] = pos
         if batch.lora_slots is not None:
             batch.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
+        if batch.mm_rows is not None:
+            for i, s in enumerate(out.requests):
+                for first, length, row in s.mm_spans:
+                    span = slice(starts[i], starts[i + 1])
+                    inside = (pos[span] >= first) & (pos[span] < first + length)
+                    batch.mm_rows[span][inside] = row + pos[span][inside] - first
         attn.slot_mapping[:, :num_tokens] = (
             ib.block_table[:, token_rows, pos // self.page_size] * self.page_size
             + pos % self.page_size

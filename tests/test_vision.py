@@ -1,0 +1,299 @@
+"""Image-text models (LLaVA: a CLIP or SigLIP tower, the MLP projector, a Llama decoder)
+against Hugging Face transformers (torch, float32), on tiny random checkpoints transformers
+writes: the vision encoder's output, and greedy tokens through the engine identical to
+transformers' `generate` for prompts with no, one and two images, batched and alone, across
+chunked prefill, prefix-cache hits and preemption; the encoder cache; the offline chat API
+with image parts; refusals; and no compilation after warmup."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.input_processor import InputError
+from jaxllm.loaders.vision import load_vision_encoder, vision_config
+
+from helpers import IMAGE_SIZE, write_llava_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+PLACEHOLDERS = (IMAGE_SIZE // 8) ** 2
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def images(seed: int, n: int) -> list:
+    """`n` random RGB images of different sizes (the processor resizes them)."""
+    rng = np.random.default_rng(seed)
+    return [
+        Image.fromarray(rng.integers(0, 256, (30 + 7 * i, 45 - 3 * i, 3), dtype=np.uint8))
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def llava(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"llava-{request.param}")
+    model = write_llava_checkpoint(path, tower=request.param)
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    return path, model, processor
+
+
+def reference(llava, text: str, imgs: list, max_tokens: int = 10) -> list[int]:
+    """transformers' greedy tokens for a prompt and its images."""
+    _, model, processor = llava
+    inputs = processor(text=[text], images=imgs or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def prompt(text: str, imgs: list):
+    return {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+
+
+CASES = [
+    ("Describe <image> briefly.", 1),
+    ("Compare <image> with <image> now", 2),
+    ("A text-only prompt in the same batch.", 0),
+    ("<image><image> both at the start", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def cases(llava):
+    out = []
+    for i, (text, n) in enumerate(CASES):
+        imgs = images(10 + i, n)
+        out.append((text, imgs, reference(llava, text, imgs)))
+    return out
+
+
+def test_vision_encoder_matches_transformers(llava):
+    path, model, _ = llava
+    config = vision_config(path)
+    assert config.tokens_per_image == PLACEHOLDERS
+    encoder = load_vision_encoder(path, config, dtype=jnp.float32)
+    pixels = np.random.default_rng(0).standard_normal((3, 3, IMAGE_SIZE, IMAGE_SIZE))
+    pixels = pixels.astype(np.float32)
+    with torch.no_grad():
+        ref = model.model.get_image_features(pixel_values=torch.tensor(pixels)).pooler_output
+    ref = torch.stack(list(ref)).numpy()
+    ours = np.asarray(encoder(jnp.asarray(pixels)))
+    assert ours.shape == ref.shape == (3, PLACEHOLDERS, 64)
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_greedy_matches_transformers_batched_and_alone(llava, cases):
+    """The prompts together (text-only among them), then each alone: the same tokens as
+    transformers'; the repeated run is served from the prefix cache and the encoder cache,
+    and nothing compiles after warmup."""
+    path = llava[0]
+    llm = LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
+    compiled = llm.runner.num_compilations
+    outs = llm.generate([prompt(t, imgs) for t, imgs, _ in cases], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref for *_, ref in cases]
+    cache = llm.engine.scheduler.encoder_cache
+    encoded = cache.misses
+    assert encoded == sum(n for _, n in CASES)
+    for t, imgs, ref in cases:
+        (out,) = llm.generate([prompt(t, imgs)], GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids == ref, t
+    assert cache.misses == encoded  # every image again from the encoder cache
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0
+    assert llm.runner.num_compilations == compiled
+    assert cache.num_held == 0
+    llm.kv_cache_manager.check_invariants()
+    cache.check_invariants()
+
+
+def test_chunked_prefill_across_images_and_preemption(llava, cases):
+    """Chunks of 24 tokens cut through the 16-placeholder images, and a KV pool so small that
+    requests are preempted and recomputed (their images again): the same tokens."""
+    path = llava[0]
+    llm = LLM(
+        path,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        num_pages=12,
+        enable_prefix_caching=False,
+    )
+    compiled = llm.runner.num_compilations
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([prompt(t, imgs) for t, imgs, _ in cases], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref for *_, ref in cases]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.runner.num_compilations == compiled
+    assert llm.engine.scheduler.encoder_cache.num_held == 0
+
+
+def test_prefix_cache_never_serves_another_images_blocks(llava):
+    """The same text with another image after a cached run: its tokens are that image's
+    (transformers' for it), and the prefix cache hits only the blocks before the image."""
+    path = llava[0]
+    text = "The same words before and after " * 2 + "<image> and the same words after it."
+    first, second = images(1, 1), images(2, 1)
+    llm = LLM(path, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, num_pages=64)
+    (a,) = llm.generate([prompt(text, first)], GREEDY, use_tqdm=False)
+    hits = llm.engine.stats().prefix_cache_hits
+    (b,) = llm.generate([prompt(text, second)], GREEDY, use_tqdm=False)
+    assert a.outputs[0].token_ids == reference(llava, text, first)
+    assert b.outputs[0].token_ids == reference(llava, text, second)
+    image_at = b.prompt_token_ids.index(llm.input_processor.images.image_token_id)
+    page = llm.kv_cache_manager.page_size
+    assert llm.engine.stats().prefix_cache_hits - hits == image_at // page * page
+
+
+def test_same_image_in_one_batch_is_encoded_once(llava):
+    path = llava[0]
+    img = images(3, 1)
+    llm = LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, num_pages=64)
+    prompts = [prompt(f"Request {i}: <image> what?", img) for i in range(3)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.encoder_cache.misses == 1
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == reference(llava, p["prompt"], img)
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+def test_chat_with_image_parts(llava, tmp_path):
+    """`LLM.chat` with image_url (data: and file:// URLs) and image_pil parts: the tokens of
+    the prompt the template renders, with the images, in transformers."""
+    path = llava[0]
+    imgs = images(4, 3)
+    imgs[2].save(tmp_path / "local.png")
+    llm = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=2,
+        max_num_batched_tokens=128,
+        num_pages=64,
+        allowed_local_media_path=str(tmp_path),
+    )
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What differs between "},
+                {"type": "image_url", "image_url": {"url": data_url(imgs[0], "JPEG")}},
+                {"type": "image_pil", "image_pil": imgs[1]},
+                {"type": "text", "text": " and "},
+                {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'local.png'}"}},
+            ],
+        }
+    ]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    text = "<|im_start|>user\nWhat differs between <image><image> and <image><|im_end|>\n"
+    text += "<|im_start|>assistant\n"
+    decoded = [Image.open(io.BytesIO(base64.b64decode(data_url(imgs[0], "JPEG")[23:])))]
+    expected = reference(llava, text, [decoded[0].convert("RGB"), imgs[1], imgs[2]])
+    assert out.outputs[0].token_ids == expected
+
+
+def test_refusals_name_the_parameter(llava, tmp_path):
+    path = llava[0]
+    llm = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        num_pages=32,
+        limit_mm_per_prompt={"image": 2},
+    )
+    img = images(5, 1)[0]
+
+    def refused(p, param: str, *, chat: bool = False):
+        with pytest.raises(InputError) as e:
+            if chat:
+                llm.chat([{"role": "user", "content": p}], GREEDY, use_tqdm=False)
+            else:
+                llm.generate([p], GREEDY, use_tqdm=False)
+        assert e.value.param == param, (e.value.param, str(e.value))
+        return str(e.value)
+
+    three = prompt("<image><image><image>", [img] * 3)
+    assert "more than the 2" in refused(three, "multi_modal_data")
+    # The processor counts placeholders against images (LLaVA's does; ours checks again).
+    message = refused(prompt("one <image>", [img, img]), "multi_modal_data")
+    assert "1 <image> tokens and 2 images" in message or "1 image(s) but 2" in message
+    assert "no image" in refused("a lone <image> token", "prompt")
+    assert "must be a dict" in refused(
+        {"prompt": "x", "multi_modal_data": {"video": [img]}}, "multi_modal_data"
+    )
+
+    def part(url: str):
+        return [{"type": "image_url", "image_url": {"url": url}}]
+
+    at = "messages.0.content.0.image_url"
+    assert "corrupt" in refused(part("data:image/png;base64,aGVsbG8="), at, chat=True)
+    assert "not valid base64" in refused(part("data:image/png;base64,%%%"), at, chat=True)
+    buf = io.BytesIO()
+    img.save(buf, format="TIFF")
+    tiff = "data:image/tiff;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert "not supported" in refused(part(tiff), at, chat=True)
+    assert "not fetched" in refused(part("https://example.com/cat.png"), at, chat=True)
+    assert "not supported" in refused(part("ftp://example.com/cat.png"), at, chat=True)
+    img.save(tmp_path / "cat.png")
+    assert "not allowed" in refused(part(f"file://{tmp_path / 'cat.png'}"), at, chat=True)
+    big = Image.new("RGB", (8000, 6000))
+    assert "too large" in refused({"prompt": "<image>", "multi_modal_data": {"image": big}},
+                                  "multi_modal_data")  # fmt: skip
+    # Nothing of them reached the engine, which still serves.
+    (out,) = llm.generate([prompt("fine <image>", [img])], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 10
+    assert llm.engine.scheduler.encoder_cache.num_held == 0
+
+
+def test_text_model_refuses_images(tiny_llm):
+    img = images(6, 1)
+    with pytest.raises(InputError) as e:
+        tiny_llm.generate([prompt("hi", img)], GREEDY, use_tqdm=False)
+    assert e.value.param == "multi_modal_data"
+    with pytest.raises(InputError) as e:
+        tiny_llm.chat(
+            [{"role": "user", "content": [{"type": "image_pil", "image_pil": img[0]}]}],
+            GREEDY,
+            use_tqdm=False,
+        )
+    assert e.value.param == "messages.0.content.0.image_pil"
+
+
+def test_random_workload_compiles_nothing_after_warmup(llava):
+    """Random prompts with 0-3 images (some repeated), random lengths and sampling, with a
+    small batch budget: every program was compiled at warmup, and nothing is held after."""
+    path = llava[0]
+    llm = LLM(path, max_model_len=192, max_num_seqs=4, max_num_batched_tokens=32, num_pages=40)
+    compiled = llm.runner.num_compilations
+    rng = np.random.default_rng(7)
+    pool = images(8, 4)
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    prompts, params = [], []
+    for i in range(12):
+        n = int(rng.integers(0, 4))
+        parts = [" ".join(rng.choice(words, int(rng.integers(1, 12))))]
+        for _ in range(n):
+            parts += ["<image>", " ".join(rng.choice(words, int(rng.integers(0, 5))))]
+        imgs = [pool[int(k)] for k in rng.integers(0, len(pool), n)]
+        prompts.append(prompt(" ".join(parts), imgs))
+        params.append(
+            SamplingParams(temperature=float(rng.choice([0, 0.8])), max_tokens=int(rng.integers(1, 20)), seed=i)
+        )  # fmt: skip
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
+    assert llm.runner.num_compilations == compiled
+    assert llm.engine.scheduler.encoder_cache.num_held == 0
+    assert not llm.engine.has_unfinished_requests()
+    llm.kv_cache_manager.check_invariants()
