@@ -24,6 +24,8 @@ from pydantic import BaseModel
 
 from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
 from jaxllm.engine.core_client import EngineDeadError
+from jaxllm.engine.input_processor import InputError
+from jaxllm.multimodal.chat import split_images
 from server import protocol, reasoning_parsers, tool_parsers
 from server.protocol import APIError
 from server.reasoning_parsers import ReasoningStream
@@ -70,9 +72,25 @@ def completion_prompts(eng: AsyncLLM, req) -> list[tuple[list[int], str | None]]
 def render_chat(
     eng: AsyncLLM, req, *, add_special_tokens: bool = False, check_fits: bool = True
 ) -> list[int]:
+    """The prompt's token ids of a conversation (see `render_chat_inputs`)."""
+    return render_chat_inputs(
+        eng, req, add_special_tokens=add_special_tokens, check_fits=check_fits
+    )[0]
+
+
+def render_chat_inputs(
+    eng: AsyncLLM, req, *, add_special_tokens: bool = False, check_fits: bool = True
+) -> tuple[list[int], list]:
+    """(token ids, images as `MultiModalItem`s) of a conversation rendered by the chat
+    template: its image parts loaded and run through the model's processor with the prompt
+    (an image-text model; any other refuses them, naming the part)."""
+    conversation, sources = split_images(req.conversation())
+    images = eng.input_processor.images
+    if sources and images is None:
+        raise InputError(f"{sources[0][1]}: this model takes no images", sources[0][1])
     try:
         text = eng.tokenizer.apply_chat_template(
-            req.conversation(), tokenize=False, **req.template_kwargs()
+            conversation, tokenize=False, **req.template_kwargs()
         )
     except (jinja2.TemplateError, ValueError, TypeError, KeyError):  # the template refused
         raise APIError.bad_request(
@@ -81,7 +99,10 @@ def render_chat(
     if check_fits:  # /tokenize counts any conversation's tokens
         eng.input_processor.check_text_fits(text, "messages")
     # The template already holds any BOS token, unless the caller asks for one.
-    return eng.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not sources:
+        return eng.tokenizer.encode(text, add_special_tokens=add_special_tokens), []
+    loaded = images.load(sources, "messages")
+    return images.process(text, loaded, add_special_tokens=add_special_tokens, param="messages")
 
 
 def _error_event(exc: BaseException) -> str:
@@ -103,8 +124,9 @@ class _Generation:
     response_cls: ClassVar[type[BaseModel]]
     chunk_cls: ClassVar[type[BaseModel]]
 
-    def __init__(self, req, model: str, jobs, eng: AsyncLLM, lora=None):
-        """`lora`: the LoRA adapter `model` names (`ServerState.lora_request`), or None."""
+    def __init__(self, req, model: str, jobs, eng: AsyncLLM, lora=None, mm_items=()):
+        """`lora`: the LoRA adapter `model` names (`ServerState.lora_request`), or None.
+        `mm_items`: the images of a chat's one prompt."""
         self.req, self.model, self.jobs, self.eng = req, model, jobs, eng
         self.prompt_logprobs: dict[int, list] = {}  # choice -> the engine's prompt_logprobs
         # The response model's own id form ("cmpl-...", "chatcmpl-..."), one for all chunks.
@@ -114,7 +136,7 @@ class _Generation:
             request
             for p, (ids, params, _) in enumerate(jobs)
             for request in eng.input_processor.fan_out(
-                f"{self.id}-{p}", ids, params, lora_request=lora
+                f"{self.id}-{p}", ids, params, lora_request=lora, mm_items=mm_items
             )
         ]
         self.created = int(time.time())
@@ -323,11 +345,12 @@ class ChatCompletion(_Generation):
         tool_parser: type[ToolCallStream] | None,
         reasoning: Callable[[], ReasoningStream] | None = None,
         lora=None,
+        mm_items=(),
     ):
         """`reasoning`: makes each choice's `ReasoningStream` (a server with a
         --reasoning-parser): the thinking is split off first, and the rest (the answer) is
         what content and tool calls are read from."""
-        super().__init__(req, model, jobs, eng, lora)
+        super().__init__(req, model, jobs, eng, lora, mm_items)
         self.new_tool_stream = tool_call_streams(req, tool_parser)
         self.tool_streams: dict[int, ToolCallStream] = {}  # choice -> its stream
         self.called: set[int] = set()  # choices that made a tool call so far
@@ -483,7 +506,7 @@ async def chat_generation(
     """The generation of a checked chat request: its rendered prompt, sampling parameters
     and parsers (tools, reasoning), as `/v1/chat/completions` runs it, and `/v1/messages` (its
     own `cls`, a ChatCompletion answering in its shape)."""
-    ids = await state.tokenizing(render_chat, eng, req)
+    ids, items = await state.tokenizing(render_chat_inputs, eng, req)
     params = sampling_params(eng, req, ids, "messages")
     if req.tool_choice == "auto" and not state.tool_parser.skip_special_tokens:
         params.skip_special_tokens = False  # the parser reads special tokens (vLLM's rule)
@@ -501,4 +524,6 @@ async def chat_generation(
             params.reasoning_end_token_id = reasoning_parsers.end_token_id(eng.tokenizer)
     cls = cls or ChatCompletion
     lora = state.lora_request(model)
-    return cls(req, model, [(ids, params, None)], eng, state.tool_parser, reasoning, lora)
+    return cls(
+        req, model, [(ids, params, None)], eng, state.tool_parser, reasoning, lora, mm_items=items
+    )

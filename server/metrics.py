@@ -77,6 +77,10 @@ class _EngineCollector:
                      "Host KV tier (kv_offloading_size) usage, in blocks held. 1 means 100 "
                      "percent usage; 0 without the tier.",
                      s.kv_offload_blocks / max(s.kv_offload_capacity, 1))  # fmt: skip
+        yield family(GaugeMetricFamily, "jaxllm:encoder_cache_usage_perc",
+                     "Encoder cache usage (an image-text model's encoded images on the device), "
+                     "in slots held by requests. 1 means 100 percent usage; 0 without images.",
+                     s.encoder_cache_usage)  # fmt: skip
         for name, doc, value in (
             ("vllm:prefix_cache_queries",
              "Prefix cache queries, in terms of number of queried tokens.",
@@ -89,6 +93,11 @@ class _EngineCollector:
             ("jaxllm:kv_offload_stored_blocks",
              "KV blocks evicted from the device and copied to the host tier.",
              s.kv_offload_stored),
+            ("jaxllm:encoder_cache_queries",
+             "Images looked up in the encoder cache (an image-text model's).",
+             s.encoder_cache_queries),
+            ("jaxllm:encoder_cache_hits",
+             "Images found in the encoder cache: not encoded again.", s.encoder_cache_hits),
             ("jaxllm:kv_offload_loaded_blocks",
              "KV blocks copied back from the host tier on a prefix-cache hit.",
              s.kv_offload_loaded),

@@ -362,6 +362,19 @@ class TextContentPart(_Model):
     text: str
 
 
+class ImageURL(_Model):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; images are read whole
+
+
+class ImageContentPart(_Model):
+    """An image (an image-text model's): a data: URL with base64 image bytes, or a file
+    under the server's --allowed-local-media-path."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCallParam(_Model):
     """The function an earlier assistant message called."""
 
@@ -404,7 +417,7 @@ class ChatMessage(_Model):
     message may hold the tool calls it made, a tool message the id of the call it answers."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
@@ -419,11 +432,18 @@ class ChatMessage(_Model):
         for i, part in enumerate(value):
             if not isinstance(part, dict):
                 raise _ParamError(str(i), "a content part must be an object")
+            if part.get("type") == "image_url":
+                image = part.get("image_url")
+                if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+                    raise _ParamError(
+                        f"{i}.image_url", "an image_url content part needs an object with a 'url'"
+                    )
+                continue
             if part.get("type") != "text":
                 raise _ParamError(
                     f"{i}.type",
                     f"content part type {_short(part.get('type'))} is not supported; only "
-                    "'text' is",
+                    "'text' and 'image_url' are",
                 )
             if not isinstance(part.get("text"), str):
                 raise _ParamError(f"{i}.text", "a text content part needs a string 'text'")
@@ -432,8 +452,14 @@ class ChatMessage(_Model):
     def text(self) -> str | None:
         """The content as one string: text parts joined by newlines (as vLLM does)."""
         if isinstance(self.content, list):
-            return "\n".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content if isinstance(p, TextContentPart))
         return self.content
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(p, ImageContentPart) for p in self.content
+        )
 
 
 class _ChatTemplateFields(_Model):
@@ -476,6 +502,8 @@ class _ChatTemplateFields(_Model):
         out = []
         for m in self.messages:
             d: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
+            if m.has_images:  # parts, for `jaxllm.multimodal.chat.split_images`
+                d["content"] = [p.model_dump(exclude_none=True) for p in m.content]
             if m.name is not None:
                 d["name"] = m.name
             if m.role == "assistant" and m.tool_calls:

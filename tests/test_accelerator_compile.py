@@ -243,7 +243,9 @@ def test_kernel_matrix(request, target, page_size, cache_dtype, head_dim, kv_hea
 # ---- whole engines -----------------------------------------------------------------------
 
 
-def _tiny_config(path: Path, *, moe: bool = False, gemma: bool = False) -> Path:
+def _tiny_config(
+    path: Path, *, moe: bool = False, gemma: bool = False, llava: bool = False
+) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
     Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups)."""
     config = {
@@ -270,6 +272,24 @@ def _tiny_config(path: Path, *, moe: bool = False, gemma: bool = False) -> Path:
             "layer_types": [sliding, sliding, full, sliding],
             "query_pre_attn_scalar": 64,
             "hidden_activation": "gelu_pytorch_tanh",
+        }
+    if llava:  # the decoder above behind a CLIP tower (2 layers, 49 patches) and projector
+        config = {
+            "architectures": ["LlavaForConditionalGeneration"],
+            "model_type": "llava",
+            "image_token_id": 511,
+            "text_config": {**config, "model_type": "llama"},
+            "vision_config": {
+                "model_type": "clip_vision_model",
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "image_size": 56,
+                "patch_size": 8,
+            },
+            "vision_feature_layer": -2,
+            "vision_feature_select_strategy": "default",
         }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
@@ -298,6 +318,10 @@ ENGINES = [
     # a group's slots.
     pytest.param("v5e-1", "gemma", dict(kv_offloading_size=1), id="v5e-1-hybrid"),
     pytest.param("h100", "gemma", dict(kv_cache_dtype="int8"), id="h100-hybrid"),
+    # An image-text model: the vision encoder's programs (its tower split over the chips'
+    # heads and MLP width) and the forward pass reading the encoder cache.
+    pytest.param("v5e-4", "llava", {}, id="v5e-4-llava"),
+    pytest.param("h100", "llava", dict(quantization="int8"), id="h100-llava"),
 ]  # fmt: skip
 
 
@@ -312,7 +336,9 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     from jaxllm.aot.engine import compile_engine
     from jaxllm.config import EngineConfig
 
-    path = _tiny_config(tmp_path / model, moe=model == "moe", gemma=model == "gemma")
+    path = _tiny_config(
+        tmp_path / model, moe=model == "moe", gemma=model == "gemma", llava=model == "llava"
+    )
     config = EngineConfig.create(
         path, max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536, **settings
     )
@@ -325,6 +351,8 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     assert ("hidden_pooler" in names) == (settings.get("runner") == "pooling")
     if model == "gemma":
         assert runner.kv_groups.num_groups == 4 and runner.kv_cache.shape[0] == 1
+    if model == "llava":
+        assert {p.shape for p in runner.programs if p.name == "encode_images"} == {(1,)}
     steps = [p for p in runner.programs if p.updates_cache]
     assert steps and not runner.cache_copies()
     for p in steps:

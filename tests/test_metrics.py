@@ -84,6 +84,9 @@ JAXLLM_METRICS = {
     "jaxllm:kv_offload_stored_blocks": "counter",
     "jaxllm:kv_offload_loaded_blocks": "counter",
     "jaxllm:kv_offload_usage_perc": "gauge",
+    "jaxllm:encoder_cache_usage_perc": "gauge",
+    "jaxllm:encoder_cache_queries": "counter",
+    "jaxllm:encoder_cache_hits": "counter",
 }
 MAX_MODEL_LEN = 2048
 

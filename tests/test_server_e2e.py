@@ -227,6 +227,17 @@ def test_chat_and_stream_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
 
 
+def test_image_part_on_a_text_model_is_a_400(server):
+    """A model without a vision tower refuses an image part, naming it (no 5xx)."""
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [part]}]}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.content.0.image_url", error
+    assert "takes no images" in error["message"], error
+
+
 def test_n_and_seed(client):
     kw = dict(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, seed=11,
               extra_body={"ignore_eos": True})  # fmt: skip

@@ -141,12 +141,21 @@ BAD_BODIES = [
                     "role": "user",
                     "content": [
                         {"type": "text", "text": "a"},
-                        {"type": "image_url", "image_url": {"url": "x"}},
+                        {"type": "input_audio", "input_audio": {"data": "x"}},
                     ],
                 },
             ]
         ),
         "messages.1.content.1.type",
+    ),
+    (
+        ChatCompletionRequest,
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+            ]
+        ),
+        "messages.0.content.0.image_url",
     ),
     (
         ChatCompletionRequest,

@@ -297,3 +297,47 @@ def test_random_workload_compiles_nothing_after_warmup(llava):
     assert llm.engine.scheduler.encoder_cache.num_held == 0
     assert not llm.engine.has_unfinished_requests()
     llm.kv_cache_manager.check_invariants()
+
+
+_TP_SCRIPT = """
+import json, sys
+sys.path.insert(0, "tests")
+import jax
+from jaxllm import LLM, SamplingParams
+from test_vision import CASES, images, prompt
+path, tp = sys.argv[1], int(sys.argv[2])
+llm = LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64,
+          tensor_parallel_size=tp)
+compiled = llm.runner.num_compilations
+prompts = [prompt(t, images(10 + i, n)) for i, (t, n) in enumerate(CASES)]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                    use_tqdm=False)
+print(json.dumps({
+    "tokens": [o.outputs[0].token_ids for o in outs],
+    "compiled_after_warmup": llm.runner.num_compilations - compiled,
+    "vision_shards": [len(p.sharding.device_set) for p in llm.runner.mm.params],
+    "split": sum(p.sharding.shard_shape(p.shape) != p.shape for p in llm.runner.mm.params),
+}))
+"""
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_same_tokens(llava, cases, tp):
+    """Under tensor parallelism (fake CPU devices, in a subprocess) the vision tower's weights
+    are split over the devices and the tokens are transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _TP_SCRIPT, str(llava[0]), str(tp)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["tokens"] == [ref for *_, ref in cases]
+    assert report["compiled_after_warmup"] == 0
+    assert set(report["vision_shards"]) == {tp}
+    assert report["split"] > 0  # the attention and MLP weights, split on heads or width

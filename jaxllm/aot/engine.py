@@ -26,6 +26,7 @@ from jaxllm import loaders
 from jaxllm.aot.targets import Target
 from jaxllm.classifier import is_classifier
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
+from jaxllm.engine.encoder_cache import EncoderCache
 from jaxllm.engine.kv_offload import host_blocks
 from jaxllm.kv_groups import engine_kv_groups
 from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
@@ -35,7 +36,7 @@ from jaxllm.model_cache import resolve_model
 from jaxllm.pooling import decoder_pools
 from jaxllm.quantization import FORMATS
 from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
-from jaxllm.worker import ModelRunner, lora_slot_bytes
+from jaxllm.worker import ModelRunner, encoder_cache_bytes, lora_slot_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,11 @@ def compile_engine(
     quantization = config.load.quantization
     memory = target.usable_memory_bytes
     model = abstract_model(config.load.model, dtype, comp, mesh, devices[0], quantization, memory)
+    vision = abstract_vision(config.load.model, dtype, mesh, devices[0])
+    if vision is not None:  # its weights come out of the KV pool's budget like the decoder's
+        model.weight_bytes += vision.weight_bytes
+        if model.weight_device_bytes is not None:
+            model.weight_device_bytes += vision.weight_device_bytes
     weights = [model]
     spec = config.speculative.method
     if spec is not None and spec.method == "draft_model":
@@ -140,8 +146,15 @@ def compile_engine(
     weight_device_bytes = sum(w.weight_device_bytes for w in weights)
     usable = memory * cache.memory_utilization
     # The LoRA slots (with --enable-lora) take their share before the KV pool.
+    encoder_cache, encoder_bytes = (0, 0), 0
+    if vision is not None:
+        tokens = vision.model.config.tokens_per_image
+        plan = config.multimodal.encoder_plan(tokens, config.scheduler.max_num_batched_tokens)
+        encoders = EncoderCache(plan[0], tokens, plan[1])
+        encoder_cache = (encoders.num_slots, encoders.max_items_per_step)
+        encoder_bytes = encoder_cache_bytes(vision.model.config, encoders.num_slots, dtype)
     lora_bytes = lora_slot_bytes(model.config, config.lora, jnp.dtype(dtype).itemsize, tp)
-    budget = int(usable - weight_device_bytes - lora_bytes)
+    budget = int(usable - weight_device_bytes - lora_bytes - encoder_bytes)
     if budget < 2 * page_bytes and cache.num_pages is None:
         raise DoesNotFit(
             f"{config.load.model} does not fit {target.name}: its weights take "
@@ -184,6 +197,8 @@ def compile_engine(
         ),
         pooling=serves_pooling(config),
         kv_groups=groups,
+        vision=None if vision is None else vision.model,
+        encoder_cache=encoder_cache,
     )
     build_seconds = time.perf_counter() - start
     runner.compiler.keep_executables = keep_executables
@@ -252,6 +267,33 @@ def abstract_model(
     logical = sum(_shard_bytes(a) for a in leaves)
     device_bytes = None if memory_bytes and logical > memory_bytes else _device_bytes(leaves)
     return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes)
+
+
+def abstract_vision(model: str, dtype, mesh, device: jax.Device) -> AbstractModel | None:
+    """An image-text model's vision encoder with abstract parameters placed as `abstract_model`
+    places the decoder's (None for a text model)."""
+    from jaxllm.loaders.vision import vision_config
+    from jaxllm.models.vision import VisionEncoder
+
+    config = vision_config(resolve_model(model))
+    if config is None:
+        return None
+    abstract = nnx.eval_shape(lambda: VisionEncoder(config, dtype=dtype, rngs=None))
+    graphdef, state = nnx.split(abstract)
+    if mesh is not None:
+        shardings = param_shardings(state, mesh)
+    else:
+        single = SingleDeviceSharding(device)
+        shardings = {path: single for path, _ in nnx.to_flat_state(state)}
+    flat = [
+        (path, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path])))
+        for path, var in nnx.to_flat_state(state)
+    ]
+    state = nnx.from_flat_state(flat)
+    leaves = jax.tree.leaves(state)
+    logical = sum(_shard_bytes(a) for a in leaves)
+    encoder = nnx.merge(graphdef, state)
+    return AbstractModel(None, encoder, logical, _device_bytes(leaves) or logical)
 
 
 def _hf_config(path) -> dict:

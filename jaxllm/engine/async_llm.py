@@ -30,6 +30,8 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.step_data import FinishReason
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
+from jaxllm.model_cache import resolve_model
+from jaxllm.multimodal.processor import ImageProcessor
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -72,7 +74,11 @@ class AsyncLLM:
         self.generation_config = generation_config
         self.max_model_len = ready.max_model_len
         self.input_processor = InputProcessor.for_engine(
-            tokenizer, generation_config, ready, seed=config.load.seed
+            tokenizer,
+            generation_config,
+            ready,
+            seed=config.load.seed,
+            images=ImageProcessor.for_engine(resolve_model(config.load.model), ready, config),
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: Stats = ready.stats

@@ -124,7 +124,7 @@ class EngineCore:
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
         from jaxllm.sharding import kv_cache_placement, make_mesh
-        from jaxllm.worker import ModelRunner, lora_slot_bytes
+        from jaxllm.worker import ModelRunner, encoder_cache_bytes, lora_slot_bytes
 
         comp, parallel = config.compilation, config.parallel
         xla_cache = comp.compilation_cache_dir
@@ -158,6 +158,14 @@ class EngineCore:
                 load_format=config.load.load_format,
             )
             check_draft_config(loaded.config, draft.config)
+        encoder_cache, encoder_bytes = None, 0
+        if vision is not None:
+            slots, budget = config.multimodal.encoder_plan(
+                vision.config.tokens_per_image, config.scheduler.max_num_batched_tokens
+            )
+            encoder_cache = EncoderCache(slots, vision.config.tokens_per_image, budget)
+            embed_dtype = loaded.model.embed_tokens.get_value().dtype
+            encoder_bytes = encoder_cache_bytes(vision.config, slots, embed_dtype)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
         cache_sharding = kv_cache_placement(mesh, kv_dtype)
         groups = engine_kv_groups(loaded.config, config.cache, draft=draft is not None)
@@ -183,7 +191,9 @@ class EngineCore:
             # the LoRA slots (enable_lora) come out of it first, in the model's dtype
             - lora_slot_bytes(
                 loaded.config, config.lora, loaded.model.embed_tokens.get_value().dtype.itemsize, tp
-            ),
+            )
+            # and the encoder cache of an image-text model
+            - encoder_bytes,
         )
         config = config.replace(
             max_model_len=max_model_len,
@@ -193,12 +203,6 @@ class EngineCore:
         sched, cache = config.scheduler, config.cache
         pooler, head = _pooler(config)
         num_host_blocks = host_blocks(cache, page_bytes * tp, multi=multi, draft=draft)
-        encoder_cache = None
-        if vision is not None:
-            slots, budget = config.multimodal.encoder_plan(
-                vision.config.tokens_per_image, sched.max_num_batched_tokens
-            )
-            encoder_cache = EncoderCache(slots, vision.config.tokens_per_image, budget)
         runner = ModelRunner.from_config(
             loaded.model,
             loaded.config,
@@ -440,6 +444,7 @@ class EngineCore:
             spec_decoding=scheduler.spec_decoding.copy(),
             sleep_level=self.sleep_level,
             **_lora_stats(scheduler),
+            **_encoder_cache_stats(scheduler.encoder_cache),
         )
 
     def step(self) -> list[RequestUpdate]:
@@ -586,6 +591,16 @@ def _lora_stats(scheduler) -> dict:
         return {}
     waiting = sorted({r.lora.lora_name for r in scheduler.waiting if r.lora is not None})
     return dict(running_loras=loras.running(), waiting_loras=waiting, max_loras=loras.num_slots)
+
+
+def _encoder_cache_stats(cache) -> dict:
+    if cache is None:
+        return {}
+    return {
+        "encoder_cache_queries": cache.hits + cache.misses,
+        "encoder_cache_hits": cache.hits,
+        "encoder_cache_usage": cache.num_held / cache.num_slots,
+    }
 
 
 def _host_tier_stats(host) -> dict:

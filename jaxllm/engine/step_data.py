@@ -100,3 +100,8 @@ class Stats(msgspec.Struct):
     running_loras: list[str] = msgspec.field(default_factory=list)
     waiting_loras: list[str] = msgspec.field(default_factory=list)
     max_loras: int = 0
+    # An image-text model's encoder cache: images looked up and found (the rest encoded)
+    # since start, and the share of its slots that requests hold now.
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_usage: float = 0.0

@@ -21,6 +21,7 @@ _HOMES = {
     "pick_shape": "jaxllm.worker.buckets",
     "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
     "lora_slot_bytes": "jaxllm.worker.lora_slots",
+    "encoder_cache_bytes": "jaxllm.worker.mm_encoder",
     "GrammarBitmask": "jaxllm.worker.step_data",
     "PixelArray": "jaxllm.worker.step_data",
     "MultiModalItem": "jaxllm.worker.step_data",
@@ -50,6 +51,7 @@ __all__ = [
     "SchedulerOutput",
     "TokenLogprobs",
     "cache_copy_ops",
+    "encoder_cache_bytes",
     "check_draft_config",
     "lora_slot_bytes",
     "make_buckets",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
     from jaxllm.worker.buckets import make_buckets, pick_shape
     from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
     from jaxllm.worker.lora_slots import lora_slot_bytes
+    from jaxllm.worker.mm_encoder import encoder_cache_bytes
     from jaxllm.worker.model_runner import InflightStep, ModelRunner
     from jaxllm.worker.pooling_runner import EncoderRunner
     from jaxllm.worker.spec_decode.draft_model import check_draft_config

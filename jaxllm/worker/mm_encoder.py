@@ -25,6 +25,12 @@ from jaxllm.worker.device_state import DeviceState
 from jaxllm.worker.step_data import EncoderInput
 
 
+def encoder_cache_bytes(config: VisionConfig, num_slots: int, dtype) -> int:
+    """The encoder cache's bytes on each device (it is replicated): its slots and the spare."""
+    rows = (num_slots + 1) * config.tokens_per_image
+    return rows * config.text_hidden_size * jnp.dtype(dtype).itemsize
+
+
 def encode(graphdef, params_def, params, pool: jax.Array, pixels: jax.Array, slots: jax.Array):
     """The encoder cache with images `pixels` [B, C, H, W] written to their `slots` [B]."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
@@ -53,7 +59,7 @@ class MMEncoder:
         self.graphdef, state = nnx.split(encoder)
         self.params, params_def = jax.tree.flatten(state)
         p = self.config.tokens_per_image
-        shape = ((num_slots + 1) * p, self.config.text_hidden_size)
+        shape = ((num_slots + 1) * p, self.config.text_hidden_size)  # see encoder_cache_bytes
         if device.abstract:  # `jaxllm compile`: shapes only
             self.pool = jax.ShapeDtypeStruct(shape, dtype, sharding=device.replicated)
         else:
