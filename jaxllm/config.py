@@ -379,6 +379,11 @@ def _check_types(config: Any) -> None:
             or (t is float and isinstance(value, int | float) and not isinstance(value, bool))
             or (t is str and isinstance(value, str))
             or (t is dict and isinstance(value, dict))
+            or (
+                typing.get_origin(t) is tuple
+                and isinstance(value, tuple)
+                and all(isinstance(v, typing.get_args(t)[0]) for v in value)
+            )
             for t in allowed
         )
         if not ok:
@@ -696,6 +701,9 @@ class MultiModalConfig:
     allowed_local_media_path: str | None = None
     """A directory whose files (and only those) requests may name as `file://` image URLs;
     default: none may."""
+    allowed_media_domains: tuple[str, ...] | None = None
+    """Hosts whose http(s) image URLs requests may name (a host, or its subdomains), fetched
+    without redirects within 5 s and 20 MB; default: no URL is fetched."""
     max_num_encoder_input_tokens: int | None = None
     """The most image tokens the vision encoder computes in one step; default
     max_num_batched_tokens (at least one image)."""
@@ -710,6 +718,10 @@ class MultiModalConfig:
             except ValueError as e:
                 raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
             object.__setattr__(self, "limit_mm_per_prompt", parsed)
+        if isinstance(self.allowed_media_domains, list | str):
+            domains = self.allowed_media_domains
+            domains = tuple(domains.split(",") if isinstance(domains, str) else domains)
+            object.__setattr__(self, "allowed_media_domains", domains)
         _check_types(self)
         limits = self.limit_mm_per_prompt or {}
         for modality, n in limits.items():

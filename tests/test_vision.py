@@ -341,3 +341,86 @@ def test_tensor_parallel_same_tokens(llava, cases, tp):
     assert report["compiled_after_warmup"] == 0
     assert set(report["vision_shards"]) == {tp}
     assert report["split"] > 0  # the attention and MLP weights, split on heads or width
+
+
+@pytest.fixture
+def image_host():
+    """A local HTTP server: /cat.png an image, /slow.png the same after 1 s, /moved a
+    redirect to it, anything else a 404."""
+    import http.server
+    import threading
+    import time as _time
+
+    buf = io.BytesIO()
+    images(9, 1)[0].save(buf, format="PNG")
+    body = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+                return
+            if self.path not in ("/cat.png", "/slow.png"):
+                self.send_error(404)
+                return
+            if self.path == "/slow.png":
+                _time.sleep(1.0)
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (the slow and oversized cases)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", body
+    server.shutdown()
+
+
+def test_http_image_urls_from_allowed_hosts(llava, image_host, monkeypatch):
+    """An http URL on an allowed host is fetched (the same tokens as the image itself); other
+    hosts, redirects, errors, oversized and slow downloads are refused naming the part."""
+    from jaxllm.multimodal import media
+
+    url, body = image_host
+    path = llava[0]
+    llm = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        num_pages=32,
+        allowed_media_domains=("127.0.0.1",),
+    )
+    img = Image.open(io.BytesIO(body)).convert("RGB")
+
+    def chat(image_url: str):
+        parts = [{"type": "image_url", "image_url": {"url": image_url}}]
+        return llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+
+    (out,) = chat(f"{url}/cat.png")
+    text = "<|im_start|>user\n<image><|im_end|>\n<|im_start|>assistant\n"
+    assert out.outputs[0].token_ids == reference(llava, text, [img])
+    at = "messages.0.content.0.image_url"
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.3)
+    for bad, says in [
+        ("http://localhost:1/cat.png", "not in --allowed-media-domains"),
+        (f"{url}/moved", "HTTP 302"),
+        (f"{url}/missing.png", "HTTP 404"),
+        (f"{url}/slow.png", "longer than 0.3 s"),
+    ]:
+        with pytest.raises(InputError) as e:
+            chat(bad)
+        assert e.value.param == at and says in str(e.value), (bad, str(e.value))
+    monkeypatch.setattr(media, "MAX_IMAGE_BYTES", len(body) - 1)
+    with pytest.raises(InputError) as e:
+        chat(f"{url}/cat.png")
+    assert "larger than" in str(e.value)

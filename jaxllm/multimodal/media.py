@@ -1,6 +1,7 @@
 """Images from where requests name them, decoded and checked: a `data:` URL (base64 PNG,
-JPEG, WebP, GIF or BMP), a `file://` URL or path under the allowed local media directory, a
-PIL image or an array. Every refusal is an `InputError` naming the parameter."""
+JPEG, WebP, GIF or BMP), a `file://` URL or path under the allowed local media directory, an
+`http(s)` URL on an allowed host (fetched within a time and size limit, no redirects), a PIL
+image or an array. Every refusal is an `InputError` naming the parameter."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import base64
 import binascii
 import io
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -19,9 +22,16 @@ from jaxllm.engine.input_processor import InputError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image's encoded bytes (OpenAI's limit)
 MAX_IMAGE_PIXELS = 40_000_000  # width x height of a decoded image (a decompression bomb)
+FETCH_TIMEOUT_S = 5.0  # an http(s) image's whole download (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)
 
 
-def load_image(source: Any, param: str, *, allowed_local_media_path: str | None = None):
+def load_image(
+    source: Any,
+    param: str,
+    *,
+    allowed_local_media_path: str | None = None,
+    allowed_media_domains: Sequence[str] | None = None,
+):
     """A PIL image (RGB) from an image source."""
     from PIL import Image
 
@@ -39,11 +49,7 @@ def load_image(source: Any, param: str, *, allowed_local_media_path: str | None 
         return _decode(_data_url_bytes(source, param), param)
     scheme = urlparse(source).scheme.lower()
     if scheme in ("http", "https"):
-        raise InputError(
-            f"{param}: {scheme} image URLs are not fetched by this server; send the image "
-            "as a data: URL (base64)",
-            param,
-        )
+        return _decode(_fetch(source, param, allowed_media_domains), param)
     if scheme in ("file", ""):
         return _decode(_local_bytes(source, param, allowed_local_media_path), param)
     raise InputError(f"{param}: URL scheme {scheme!r} is not supported for images", param)
@@ -62,6 +68,47 @@ def _data_url_bytes(url: str, param: str) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise InputError(f"{param}: the data: URL is not valid base64", param) from None
+
+
+def _fetch(url: str, param: str, domains: Sequence[str] | None) -> bytes:
+    """An http(s) URL's bytes: its host allowed, status 200 without a redirect, at most
+    MAX_IMAGE_BYTES, all within FETCH_TIMEOUT_S."""
+    import httpx
+
+    host = (urlparse(url).hostname or "").lower()
+    if not domains:
+        raise InputError(
+            f"{param}: http(s) image URLs are not fetched by this server (--allowed-media-domains "
+            "names the hosts that may be); send the image as a data: URL (base64)",
+            param,
+        )
+    if not any(host == d.lower() or host.endswith("." + d.lower()) for d in domains):
+        raise InputError(f"{param}: host {host[:100]!r} is not in --allowed-media-domains", param)
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    try:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=False) as r:
+            if r.status_code != 200:
+                raise InputError(f"{param}: fetching the image gave HTTP {r.status_code}", param)
+            data = bytearray()
+            for chunk in r.iter_bytes():
+                data += chunk
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise InputError(
+                        f"{param}: the image is larger than {MAX_IMAGE_BYTES} bytes", param
+                    )
+                if time.monotonic() > deadline:
+                    raise InputError(
+                        f"{param}: fetching the image took longer than {FETCH_TIMEOUT_S} s", param
+                    )
+    except httpx.TimeoutException:
+        raise InputError(
+            f"{param}: fetching the image took longer than {FETCH_TIMEOUT_S} s", param
+        ) from None
+    except httpx.HTTPError as e:
+        raise InputError(
+            f"{param}: the image could not be fetched ({type(e).__name__})", param
+        ) from None
+    return bytes(data)
 
 
 def _local_bytes(url: str, param: str, allowed: str | None) -> bytes:

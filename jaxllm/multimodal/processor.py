@@ -33,6 +33,7 @@ class ImageProcessor:
         tokens_per_image: int,
         limit: int,
         allowed_local_media_path: str | None = None,
+        allowed_media_domains: Sequence[str] | None = None,
     ):
         from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
@@ -47,6 +48,7 @@ class ImageProcessor:
         self.tokens_per_image = tokens_per_image
         self.limit = limit
         self.allowed_local_media_path = allowed_local_media_path
+        self.allowed_media_domains = allowed_media_domains
 
     @classmethod
     def for_engine(cls, model_path: Path, ready, config) -> ImageProcessor | None:
@@ -60,6 +62,7 @@ class ImageProcessor:
             tokens_per_image=ready.image_tokens,
             limit=ready.image_limit,
             allowed_local_media_path=config.multimodal.allowed_local_media_path,
+            allowed_media_domains=config.multimodal.allowed_media_domains,
         )
 
     def load(self, sources: Sequence[Any], param: str) -> list:
@@ -73,7 +76,12 @@ class ImageProcessor:
             )
         pairs = [s if isinstance(s, tuple) else (s, param) for s in sources]
         return [
-            load_image(s, at, allowed_local_media_path=self.allowed_local_media_path)
+            load_image(
+                s,
+                at,
+                allowed_local_media_path=self.allowed_local_media_path,
+                allowed_media_domains=self.allowed_media_domains,
+            )
             for s, at in pairs
         ]
 
