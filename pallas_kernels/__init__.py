@@ -114,6 +114,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    attend_to: jax.Array | None = None,  # i32[T]
     backend: str = "reference",
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
@@ -126,7 +127,11 @@ def ragged_paged_attention(
     and return zeros. A query at position q sees key position k iff k <= q and, with a
     `sliding_window` w, k > q - w. The window is None (full attention), an int >= 1, or an
     integer scalar array, possibly traced (a layer scan's per-layer window), in which a value
-    <= 0 means full attention. `block_sizes` overrides the tuning table for the Pallas backends;
+    <= 0 means full attention. `attend_to` widens the causal order per query: a query at
+    position q with a = attend_to[t] sees the keys up to max(q, a) (still within the window
+    behind q), so the tokens of a block (an image whose tokens attend to each other, Gemma 3's)
+    see each other; the keys past q it names must be this step's tokens of the same request,
+    and -1 (or anything <= q) is plain causal. `block_sizes` overrides the tuning table for the Pallas backends;
     `interpret=None` interprets them when the platform is not theirs (e.g. on CPU).
 
     The cache is a float array or a `KVCache`, whose 8-bit data every backend dequantizes
@@ -147,7 +152,7 @@ def ragged_paged_attention(
         out = ragged_paged_attention(
             padded, KVCache(kv_cache, kv_scales), layer, seq_lens, block_tables, cu_q_lens,
             num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            backend=backend, block_sizes=block_sizes, interpret=interpret,
+            attend_to=attend_to, backend=backend, block_sizes=block_sizes, interpret=interpret,
         )  # fmt: skip
         return out[..., :head_dim]
     if num_heads % kv_cache.shape[2]:
@@ -167,8 +172,18 @@ def ragged_paged_attention(
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be a float array, got {q.dtype}")
+    if attend_to is not None and (attend_to.shape != (num_tokens,) or attend_to.dtype != jnp.int32):
+        raise ValueError(
+            f"attend_to must be i32[{num_tokens}], got {attend_to.dtype}{attend_to.shape}"
+        )
     args = (q, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, kv_scales=kv_scales)
+    kwargs = dict(
+        sm_scale=sm_scale,
+        sliding_window=window,
+        soft_cap=soft_cap,
+        kv_scales=kv_scales,
+        attend_to=attend_to,
+    )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":

@@ -49,6 +49,7 @@ def ragged_paged_attention_cpu(
     sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
+    attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     out_dtype = q.dtype
     if kv_scales is not None:  # an 8-bit cache: the kernel widens it to float32 as it reads
@@ -73,6 +74,7 @@ def ragged_paged_attention_cpu(
         cu_q_lens.astype(i32),
         num_seqs.astype(i32),
         jnp.asarray(sliding_window, i32).reshape(1),
+        jnp.full(1, -1, i32) if attend_to is None else attend_to.astype(i32),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
     )

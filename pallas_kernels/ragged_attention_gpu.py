@@ -54,14 +54,18 @@ def _kernel(
     prog_tok_ref,  # i32[B]           first token of each query block
     q_ref,  # [K, T' * Gp, H]
     kv_ref,  # [L, num_pages, K, page_size, 2H]
-    *refs,  # with an 8-bit cache scales_ref f32[L, num_pages, 1, 2K * page_size]; o_ref [K, T' * Gp, H]
+    *refs,  # with attend_to: attend_ref i32[T']; with an 8-bit cache scales_ref f32[L,
+    # num_pages, 1, 2K * page_size]; then o_ref [K, T' * Gp, H]
     q_block: int,
     group_padded: int,
     kv_pages: int,
     sm_scale: float,
     soft_cap: float | None,
+    attend: bool = False,
 ):
-    scales_ref, o_ref = refs if len(refs) == 2 else (None, *refs)
+    *refs, o_ref = refs
+    attend_ref = refs.pop(0) if attend else None
+    scales_ref = refs[0] if refs else None
     j, h = pl.program_id(0), pl.program_id(1)
     page_size, head_dim = kv_ref.shape[3], kv_ref.shape[4] // 2
     kv_tokens = kv_pages * page_size
@@ -77,6 +81,11 @@ def _kernel(
         row_ok = row_tok < q_end  # [rows]
         row_pos = seq_len - (q_end - q_start) + (row_tok - q_start)  # [rows]
         kv_end = seq_len - (q_end - jnp.minimum(q_end, tok0 + q_block))
+        row_last = row_pos  # [rows] the last key each row sees
+        if attend_ref is not None:  # a block's rows see each other: this step's keys
+            reach = pltriton.load(attend_ref.at[row_tok])
+            row_last = jnp.minimum(jnp.maximum(row_pos, reach), seq_len - 1)
+            kv_end = jnp.maximum(kv_end, jnp.where(row_ok, row_last, -1).max() + 1)
         kv_begin = jnp.maximum(seq_len - (q_end - tok0) - window + 1, 0)
 
         q = q_ref[h, pl.ds(tok0 * group_padded, rows), :]  # [rows, H]
@@ -117,7 +126,7 @@ def _kernel(
             s = s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            mask = row_ok[:, None] & (kv_pos[None, :] <= row_pos[:, None])
+            mask = row_ok[:, None] & (kv_pos[None, :] <= row_last[:, None])
             mask &= kv_pos[None, :] > row_pos[:, None] - window
             s = jnp.where(mask, s, _MASK_VALUE)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -158,6 +167,7 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
+    attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """The Triton kernel behind `ragged_paged_attention(..., backend="pallas_gpu")`.
@@ -208,7 +218,9 @@ def ragged_paged_attention_gpu(
         kv_pages=kv_pages,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
+        attend=attend_to is not None,
     )
+    attend = [] if attend_to is None else [jnp.pad(attend_to, (0, q_block), constant_values=-1)]
     out = pl.pallas_call(
         kernel,
         grid=(num_programs, num_kv_heads),
@@ -227,6 +239,7 @@ def ragged_paged_attention_gpu(
         prog_tok,
         qh,
         kv_cache,
+        *attend,
         *([] if kv_scales is None else [kv_scales]),
     )
     out = out.reshape(num_kv_heads, padded_tokens, group_padded, head_dim)[:, :num_tokens, :group]

@@ -18,7 +18,8 @@ into the result.
 
 The mask is causal and, where `sliding_window` (an i32[] operand, possibly traced) is w >= 1,
 limited to the last w positions: a query at position q sees key k iff q - w < k <= q. A window
-<= 0 is full attention; a constant one folds away under jit.
+<= 0 is full attention; a constant one folds away under jit. `attend_to` widens the causal
+order of a query to the step's keys up to its entry (the self part alone holds them).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def ragged_paged_attention_reference(
     sliding_window: jax.Array,  # i32[]      keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
+    attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     cache = KVCache(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
@@ -86,7 +88,10 @@ def ragged_paged_attention_reference(
     new_kv = jnp.where(valid[:, None, None], new_kv, 0.0)
     new_kv = new_kv.reshape(num_tokens, num_kv_heads, 2, head_dim)
     k_new, v_new = new_kv[:, :, 0], new_kv[:, :, 1]  # [T, K, H]
-    self_mask = (req[:, None] == req[None, :]) & (t[None, :] <= t[:, None])
+    causal = t[None, :] <= t[:, None]
+    if attend_to is not None:  # a block's tokens see each other (keys of this step)
+        causal |= pos[None, :] <= attend_to[:, None]
+    self_mask = (req[:, None] == req[None, :]) & causal
     self_mask &= valid[:, None] & valid[None, :] & in_window(pos[None, :], pos[:, None])
     # Head-major ("ktg...") so each kv head is one plain [T*G, H] x [H, T] matmul.
     qk = qg.transpose(1, 0, 2, 3)  # [K, T, G, H]

@@ -89,8 +89,11 @@ def _kernel(
     sm_scale: float,
     soft_cap: float | None,
     quantized: bool,
+    attend_refs: tuple | None = None,
 ):
-    """`refs`, with an 8-bit cache: scales_hbm_ref f32[L, num_pages, 1, 2K * page_size] (in
+    """`attend_refs`: with `attend_to`, (work_end_ref i32[W] in SMEM: the key each work item
+    sees up to, exclusive; last_ref [1, bq * G, 1] i32: the last key each of its rows sees),
+    see `_attend_kernel`. `refs`, with an 8-bit cache: scales_hbm_ref f32[L, num_pages, 1, 2K * page_size] (in
     HBM), then always: o_ref [1, K, bq * G, H]; scratch kv_buf [2, kv_pages, K, page_size, 2H]
     (double buffer), with an 8-bit cache scale_buf f32[2, kv_pages, 1, 2K * page_size], the
     page-id chunk tbuf i32[table_chunk] (SMEM), the step counter step_ref i32[1] (SMEM: KV blocks
@@ -118,6 +121,8 @@ def _kernel(
         tok0 = work_tok_ref[w]
         first_pos = seq_len - (q_end - tok0)
         kv_end = seq_len - (q_end - jnp.minimum(q_end, tok0 + q_block))  # last row's pos + 1
+        if attend_refs is not None:  # rows that see this step's keys past themselves
+            kv_end = jnp.maximum(kv_end, attend_refs[0][w])
         kv_begin = jnp.maximum(first_pos - window + 1, 0)
         return r, q_start, q_end, seq_len, tok0, kv_begin, kv_end
 
@@ -195,7 +200,8 @@ def _kernel(
         row_tok = tok0 + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
         row_pos = seq_len - (q_end - row_tok)  # [rows, 1]
         kv_pos = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, kv_tokens), 1)
-        mask = (row_tok < q_end) & (kv_pos <= row_pos) & (kv_pos > row_pos - window)
+        row_last = row_pos if attend_refs is None else attend_refs[1][0]  # [rows, 1]
+        mask = (row_tok < q_end) & (kv_pos <= row_last) & (kv_pos > row_pos - window)
         # Value rows past the request's data may hold anything (stale, or never written).
         v_ok = (kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0)) < kv_end
         # The dtype the matmuls take: the cache's, or q's when the cache is 8-bit (int8 and
@@ -284,6 +290,28 @@ def _kernel(
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
+def _attend_kernel(
+    layer_ref,
+    window_ref,
+    seq_lens_ref,
+    cu_q_lens_ref,
+    work_req_ref,
+    work_tok_ref,
+    work_end_ref,  # i32[W]  SMEM: keys [.., end) the item's rows see, past their causal end
+    q_ref,
+    last_ref,  # [1, bq * G, 1] i32: the last key position each row sees
+    tables_hbm_ref,
+    kv_hbm_ref,
+    *refs,
+    **kwargs,
+):
+    """`_kernel` with `attend_to`: two more operands, the rest unchanged."""
+    _kernel(
+        layer_ref, window_ref, seq_lens_ref, cu_q_lens_ref, work_req_ref, work_tok_ref, q_ref,
+        tables_hbm_ref, kv_hbm_ref, *refs, attend_refs=(work_end_ref, last_ref), **kwargs,
+    )  # fmt: skip
+
+
 def _work_items(cu_q_lens, num_seqs, max_reqs: int, num_tokens: int, q_block: int):
     """Each request's queries cut into blocks of `q_block` tokens, one work item each: (request
     of each item (-1 past the last), its first token, the number of items W (a static bound:
@@ -335,6 +363,7 @@ def ragged_paged_attention_tpu(
     q_block: int,
     kv_pages: int,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
+    attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # [T, N, H]
     """The Mosaic TPU kernel behind `ragged_paged_attention(..., backend="pallas_tpu")`.
@@ -370,8 +399,23 @@ def ragged_paged_attention_tpu(
     window = jnp.asarray(sliding_window, jnp.int32)
     span = jnp.where(window > 0, jnp.minimum(window, _NO_WINDOW), _NO_WINDOW)
 
+    # With attend_to: each row's last key (its position, or past it within this step), and
+    # each work item's key end, as the kernel's two more operands.
+    attend_scalars, attend_in, attend_args = [], [], []
+    if attend_to is not None:
+        t = jnp.arange(num_tokens, dtype=jnp.int32)
+        t_req = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], t, side="right"), max_reqs - 1)
+        seq_t = seq_lens[t_req]
+        pos = seq_t - (cu_q_lens[t_req + 1] - t)
+        last = jnp.clip(jnp.maximum(pos, attend_to), pos, seq_t - 1).astype(jnp.int32)
+        last_w = jnp.where(_rows_in_request(work_req, work_tok, cu_q_lens, src), last[src], -1)
+        work_end = (last_w.max(axis=1) + 1).astype(jnp.int32)  # [W]
+        last_rows = jnp.repeat(last_w, group, axis=1)[..., None]  # [W, bq * G, 1]
+        attend_scalars, attend_args = [work_end], [last_rows]
+        attend_in = [pl.BlockSpec((1, rows, 1), lambda w, *_: (w, 0, 0))]
+
     kernel = functools.partial(
-        _kernel,
+        _kernel if attend_to is None else _attend_kernel,
         q_block=q_block,
         group=group,
         kv_pages=kv_pages,
@@ -393,9 +437,9 @@ def ragged_paged_attention_tpu(
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=6 + len(attend_scalars),
             grid=(num_work,),
-            in_specs=[q_spec, hbm, hbm, *extra_in],
+            in_specs=[q_spec, *attend_in, hbm, hbm, *extra_in],
             out_specs=q_spec,
             scratch_shapes=[
                 *buffers,
@@ -423,7 +467,9 @@ def ragged_paged_attention_tpu(
         cu_q_lens.astype(jnp.int32),
         work_req,
         work_tok,
+        *attend_scalars,
         qw,
+        *attend_args,
         tables,
         kv_cache,
         *extra_args,
@@ -432,6 +478,12 @@ def ragged_paged_attention_tpu(
     out = out.reshape(num_work, num_kv_heads, q_block, group, head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(num_work * q_block, num_heads, head_dim)[t_row]
     return jnp.where(t_valid[:, None, None], out, jnp.zeros_like(out))
+
+
+def _rows_in_request(work_req, work_tok, cu_q_lens, src):
+    """bool[W, bq]: which of each work item's rows (tokens `src`) are its request's."""
+    r = jnp.maximum(work_req, 0)
+    return (work_req[:, None] >= 0) & (src < cu_q_lens[r + 1][:, None]) & (src >= work_tok[:, None])
 
 
 def _cost(q, kv_cache, block_tables, kv_scales) -> pl.CostEstimate:

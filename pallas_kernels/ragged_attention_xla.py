@@ -79,7 +79,10 @@ def ragged_paged_attention_xla(
     sliding_window: jax.Array,  # i32[]  keys a query sees back from itself; <= 0: all
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
+    attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
+    """`attend_to` reaches only the prefill pass: a decode row's keys past itself would be
+    other steps' (a one-token chunk's block is itself)."""
     cache = KVCache(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, page_size, _ = kv_cache.shape
@@ -162,6 +165,7 @@ def ragged_paged_attention_xla(
     is_prefill = q_lens > 1  # [R]
     row_on = is_prefill[req] & (t < cu_q_lens[num_seqs[0]])  # [T]
     pos = seq[req] - q_lens[req] + (t - cu_q_lens[req])  # [T]
+    last = pos if attend_to is None else jnp.maximum(pos, attend_to)  # [T] the last key seen
     num_pages_r = jnp.where(is_prefill, (seq + page_size - 1) // page_size, 0)  # [R]
     page_end = jnp.cumsum(num_pages_r)  # [R] end of request r's pages in the stream
     page_start = page_end - num_pages_r
@@ -191,7 +195,7 @@ def ragged_paged_attention_xla(
         mask = (
             (kreq[None, :] == req[:, None])
             & kvalid[None, :]
-            & (kpos[None, :] <= pos[:, None])
+            & (kpos[None, :] <= last[:, None])
             & in_window(kpos[None, :], pos[:, None])
             & row_on[:, None]
         )  # [T, C]

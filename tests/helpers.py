@@ -337,3 +337,50 @@ def write_llava_checkpoint(path, tower: str = "clip"):
     )
     processor.save_pretrained(path)
     return model
+
+
+def write_gemma3_vl_checkpoint(path):
+    """A tiny random Gemma 3 image-text model (SigLIP tower, pooled projector to 4 tokens an
+    image, a Gemma 3 decoder with a sliding and a global layer) with its processor (the
+    `<start_of_image>` placeholder, expanded to begin/4 image tokens/end); returns the
+    transformers model."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    template = IMAGE_CHATML.replace("'<image>'", "'<start_of_image>'")
+    write_tiny_tokenizer(path, vocab_size=VOCAB, chat_template=template)
+    # Gemma's processor reads its three tokens off the tokenizer (saved with it).
+    specials = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                "eoi_token": "<end_of_image>"}  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=specials)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        image_size=IMAGE_SIZE, patch_size=PATCH,
+    )  # fmt: skip
+    text = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB + 16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=4,
+        image_token_index=tokenizer.image_token_id,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
+    model.save_pretrained(path, safe_serialization=True)
+    images = transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = transformers.Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=template
+    )
+    processor.save_pretrained(path)
+    return model

@@ -164,6 +164,57 @@ class KernelCases:
         assert np.all(out == 0)
 
 
+def _attend_case(rng, sliding_window):
+    """The "mixed" batch with blocks inside its prefill chunks whose tokens see each other
+    (`attend_to` = the block's last position), some in several query blocks, and the dense
+    numpy truth of every row."""
+    args, (q, cu, ks, vs, total) = _case(rng, "mixed", 6, 2, 64, 16, jnp.float32)
+    seq_lens = np.asarray(args[3])
+    attend = np.full(args[0].shape[0], -1, np.int32)
+    truth = np.zeros((total, 6, 64), np.float32)
+    for r, (q_len, kv_len) in enumerate(MIXES["mixed"]):
+        pos = np.arange(kv_len - q_len, kv_len)
+        last = pos.copy()
+        if q_len > 1:  # blocks [1, 1 + b) and the last third of the chunk
+            b = min(5, q_len - 1)
+            last[1 : 1 + b] = pos[b]
+            tail = q_len - q_len // 3
+            last[tail:] = pos[-1]
+        attend[cu[r] : cu[r + 1]] = np.where(last > pos, last, -1)
+        group = 3
+        k, v = np.repeat(ks[r], group, axis=1), np.repeat(vs[r], group, axis=1)
+        sc = np.einsum("qnh,knh->nqk", q[cu[r] : cu[r + 1]], k) * 0.125
+        kpos = np.arange(seq_lens[r])[None, :]
+        mask = kpos <= last[:, None]
+        if sliding_window is not None:
+            mask &= kpos > pos[:, None] - sliding_window
+        sc = np.where(mask[None], sc, -np.inf)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        truth[cu[r] : cu[r + 1]] = np.einsum("nqk,knh->qnh", p / p.sum(-1, keepdims=True), v)
+    return args, jnp.asarray(attend), truth, total
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_attend_to_lets_a_block_see_itself(backend, sliding_window):
+    """`attend_to`: the tokens of a block within a chunk see each other (Gemma 3's images),
+    within the window behind each; the rest stays causal. Small blocks for the Pallas
+    kernels, so a block spans several of their query blocks."""
+    args, attend, truth, total = _attend_case(np.random.default_rng(5), sliding_window)
+    kwargs = dict(sm_scale=0.125, sliding_window=sliding_window, attend_to=attend)
+    if backend.startswith("pallas"):
+        kwargs.update(interpret=True, block_sizes=BlockSizes(q_block=4, kv_pages=2))
+    if backend == "cpu" and not ragged_attention_cpu.available():
+        pytest.skip("the native cpu kernel could not be built")
+    out = np.asarray(ragged_paged_attention(*args, backend=backend, **kwargs))
+    np.testing.assert_allclose(out[:total], truth, atol=2e-5, rtol=2e-5)
+    assert np.all(out[total:] == 0)
+    # Without it, the same rows differ: the blocks were seen.
+    kwargs.pop("attend_to")
+    causal = np.asarray(ragged_paged_attention(*args, backend=backend, **kwargs))
+    assert not np.allclose(causal[:total], truth, atol=1e-3)
+
+
 class TestPallasTpuInterpret(KernelCases):
     backend, interpret = "pallas_tpu", True
 

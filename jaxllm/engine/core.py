@@ -163,7 +163,13 @@ class EngineCore:
             slots, budget = config.multimodal.encoder_plan(
                 vision.config.tokens_per_image, config.scheduler.max_num_batched_tokens
             )
-            encoder_cache = EncoderCache(slots, vision.config.tokens_per_image, budget)
+            tokens = vision.config.tokens_per_image
+            if vision.config.bidirectional and config.scheduler.max_num_batched_tokens < tokens:
+                raise ValueError(
+                    f"max_num_batched_tokens ({config.scheduler.max_num_batched_tokens}) must be "
+                    f">= {tokens}: this model computes an image's {tokens} tokens in one step"
+                )
+            encoder_cache = EncoderCache(slots, tokens, budget, whole=vision.config.bidirectional)
             embed_dtype = loaded.model.embed_tokens.get_value().dtype
             encoder_bytes = encoder_cache_bytes(vision.config, slots, embed_dtype)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)

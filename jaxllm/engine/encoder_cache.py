@@ -23,7 +23,9 @@ from jaxllm.worker import EncoderInput, MultiModalItem
 
 
 class EncoderCache:
-    def __init__(self, num_slots: int, tokens_per_slot: int, budget: int):
+    def __init__(self, num_slots: int, tokens_per_slot: int, budget: int, *, whole: bool = False):
+        """`whole`: an image's placeholders are computed in one chunk (a model whose image
+        tokens attend to each other); a chunk that would end inside one stops before it."""
         if num_slots < 1 or budget < tokens_per_slot:
             raise ValueError(
                 f"the encoder cache needs a slot and a budget of at least one image "
@@ -32,6 +34,7 @@ class EncoderCache:
         self.num_slots = num_slots
         self.tokens_per_slot = tokens_per_slot
         self.budget = budget
+        self.whole = whole
         self.slot_of: dict[str, int] = {}  # image hash -> its slot
         self.holders: dict[str, set[str]] = {}  # image hash -> requests holding it
         self.released: OrderedDict[str, None] = OrderedDict()  # cached, unheld: evictable
@@ -62,6 +65,8 @@ class EncoderCache:
                 break
             if item.offset + item.length <= start:
                 continue
+            if self.whole and item.offset + item.length > start + n:
+                return max(0, item.offset - start)  # the image in a later chunk, whole
             h = item.hash
             if h not in cached:
                 victim = None if free else next((v for v in released if v not in used), None)

@@ -44,7 +44,7 @@ def vision_config(path: Path) -> VisionConfig | None:
     if not Path(path).is_dir() or not config_file.is_file():
         return None
     config = json.loads(config_file.read_text())
-    if "vision_config" not in config or config.get("model_type") != "llava":
+    if "vision_config" not in config or config.get("model_type") not in ("llava", "gemma3"):
         return None
     return VisionConfig.from_hf_config(config)
 
@@ -55,8 +55,10 @@ def _target(name: str, config: VisionConfig) -> tuple[tuple, bool] | None:
     m = _PREFIX.match(name)
     part, rest = m.group(1), name[m.end() :]
     if part == "multi_modal_projector":
+        if rest == "mm_input_projection_weight":  # Gemma 3's: [vision, text] already
+            return (part, rest), False
         module, _, leaf = rest.rpartition(".")
-        return (part, module, leaf), leaf == "weight"
+        return (part, module, leaf), leaf == "weight" and "norm" not in module
     rest = rest.removeprefix("embeddings.")
     if rest.startswith("head.") or (rest.startswith("post_layernorm.") and not config.post_norm):
         return None  # SigLIP's pooling head, a norm the features are read before

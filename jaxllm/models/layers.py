@@ -200,6 +200,10 @@ class AttentionMetadata:
     block_tables: jax.Array  # i32[G, R, P]  page ids per request
     cu_q_lens: jax.Array  # i32[R + 1]    start of each request's tokens in the flat batch
     num_seqs: jax.Array  # i32[1]        requests that are real; the rest is padding
+    # i32[T]: the last key position each token sees past itself (its image's last token, in
+    # a model whose image tokens attend to each other: Gemma 3), -1 for causal; None: all
+    # causal (see `pallas_kernels.ragged_paged_attention`)
+    attend_to: jax.Array | None = None
     # Static: per model layer, (its group, its slot in the cache's leading axis); None: one
     # group whose slot i is layer i.
     layer_slots: tuple[tuple[int, int], ...] | None = dataclasses.field(
@@ -292,6 +296,7 @@ class Attention(nnx.Module):
             block_tables=meta.block_tables[group],
             cu_q_lens=meta.cu_q_lens,
             num_seqs=meta.num_seqs,
+            attend_to=meta.attend_to,
         )
 
         def run(q, k, v, kv_cache, slot, meta):
@@ -309,6 +314,7 @@ class Attention(nnx.Module):
                 sm_scale=self.sm_scale,
                 sliding_window=self.sliding_window,
                 soft_cap=self.soft_cap,
+                attend_to=meta["attend_to"],
                 backend=kernel_choices().attention_backend,
             )
             return out.astype(q.dtype), kv_cache

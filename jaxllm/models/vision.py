@@ -7,9 +7,12 @@ MLP); `VisionConfig` switches what differs (CLIP's class token and pre-layernorm
 post-layernorm, the activation). Only the layers up to the one whose hidden states the model
 reads are built and run (LLaVA reads the second to last: the last is never computed).
 
-The projector maps the tower's features into the decoder: LLaVA's two-layer MLP. An image is
-always encoded whole, `tokens_per_image` rows: the engine runs the encoder once per image and
-keeps its rows in a device-side cache (`jaxllm.worker.mm_encoder`).
+The projector maps the tower's features into the decoder: LLaVA's two-layer MLP, or Gemma 3's
+average pooling of the patch grid (to `mm_tokens_per_image`), soft-embedding norm and matrix.
+An image is always encoded whole, `tokens_per_image` rows: the engine runs the encoder once per
+image and keeps its rows in a device-side cache (`jaxllm.worker.mm_encoder`). Gemma 3's image
+tokens attend to each other in the decoder (`bidirectional`: the engine computes an image in
+one chunk and widens the attention's causal order over it, `AttentionMetadata.attend_to`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.models.layers import ACTIVATIONS, param
+from jaxllm.models.layers import ACTIVATIONS, RMSNorm, param
 
 _ACTIVATIONS = {
     **ACTIVATIONS,
@@ -54,6 +57,9 @@ class VisionConfig:
     projector_act: str
     projector_bias: bool
     image_token_id: int
+    projector: str = "llava"  # "llava": the MLP; "gemma3": pooled, normed, one matrix
+    mm_tokens_per_image: int = 0  # gemma3: the pooled grid's tokens
+    bidirectional: bool = False  # the decoder's image tokens attend to each other (Gemma 3)
 
     @property
     def num_patches(self) -> int:
@@ -62,6 +68,8 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         """The rows an image becomes, and the placeholder tokens it takes in the prompt."""
+        if self.projector == "gemma3":
+            return self.mm_tokens_per_image
         return self.num_patches + (self.class_token and not self.drop_class_token)
 
     @property
@@ -72,6 +80,8 @@ class VisionConfig:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> VisionConfig:
         arch = (config.get("architectures") or ["?"])[0]
+        if arch == "Gemma3ForConditionalGeneration":
+            return cls._gemma3(config)
         if arch != "LlavaForConditionalGeneration":
             raise ValueError(f"{arch}: no vision tower of this architecture is supported")
         vision, text = config["vision_config"], config["text_config"]
@@ -112,6 +122,43 @@ class VisionConfig:
             projector_act=config.get("projector_hidden_act", "gelu"),
             projector_bias=config.get("multimodal_projector_bias", True),
             image_token_id=int(image_token),
+        )
+
+    @classmethod
+    def _gemma3(cls, config: dict[str, Any]) -> VisionConfig:
+        """Gemma 3 (4B-27B): SigLIP's last hidden state (after its final norm), pooled."""
+        vision, text = config["vision_config"], config["text_config"]
+        tokens = config.get("mm_tokens_per_image", 256)
+        side = int(round(tokens**0.5))
+        patches = vision["image_size"] // vision["patch_size"]
+        if side * side != tokens or patches % side:
+            raise ValueError(
+                f"mm_tokens_per_image {tokens} must be a square whose side divides the "
+                f"{patches} patches per side"
+            )
+        image_token = config.get("image_token_id", config.get("image_token_index", 262144))
+        return cls(
+            architecture="Gemma3ForConditionalGeneration",
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            num_layers=vision["num_hidden_layers"],
+            num_heads=vision["num_attention_heads"],
+            image_size=vision["image_size"],
+            patch_size=vision["patch_size"],
+            num_channels=vision.get("num_channels", 3),
+            layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+            class_token=False,
+            pre_norm=False,
+            post_norm=True,
+            drop_class_token=False,
+            text_hidden_size=text["hidden_size"],
+            projector_act="",
+            projector_bias=False,
+            image_token_id=int(image_token),
+            projector="gemma3",
+            mm_tokens_per_image=tokens,
+            bidirectional=True,
         )
 
 
@@ -225,6 +272,26 @@ class LlavaProjector(nnx.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
+class Gemma3Projector(nnx.Module):
+    """The patch grid average-pooled to `mm_tokens_per_image` tokens, RMS-normed as Gemma
+    norms ((1 + w), in float32), and projected by one matrix."""
+
+    def __init__(self, c: VisionConfig, *, dtype, rngs):
+        d = c.hidden_size
+        self.mm_input_projection_weight = param(rngs, (d, c.text_hidden_size), _COLUMNS, dtype)
+        self.mm_soft_emb_norm = RMSNorm(d, c.layer_norm_eps, offset=1.0, dtype=dtype)
+        self.patches = c.image_size // c.patch_size
+        self.kernel = self.patches // int(round(c.mm_tokens_per_image**0.5))
+
+    def __call__(self, features: jax.Array) -> jax.Array:  # [B, S, D] -> [B, tokens, text]
+        b, _, d = features.shape
+        p, k = self.patches, self.kernel
+        grid = features.astype(jnp.float32).reshape(b, p // k, k, p // k, k, d)
+        pooled = grid.mean(axis=(2, 4)).reshape(b, -1, d).astype(features.dtype)
+        weight = self.mm_input_projection_weight.get_value()
+        return jnp.einsum("bsd,dt->bst", self.mm_soft_emb_norm(pooled), weight)
+
+
 class VisionEncoder(nnx.Module):
     """An image-text model's image side: pixels f32[B, C, H, W] -> [B, tokens_per_image,
     text width], the rows that replace the image's placeholder tokens."""
@@ -232,7 +299,8 @@ class VisionEncoder(nnx.Module):
     def __init__(self, config: VisionConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
         self.config = config
         self.vision_tower = VisionTower(config, dtype=dtype, rngs=rngs)
-        self.multi_modal_projector = LlavaProjector(config, dtype=dtype, rngs=rngs)
+        projector = Gemma3Projector if config.projector == "gemma3" else LlavaProjector
+        self.multi_modal_projector = projector(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, pixels: jax.Array) -> jax.Array:
         return self.multi_modal_projector(self.vision_tower(pixels))

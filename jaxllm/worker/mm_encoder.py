@@ -67,8 +67,12 @@ class MMEncoder:
         self.buckets = [1 << i for i in range(max(1, max_items_per_step).bit_length())]
         if self.buckets[-1] < max_items_per_step:
             self.buckets.append(max_items_per_step)
+        # The cache stays replicated (the forward passes were compiled for it), whatever the
+        # projector's sharding would make of the rows written into it.
         self._encode = jax.jit(
-            functools.partial(encode, self.graphdef, params_def), donate_argnums=(1,)
+            functools.partial(encode, self.graphdef, params_def),
+            donate_argnums=(1,),
+            out_shardings=None if device.mesh is None else device.replicated,
         )
 
     @property

@@ -157,6 +157,7 @@ class ModelRunner:
             lora=self.lora is not None,
             layer_slots=None if kv_groups.num_groups == 1 else kv_groups.layer_slots,
             mm=vision is not None,
+            mm_attend=vision is not None and vision.config.bidirectional,
         )
         self.mm = None
         if vision is not None:

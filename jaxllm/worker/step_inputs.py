@@ -47,6 +47,8 @@ class StepInputs:
     # group, slot i is layer i.
     layer_slots: tuple[tuple[int, int], ...] | None = None
     mm: bool = False  # image placeholders read the encoder cache (an image-text model)
+    # An image's tokens attend to each other (Gemma 3): `AttentionMetadata.attend_to`.
+    mm_attend: bool = False
 
     def padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -65,6 +67,7 @@ class StepInputs:
                 cu_q_lens=_ints(r_pad + 1),
                 num_seqs=_ints(1),
                 layer_slots=self.layer_slots,
+                attend_to=_ints(t_pad, fill=-1) if self.mm_attend else None,
             ),
             lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
             mm_rows=_ints(t_pad, fill=-1) if self.mm else None,
@@ -108,6 +111,8 @@ class StepInputs:
                     span = slice(starts[i], starts[i + 1])
                     inside = (pos[span] >= first) & (pos[span] < first + length)
                     batch.mm_rows[span][inside] = row + pos[span][inside] - first
+                    if attn.attend_to is not None:  # the whole image is in this chunk
+                        attn.attend_to[span][inside] = first + length - 1
         attn.slot_mapping[:, :num_tokens] = (
             ib.block_table[:, token_rows, pos // self.page_size] * self.page_size
             + pos % self.page_size

@@ -94,6 +94,7 @@ struct Params {
   float sm_scale;
   int64_t sliding_window;  // <= 0: none
   float soft_cap;          // 0: none
+  const int32_t* attend_to;  // [T]: the last key each query sees past itself; null: causal
 };
 
 constexpr int kTile = 16;        // tokens per step of the online softmax
@@ -124,8 +125,17 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
       for (int64_t h = 0; h < H; ++h) dst[h] = to_float(src[h]) * prm.sm_scale;
     }
   }
+  // The last key each row sees: its own position, or past it in this step (attend_to).
+  std::vector<int64_t> last(item.num_rows);
+  int64_t last_pos = first_pos + item.num_rows - 1;
+  for (int64_t i = 0; i < item.num_rows; ++i) {
+    last[i] = first_pos + i;
+    if (prm.attend_to != nullptr)
+      last[i] = std::min<int64_t>(std::max<int64_t>(last[i], prm.attend_to[item.row0 + i]),
+                                  seq_len - 1);
+    last_pos = std::max(last_pos, last[i]);
+  }
   // Keys the item's rows may see: [lo, hi).
-  const int64_t last_pos = first_pos + item.num_rows - 1;
   const int64_t hi = std::min(last_pos + 1, seq_len);
   const int64_t lo =
       prm.sliding_window > 0 ? std::max<int64_t>(0, first_pos - prm.sliding_window + 1) : 0;
@@ -213,7 +223,7 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
     for (int64_t vec = 0; vec < num_vecs; ++vec) {
       const int64_t pos = first_pos + vec / G;
       // Tokens this query sees in the tile: [a, b).
-      int64_t a = j0, b = std::min<int64_t>(j1, pos + 1 - t0);
+      int64_t a = j0, b = std::min<int64_t>(j1, last[vec / G] + 1 - t0);
       if (prm.sliding_window > 0) a = std::max<int64_t>(a, pos - prm.sliding_window + 1 - t0);
       if (b <= a) continue;
       float* st = &sc[vec * kTile];
@@ -293,8 +303,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                 ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                ffi::Buffer<ffi::S32> sliding_window, float sm_scale, float soft_cap,
-                ffi::Result<ffi::AnyBuffer> out) {
+                ffi::Buffer<ffi::S32> sliding_window, ffi::Buffer<ffi::S32> attend_to,
+                float sm_scale, float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions();
   auto cd = kv_cache.dimensions();
   auto bd = block_tables.dimensions();
@@ -303,7 +313,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   if (cd[4] != 2 * qd[2] || qd[1] % cd[2])
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: q and cache shapes disagree");
   Shape s{qd[0], qd[1], qd[2], cd[1], cd[3], cd[2], qd[1] / cd[2], bd[0], bd[1]};
-  Params prm{sm_scale, sliding_window.typed_data()[0], soft_cap};
+  // attend_to: [T], or a dummy [1] for plain causal attention (a one-token batch never
+  // needs it: a token's block is itself).
+  const bool attends = attend_to.element_count() == static_cast<size_t>(s.num_tokens) &&
+                       s.num_tokens > 1;
+  Params prm{sm_scale, sliding_window.typed_data()[0], soft_cap,
+             attends ? attend_to.typed_data() : nullptr};
   const int64_t lay = layer.typed_data()[0];
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], s.max_reqs);
   const int32_t* sl = seq_lens.typed_data();
@@ -371,6 +386,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // attend_to (or a dummy [1])
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::AnyBuffer>());
