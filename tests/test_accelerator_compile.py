@@ -247,7 +247,9 @@ def _tiny_config(
     path: Path, *, moe: bool = False, gemma: bool = False, llava: bool = False
 ) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
-    Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups)."""
+    Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups); with
+    `llava`, behind a vision tower: LLaVA's (CLIP) for the Llama layout, Gemma 3's (SigLIP,
+    pooled to 16 tokens that attend to each other) for Gemma's."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -273,7 +275,24 @@ def _tiny_config(
             "query_pre_attn_scalar": 64,
             "hidden_activation": "gelu_pytorch_tanh",
         }
-    if llava:  # the decoder above behind a CLIP tower (2 layers, 49 patches) and projector
+    if llava and gemma:
+        config = {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "image_token_index": 511,
+            "mm_tokens_per_image": 16,
+            "text_config": {**config, "model_type": "gemma3_text"},
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "image_size": 64,
+                "patch_size": 8,
+            },
+        }
+    elif llava:  # the decoder above behind a CLIP tower (2 layers, 49 patches) and projector
         config = {
             "architectures": ["LlavaForConditionalGeneration"],
             "model_type": "llava",
@@ -322,6 +341,10 @@ ENGINES = [
     # heads and MLP width) and the forward pass reading the encoder cache.
     pytest.param("v5e-4", "llava", {}, id="v5e-4-llava"),
     pytest.param("h100", "llava", dict(quantization="int8"), id="h100-llava"),
+    # Gemma 3's images: whole in a chunk, their tokens attending to each other (the kernels'
+    # attend_to operand), on the hybrid KV cache.
+    pytest.param("v6e-1", "gemma3-vl", dict(max_num_batched_tokens=16), id="v6e-1-gemma3-vl"),
+    pytest.param("h100", "gemma3-vl", dict(max_num_batched_tokens=16), id="h100-gemma3-vl"),
 ]  # fmt: skip
 
 
@@ -337,11 +360,13 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     from jaxllm.config import EngineConfig
 
     path = _tiny_config(
-        tmp_path / model, moe=model == "moe", gemma=model == "gemma", llava=model == "llava"
+        tmp_path / model,
+        moe=model == "moe",
+        gemma=model.startswith("gemma"),
+        llava=model in ("llava", "gemma3-vl"),
     )
-    config = EngineConfig.create(
-        path, max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536, **settings
-    )
+    settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
+    config = EngineConfig.create(path, **settings)
     engine = compile_engine(config, _target(target), progress=False, keep_executables=True)
     runner = engine.runner
     assert len(runner.programs) == runner.num_programs
@@ -349,10 +374,11 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     if settings.get("kv_offloading_size"):
         assert {"kv_offload_store", "kv_offload_load"} <= names
     assert ("hidden_pooler" in names) == (settings.get("runner") == "pooling")
-    if model == "gemma":
+    if model.startswith("gemma"):
         assert runner.kv_groups.num_groups == 4 and runner.kv_cache.shape[0] == 1
-    if model == "llava":
+    if model in ("llava", "gemma3-vl"):
         assert {p.shape for p in runner.programs if p.name == "encode_images"} == {(1,)}
+    assert runner.inputs.mm_attend == (model == "gemma3-vl")
     steps = [p for p in runner.programs if p.updates_cache]
     assert steps and not runner.cache_copies()
     for p in steps:

@@ -262,6 +262,27 @@ def test_tpu_kernel_under_the_tpu_simulator(mix):
     assert len(seqs) and np.all(out[total:] == 0)
 
 
+def test_tpu_kernel_with_attend_to_under_the_tpu_simulator():
+    """The two operands `attend_to` adds (each item's key end in SMEM, each row's last key in
+    VMEM): no race, NaN-filled uninitialized memory never read."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    args, attend, truth, total = _attend_case(np.random.default_rng(6), 7)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    out = ragged_paged_attention(
+        *args,
+        sm_scale=0.125,
+        sliding_window=7,
+        attend_to=attend,
+        backend="pallas_tpu",
+        interpret=params,
+        block_sizes=BlockSizes(q_block=4, kv_pages=2),
+    )
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found, "the simulator found a data race"
+    np.testing.assert_allclose(np.asarray(out)[:total], truth, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize(
     "backend,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")], ids=["mosaic", "triton"]
 )
