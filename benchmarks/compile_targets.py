@@ -42,6 +42,8 @@ RUNS = {
     "70b-v5e-8": ("llama-3.1-70b", "v5e-8", {}),
     "70b-v6e-8": ("llama-3.1-70b", "v6e-8", {}),
     "8b-v5e-8": ("llama-3.1-8b", "v5e-8", {}),
+    "llava-7b-v6e-1": ("llava-1.5-7b", "v6e-1", {}),
+    "llava-7b-h100": ("llava-1.5-7b", "h100", {}),
 }
 
 # Published figures of the TPU peers for the same model and chip (their measurements).

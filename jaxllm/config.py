@@ -364,6 +364,17 @@ QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", *_DTYPES, *QUANTIZED_KV_CACHE_DTYPES, "fp8_e4m3")
 
 
+def _parse_json_field(config: Any, name: str) -> None:
+    """A dict field given as JSON text (as its flag takes it), parsed in place."""
+    value = getattr(config, name)
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+        object.__setattr__(config, name, parsed)
+
+
 def _check_types(config: Any) -> None:
     """A clear error naming the parameter for a value of the wrong type (a string where a
     number belongs, a bool for an int, ...), before any comparison trips over it, or outside
@@ -602,12 +613,7 @@ class SpeculativeConfig:
     the output is the one without speculation (each step runs synchronously)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.speculative_config, str):  # JSON text, as the flag takes it
-            try:
-                parsed = json.loads(self.speculative_config)
-            except ValueError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-            object.__setattr__(self, "speculative_config", parsed)
+        _parse_json_field(self, "speculative_config")
         _check_types(self)
         _ = self.method  # validates the setup now, naming what is wrong
 
@@ -712,12 +718,7 @@ class MultiModalConfig:
     requests need them and reused by image content); default max_num_encoder_input_tokens."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.limit_mm_per_prompt, str):  # JSON text, as the flag takes it
-            try:
-                parsed = json.loads(self.limit_mm_per_prompt)
-            except ValueError as e:
-                raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
-            object.__setattr__(self, "limit_mm_per_prompt", parsed)
+        _parse_json_field(self, "limit_mm_per_prompt")
         if isinstance(self.allowed_media_domains, list | str):
             domains = self.allowed_media_domains
             domains = tuple(domains.split(",") if isinstance(domains, str) else domains)

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.models.layers import LayerNorm
+
 # Hugging Face's `architectures` names this module serves, by `model_type`.
 ENCODER_ARCHITECTURES = {
     "BertModel": "bert",
@@ -121,29 +123,15 @@ class _Dense(nnx.Module):
         return x @ self.weight.get_value() + self.bias.get_value()
 
 
-class _LayerNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = _zeros((dim,), dtype)
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        mean = xf.mean(-1, keepdims=True)
-        var = jnp.square(xf - mean).mean(-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight.get_value() + self.bias.get_value()).astype(x.dtype)
-
-
 class _Layer(nnx.Module):
     def __init__(self, c: EncoderConfig, dtype):
         d, f = c.hidden_size, c.intermediate_size
         self.query, self.key, self.value = (_Dense(d, d, dtype) for _ in range(3))
         self.attention_output = _Dense(d, d, dtype)
-        self.attention_norm = _LayerNorm(d, c.layer_norm_eps, dtype)
+        self.attention_norm = LayerNorm(d, c.layer_norm_eps, dtype=dtype)
         self.intermediate = _Dense(d, f, dtype)
         self.output = _Dense(f, d, dtype)
-        self.output_norm = _LayerNorm(d, c.layer_norm_eps, dtype)
+        self.output_norm = LayerNorm(d, c.layer_norm_eps, dtype=dtype)
         self.num_heads = c.num_heads
         self.act = _ACTIVATIONS[c.hidden_act]
 
@@ -174,7 +162,7 @@ class BertEncoder(nnx.Module):
         self.word_embeddings = _zeros((c.vocab_size, d), dtype)
         self.position_embeddings = _zeros((c.max_position_embeddings, d), dtype)
         self.token_type_embeddings = _zeros((c.type_vocab_size, d), dtype)
-        self.embedding_norm = _LayerNorm(d, c.layer_norm_eps, dtype)
+        self.embedding_norm = LayerNorm(d, c.layer_norm_eps, dtype=dtype)
         self.layers = nnx.List([_Layer(c, dtype) for _ in range(c.num_layers)])
 
     def __call__(

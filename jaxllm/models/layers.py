@@ -56,6 +56,23 @@ class RMSNorm(nnx.Module):
         return self.weight.get_value() * xf.astype(x.dtype)
 
 
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis with weight and bias, computed in float32 (BERT's and the
+    vision towers')."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype), axes=("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight.get_value() + self.bias.get_value()).astype(x.dtype)
+
+
 # The gate activations, by their Hugging Face names (torch's tanh GELU is JAX's approximate one).
 ACTIVATIONS = {
     "silu": jax.nn.silu,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.models.layers import ACTIVATIONS, RMSNorm, param
+from jaxllm.models.layers import ACTIVATIONS, LayerNorm, RMSNorm, param
 
 _ACTIVATIONS = {
     **ACTIVATIONS,
@@ -160,20 +160,6 @@ class VisionConfig:
             mm_tokens_per_image=tokens,
             bidirectional=True,
         )
-
-
-class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype), axes=("embed",))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        mean = xf.mean(-1, keepdims=True)
-        var = jnp.square(xf - mean).mean(-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight.get_value() + self.bias.get_value()).astype(x.dtype)
 
 
 class Dense(nnx.Module):
