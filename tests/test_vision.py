@@ -313,6 +313,27 @@ def test_random_workload_compiles_nothing_after_warmup(llava):
     llm.kv_cache_manager.check_invariants()
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_vision_side_and_wakes_the_same(llava, cases, level):
+    """Sleep mode frees the encoder's weights and cache with the decoder's (level 2 reloads
+    them from the checkpoint); awake, the tokens are the same and nothing compiles."""
+    path = llava[0]
+    llm = LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
+    compiled = llm.runner.num_compilations
+    text, imgs, ref = cases[1]
+    (out,) = llm.generate([prompt(text, imgs)], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == ref
+    encoder = llm.runner.mm
+    weights = list(encoder.params)
+    llm.sleep(level)
+    assert all(w.is_deleted() for w in weights) and encoder.pool is None
+    llm.wake_up()
+    (out,) = llm.generate([prompt(text, imgs)], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == ref
+    assert llm.engine.scheduler.encoder_cache.misses == 2 * len(imgs)  # encoded again
+    assert llm.runner.num_compilations == compiled
+
+
 _TP_SCRIPT = """
 import json, sys
 sys.path.insert(0, "tests")

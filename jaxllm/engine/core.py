@@ -395,6 +395,8 @@ class EngineCore:
         # The host KV tier's copies stay: the same weights come back (level 2 reloads them
         # from the checkpoint), so a prefix they hold is right after waking.
         self.scheduler.kv.reset_prefix_cache(host=False)
+        if self.scheduler.encoder_cache is not None:  # the device's encoded images go too
+            self.scheduler.encoder_cache.reset()
         self.runner.sleep(keep_weights=level == 1)
         self.sleep_level = level
 
@@ -403,13 +405,15 @@ class EngineCore:
         the checkpoint after level 2) and an empty KV cache; nothing compiles."""
         if not self.sleep_level:
             return
-        weights = None
+        weights = vision = None
         if self.sleep_level == 2:
             import jax
             from flax import nnx
 
             weights = jax.tree.leaves(nnx.state(_load_weights(self.config, self.mesh).model))
-        self.runner.wake_up(weights)
+            if self.vision is not None:
+                vision = jax.tree.leaves(nnx.state(_load_vision(self.config, self.mesh)))
+        self.runner.wake_up(weights, vision)
         self.sleep_level = 0
 
     def ready(self) -> Ready:

@@ -136,6 +136,16 @@ class EncoderCache:
         for h in self.held.pop(request.request_id, ()):
             self._release(request.request_id, h)
 
+    def reset(self) -> None:
+        """Forgets every cached image (the device's cache was dropped: sleep mode); no request
+        may hold one."""
+        if self.holders:
+            raise ValueError("the encoder cache is in use: reset it when the engine is idle")
+        self.slot_of.clear()
+        self.released.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._begin()
+
     def take_step(self) -> list[EncoderInput]:
         """The step's images to encode; the next step starts afresh."""
         inputs = self.step_inputs

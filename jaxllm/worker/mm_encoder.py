@@ -59,11 +59,12 @@ class MMEncoder:
         self.graphdef, state = nnx.split(encoder)
         self.params, params_def = jax.tree.flatten(state)
         p = self.config.tokens_per_image
-        shape = ((num_slots + 1) * p, self.config.text_hidden_size)  # see encoder_cache_bytes
+        self._pool_spec = ((num_slots + 1) * p, self.config.text_hidden_size), dtype
         if device.abstract:  # `jaxllm compile`: shapes only
-            self.pool = jax.ShapeDtypeStruct(shape, dtype, sharding=device.replicated)
+            self.pool = jax.ShapeDtypeStruct(*self._pool_spec, sharding=device.replicated)
         else:
-            self.pool = device.put_if_mesh(jnp.zeros(shape, dtype))
+            self.pool = self._zeros_pool()
+        self._sleep = None  # asleep: (the weights' shardings, their host copies or None)
         self.buckets = [1 << i for i in range(max(1, max_items_per_step).bit_length())]
         if self.buckets[-1] < max_items_per_step:
             self.buckets.append(max_items_per_step)
@@ -78,6 +79,36 @@ class MMEncoder:
     @property
     def num_programs(self) -> int:
         return len(self.buckets)
+
+    def _zeros_pool(self) -> jax.Array:
+        """An empty encoder cache, placed as warmup saw it (see `encoder_cache_bytes`)."""
+        return self.device.put_if_mesh(jnp.zeros(*self._pool_spec))
+
+    def sleep(self, *, keep_weights: bool) -> None:
+        """Frees the device memory of the encoder's weights (to host memory with
+        `keep_weights`) and of the encoder cache (its images are gone: the scheduler forgets
+        them), as the runner's sleep mode does for the decoder."""
+        if self._sleep is not None:
+            return
+        shardings = [p.sharding if p.committed else None for p in self.params]
+        host = [np.array(p) for p in self.params] if keep_weights else None
+        for p in [*self.params, self.pool]:
+            p.delete()
+        self.params, self.pool = [], None
+        self._sleep = (shardings, host)
+
+    def wake_up(self, weights: list | None = None) -> None:
+        """The weights back where they were (from host memory, or `weights`: the encoder's
+        flat parameter list, freshly loaded, after a level-2 sleep), and an empty cache."""
+        if self._sleep is None:
+            return
+        shardings, host = self._sleep
+        source = host if host is not None else weights
+        if source is None or len(source) != len(shardings):
+            raise ValueError("wake_up: the vision encoder's weights were dropped; give them")
+        self.params = [jax.device_put(w, s) for w, s in zip(source, shardings, strict=True)]
+        self.pool = self._zeros_pool()
+        self._sleep = None
 
     def _padded(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Pixels and slots of a batch of `n` padding images (they write to the spare slot)."""

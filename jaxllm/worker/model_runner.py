@@ -392,12 +392,17 @@ class ModelRunner:
             p.delete()
         self.params = []
         self._sleep = (shardings, host, self.device.drop_cache())
+        if self.mm is not None:
+            self.mm.sleep(keep_weights=keep_weights)
 
-    def wake_up(self, weights: list | None = None) -> None:
+    def wake_up(self, weights: list | None = None, vision_weights: list | None = None) -> None:
         """Puts the weights back (from host memory, or `weights`: the model's flat parameter
-        list, freshly loaded, after a level-2 sleep) where they were, and a zero KV cache."""
+        list, freshly loaded, after a level-2 sleep, and `vision_weights` an image-text
+        model's encoder's) where they were, and a zero KV cache."""
         if not self.asleep:
             return
+        if self.mm is not None:
+            self.mm.wake_up(vision_weights)
         shardings, host, cache = self._sleep
         if host is None and weights is None:
             raise ValueError("wake_up: the weights were dropped (level 2); give them")
