@@ -122,6 +122,22 @@ def test_greedy_matches_transformers_batched_and_alone(llava, cases):
     cache.check_invariants()
 
 
+def test_token_id_prompts_with_images(llava, cases):
+    """`prompt_token_ids` with `multi_modal_data`: each image's placeholders expanded already,
+    or (LLaVA) as one image token, the same tokens as the text prompt."""
+    path, _, processor, placeholder = llava
+    llm = LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
+    text, imgs, ref = cases[1]
+    expanded = processor(text=[text], images=imgs, return_tensors="np")["input_ids"][0].tolist()
+    prompts = [{"prompt_token_ids": expanded, "multi_modal_data": {"image": imgs}}]
+    if placeholder == "<image>":
+        lone = processor.tokenizer.encode(text, add_special_tokens=True)
+        prompts.append({"prompt_token_ids": lone, "multi_modal_data": {"image": imgs}})
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.prompt_token_ids == expanded for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == [ref] * len(prompts)
+
+
 def test_chunked_prefill_across_images_and_preemption(llava, cases):
     """Chunks of 24 tokens cut through the 16-placeholder images, and a KV pool so small that
     requests are preempted and recomputed (their images again): the same tokens."""

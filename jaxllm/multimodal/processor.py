@@ -10,7 +10,6 @@ placeholder once (expanded here) or already expanded. The engine core checks the
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ import numpy as np
 from jaxllm.engine.input_processor import InputError
 from jaxllm.multimodal.media import load_image
 from jaxllm.worker import MultiModalItem
-
-logger = logging.getLogger(__name__)
 
 
 class ImageProcessor:
@@ -96,16 +93,18 @@ class ImageProcessor:
         """(token ids, the images as items) of a prompt (text, or token ids) and its loaded
         images, in prompt order."""
         try:
-            pixels = self.hf.image_processor(images=images, return_tensors="np")["pixel_values"]
-            if isinstance(prompt, str):
-                ids = self.hf(
+            if isinstance(prompt, str):  # the images are processed with the text, once
+                out = self.hf(
                     text=[prompt],
                     images=images,
                     return_tensors="np",
                     add_special_tokens=add_special_tokens,
-                )["input_ids"][0].tolist()
+                )
+                ids = out["input_ids"][0].tolist()
             else:
+                out = self.hf.image_processor(images=images, return_tensors="np")
                 ids = self._expanded(prompt)
+            pixels = out["pixel_values"]
         except InputError:
             raise
         except (ValueError, TypeError, OSError) as e:
