@@ -476,3 +476,33 @@ def test_http_image_urls_from_allowed_hosts(llava, image_host, monkeypatch):
     with pytest.raises(InputError) as e:
         chat(f"{url}/cat.png")
     assert "larger than" in str(e.value)
+
+
+def test_encoder_cache_is_sized_alike_for_serve_and_compile(tmp_path):
+    """`EncoderCache.for_model` (both `serve` and `jaxllm compile` call it): slots and budget
+    from the flags, and a Gemma 3 image that a step cannot hold is refused."""
+    from jaxllm.config import EngineConfig
+    from jaxllm.engine.encoder_cache import EncoderCache
+    from jaxllm.models.vision import VisionConfig
+
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 64,
+              "patch_size": 8}  # fmt: skip
+    gemma = VisionConfig.from_hf_config({
+        "architectures": ["Gemma3ForConditionalGeneration"], "mm_tokens_per_image": 16,
+        "vision_config": vision, "text_config": {"hidden_size": 64},
+    })  # fmt: skip
+    assert gemma.bidirectional and gemma.tokens_per_image == 16
+    config = EngineConfig.create(tmp_path, max_num_batched_tokens=8, max_num_seqs=2)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EncoderCache.for_model(gemma, config)
+    config = EngineConfig.create(
+        tmp_path, max_num_batched_tokens=40, max_num_seqs=2, encoder_cache_size=64
+    )
+    cache = EncoderCache.for_model(gemma, config)
+    assert (cache.num_slots, cache.budget, cache.max_items_per_step, cache.whole) == (
+        4,
+        40,
+        2,
+        True,
+    )

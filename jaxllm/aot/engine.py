@@ -145,12 +145,11 @@ def compile_engine(
         )
     weight_device_bytes = sum(w.weight_device_bytes for w in weights)
     usable = memory * cache.memory_utilization
-    # The LoRA slots (with --enable-lora) take their share before the KV pool.
+    # The LoRA slots (with --enable-lora) and the encoder cache (an image-text model's) take
+    # their share before the KV pool.
     encoder_cache, encoder_bytes = (0, 0), 0
-    if vision is not None:
-        tokens = vision.model.config.tokens_per_image
-        plan = config.multimodal.encoder_plan(tokens, config.scheduler.max_num_batched_tokens)
-        encoders = EncoderCache(plan[0], tokens, plan[1])
+    if vision is not None:  # as `serve` sizes it (and refuses what it refuses)
+        encoders = EncoderCache.for_model(vision.model.config, config)
         encoder_cache = (encoders.num_slots, encoders.max_items_per_step)
         encoder_bytes = encoder_cache_bytes(vision.model.config, encoders.num_slots, dtype)
     lora_bytes = lora_slot_bytes(model.config, config.lora, jnp.dtype(dtype).itemsize, tp)
@@ -257,11 +256,7 @@ def abstract_model(
             "model, with --quantization int8, int4 or fp8 if wanted"
         )
     config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
-    if mesh is not None:
-        shardings = param_shardings(abstract_state, mesh)
-    else:
-        single = SingleDeviceSharding(device)
-        shardings = {path: single for path, _ in nnx.to_flat_state(abstract_state)}
+    shardings = _placements(abstract_state, mesh, device)
     state = abstract_state_for(abstract_state, config, dtype, shardings, quantization)
     leaves = jax.tree.leaves(state)
     logical = sum(_shard_bytes(a) for a in leaves)
@@ -280,11 +275,7 @@ def abstract_vision(model: str, dtype, mesh, device: jax.Device) -> AbstractMode
         return None
     abstract = nnx.eval_shape(lambda: VisionEncoder(config, dtype=dtype, rngs=None))
     graphdef, state = nnx.split(abstract)
-    if mesh is not None:
-        shardings = param_shardings(state, mesh)
-    else:
-        single = SingleDeviceSharding(device)
-        shardings = {path: single for path, _ in nnx.to_flat_state(state)}
+    shardings = _placements(state, mesh, device)
     flat = [
         (path, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path])))
         for path, var in nnx.to_flat_state(state)
@@ -294,6 +285,14 @@ def abstract_vision(model: str, dtype, mesh, device: jax.Device) -> AbstractMode
     logical = sum(_shard_bytes(a) for a in leaves)
     encoder = nnx.merge(graphdef, state)
     return AbstractModel(None, encoder, logical, _device_bytes(leaves) or logical)
+
+
+def _placements(abstract_state, mesh, device: jax.Device) -> dict:
+    """{parameter path: sharding}: on `mesh` as their logical axes say, or all on `device`."""
+    if mesh is not None:
+        return param_shardings(abstract_state, mesh)
+    single = SingleDeviceSharding(device)
+    return {path: single for path, _ in nnx.to_flat_state(abstract_state)}
 
 
 def _hf_config(path) -> dict:

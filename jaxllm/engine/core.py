@@ -160,18 +160,9 @@ class EngineCore:
             check_draft_config(loaded.config, draft.config)
         encoder_cache, encoder_bytes = None, 0
         if vision is not None:
-            slots, budget = config.multimodal.encoder_plan(
-                vision.config.tokens_per_image, config.scheduler.max_num_batched_tokens
-            )
-            tokens = vision.config.tokens_per_image
-            if vision.config.bidirectional and config.scheduler.max_num_batched_tokens < tokens:
-                raise ValueError(
-                    f"max_num_batched_tokens ({config.scheduler.max_num_batched_tokens}) must be "
-                    f">= {tokens}: this model computes an image's {tokens} tokens in one step"
-                )
-            encoder_cache = EncoderCache(slots, tokens, budget, whole=vision.config.bidirectional)
+            encoder_cache = EncoderCache.for_model(vision.config, config)
             embed_dtype = loaded.model.embed_tokens.get_value().dtype
-            encoder_bytes = encoder_cache_bytes(vision.config, slots, embed_dtype)
+            encoder_bytes = encoder_cache_bytes(vision.config, encoder_cache.num_slots, embed_dtype)
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
         cache_sharding = kv_cache_placement(mesh, kv_dtype)
         groups = engine_kv_groups(loaded.config, config.cache, draft=draft is not None)

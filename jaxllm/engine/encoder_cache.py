@@ -48,6 +48,20 @@ class EncoderCache:
         self.step_inputs: list[EncoderInput] = []
         self.step_used: set[str] = set()  # hashes read or written this step: not evictable
 
+    @classmethod
+    def for_model(cls, vision, config) -> EncoderCache:
+        """The encoder cache an engine of `config` (an `EngineConfig`) keeps for the model's
+        vision side (`VisionConfig`), as `serve` and `jaxllm compile` size it. A model whose
+        image tokens attend to each other needs a step to hold an image's tokens."""
+        tokens, batched = vision.tokens_per_image, config.scheduler.max_num_batched_tokens
+        if vision.bidirectional and batched < tokens:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be >= {tokens}: this model computes "
+                f"an image's {tokens} tokens in one step"
+            )
+        slots, budget = config.multimodal.encoder_plan(tokens, batched)
+        return cls(slots, tokens, budget, whole=vision.bidirectional)
+
     @property
     def max_items_per_step(self) -> int:
         return min(self.num_slots, self.budget // self.tokens_per_slot)

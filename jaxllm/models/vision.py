@@ -59,7 +59,11 @@ class VisionConfig:
     image_token_id: int
     projector: str = "llava"  # "llava": the MLP; "gemma3": pooled, normed, one matrix
     mm_tokens_per_image: int = 0  # gemma3: the pooled grid's tokens
-    bidirectional: bool = False  # the decoder's image tokens attend to each other (Gemma 3)
+
+    @property
+    def bidirectional(self) -> bool:
+        """The decoder's image tokens attend to each other (Gemma 3)."""
+        return self.projector == "gemma3"
 
     @property
     def num_patches(self) -> int:
@@ -105,20 +109,12 @@ class VisionConfig:
             raise ValueError("an image-text config needs image_token_id")
         return cls(
             architecture=arch,
-            hidden_size=vision["hidden_size"],
-            intermediate_size=vision["intermediate_size"],
+            **_tower(vision, text, clip=clip),
             num_layers=run,
-            num_heads=vision["num_attention_heads"],
-            image_size=vision["image_size"],
-            patch_size=vision["patch_size"],
-            num_channels=vision.get("num_channels", 3),
-            layer_norm_eps=vision.get("layer_norm_eps", 1e-5 if clip else 1e-6),
-            hidden_act=vision.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh"),
             class_token=clip,
             pre_norm=clip,
             post_norm=False,  # hidden_states[k] are read before the tower's final norm
             drop_class_token=clip and strategy == "default",
-            text_hidden_size=text["hidden_size"],
             projector_act=config.get("projector_hidden_act", "gelu"),
             projector_bias=config.get("multimodal_projector_bias", True),
             image_token_id=int(image_token),
@@ -139,27 +135,34 @@ class VisionConfig:
         image_token = config.get("image_token_id", config.get("image_token_index", 262144))
         return cls(
             architecture="Gemma3ForConditionalGeneration",
-            hidden_size=vision["hidden_size"],
-            intermediate_size=vision["intermediate_size"],
+            **_tower(vision, text, clip=False),
             num_layers=vision["num_hidden_layers"],
-            num_heads=vision["num_attention_heads"],
-            image_size=vision["image_size"],
-            patch_size=vision["patch_size"],
-            num_channels=vision.get("num_channels", 3),
-            layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
-            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
             class_token=False,
             pre_norm=False,
             post_norm=True,
             drop_class_token=False,
-            text_hidden_size=text["hidden_size"],
             projector_act="",
             projector_bias=False,
             image_token_id=int(image_token),
             projector="gemma3",
             mm_tokens_per_image=tokens,
-            bidirectional=True,
         )
+
+
+def _tower(vision: dict[str, Any], text: dict[str, Any], *, clip: bool) -> dict[str, Any]:
+    """The `VisionConfig` fields every tower reads alike from its `vision_config` (CLIP's
+    defaults or SigLIP's), and the decoder's width."""
+    return dict(
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_heads=vision["num_attention_heads"],
+        image_size=vision["image_size"],
+        patch_size=vision["patch_size"],
+        num_channels=vision.get("num_channels", 3),
+        layer_norm_eps=vision.get("layer_norm_eps", 1e-5 if clip else 1e-6),
+        hidden_act=vision.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh"),
+        text_hidden_size=text["hidden_size"],
+    )
 
 
 class Dense(nnx.Module):
