@@ -79,7 +79,7 @@ class RopeScaling:
         if not isinstance(params, dict):
             return None
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind == "default":
+        if kind in ("default", "mrope"):  # M-RoPE's sections: `ModelConfig.mrope_section`
             return None
         if kind == "linear":
             return cls("linear", float(params["factor"]))
@@ -136,6 +136,9 @@ class ModelConfig:
     rope_local_theta: float | None = None
     """The RoPE base of the sliding-window layers, without scaling (Gemma 3: 10,000 while
     the global layers use 1,000,000); None: the same RoPE as every other layer."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2.5-VL): positions are (time, row, column) triples, and RoPE's frequencies
+    fall in these sections, each rotated by one component (they sum to head_dim / 2)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head before RoPE (Gemma 3, Qwen3)."""
     sandwich_norms: bool = False
@@ -304,6 +307,9 @@ class ModelConfig:
         eos = config.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         factors = config.get("rope_freq_factors")
+        mrope = (config.get("rope_scaling") or rope or {}).get("mrope_section")
+        if mrope is not None and 2 * sum(mrope) != head_dim:
+            raise ValueError(f"mrope_section {mrope} must sum to head_dim / 2 ({head_dim // 2})")
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -324,6 +330,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_types=layer_types,
             rope_local_theta=None if rope_local_theta is None else float(rope_local_theta),
+            mrope_section=None if mrope is None else tuple(int(n) for n in mrope),
             query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
             final_logit_softcapping=config.get("final_logit_softcapping"),
@@ -741,12 +748,14 @@ class MultiModalConfig:
     def image_limit(self) -> int:
         return (self.limit_mm_per_prompt or {}).get("image", 16)
 
-    def encoder_plan(self, tokens_per_image: int, max_num_batched_tokens: int) -> tuple[int, int]:
-        """(the encoder cache's slots of one image each, the image tokens a step encodes) for
-        images of `tokens_per_image` tokens: at least one image each."""
-        budget = max(self.max_num_encoder_input_tokens or max_num_batched_tokens, tokens_per_image)
-        size = max(self.encoder_cache_size or budget, tokens_per_image)
-        return size // tokens_per_image, budget
+    def encoder_plan(
+        self, max_item_tokens: int, block_tokens: int, max_num_batched_tokens: int
+    ) -> tuple[int, int]:
+        """(the encoder cache's blocks of `block_tokens` rows, the image tokens a step
+        encodes): each holds at least the largest image, `max_item_tokens`."""
+        budget = max(self.max_num_encoder_input_tokens or max_num_batched_tokens, max_item_tokens)
+        size = max(self.encoder_cache_size or budget, max_item_tokens)
+        return -(-size // block_tokens), budget
 
 
 @dataclasses.dataclass(frozen=True)

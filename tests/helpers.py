@@ -384,3 +384,97 @@ def write_gemma3_vl_checkpoint(path):
     )
     processor.save_pretrained(path)
     return model
+
+
+QWEN_VL_MAX_PIXELS = 28 * 28 * 48  # at most 48 tokens an image: several 4 x 4 windows
+
+
+def write_qwen25_vl_checkpoint(path):
+    """A tiny random Qwen2.5-VL (windowed vision tower with 2-D RoPE and patch merger, a Qwen2
+    decoder with M-RoPE) with its tokenizer (the `<|vision_start|><|image_pad|><|vision_end|>`
+    placeholder), image processor (images of 4 to 48 tokens) and chat template, as
+    transformers writes them; returns the transformers model. Its processor is not saved:
+    building one needs torchvision (for video), as does loading one."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    template = IMAGE_CHATML.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
+    write_tiny_tokenizer(path, vocab_size=VOCAB, chat_template=template)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.save_pretrained(path)
+    ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials), strict=True))
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB + 16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+            max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                             "rope_theta": 1e6},
+        ),
+        vision_config=dict(
+            depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+            fullatt_block_indexes=[1, 3], hidden_act="silu",
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
+    model.save_pretrained(path, safe_serialization=True)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=QWEN_VL_MAX_PIXELS).save_pretrained(
+        path
+    )
+    return model
+
+
+QWEN_VL_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+class QwenVLProcessor:
+    """Qwen2.5-VL's processor as transformers' `Qwen2_5_VLProcessor` computes it for images
+    (that class needs torchvision to load): the image processor's patches and grids, each
+    `<|image_pad|>` repeated as its image's tokens, and `mm_token_type_ids` (without which
+    transformers' model silently falls back to 1-D positions)."""
+
+    def __init__(self, path):
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        self.image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def __call__(self, text, images=None, return_tensors="pt", **kwargs):
+        import numpy as np
+        import torch
+
+        (text,) = text
+        out = {}
+        if images:
+            pixels = self.image_processor(images=images, return_tensors="np")
+            parts = text.split("<|image_pad|>")
+            grids = pixels["image_grid_thw"]
+            text = parts[0] + "".join(
+                "<|image_pad|>" * (int(np.prod(g)) // 4) + rest
+                for g, rest in zip(grids, parts[1:], strict=True)
+            )
+            out = {"pixel_values": pixels["pixel_values"], "image_grid_thw": grids}
+        ids = np.asarray([self.tokenizer(text)["input_ids"]])
+        out.update(
+            input_ids=ids,
+            attention_mask=np.ones_like(ids),
+            mm_token_type_ids=(ids == self.image_token_id).astype(np.int64),
+        )
+        if return_tensors == "pt":
+            out = {k: torch.from_numpy(np.asarray(v)) for k, v in out.items()}
+        return out

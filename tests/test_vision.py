@@ -1,6 +1,7 @@
 """Image-text models (LLaVA: a CLIP or SigLIP tower, the MLP projector, a Llama decoder;
 Gemma 3: a SigLIP tower, the pooled projector, a Gemma 3 decoder whose image tokens attend to
-each other) against Hugging Face transformers (torch, float32), on tiny random checkpoints
+each other; Qwen2.5-VL: images at their own size through a windowed tower, a Qwen2 decoder with
+M-RoPE positions) against Hugging Face transformers (torch, float32), on tiny random checkpoints
 transformers writes: the vision encoder's output, and greedy tokens through the engine identical to
 transformers' `generate` for prompts with no, one and two images, batched and alone, across
 chunked prefill, prefix-cache hits and preemption; the encoder cache; the offline chat API
@@ -19,7 +20,13 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.engine.input_processor import InputError
 from jaxllm.loaders.vision import load_vision_encoder, vision_config
 
-from helpers import write_gemma3_vl_checkpoint, write_llava_checkpoint
+from helpers import (
+    QWEN_VL_PLACEHOLDER,
+    QwenVLProcessor,
+    write_gemma3_vl_checkpoint,
+    write_llava_checkpoint,
+    write_qwen25_vl_checkpoint,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,24 +36,32 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 def images(seed: int, n: int) -> list:
-    """`n` random RGB images of different sizes (the processor resizes them)."""
+    """`n` random RGB images of different sizes (LLaVA's and Gemma's processors resize them
+    to one; Qwen2.5-VL's keep them, 14 to 24 tokens, one to four windows)."""
     rng = np.random.default_rng(seed)
     return [
-        Image.fromarray(rng.integers(0, 256, (30 + 7 * i, 45 - 3 * i, 3), dtype=np.uint8))
+        Image.fromarray(rng.integers(0, 256, (60 + 50 * i, 200 - 40 * i, 3), dtype=np.uint8))
         for i in range(n)
     ]
 
 
-@pytest.fixture(scope="module", params=["clip", "siglip", "gemma3"])
+@pytest.fixture(scope="module", params=["clip", "siglip", "gemma3", "qwen2_5_vl"])
 def llava(request, tmp_path_factory):
     """(checkpoint, transformers model, processor, the prompt's image placeholder text)."""
     path = tmp_path_factory.mktemp(f"vl-{request.param}")
     if request.param == "gemma3":
         model, placeholder = write_gemma3_vl_checkpoint(path), "<start_of_image>"
+    elif request.param == "qwen2_5_vl":
+        model, placeholder = write_qwen25_vl_checkpoint(path), QWEN_VL_PLACEHOLDER
+        return path, model, QwenVLProcessor(path), placeholder
     else:
         model, placeholder = write_llava_checkpoint(path, tower=request.param), "<image>"
     processor = transformers.AutoProcessor.from_pretrained(path)
     return path, model, processor, placeholder
+
+
+def is_gemma(llava) -> bool:
+    return llava[3] == "<start_of_image>"
 
 
 def ph(llava, text: str) -> str:
@@ -88,6 +103,8 @@ def test_vision_encoder_matches_transformers(llava):
     path, model, *_ = llava
     config = vision_config(path)
     encoder = load_vision_encoder(path, config, dtype=jnp.float32)
+    if config.dynamic:
+        return _qwen_encoder_matches(llava, config, encoder)
     pixels = np.random.default_rng(0).standard_normal((3, *config.pixel_shape))
     pixels = pixels.astype(np.float32)
     with torch.no_grad():
@@ -98,12 +115,49 @@ def test_vision_encoder_matches_transformers(llava):
     np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
 
 
+def _qwen_encoder_matches(llava, config, encoder):
+    """Qwen2.5-VL: images of several sizes (partial windows among them) packed into one
+    launch as the engine packs them, each token written to its row: transformers' rows."""
+    from jaxllm.models.qwen_vision import pack
+
+    _, model, processor, _ = llava
+    out = processor.image_processor(images=images(0, 4), return_tensors="np")
+    with torch.no_grad():
+        ref = model.model.get_image_features(
+            pixel_values=torch.tensor(out["pixel_values"]),
+            image_grid_thw=torch.tensor(out["image_grid_thw"]),
+        ).pooler_output
+    ref = torch.cat(list(ref)).numpy() if isinstance(ref, list | tuple) else ref.numpy()
+    pixels = config.split_pixels(out)
+    assert len({p.shape[:3] for p in pixels}) == 4  # four grids
+    assert max(p.shape[1] for p in pixels) > config.window_units  # more than one window
+    total = sum(int(np.prod(p.shape[:3])) for p in pixels)
+    rows = np.cumsum([0] + [int(np.prod(p.shape[:3])) for p in pixels])
+    spans = zip(pixels, rows[:-1], rows[1:], strict=True)
+    items = [(p, np.arange(a, b, dtype=np.int32)) for p, a, b in spans]
+    batch = pack(config, items, 512, total)
+    embeds = np.asarray(encoder(*map(jnp.asarray, batch.args()[1:])))
+    ours = np.zeros((total, embeds.shape[1]), np.float32)
+    real = batch.rows < total
+    ours[batch.rows[real]] = embeds[real]
+    assert sorted(batch.rows[real]) == list(range(total))  # each row written once
+    assert ours.shape == ref.shape == (total, 64)
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_greedy_matches_transformers_batched_and_alone(llava, cases):
     """The prompts together (text-only among them), then each alone: the same tokens as
     transformers'; the repeated run is served from the prefix cache and the encoder cache,
     and nothing compiles after warmup."""
     path = llava[0]
-    llm = LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
+    llm = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_pages=64,
+        encoder_cache_size=256,  # every image stays cached
+    )
     compiled = llm.runner.num_compilations
     outs = llm.generate([prompt(t, imgs) for t, imgs, _ in cases], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [ref for *_, ref in cases]
@@ -124,13 +178,13 @@ def test_greedy_matches_transformers_batched_and_alone(llava, cases):
 
 def test_token_id_prompts_with_images(llava, cases):
     """`prompt_token_ids` with `multi_modal_data`: each image's placeholders expanded already,
-    or (LLaVA) as one image token, the same tokens as the text prompt."""
+    or (LLaVA, Qwen2.5-VL) as one image token, the same tokens as the text prompt."""
     path, _, processor, placeholder = llava
     llm = LLM(path, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
     text, imgs, ref = cases[1]
     expanded = processor(text=[text], images=imgs, return_tensors="np")["input_ids"][0].tolist()
     prompts = [{"prompt_token_ids": expanded, "multi_modal_data": {"image": imgs}}]
-    if placeholder == "<image>":
+    if not is_gemma(llava):  # one image token an image, expanded by the engine
         lone = processor.tokenizer.encode(text, add_special_tokens=True)
         prompts.append({"prompt_token_ids": lone, "multi_modal_data": {"image": imgs}})
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -144,10 +198,10 @@ def test_chunked_prefill_across_images_and_preemption(llava, cases):
     path = llava[0]
     llm = LLM(
         path,
-        max_model_len=128 if llava[3] == "<image>" else 64,
+        max_model_len=64 if is_gemma(llava) else 128,
         max_num_seqs=4,
         max_num_batched_tokens=24,
-        num_pages=12 if llava[3] == "<image>" else 8,  # Gemma 3: two layer groups share it
+        num_pages=8 if is_gemma(llava) else 12,  # Gemma 3: two layer groups share it
         enable_prefix_caching=False,
     )
     compiled = llm.runner.num_compilations
@@ -173,7 +227,7 @@ def test_prefix_cache_never_serves_another_images_blocks(llava):
     (b,) = llm.generate([prompt(text, second)], GREEDY, use_tqdm=False)
     assert a.outputs[0].token_ids == reference(llava, text, first)
     assert b.outputs[0].token_ids == reference(llava, text, second)
-    image_at = b.prompt_token_ids.index(llm.input_processor.images.image_token_id)
+    image_at = b.prompt_token_ids.index(llm.input_processor.images.vision.image_token_id)
     page = llm.kv_cache_manager.page_size
     assert llm.engine.stats().prefix_cache_hits - hits == image_at // page * page
 
@@ -479,8 +533,9 @@ def test_http_image_urls_from_allowed_hosts(llava, image_host, monkeypatch):
 
 
 def test_encoder_cache_is_sized_alike_for_serve_and_compile(tmp_path):
-    """`EncoderCache.for_model` (both `serve` and `jaxllm compile` call it): slots and budget
-    from the flags, and a Gemma 3 image that a step cannot hold is refused."""
+    """`EncoderCache.for_model` (both `serve` and `jaxllm compile` call it): blocks and budget
+    from the flags, and a Gemma 3 image that a step cannot hold is refused; Qwen2.5-VL's
+    budget and cache hold its largest image."""
     from jaxllm.config import EngineConfig
     from jaxllm.engine.encoder_cache import EncoderCache
     from jaxllm.models.vision import VisionConfig
@@ -500,9 +555,97 @@ def test_encoder_cache_is_sized_alike_for_serve_and_compile(tmp_path):
         tmp_path, max_num_batched_tokens=40, max_num_seqs=2, encoder_cache_size=64
     )
     cache = EncoderCache.for_model(gemma, config)
-    assert (cache.num_slots, cache.budget, cache.max_items_per_step, cache.whole) == (
-        4,
-        40,
-        2,
-        True,
+    assert (cache.num_blocks, cache.block_tokens, cache.budget, cache.whole) == (4, 16, 40, True)
+    qwen = vision_config(write_qwen_config(tmp_path / "qwen"))
+    assert qwen.dynamic and qwen.max_tokens_per_image == 1280
+    cache = EncoderCache.for_model(qwen, config)  # budget and cache raised to one image
+    assert (cache.num_blocks, cache.block_tokens, cache.budget, cache.whole) == (
+        80,
+        16,
+        1280,
+        False,
     )
+    small = EngineConfig.create(tmp_path, max_num_batched_tokens=2048, encoder_cache_size=4000)
+    cache = EncoderCache.for_model(qwen, small)
+    assert (cache.num_blocks, cache.budget) == (250, 2048)
+
+
+def write_qwen_config(path):
+    """A Qwen2.5-VL-7B-shaped config.json and preprocessor_config.json (max_pixels as vLLM's
+    examples set it, 1280 tokens), no weights."""
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_size": 3584, "image_token_id": 151655,
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                          "num_heads": 16, "out_hidden_size": 3584},
+    }))  # fmt: skip
+    (path / "preprocessor_config.json").write_text(
+        json.dumps({"min_pixels": 3136, "max_pixels": 28 * 28 * 1280})
+    )
+    return path
+
+
+def test_mrope_positions_as_transformers_computes_them():
+    """transformers' `get_rope_index` on [a, b, <vision_start>, 6 image tokens (a 1 x 2 x 3
+    grid), <vision_end>, c]; and a prompt without images is plain positions."""
+    from jaxllm.worker.mrope import mrope_positions
+
+    positions, delta = mrope_positions(11, [(3, 1, 2, 3)])
+    assert positions.tolist() == [
+        [0, 1, 2, 3, 3, 3, 3, 3, 3, 6, 7],
+        [0, 1, 2, 3, 3, 3, 4, 4, 4, 6, 7],
+        [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7],
+    ]
+    assert delta == -3
+    positions, delta = mrope_positions(5, [])
+    assert positions.tolist() == [list(range(5))] * 3 and delta == 0
+    # Two adjacent images, the prompt ending in the second (from 3, 2 x 2): the next token
+    # at 3 + max(2, 2) = 5, index 7.
+    positions, delta = mrope_positions(7, [(1, 1, 1, 2), (3, 1, 2, 2)])
+    assert positions[:, -1].tolist() == [3, 4, 4] and 7 + delta == 5
+
+
+def test_encoder_cache_blocks_for_images_of_any_size():
+    """Images of 1 to 5 blocks in a cache of 8: `cut` predicts exactly what `take` can do
+    (the same evictions), blocks are never shared or lost, and a step never evicts an image
+    it reads or writes."""
+    import types
+
+    from jaxllm.engine.encoder_cache import EncoderCache
+    from jaxllm.worker import MultiModalItem
+
+    rng = np.random.default_rng(0)
+    cache = EncoderCache(8, 4, 40, max_item_tokens=20)
+    pool = [
+        MultiModalItem.of(np.full((1, 1, n, 8), k, np.float32), 0, n)
+        for k, n in enumerate([3, 4, 9, 16, 20, 5, 13])
+    ]
+    live = {}
+    for step in range(300):
+        for rid in list(live):
+            if rng.random() < 0.3:
+                cache.free(live.pop(rid))
+        if len(live) < 3:
+            picks = rng.choice(len(pool), int(rng.integers(1, 4)), replace=False)
+            at, items = 0, []
+            for k in picks:
+                at += int(rng.integers(0, 3))
+                items.append(MultiModalItem(pool[k].hash, at, pool[k].length, pool[k].pixels))
+                at += pool[k].length
+            live[f"r{step}"] = types.SimpleNamespace(request_id=f"r{step}", mm_items=items)
+        for request in live.values():
+            end = request.mm_items[-1].offset + request.mm_items[-1].length
+            start = int(rng.integers(0, end))
+            n = cache.cut(request, start, end - start)
+            spans = cache.take(request, start, n)
+            for _, length, blocks in spans:
+                assert len(blocks) == -(-length // 4)
+        inputs = cache.take_step()
+        assert sum(len(i.blocks) for i in inputs) <= 8
+        cache.check_invariants()
+    for request in live.values():
+        cache.free(request)
+    assert cache.num_held == 0 and cache.num_held_blocks == 0

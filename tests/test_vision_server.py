@@ -1,6 +1,7 @@
-"""The server with an image-text model (a tiny random LLaVA), driven with the official
-`openai` client: a chat with a base64 image part, streamed and not, equal to the offline
-result; bad images refused with a 400 naming the part; nothing held after."""
+"""The server with an image-text model (a tiny random LLaVA; and Qwen2.5-VL, whose images
+keep their size), driven with the official `openai` client: a chat with a base64 image part,
+streamed and not, equal to the offline result; bad images refused with a 400 naming the part;
+nothing held after."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from tests.test_server_e2e import running_server
 
-from helpers import write_llava_checkpoint
+from helpers import write_llava_checkpoint, write_qwen25_vl_checkpoint
 
 Image = pytest.importorskip("PIL.Image")
 pytest.importorskip("torch")
@@ -167,3 +168,55 @@ def test_nothing_held_after(server, client):
     assert metrics["vllm:kv_cache_usage_perc"] == 0
     assert metrics["jaxllm:encoder_cache_usage_perc"] == 0
     assert metrics["jaxllm:encoder_cache_queries_total"] >= 2
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen-vl-server")
+    write_qwen25_vl_checkpoint(path)
+    with running_server(path, name="qwen-vl") as url:
+        yield path, url
+
+
+def test_qwen_vl_images_of_several_sizes(qwen_server):
+    """Qwen2.5-VL: images of three sizes in one chat (each its own number of tokens), streamed
+    and not, equal to the offline result; an image of an aspect ratio its processor refuses
+    is a 400 naming the part; nothing held after."""
+    path, url = qwen_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    conversation = messages(
+        text("Compare "),
+        image_part(data_url(image(1, (60, 200)))),
+        image_part(data_url(image(2, (170, 90)), "JPEG")),
+        text(" with "),
+        image_part(data_url(image(3, (30, 30)), "WEBP")),
+    )
+    kwargs = dict(model="qwen-vl", messages=conversation, max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert full.choices[0].message.content == streamed
+    offline = LLM(path, max_model_len=256, num_pages=32, max_num_batched_tokens=128, max_num_seqs=2)
+    (out,) = offline.chat(
+        conversation, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
+    assert out.outputs[0].text == streamed
+    assert len(out.prompt_token_ids) == full.usage.prompt_tokens
+    image_token = offline.input_processor.images.vision.image_token_id
+    assert out.prompt_token_ids.count(image_token) == 14 + 18 + 4  # 2x7, 6x3, 2x2 tokens
+
+    thin = messages(image_part(data_url(image(4, (2, 600)))))
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": "qwen-vl", "messages": thin}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages.0.content.0.image_url", r.text
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    metrics = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    }
+    assert metrics["vllm:kv_cache_usage_perc"] == 0
+    assert metrics["jaxllm:encoder_cache_usage_perc"] == 0
+    assert metrics["jaxllm:encoder_cache_queries_total"] >= 3  # the first request's three

@@ -150,8 +150,8 @@ def compile_engine(
     encoder_cache, encoder_bytes = (0, 0), 0
     if vision is not None:  # as `serve` sizes it (and refuses what it refuses)
         encoders = EncoderCache.for_model(vision.model.config, config)
-        encoder_cache = (encoders.num_slots, encoders.max_items_per_step)
-        encoder_bytes = encoder_cache_bytes(vision.model.config, encoders.num_slots, dtype)
+        encoder_cache = (encoders.num_blocks, encoders.budget)
+        encoder_bytes = encoder_cache_bytes(vision.model.config, encoders.num_blocks, dtype)
     lora_bytes = lora_slot_bytes(model.config, config.lora, jnp.dtype(dtype).itemsize, tp)
     budget = int(usable - weight_device_bytes - lora_bytes - encoder_bytes)
     if budget < 2 * page_bytes and cache.num_pages is None:
@@ -267,13 +267,13 @@ def abstract_model(
 def abstract_vision(model: str, dtype, mesh, device: jax.Device) -> AbstractModel | None:
     """An image-text model's vision encoder with abstract parameters placed as `abstract_model`
     places the decoder's (None for a text model)."""
-    from jaxllm.loaders.vision import vision_config
-    from jaxllm.models.vision import VisionEncoder
+    from jaxllm.loaders.vision import encoder_class, vision_config
 
     config = vision_config(resolve_model(model))
     if config is None:
         return None
-    abstract = nnx.eval_shape(lambda: VisionEncoder(config, dtype=dtype, rngs=None))
+    module = encoder_class(config)
+    abstract = nnx.eval_shape(lambda: module(config, dtype=dtype, rngs=None))
     graphdef, state = nnx.split(abstract)
     shardings = _placements(state, mesh, device)
     flat = [

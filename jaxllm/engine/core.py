@@ -162,7 +162,9 @@ class EngineCore:
         if vision is not None:
             encoder_cache = EncoderCache.for_model(vision.config, config)
             embed_dtype = loaded.model.embed_tokens.get_value().dtype
-            encoder_bytes = encoder_cache_bytes(vision.config, encoder_cache.num_slots, embed_dtype)
+            encoder_bytes = encoder_cache_bytes(
+                vision.config, encoder_cache.num_blocks, embed_dtype
+            )
         kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
         cache_sharding = kv_cache_placement(mesh, kv_dtype)
         groups = engine_kv_groups(loaded.config, config.cache, draft=draft is not None)
@@ -213,7 +215,7 @@ class EngineCore:
             vision=vision,
             encoder_cache=(0, 0)
             if encoder_cache is None
-            else (encoder_cache.num_slots, encoder_cache.max_items_per_step),
+            else (encoder_cache.num_blocks, encoder_cache.budget),
         )
         kv = KVCacheManager(
             num_pages,
@@ -422,8 +424,6 @@ class EngineCore:
             labels=list(self.head.labels) if self.head is not None else [],
             supported_tasks=supported_tasks(self.head) if self.is_pooling else ["generate"],
             image_limit=0 if self.vision is None else self.config.multimodal.image_limit,
-            image_token_id=-1 if self.vision is None else self.vision.image_token_id,
-            image_tokens=0 if self.vision is None else self.vision.tokens_per_image,
         )
 
     def stats(self) -> Stats:
@@ -600,7 +600,7 @@ def _encoder_cache_stats(cache) -> dict:
     return {
         "encoder_cache_queries": cache.hits + cache.misses,
         "encoder_cache_hits": cache.hits,
-        "encoder_cache_usage": cache.num_held / cache.num_slots,
+        "encoder_cache_usage": cache.num_held_blocks / cache.num_blocks,
     }
 
 

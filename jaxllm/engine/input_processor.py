@@ -344,7 +344,7 @@ class InputProcessor:
         (max_tokens, never past the context), its seed, the model's EOS ids. `mm_items`: its
         images (`prompt_inputs`)."""
         if not mm_items and self.images is not None:
-            if self.images.image_token_id in prompt_token_ids:
+            if self.images.vision.image_token_id in prompt_token_ids:
                 raise InputError(
                     "prompt: it holds image placeholder tokens but no image was given",
                     "prompt",

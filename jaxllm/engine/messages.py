@@ -74,11 +74,9 @@ class Ready(msgspec.Struct, tag="ready"):
     hidden_size: int = 0
     labels: list[str] = msgspec.field(default_factory=list)
     supported_tasks: list[str] = msgspec.field(default_factory=lambda: ["generate"])
-    # An image-text model: the most images a prompt may carry (0: it takes none), its image
-    # placeholder token and the placeholders an image fills.
+    # An image-text model: the most images a prompt may carry (0: it takes none; the front
+    # end reads the rest of the vision side from the checkpoint).
     image_limit: int = 0
-    image_token_id: int = -1
-    image_tokens: int = 0
 
 
 class Failed(msgspec.Struct, tag="failed"):

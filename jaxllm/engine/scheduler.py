@@ -432,10 +432,11 @@ class Scheduler:
             eos_token_ids=list(request.eos_token_ids),
             block_ids=block_ids,
             lora_slot=request.lora_slot,
+            mm_grids=[(i.offset, *i.grid) for i in request.mm_items if i.grid is not None],
         )
 
     def _scheduled(
-        self, request: Request, n: int, drafts: list[int], spans: list[tuple[int, int, int]]
+        self, request: Request, n: int, drafts: list[int], spans: list[tuple[int, int, list[int]]]
     ) -> ScheduledRequest:
         tables = self.kv.get_block_table(request.request_id)
         new_block_ids = _sent(tables, request.num_blocks_sent)

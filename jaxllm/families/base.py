@@ -30,6 +30,8 @@ _VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "visual.",  # Qwen2.5-VL's
+    "model.visual.",
 )
 
 

@@ -15,12 +15,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxllm.loaders.hf import iter_safetensors
+from jaxllm.models.qwen_vision import QwenVisionConfig, QwenVisionEncoder
 from jaxllm.models.vision import VisionConfig, VisionEncoder
 from jaxllm.sharding import param_shardings
 
 # Where checkpoints put the vision side: transformers 5 under "model.", older ones at the top,
 # and the tower's own modules under "vision_model." (CLIPVisionModel) or not.
 _PREFIX = re.compile(r"^(?:model\.)?(vision_tower|multi_modal_projector)\.(?:vision_model\.)?")
+# Qwen2.5-VL's: "visual." (as its checkpoints are saved) or "model.visual.".
+_QWEN_PREFIX = re.compile(r"^(?:model\.)?visual\.")
+_QWEN_BLOCK = re.compile(r"^blocks\.(\d+)\.(?:attn|mlp)?\.?(\w+)\.(weight|bias)$")
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
     "layer_norm1": "layer_norm1",
@@ -35,23 +39,47 @@ _LAYER_NAMES = {
 
 
 def is_vision_tensor(name: str) -> bool:
-    return _PREFIX.match(name) is not None
+    return _PREFIX.match(name) is not None or _QWEN_PREFIX.match(name) is not None
 
 
-def vision_config(path: Path) -> VisionConfig | None:
+def vision_config(path: Path) -> VisionConfig | QwenVisionConfig | None:
     """The checkpoint's vision side, or None for a text-only model (or a GGUF file)."""
     config_file = Path(path) / "config.json"
     if not Path(path).is_dir() or not config_file.is_file():
         return None
     config = json.loads(config_file.read_text())
+    if config.get("model_type") == "qwen2_5_vl":
+        processor = Path(path) / "preprocessor_config.json"
+        settings = json.loads(processor.read_text()) if processor.is_file() else {}
+        return QwenVisionConfig.from_hf_config(config, settings)
     if "vision_config" not in config or config.get("model_type") not in ("llava", "gemma3"):
         return None
     return VisionConfig.from_hf_config(config)
 
 
+def _qwen_target(name: str, config: QwenVisionConfig) -> tuple[tuple, bool]:
+    """`_target` for Qwen2.5-VL's tower: (path, transposed)."""
+    rest = name[_QWEN_PREFIX.match(name).end() :]
+    if rest == "patch_embed.proj.weight":  # Conv3d [D, C, T, p, p] as one matmul
+        return ("patch_embed",), True
+    block = _QWEN_BLOCK.match(rest)
+    if block:
+        index, module, leaf = int(block.group(1)), block.group(2), block.group(3)
+        return ("blocks", index, module, leaf), leaf == "weight" and "norm" not in module
+    merger = {"merger.ln_q.weight": ("ln_q", "weight")}.get(rest)
+    if merger is None and rest.startswith("merger.mlp."):
+        index, leaf = rest.removeprefix("merger.mlp.").split(".")
+        merger = (f"mlp_{index}", leaf)
+    if merger is None:
+        raise ValueError(f"unexpected vision tensor {name!r}")
+    return ("merger", *merger), merger[1] == "weight" and merger[0] != "ln_q"
+
+
 def _target(name: str, config: VisionConfig) -> tuple[tuple, bool] | None:
     """(our parameter path, whether the weight is torch's [out, in] to transpose), or None
     to skip the tensor."""
+    if isinstance(config, QwenVisionConfig):
+        return _qwen_target(name, config)
     m = _PREFIX.match(name)
     part, rest = m.group(1), name[m.end() :]
     if part == "multi_modal_projector":
@@ -80,11 +108,21 @@ def _target(name: str, config: VisionConfig) -> tuple[tuple, bool] | None:
     return (part, module, leaf), module == "patch_embedding" and leaf == "weight"
 
 
+def encoder_class(config: VisionConfig | QwenVisionConfig) -> type:
+    """The vision encoder module of a `vision_config`."""
+    return QwenVisionEncoder if isinstance(config, QwenVisionConfig) else VisionEncoder
+
+
 def load_vision_encoder(
-    path: Path, config: VisionConfig, *, dtype=jnp.float32, mesh: Mesh | None = None
-) -> VisionEncoder:
+    path: Path,
+    config: VisionConfig | QwenVisionConfig,
+    *,
+    dtype=jnp.float32,
+    mesh: Mesh | None = None,
+) -> VisionEncoder | QwenVisionEncoder:
     """The checkpoint's vision encoder with its weights (every parameter must come)."""
-    abstract = nnx.eval_shape(lambda: VisionEncoder(config, dtype=dtype, rngs=None))
+    module = encoder_class(config)
+    abstract = nnx.eval_shape(lambda: module(config, dtype=dtype, rngs=None))
     graphdef, state = nnx.split(abstract)
     expected = dict(nnx.to_flat_state(state))
     shardings = None if mesh is None else param_shardings(state, mesh)

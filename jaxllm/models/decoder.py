@@ -128,6 +128,7 @@ class DecoderForCausalLM(nnx.Module):
             else rope_inv_freq(h, config.rope_local_theta)
         )
         self.inv_freq = (tuple(global_freq.tolist()), tuple(local_freq.tolist()))
+        self.mrope_section = config.mrope_section
         self.final_logit_softcapping = config.final_logit_softcapping
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -139,7 +140,7 @@ class DecoderForCausalLM(nnx.Module):
     def __call__(
         self,
         input_ids: jax.Array,  # i32[T]
-        positions: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]; with M-RoPE i32[3, T]
         kv_cache: KVCache | jax.Array,  # [L, num_pages, K, page_size, 2H]; an array: float
         meta: AttentionMetadata,
         lora: list[LayerLoRA] | None = None,  # per layer, each token's adapter (models.lora)
@@ -161,11 +162,11 @@ class DecoderForCausalLM(nnx.Module):
             rows, index = mm_embeds
             image = rows[jnp.maximum(index, 0)].astype(x.dtype)
             x = jnp.where((index >= 0)[:, None], image, x)
-        global_rope = Rope.at(positions, self.inv_freq[0])
+        global_rope = Rope.at(positions, self.inv_freq[0], self.mrope_section)
         local_rope = (
             global_rope
             if self.inv_freq[1] == self.inv_freq[0]
-            else Rope.at(positions, self.inv_freq[1])
+            else Rope.at(positions, self.inv_freq[1], self.mrope_section)
         )
         loras = lora or [None] * len(self.layers)
         for i, layer in enumerate(self.layers):

@@ -125,8 +125,20 @@ class Rope:
     sin: jax.Array  # f32[T, H]
 
     @classmethod
-    def at(cls, positions: jax.Array, inv_freq: tuple[float, ...]) -> Rope:
-        freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
+    def at(
+        cls,
+        positions: jax.Array,
+        inv_freq: tuple[float, ...],
+        sections: tuple[int, ...] | None = None,
+    ) -> Rope:
+        """`positions` i32[T], or with M-RoPE's `sections` i32[3, T]: frequency j turns with
+        the component of the section it falls in (time, row, column)."""
+        if sections is not None:
+            component = np.repeat(np.arange(len(sections)), sections)
+            positions = positions[component].T  # [T, H // 2]
+        else:
+            positions = positions[:, None]
+        freqs = positions.astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
         emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
         return cls(jnp.cos(emb), jnp.sin(emb))
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxllm.models.layers import ACTIVATIONS, LayerNorm, RMSNorm, param
@@ -60,6 +61,8 @@ class VisionConfig:
     projector: str = "llava"  # "llava": the MLP; "gemma3": pooled, normed, one matrix
     mm_tokens_per_image: int = 0  # gemma3: the pooled grid's tokens
 
+    dynamic = False  # every image the same size: `tokens_per_image` rows
+
     @property
     def bidirectional(self) -> bool:
         """The decoder's image tokens attend to each other (Gemma 3)."""
@@ -80,6 +83,29 @@ class VisionConfig:
     def pixel_shape(self) -> tuple[int, int, int]:
         """One image's pixel array, as the model's image processor makes it: [C, H, W]."""
         return (self.num_channels, self.image_size, self.image_size)
+
+    # What the engine asks of every vision side (`jaxllm.models.qwen_vision` has the same).
+    @property
+    def max_tokens_per_image(self) -> int:
+        return self.tokens_per_image
+
+    @property
+    def block_tokens(self) -> int:
+        """The encoder cache's allocation unit, in rows: an image."""
+        return self.tokens_per_image
+
+    def tokens_of(self, shape) -> int | None:
+        """The tokens of an image whose pixels have this shape, or None if the model takes no
+        such array."""
+        return self.tokens_per_image if list(shape) == list(self.pixel_shape) else None
+
+    @property
+    def pixel_shape_text(self) -> str:
+        return str(list(self.pixel_shape))
+
+    def split_pixels(self, processed) -> list[np.ndarray]:
+        """Each image's pixels from its HF processor's output (`pixel_values` [B, C, H, W])."""
+        return list(np.asarray(processed["pixel_values"], np.float32))
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> VisionConfig:

@@ -21,28 +21,40 @@ from jaxllm.multimodal.media import load_image
 from jaxllm.worker import MultiModalItem
 
 
+class LoadedImages(list):
+    """`ImageProcessor.load`'s images, with the parameter each came from (for errors)."""
+
+    params: list[str]
+
+
 class ImageProcessor:
     def __init__(
         self,
         path: Path,
+        vision,
         *,
-        image_token_id: int,
-        tokens_per_image: int,
         limit: int,
         allowed_local_media_path: str | None = None,
         allowed_media_domains: Sequence[str] | None = None,
     ):
-        from transformers import AutoProcessor
+        from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # "falling back to the PIL backend": as meant
         try:
-            self.hf = AutoProcessor.from_pretrained(path)
+            try:
+                self.hf = AutoProcessor.from_pretrained(path)
+                self.image_processor, self.tokenizer = self.hf.image_processor, None
+            except (ImportError, ValueError, TypeError):
+                # A processor that needs torchvision (Qwen2.5-VL's, for its video side): its
+                # image processor and tokenizer, the placeholders expanded here.
+                self.hf = None
+                self.image_processor = AutoImageProcessor.from_pretrained(path)
+                self.tokenizer = AutoTokenizer.from_pretrained(path)
         finally:
             hf_logging.set_verbosity(verbosity)
-        self.image_token_id = image_token_id
-        self.tokens_per_image = tokens_per_image
+        self.vision = vision  # the model's `VisionConfig` or `QwenVisionConfig`
         self.limit = limit
         self.allowed_local_media_path = allowed_local_media_path
         self.allowed_media_domains = allowed_media_domains
@@ -53,10 +65,11 @@ class ImageProcessor:
         None. `config`: the engine's (its multimodal section)."""
         if not ready.image_limit:
             return None
+        from jaxllm.loaders.vision import vision_config
+
         return cls(
             model_path,
-            image_token_id=ready.image_token_id,
-            tokens_per_image=ready.image_tokens,
+            vision_config(model_path),
             limit=ready.image_limit,
             allowed_local_media_path=config.multimodal.allowed_local_media_path,
             allowed_media_domains=config.multimodal.allowed_media_domains,
@@ -72,7 +85,7 @@ class ImageProcessor:
                 param,
             )
         pairs = [s if isinstance(s, tuple) else (s, param) for s in sources]
-        return [
+        loaded = LoadedImages(
             load_image(
                 s,
                 at,
@@ -80,7 +93,9 @@ class ImageProcessor:
                 allowed_media_domains=self.allowed_media_domains,
             )
             for s, at in pairs
-        ]
+        )
+        loaded.params = [at for _, at in pairs]
+        return loaded
 
     def process(
         self,
@@ -93,7 +108,7 @@ class ImageProcessor:
         """(token ids, the images as items) of a prompt (text, or token ids) and its loaded
         images, in prompt order."""
         try:
-            if isinstance(prompt, str):  # the images are processed with the text, once
+            if isinstance(prompt, str) and self.hf is not None:  # the images with the text
                 out = self.hf(
                     text=[prompt],
                     images=images,
@@ -101,50 +116,70 @@ class ImageProcessor:
                     add_special_tokens=add_special_tokens,
                 )
                 ids = out["input_ids"][0].tolist()
+                pixels = self.vision.split_pixels(out)
             else:
-                out = self.hf.image_processor(images=images, return_tensors="np")
-                ids = self._expanded(prompt)
-            pixels = out["pixel_values"]
+                if isinstance(prompt, str):
+                    prompt = self.tokenizer(prompt, add_special_tokens=add_special_tokens)
+                    prompt = prompt["input_ids"]
+                out = self.image_processor(images=images, return_tensors="np")
+                pixels = self.vision.split_pixels(out)
+                ids = self._expanded(prompt, pixels)
         except InputError:
             raise
         except (ValueError, TypeError, OSError) as e:
-            raise InputError(
-                f"{param}: the model's processor refused the images: {e}", param
-            ) from None
-        return ids, self.items(ids, np.asarray(pixels, np.float32), param)
+            at = self._refused(images, param)
+            raise InputError(f"{at}: the model's processor refused the image: {e}", at) from None
+        return ids, self.items(ids, pixels, param)
 
-    def _expanded(self, ids: list[int]) -> list[int]:
-        """Token ids with each lone image token repeated as the image's placeholders."""
+    def _refused(self, images: list, param: str) -> str:
+        """The parameter of the first image the image processor refuses alone (`load`
+        names each), else `param`."""
+        for image, at in zip(images, getattr(images, "params", ()), strict=False):
+            try:
+                self.image_processor(images=[image], return_tensors="np")
+            except (ValueError, TypeError, OSError):
+                return at
+        return param
+
+    def _expanded(self, ids: list[int], pixels: list[np.ndarray]) -> list[int]:
+        """Token ids with each lone image token repeated as its image's placeholders (the
+        images in order; a token-id prompt may also hold them expanded already)."""
         out: list[int] = []
-        t, p = self.image_token_id, self.tokens_per_image
+        t = self.vision.image_token_id
+        lengths = iter([self.vision.tokens_of(p.shape) or 0 for p in pixels])
         for i, token in enumerate(ids):
             lone = (
                 token == t
                 and (i == 0 or ids[i - 1] != t)
                 and (i + 1 == len(ids) or ids[i + 1] != t)
             )
-            out.extend([t] * p if lone else [token])
+            out.extend([t] * next(lengths, 1) if lone else [token])
         return out
 
-    def items(self, ids: list[int], pixels: np.ndarray, param: str) -> list[MultiModalItem]:
-        """The images' items at their placeholder runs of `ids` (a run of k images' worth of
-        placeholders holds k images)."""
-        t, p = self.image_token_id, self.tokens_per_image
+    def items(self, ids: list[int], pixels: list[np.ndarray], param: str) -> list[MultiModalItem]:
+        """The images' items at the placeholders of `ids`, in order: each image takes as many
+        as it makes tokens (adjacent images share a run of placeholders)."""
+        t = self.vision.image_token_id
         marks = np.flatnonzero(np.asarray(ids) == t)
-        offsets = [int(m) for m in marks[::p]] if len(marks) % p == 0 else None
-        if offsets is None or any(ids[o : o + p] != [t] * p for o in offsets):
+        lengths = [self.vision.tokens_of(p.shape) for p in pixels]
+        if sum(n or 0 for n in lengths) != len(marks) or None in lengths:
             raise InputError(
-                f"{param}: the prompt's image placeholders do not make whole images "
-                f"({len(marks)} placeholder tokens; an image takes {p})",
+                f"{param}: the prompt has {len(marks)} image placeholder tokens; its "
+                f"{len(pixels)} image(s) take {sum(n or 0 for n in lengths)}",
                 param,
             )
-        if len(offsets) != len(pixels):
-            raise InputError(
-                f"{param}: the prompt has placeholders for {len(offsets)} image(s) but "
-                f"{len(pixels)} were given",
-                param,
-            )
-        return [MultiModalItem.of(x, o, p) for x, o in zip(pixels, offsets, strict=True)]
+        items, k = [], 0
+        for x, n in zip(pixels, lengths, strict=True):
+            offset = int(marks[k])
+            if ids[offset : offset + n] != [t] * n:
+                raise InputError(
+                    f"{param}: the prompt's image placeholders do not make whole images "
+                    f"(an image of {n} tokens at {offset})",
+                    param,
+                )
+            items.append(MultiModalItem.of(x, offset, n))
+            k += n
+        return items
 
 
 def check_mm_items(
@@ -160,22 +195,26 @@ def check_mm_items(
         return
     if limit is not None and len(items) > limit:
         raise ValueError(f"multi_modal_data: {len(items)} images, more than {limit}")
-    t, p = vision.image_token_id, vision.tokens_per_image
+    t = vision.image_token_id
     ids = np.asarray(prompt_token_ids)
     covered = 0
     end = 0
     for item in sorted(items, key=lambda x: x.offset):
+        p = vision.tokens_of(item.pixels.shape)
+        if p is None or len(item.pixels.data) != 4 * int(np.prod(item.pixels.shape)):
+            raise ValueError(
+                f"multi_modal_data: pixels of shape {item.pixels.shape}; the model takes "
+                f"{vision.pixel_shape_text}"
+            )
+        if p > vision.max_tokens_per_image:
+            raise ValueError(
+                f"multi_modal_data: an image of {p} tokens; the model takes at most "
+                f"{vision.max_tokens_per_image}"
+            )
         if item.length != p or item.offset < end or item.offset + p > len(ids):
             raise ValueError(f"multi_modal_data: an image at {item.offset} does not fit the prompt")
         if not (ids[item.offset : item.offset + p] == t).all():
             raise ValueError(f"multi_modal_data: the image at {item.offset} is not on placeholders")
-        if list(item.pixels.shape) != list(vision.pixel_shape) or len(item.pixels.data) != 4 * int(
-            np.prod(vision.pixel_shape)
-        ):
-            raise ValueError(
-                f"multi_modal_data: pixels of shape {item.pixels.shape}; the model takes "
-                f"{list(vision.pixel_shape)}"
-            )
         end = item.offset + p
         covered += p
     if covered != int((ids == t).sum()):

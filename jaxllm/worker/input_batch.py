@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxllm.worker.mrope import mrope_positions
 from jaxllm.worker.sampling_inputs import SamplingRows
 from jaxllm.worker.step_data import NewRequestData, ScheduledRequest
 
@@ -23,7 +24,9 @@ class InputBatch:
         pages_per_seq: int,
         vocab_size: int,
         num_kv_groups: int = 1,
+        mrope: bool = False,
     ):
+        """`mrope`: positions are M-RoPE triples (`jaxllm.worker.mrope`)."""
         n = max_num_reqs
         self.vocab_size = vocab_size
         self.row_of: dict[str, int] = {}
@@ -37,6 +40,11 @@ class InputBatch:
         self.num_blocks = np.zeros(n, np.int32)
         self.lora_slot = np.full(n, -1, np.int32)  # each row's LoRA adapter slot; -1: none
         self.sampling = SamplingRows(n, vocab_size, max_model_len)
+        # M-RoPE: a row's token i is at i + position_delta, the same in all three components,
+        # except its prompt's tokens where `mrope_prompt` holds the row's [3, prompt] triples.
+        self.mrope = mrope
+        self.position_delta = np.zeros(n, np.int32)
+        self.mrope_prompt: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -55,6 +63,11 @@ class InputBatch:
         self.num_prompt_tokens[i] = new.num_prompt_tokens
         self.num_blocks[i] = 0
         self.lora_slot[i] = new.lora_slot
+        self.position_delta[i] = 0
+        self.mrope_prompt.pop(i, None)
+        if self.mrope and new.mm_grids:
+            positions, delta = mrope_positions(new.num_prompt_tokens, new.mm_grids)
+            self.mrope_prompt[i], self.position_delta[i] = positions, delta
         self.append_blocks(i, new.block_ids)
         self.sampling.write(i, new)
 
@@ -63,6 +76,15 @@ class InputBatch:
         i = self.row_of.pop(request_id, None)
         if i is not None:
             self._free_rows.append(i)
+
+    def positions(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """i32[3, T] M-RoPE positions of the tokens at indices `pos` of `rows`."""
+        out = np.broadcast_to(pos + self.position_delta[rows], (3, len(pos))).copy()
+        for row, prompt in self.mrope_prompt.items():
+            mine = (rows == row) & (pos < prompt.shape[1])
+            if mine.any():
+                out[:, mine] = prompt[:, pos[mine]]
+        return out
 
     def append_blocks(self, row: int, block_ids: list[list[int]]) -> None:
         """Appends each group's new blocks (as many in every group) to the row's tables."""

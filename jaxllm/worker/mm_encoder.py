@@ -1,13 +1,17 @@
 """The vision encoder of an image-text model, beside the runner: the encoder programs, and
 the encoder cache on the device that the forward pass reads image embeddings from.
 
-The cache is one array of rows in the decoder's width, `num_slots` slots of
-`tokens_per_image` rows each and one more slot where padding images write. The scheduler
-decides which image has which slot (`jaxllm.engine.encoder_cache`); a step's `encoder_inputs`
-are encoded first, each into its slot (the array donated: updated in place), then the forward
-pass takes each placeholder token's row of the cache instead of its embedding
-(`BatchInputs.mm_rows`). Images are encoded whole, in batches padded to a bucket of images per
-step: a power of two up to the most one step can encode, all compiled at warmup.
+The cache is one array of rows in the decoder's width, `num_blocks` blocks of the model's
+`block_tokens` rows. The scheduler decides which image has which blocks
+(`jaxllm.engine.encoder_cache`); a step's `encoder_inputs` are encoded first, each token's row
+written to its place in the image's blocks (the array donated: updated in place), then the
+forward pass takes each placeholder token's row of the cache instead of its embedding
+(`BatchInputs.mm_rows`). Padding writes past the last row: dropped.
+
+Images are encoded whole, in launches padded to a bucket compiled at warmup: for a model whose
+images are all one size, a power of two of images up to the most one step encodes; for
+Qwen2.5-VL (images of any size), a power of two of patches, the step's images packed into as
+few launches as the largest bucket allows (`jaxllm.models.qwen_vision.pack`).
 """
 
 from __future__ import annotations
@@ -19,55 +23,59 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.models.qwen_vision import QwenVisionConfig, QwenVisionEncoder, pack, patch_buckets
 from jaxllm.models.vision import VisionConfig, VisionEncoder
 from jaxllm.worker.compiler import Compiler
 from jaxllm.worker.device_state import DeviceState
 from jaxllm.worker.step_data import EncoderInput
 
 
-def encoder_cache_bytes(config: VisionConfig, num_slots: int, dtype) -> int:
-    """The encoder cache's bytes on each device (it is replicated): its slots and the spare."""
-    rows = (num_slots + 1) * config.tokens_per_image
+def encoder_cache_bytes(config: VisionConfig | QwenVisionConfig, num_blocks: int, dtype) -> int:
+    """The encoder cache's bytes on each device (it is replicated)."""
+    rows = num_blocks * config.block_tokens
     return rows * config.text_hidden_size * jnp.dtype(dtype).itemsize
 
 
-def encode(graphdef, params_def, params, pool: jax.Array, pixels: jax.Array, slots: jax.Array):
-    """The encoder cache with images `pixels` [B, C, H, W] written to their `slots` [B]."""
+def encode(graphdef, params_def, params, pool: jax.Array, rows: jax.Array, *inputs: jax.Array):
+    """The encoder cache with the embeddings of the encoder's `inputs` written to `rows` (one
+    per embedding; past the cache: dropped)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
-    embeds = model(pixels)  # [B, P, D]
-    b, p, d = embeds.shape
-    rows = (slots[:, None] * p + jnp.arange(p, dtype=slots.dtype)).reshape(-1)
-    return pool.at[rows].set(embeds.reshape(b * p, d).astype(pool.dtype), mode="drop")
+    embeds = model(*inputs)
+    embeds = embeds.reshape(-1, embeds.shape[-1]).astype(pool.dtype)
+    return pool.at[rows].set(embeds, mode="drop")
 
 
 class MMEncoder:
     def __init__(
         self,
-        encoder: VisionEncoder,
+        encoder: VisionEncoder | QwenVisionEncoder,
         device: DeviceState,
         compiler: Compiler,
         *,
-        num_slots: int,
-        max_items_per_step: int,
+        num_blocks: int,
+        budget: int,
         dtype,
     ):
-        """`num_slots`: images the encoder cache holds; `max_items_per_step`: the most a step
-        encodes (the largest bucket); `dtype`: the decoder's embeddings'."""
-        self.config: VisionConfig = encoder.config
+        """`num_blocks`: the encoder cache's blocks; `budget`: the image tokens a step
+        encodes at most; `dtype`: the decoder's embeddings'."""
+        self.config = c = encoder.config
         self.device, self.compiler = device, compiler
-        self.num_slots = num_slots
+        self.num_rows = num_blocks * c.block_tokens
         self.graphdef, state = nnx.split(encoder)
         self.params, params_def = jax.tree.flatten(state)
-        p = self.config.tokens_per_image
-        self._pool_spec = ((num_slots + 1) * p, self.config.text_hidden_size), dtype
+        self._pool_spec = (self.num_rows, c.text_hidden_size), dtype
         if device.abstract:  # `jaxllm compile`: shapes only
             self.pool = jax.ShapeDtypeStruct(*self._pool_spec, sharding=device.replicated)
         else:
             self.pool = self._zeros_pool()
         self._sleep = None  # asleep: (the weights' shardings, their host copies or None)
-        self.buckets = [1 << i for i in range(max(1, max_items_per_step).bit_length())]
-        if self.buckets[-1] < max_items_per_step:
-            self.buckets.append(max_items_per_step)
+        if c.dynamic:
+            self.buckets = patch_buckets(c, budget)  # patches per launch
+        else:  # images per launch
+            most = max(1, min(num_blocks, budget // c.tokens_per_image))
+            self.buckets = [1 << i for i in range(most.bit_length())]
+            if self.buckets[-1] < most:
+                self.buckets.append(most)
         # The cache stays replicated (the forward passes were compiled for it), whatever the
         # projector's sharding would make of the rows written into it.
         self._encode = jax.jit(
@@ -110,29 +118,55 @@ class MMEncoder:
         self.pool = self._zeros_pool()
         self._sleep = None
 
-    def _padded(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Pixels and slots of a batch of `n` padding images (they write to the spare slot)."""
-        b = next(b for b in self.buckets if b >= n)
-        return np.zeros((b, *self.config.pixel_shape), np.float32), np.full(
-            b, self.num_slots, np.int32
-        )
+    def _rows(self, item: EncoderInput) -> np.ndarray:
+        """The cache rows of an image's tokens, in order."""
+        bt = self.config.block_tokens
+        rows = np.asarray(item.blocks, np.int32)[:, None] * bt + np.arange(bt, dtype=np.int32)
+        return rows.reshape(-1)
+
+    def _batches(self, inputs: list[EncoderInput], bucket: int | None = None) -> list[tuple]:
+        """The encoder's arguments (rows, *inputs) of each launch that encodes `inputs`,
+        padded to buckets (`bucket`: that one, for warmup's empty launches)."""
+        c, most = self.config, self.buckets[-1]
+        if not c.dynamic:
+            out = []
+            for start in range(0, max(1, len(inputs)), most):
+                group = inputs[start : start + most]
+                b = bucket or next(b for b in self.buckets if b >= len(group))
+                pixels = np.zeros((b, *c.pixel_shape), np.float32)
+                rows = np.full((b, c.tokens_per_image), self.num_rows, np.int32)
+                for i, item in enumerate(group):
+                    pixels[i] = item.pixels.array()
+                    rows[i] = self._rows(item)[: c.tokens_per_image]
+                out.append((rows.reshape(-1), pixels))
+            return out
+        groups: list[list] = [[]]
+        patches = 0
+        for item in inputs:
+            pixels = item.pixels.array()
+            n = int(np.prod(pixels.shape[:3])) * c.unit
+            if patches + n > most:
+                groups.append([])
+                patches = 0
+            groups[-1].append((pixels, self._rows(item)))
+            patches += n
+        out = []
+        for group in groups:
+            n = sum(int(np.prod(p.shape[:3])) * c.unit for p, _ in group)
+            b = bucket or next(b for b in self.buckets if b >= n)
+            out.append(pack(c, group, b, self.num_rows).args())
+        return out
 
     def launch(self, inputs: list[EncoderInput]) -> None:
-        """Encodes a step's images into their slots (dispatched, not waited for)."""
-        most = self.buckets[-1]
-        for start in range(0, len(inputs), most):
-            batch = inputs[start : start + most]
-            pixels, slots = self._padded(len(batch))
-            for i, item in enumerate(batch):
-                pixels[i] = item.pixels.array()
-                slots[i] = item.slot
-            put = self.device.put_if_mesh
-            self.pool = self._encode(self.params, self.pool, put(pixels), put(slots))
+        """Encodes a step's images into their rows (dispatched, not waited for)."""
+        put = self.device.put_if_mesh
+        for args in self._batches(inputs):
+            self.pool = self._encode(self.params, self.pool, *map(put, args))
 
     def warmup_jobs(self) -> list:
         def job(b: int):
-            pixels, slots = self._padded(b)
-            args = (self.params, self.pool, *map(self.device.abstract_input, (pixels, slots)))
+            (args,) = self._batches([], bucket=b)
+            args = (self.params, self.pool, *map(self.device.abstract_input, args))
             self.compiler.compile("encode_images", (b,), self._encode, *args)
 
         return [functools.partial(job, b) for b in self.buckets]

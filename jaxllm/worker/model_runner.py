@@ -105,8 +105,8 @@ class ModelRunner:
         LoRA adapters served (`enable_lora`), in slots on the device (see `lora_slots`).
         `kv_groups`: how the layers share the cache (`jaxllm.kv_groups`, as the engine's KV
         cache manager keeps their tables); None: one group of every layer. `vision`: an
-        image-text model's vision encoder, with `encoder_cache` (slots, the most images a step
-        encodes) for its images' rows on the device (see `mm_encoder`)."""
+        image-text model's vision encoder, with `encoder_cache` (its blocks, the image tokens a
+        step encodes) for its images' rows on the device (see `mm_encoder`)."""
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
@@ -134,7 +134,12 @@ class ModelRunner:
         self.compiler = Compiler(self.device)
         pages_per_seq = -(-max_model_len // page_size)  # the block table's width
         self.input_batch = ib = InputBatch(
-            max_num_seqs, max_model_len, pages_per_seq, config.vocab_size, kv_groups.num_groups
+            max_num_seqs,
+            max_model_len,
+            pages_per_seq,
+            config.vocab_size,
+            kv_groups.num_groups,
+            mrope=config.mrope_section is not None,
         )
         self.lora = None
         if lora is not None and lora.enable_lora:
@@ -157,6 +162,7 @@ class ModelRunner:
             lora=self.lora is not None,
             layer_slots=None if kv_groups.num_groups == 1 else kv_groups.layer_slots,
             mm=vision is not None,
+            mm_block=1 if vision is None else vision.config.block_tokens,
             mm_attend=vision is not None and vision.config.bidirectional,
         )
         self.mm = None
@@ -165,8 +171,8 @@ class ModelRunner:
                 vision,
                 self.device,
                 self.compiler,
-                num_slots=encoder_cache[0],
-                max_items_per_step=encoder_cache[1],
+                num_blocks=encoder_cache[0],
+                budget=encoder_cache[1],
                 dtype=model.embed_tokens.get_value().dtype,
             )
         # Counters since start, for metrics: the tokens the steps computed, the token slots of

@@ -30,7 +30,7 @@ class BatchInputs:
     # i32[T]  -1, or the batch row whose token sampled by the previous step (still on the
     # device, see `DeviceState.last_tokens`) is this input: async scheduling's decode inputs
     token_src: jax.Array
-    positions: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]; M-RoPE (Qwen2.5-VL): i32[3, T]
     # i32[L]  the tokens to sample after: each request's last token (with speculative decoding,
     # also its draft tokens: L = `logit_rows`)
     logits_indices: jax.Array

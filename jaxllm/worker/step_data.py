@@ -56,11 +56,18 @@ class MultiModalItem(msgspec.Struct, array_like=True):
         digest.update(array.data)
         return cls(digest.hexdigest(), offset, length, array)
 
+    @property
+    def grid(self) -> tuple[int, int, int] | None:
+        """The image's tokens as a (frames, rows, columns) grid, for a model whose pixel
+        arrays are laid out so ([t, h, w, patch data], Qwen2.5-VL); None for others."""
+        shape = self.pixels.shape
+        return (shape[0], shape[1], shape[2]) if len(shape) == 4 else None
+
 
 class EncoderInput(msgspec.Struct, array_like=True):
-    """An image the step encodes first, into its slot of the encoder cache on the device."""
+    """An image the step encodes first, into its blocks of the encoder cache on the device."""
 
-    slot: int
+    blocks: list[int]
     pixels: PixelArray
 
 
@@ -75,6 +82,9 @@ class NewRequestData(msgspec.Struct):
     eos_token_ids: list[int]  # empty under ignore_eos
     block_ids: list[list[int]]  # per layer group, the whole block table, with this step's
     lora_slot: int = -1  # the device slot of its LoRA adapter; -1: none
+    # Its images' token grids (first placeholder, frames, rows, columns), for M-RoPE positions
+    # (Qwen2.5-VL); empty for other models.
+    mm_grids: list[tuple[int, int, int, int]] = msgspec.field(default_factory=list)
 
 
 class ScheduledRequest(msgspec.Struct):
@@ -92,8 +102,8 @@ class ScheduledRequest(msgspec.Struct):
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
     pool: bool = False  # a pooling request's chunk: pooled, never sampled after
     # Images whose placeholders the chunk computes: (first placeholder position, placeholders,
-    # the encoder cache row of the first), read in place of those tokens' embeddings.
-    mm_spans: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    # the image's blocks of the encoder cache), read in place of those tokens' embeddings.
+    mm_spans: list[tuple[int, int, list[int]]] = msgspec.field(default_factory=list)
 
 
 class GrammarBitmask(msgspec.Struct):

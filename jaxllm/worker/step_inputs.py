@@ -47,6 +47,7 @@ class StepInputs:
     # group, slot i is layer i.
     layer_slots: tuple[tuple[int, int], ...] | None = None
     mm: bool = False  # image placeholders read the encoder cache (an image-text model)
+    mm_block: int = 1  # the encoder cache's rows per block
     # An image's tokens attend to each other (Gemma 3): `AttentionMetadata.attend_to`.
     mm_attend: bool = False
 
@@ -58,7 +59,7 @@ class StepInputs:
         return BatchInputs(
             input_ids=_ints(t_pad),
             token_src=_ints(t_pad, fill=-1),
-            positions=_ints(t_pad),
+            positions=_ints(3, t_pad) if self.input_batch.mrope else _ints(t_pad),
             logits_indices=_ints(num_logits),
             attn=AttentionMetadata(
                 slot_mapping=_ints(groups, t_pad, fill=self.num_pages * self.page_size),  # dropped
@@ -102,15 +103,20 @@ class StepInputs:
         # A placeholder (-1): the token the previous step samples, not back on the host yet.
         batch.input_ids[:num_tokens] = np.maximum(ids, 0)
         batch.token_src[:num_tokens] = np.where(ids < 0, token_rows, -1)
-        batch.positions[:num_tokens] = pos
+        if self.input_batch.mrope:
+            batch.positions[:, :num_tokens] = ib.positions(token_rows, pos)
+        else:
+            batch.positions[:num_tokens] = pos
         if batch.lora_slots is not None:
             batch.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
         if batch.mm_rows is not None:
+            bt = self.mm_block
             for i, s in enumerate(out.requests):
-                for first, length, row in s.mm_spans:
+                for first, length, blocks in s.mm_spans:
                     span = slice(starts[i], starts[i + 1])
                     inside = (pos[span] >= first) & (pos[span] < first + length)
-                    batch.mm_rows[span][inside] = row + pos[span][inside] - first
+                    k = pos[span][inside] - first
+                    batch.mm_rows[span][inside] = np.asarray(blocks)[k // bt] * bt + k % bt
                     if attn.attend_to is not None:  # the whole image is in this chunk
                         attn.attend_to[span][inside] = first + length - 1
         attn.slot_mapping[:, :num_tokens] = (
