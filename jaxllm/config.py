@@ -723,9 +723,14 @@ class MultiModalConfig:
     encoder_cache_size: int | None = None
     """Image tokens the encoder cache holds on the device (encoded images, kept while their
     requests need them and reused by image content); default max_num_encoder_input_tokens."""
+    mm_processor_kwargs: dict | None = None
+    """Settings of the model's HF image processor over its preprocessor_config.json, as
+    vLLM's JSON: Qwen2.5-VL's {"max_pixels": 1003520} bounds an image's tokens (here 1280),
+    and so the encoder's largest program and the encoder cache."""
 
     def __post_init__(self) -> None:
         _parse_json_field(self, "limit_mm_per_prompt")
+        _parse_json_field(self, "mm_processor_kwargs")
         if isinstance(self.allowed_media_domains, list | str):
             domains = self.allowed_media_domains
             domains = tuple(domains.split(",") if isinstance(domains, str) else domains)

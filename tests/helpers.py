@@ -447,11 +447,11 @@ class QwenVLProcessor:
     `<|image_pad|>` repeated as its image's tokens, and `mm_token_type_ids` (without which
     transformers' model silently falls back to 1-D positions)."""
 
-    def __init__(self, path):
+    def __init__(self, path, **image_kwargs):
         import transformers
 
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        self.image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+        self.image_processor = transformers.AutoImageProcessor.from_pretrained(path, **image_kwargs)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
     def __call__(self, text, images=None, return_tensors="pt", **kwargs):

@@ -99,12 +99,12 @@ def cases(llava):
     return out
 
 
-def test_vision_encoder_matches_transformers(llava):
+def test_vision_encoder_matches_transformers(llava, monkeypatch):
     path, model, *_ = llava
     config = vision_config(path)
     encoder = load_vision_encoder(path, config, dtype=jnp.float32)
     if config.dynamic:
-        return _qwen_encoder_matches(llava, config, encoder)
+        return _qwen_encoder_matches(llava, config, encoder, monkeypatch)
     pixels = np.random.default_rng(0).standard_normal((3, *config.pixel_shape))
     pixels = pixels.astype(np.float32)
     with torch.no_grad():
@@ -115,9 +115,10 @@ def test_vision_encoder_matches_transformers(llava):
     np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
 
 
-def _qwen_encoder_matches(llava, config, encoder):
+def _qwen_encoder_matches(llava, config, encoder, monkeypatch):
     """Qwen2.5-VL: images of several sizes (partial windows among them) packed into one
     launch as the engine packs them, each token written to its row: transformers' rows."""
+    from jaxllm.models import qwen_vision
     from jaxllm.models.qwen_vision import pack
 
     _, model, processor, _ = llava
@@ -136,13 +137,16 @@ def _qwen_encoder_matches(llava, config, encoder):
     spans = zip(pixels, rows[:-1], rows[1:], strict=True)
     items = [(p, np.arange(a, b, dtype=np.int32)) for p, a, b in spans]
     batch = pack(config, items, 512, total)
-    embeds = np.asarray(encoder(*map(jnp.asarray, batch.args()[1:])))
-    ours = np.zeros((total, embeds.shape[1]), np.float32)
     real = batch.rows < total
-    ours[batch.rows[real]] = embeds[real]
     assert sorted(batch.rows[real]) == list(range(total))  # each row written once
-    assert ours.shape == ref.shape == (total, 64)
-    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
+    # One chunk of queries, then chunks of 32 (windowed layers' keys a band around them).
+    for chunk in (qwen_vision.QUERY_CHUNK, 32):
+        monkeypatch.setattr(qwen_vision, "QUERY_CHUNK", chunk)
+        embeds = np.asarray(encoder(*map(jnp.asarray, batch.args()[1:])))
+        ours = np.zeros((total, embeds.shape[1]), np.float32)
+        ours[batch.rows[real]] = embeds[real]
+        assert ours.shape == ref.shape == (total, 64)
+        np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_greedy_matches_transformers_batched_and_alone(llava, cases):
@@ -586,6 +590,33 @@ def write_qwen_config(path):
         json.dumps({"min_pixels": 3136, "max_pixels": 28 * 28 * 1280})
     )
     return path
+
+
+def test_mm_processor_kwargs_bound_qwen_images(llava):
+    """`mm_processor_kwargs={"max_pixels": ...}` shrinks Qwen2.5-VL's images to at most 8
+    tokens, in the front end and the engine alike: transformers' tokens with the same
+    processor settings, and an encoder budget of 8 tokens a step is enough."""
+    path, model, _, placeholder = llava
+    if placeholder != QWEN_VL_PLACEHOLDER:
+        pytest.skip("max_pixels is Qwen2.5-VL's processor's")
+    kwargs = {"max_pixels": 28 * 28 * 8}
+    llm = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        num_pages=32,
+        mm_processor_kwargs=kwargs,
+        max_num_encoder_input_tokens=8,
+    )
+    assert llm.engine.vision.max_tokens_per_image == 8
+    assert llm.engine.scheduler.encoder_cache.budget == 8
+    text, imgs = ph(llava, "Two: <image> and <image>."), images(20, 2)
+    (out,) = llm.generate([prompt(text, imgs)], GREEDY, use_tqdm=False)
+    image_token = llm.input_processor.images.vision.image_token_id
+    assert 2 < out.prompt_token_ids.count(image_token) <= 16
+    small = (path, model, QwenVLProcessor(path, **kwargs), placeholder)
+    assert out.outputs[0].token_ids == reference(small, text, imgs)
 
 
 def test_mrope_positions_as_transformers_computes_them():

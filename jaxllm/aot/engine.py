@@ -116,7 +116,9 @@ def compile_engine(
     quantization = config.load.quantization
     memory = target.usable_memory_bytes
     model = abstract_model(config.load.model, dtype, comp, mesh, devices[0], quantization, memory)
-    vision = abstract_vision(config.load.model, dtype, mesh, devices[0])
+    vision = abstract_vision(
+        config.load.model, dtype, mesh, devices[0], config.multimodal.mm_processor_kwargs
+    )
     if vision is not None:  # its weights come out of the KV pool's budget like the decoder's
         model.weight_bytes += vision.weight_bytes
         if model.weight_device_bytes is not None:
@@ -264,12 +266,14 @@ def abstract_model(
     return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes)
 
 
-def abstract_vision(model: str, dtype, mesh, device: jax.Device) -> AbstractModel | None:
+def abstract_vision(
+    model: str, dtype, mesh, device: jax.Device, processor_kwargs: dict | None = None
+) -> AbstractModel | None:
     """An image-text model's vision encoder with abstract parameters placed as `abstract_model`
-    places the decoder's (None for a text model)."""
+    places the decoder's (None for a text model; `processor_kwargs`: --mm-processor-kwargs)."""
     from jaxllm.loaders.vision import encoder_class, vision_config
 
-    config = vision_config(resolve_model(model))
+    config = vision_config(resolve_model(model), processor_kwargs)
     if config is None:
         return None
     module = encoder_class(config)

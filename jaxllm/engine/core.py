@@ -556,7 +556,7 @@ def _load_vision(config: EngineConfig, mesh):
     from jaxllm.model_cache import resolve_model
 
     path = resolve_model(config.load.model)
-    vision = vision_config(path)
+    vision = vision_config(path, config.multimodal.mm_processor_kwargs)
     if vision is None:
         return None
     if config.load.load_format == "dummy":

@@ -42,8 +42,11 @@ def is_vision_tensor(name: str) -> bool:
     return _PREFIX.match(name) is not None or _QWEN_PREFIX.match(name) is not None
 
 
-def vision_config(path: Path) -> VisionConfig | QwenVisionConfig | None:
-    """The checkpoint's vision side, or None for a text-only model (or a GGUF file)."""
+def vision_config(
+    path: Path, processor_kwargs: dict | None = None
+) -> VisionConfig | QwenVisionConfig | None:
+    """The checkpoint's vision side, or None for a text-only model (or a GGUF file);
+    `processor_kwargs`: `--mm-processor-kwargs`, over its image processor's settings."""
     config_file = Path(path) / "config.json"
     if not Path(path).is_dir() or not config_file.is_file():
         return None
@@ -51,7 +54,7 @@ def vision_config(path: Path) -> VisionConfig | QwenVisionConfig | None:
     if config.get("model_type") == "qwen2_5_vl":
         processor = Path(path) / "preprocessor_config.json"
         settings = json.loads(processor.read_text()) if processor.is_file() else {}
-        return QwenVisionConfig.from_hf_config(config, settings)
+        return QwenVisionConfig.from_hf_config(config, settings, processor_kwargs or {})
     if "vision_config" not in config or config.get("model_type") not in ("llava", "gemma3"):
         return None
     return VisionConfig.from_hf_config(config)

@@ -13,8 +13,9 @@ attend over the whole frame. As transformers does, the patches run in window ord
 window's merge units contiguous) and the tokens go back to raster order at the end: here the
 host puts the patches in window order (`pack`) and the encoder writes each token to its row of
 the encoder cache, so no permutation runs on the device. A step's images run as one padded
-sequence of patches, attention masked to the same window or frame (`segment` ids) - dense over
-the sequence, chunked by queries to bound the scores' memory.
+sequence of patches, attention masked to the same window or frame (`segment` ids), by chunks of
+queries: a windowed layer's chunk against the keys within a window's length of it, a full
+layer's against every key of the sequence (dense: O(patches^2) per full layer).
 """
 
 from __future__ import annotations
@@ -60,13 +61,24 @@ class QwenVisionConfig:
     dynamic = True  # images of many sizes: a variable number of rows each
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], processor: dict[str, Any]) -> QwenVisionConfig:
+    def from_hf_config(
+        cls, config: dict[str, Any], processor: dict[str, Any], overrides: dict | None = None
+    ) -> QwenVisionConfig:
         """From `config.json` and the image processor's `preprocessor_config.json` (its pixel
-        bounds decide the most tokens an image takes)."""
+        bounds decide the most tokens an image takes), with `overrides` over the latter
+        (`--mm-processor-kwargs`), as the processor reads them: `min_pixels` and `max_pixels`,
+        else `size`'s shortest and longest edge."""
         vision, text = config["vision_config"], config.get("text_config") or config
-        size = processor.get("size") or {}
-        min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56
-        max_pixels = processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 16384
+
+        def bound(key: str, edge: str, default: int) -> int:
+            for source in (overrides or {}, processor):
+                value = source.get(key) or (source.get("size") or {}).get(edge)
+                if value:
+                    return int(value)
+            return default
+
+        min_pixels = bound("min_pixels", "shortest_edge", 56 * 56)
+        max_pixels = bound("max_pixels", "longest_edge", 28 * 28 * 1280)
         rope = vision.get("rope_parameters") or {}
         image_token = config.get("image_token_id", 151655)
         return cls(
@@ -204,12 +216,12 @@ class VisionBlock(nnx.Module):
         self.num_heads = c.num_heads
         self.act = _ACTIVATIONS[c.hidden_act]
 
-    def __call__(self, x, cos, sin, segments):  # x [N, D]
+    def __call__(self, x, cos, sin, segments, band):  # x [N, D]
         n, d = x.shape
         heads = self.num_heads
         q, k, v = jnp.moveaxis(self.qkv(self.norm1(x)).reshape(n, 3, heads, d // heads), 1, 0)
         q, k = (_rotate(y, cos, sin) for y in (q, k))
-        x = x + self.proj(_segment_attention(q, k, v, segments).reshape(n, d))
+        x = x + self.proj(_segment_attention(q, k, v, segments, band).reshape(n, d))
         y = self.norm2(x)
         return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y))
 
@@ -222,23 +234,44 @@ def _rotate(x, cos, sin):
     return (xf * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
-def _segment_attention(q, k, v, segments):
+def _segment_attention(q, k, v, segments, band: int | None = None):
     """Softmax attention of each patch over the patches of its segment. q, k, v [N, heads,
-    head_dim]; segments i32[N]. Dense, by chunks of queries."""
-    n, _, hd = q.shape
+    head_dim]; segments i32[N], each segment contiguous. By chunks of queries, so the scores
+    take at most about 512 MiB; with `band` (segments of at most that many patches: windows),
+    a chunk's keys are only those within `band` of it."""
+    n, heads, hd = q.shape
     scale = hd**-0.5
+    if band is None:
+        size = max(16, min(QUERY_CHUNK, 2**27 // (heads * n)))
+    else:
+        size = QUERY_CHUNK
+    size = min(size, n)
 
-    def chunk(args):
-        qc, sc = args
-        scores = jnp.einsum("qnh,knh->nqk", qc, k, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where((sc[:, None] == segments[None, :])[None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("nqk,knh->qnh", probs, v)
+    def attend(qc, sc, kc, vc, skc):
+        scores = jnp.einsum("qnh,knh->nqk", qc, kc, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where((sc[:, None] == skc[None, :])[None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(vc.dtype)
+        return jnp.einsum("nqk,knh->qnh", probs, vc)
 
-    if n <= QUERY_CHUNK or n % QUERY_CHUNK:
-        return chunk((q, segments))
-    qs = q.reshape(n // QUERY_CHUNK, QUERY_CHUNK, *q.shape[1:])
-    return jax.lax.map(chunk, (qs, segments.reshape(-1, QUERY_CHUNK))).reshape(q.shape)
+    if size == n and band is None:
+        return attend(q, segments, k, v, segments)
+    segments_k = segments
+    if band is not None:  # keys padded by `band` on each side, in a segment no query has
+        pad = ((band, band), (0, 0), (0, 0))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+        segments_k = jnp.pad(segments, band, constant_values=-2)
+
+    def chunk(i):
+        start = i * size
+        qc = jax.lax.dynamic_slice_in_dim(q, start, size)
+        sc = jax.lax.dynamic_slice_in_dim(segments, start, size)
+        if band is None:
+            return attend(qc, sc, k, v, segments_k)
+        width = size + 2 * band  # keys [start - band, start + size + band) of the unpadded
+        kc, vc, skc = (jax.lax.dynamic_slice_in_dim(a, start, width) for a in (k, v, segments_k))
+        return attend(qc, sc, kc, vc, skc)
+
+    return jax.lax.map(chunk, jnp.arange(n // size)).reshape(q.shape)
 
 
 class PatchMerger(nnx.Module):
@@ -279,9 +312,14 @@ class QwenVisionEncoder(nnx.Module):
         freqs = freqs.reshape(len(positions), -1)  # (row freqs, column freqs)
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         cos, sin = jnp.cos(emb), jnp.sin(emb)
-        # Padding patches (segment -1 in both) attend among themselves: never NaN.
+        # Padding patches (segment -1 in both) attend among themselves: never NaN (a run of
+        # padding may be longer than `band`, but a query always sees its own key).
+        band = c.window_units**2 * c.unit  # a window's patches at most
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames if i in c.full_attention_layers else windows)
+            if i in c.full_attention_layers:
+                x = block(x, cos, sin, frames, None)
+            else:
+                x = block(x, cos, sin, windows, band)
         return self.merger(x)
 
 

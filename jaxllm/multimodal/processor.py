@@ -36,21 +36,25 @@ class ImageProcessor:
         limit: int,
         allowed_local_media_path: str | None = None,
         allowed_media_domains: Sequence[str] | None = None,
+        processor_kwargs: dict | None = None,
     ):
+        """`vision`: the model's vision side (`jaxllm.loaders.vision.vision_config`, read with
+        the same `processor_kwargs`, which override the HF processor's settings)."""
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        kwargs = processor_kwargs or {}
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # "falling back to the PIL backend": as meant
         try:
             try:
-                self.hf = AutoProcessor.from_pretrained(path)
+                self.hf = AutoProcessor.from_pretrained(path, **kwargs)
                 self.image_processor, self.tokenizer = self.hf.image_processor, None
             except (ImportError, ValueError, TypeError):
                 # A processor that needs torchvision (Qwen2.5-VL's, for its video side): its
                 # image processor and tokenizer, the placeholders expanded here.
                 self.hf = None
-                self.image_processor = AutoImageProcessor.from_pretrained(path)
+                self.image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
                 self.tokenizer = AutoTokenizer.from_pretrained(path)
         finally:
             hf_logging.set_verbosity(verbosity)
@@ -67,12 +71,14 @@ class ImageProcessor:
             return None
         from jaxllm.loaders.vision import vision_config
 
+        mm = config.multimodal
         return cls(
             model_path,
-            vision_config(model_path),
+            vision_config(model_path, mm.mm_processor_kwargs),
             limit=ready.image_limit,
-            allowed_local_media_path=config.multimodal.allowed_local_media_path,
-            allowed_media_domains=config.multimodal.allowed_media_domains,
+            allowed_local_media_path=mm.allowed_local_media_path,
+            allowed_media_domains=mm.allowed_media_domains,
+            processor_kwargs=mm.mm_processor_kwargs,
         )
 
     def load(self, sources: Sequence[Any], param: str) -> list:
