@@ -44,6 +44,8 @@ RUNS = {
     "8b-v5e-8": ("llama-3.1-8b", "v5e-8", {}),
     "llava-7b-v6e-1": ("llava-1.5-7b", "v6e-1", {}),
     "llava-7b-h100": ("llava-1.5-7b", "h100", {}),
+    # The hub's image processor bound (12,845,056 pixels: 16,384 tokens an image).
+    "qwen2.5-vl-7b-v6e-1": ("qwen2.5-vl-7b", "v6e-1", {}),
 }
 
 # Published figures of the TPU peers for the same model and chip (their measurements).

@@ -136,6 +136,20 @@ class QwenVisionConfig:
     def pixel_shape_text(self) -> str:
         return f"[t, h, w, {self.unit * self.patch_dim}]"
 
+    def encoder_buckets(self, num_blocks: int, budget: int) -> list[int]:
+        """Patches per launch, compiled at warmup: powers of two from 64 up to the first that
+        holds the patches of `budget` tokens (the most a step encodes)."""
+        top = max(6, math.ceil(math.log2(budget * self.unit)))
+        return [1 << i for i in range(6, top + 1)]
+
+    def launch_size(self, shape) -> int:
+        """An image's share of a launch's bucket: its patches."""
+        return int(np.prod(shape[:3])) * self.unit
+
+    def pack(self, images: list, bucket: int, drop: int) -> tuple[np.ndarray, ...]:
+        """The encoder's (rows, *inputs) for `images` (module function `pack`)."""
+        return pack(self, images, bucket, drop).args()
+
     def split_pixels(self, processed) -> list[np.ndarray]:
         """Each image's pixels from its HF processor's output: `pixel_values` [patches of all
         images, patch_dim], in merge units, and `image_grid_thw` [images, 3] in patches."""
@@ -321,10 +335,3 @@ class QwenVisionEncoder(nnx.Module):
             else:
                 x = block(x, cos, sin, windows, band)
         return self.merger(x)
-
-
-def patch_buckets(c: QwenVisionConfig, max_tokens: int) -> list[int]:
-    """Patches per encoder launch, compiled at warmup: powers of two from 64 up to the first
-    that holds `max_tokens` tokens' patches (the most a launch encodes)."""
-    top = max(6, math.ceil(math.log2(max_tokens * c.unit)))
-    return [1 << i for i in range(6, top + 1)]

@@ -107,6 +107,27 @@ class VisionConfig:
         """Each image's pixels from its HF processor's output (`pixel_values` [B, C, H, W])."""
         return list(np.asarray(processed["pixel_values"], np.float32))
 
+    # How the encoder's launches are laid out (`jaxllm.worker.mm_encoder`).
+    def encoder_buckets(self, num_blocks: int, budget: int) -> list[int]:
+        """Images per launch: powers of two up to the most a step encodes (budget, cache)."""
+        most = max(1, min(num_blocks, budget // self.tokens_per_image))
+        buckets = [1 << i for i in range(most.bit_length())]
+        return buckets if buckets[-1] == most else [*buckets, most]
+
+    def launch_size(self, shape) -> int:
+        """An image's share of a launch's bucket: one image."""
+        return 1
+
+    def pack(self, images: list, bucket: int, drop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The encoder's (rows, pixels) for `images`, (pixels [C, H, W], their tokens' cache
+        rows) pairs, padded to `bucket` images; padding writes to row `drop` (dropped)."""
+        pixels = np.zeros((bucket, *self.pixel_shape), np.float32)
+        rows = np.full((bucket, self.tokens_per_image), drop, np.int32)
+        for i, (image, image_rows) in enumerate(images):
+            pixels[i] = image
+            rows[i] = image_rows[: self.tokens_per_image]
+        return rows.reshape(-1), pixels
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> VisionConfig:
         arch = (config.get("architectures") or ["?"])[0]

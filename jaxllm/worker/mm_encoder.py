@@ -8,10 +8,10 @@ written to its place in the image's blocks (the array donated: updated in place)
 forward pass takes each placeholder token's row of the cache instead of its embedding
 (`BatchInputs.mm_rows`). Padding writes past the last row: dropped.
 
-Images are encoded whole, in launches padded to a bucket compiled at warmup: for a model whose
+Images are encoded whole, in launches padded to a bucket compiled at warmup, as the model's
+vision config lays them out (`encoder_buckets`, `launch_size`, `pack`): for a model whose
 images are all one size, a power of two of images up to the most one step encodes; for
-Qwen2.5-VL (images of any size), a power of two of patches, the step's images packed into as
-few launches as the largest bucket allows (`jaxllm.models.qwen_vision.pack`).
+Qwen2.5-VL (images of any size), a power of two of patches in window order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.models.qwen_vision import QwenVisionConfig, QwenVisionEncoder, pack, patch_buckets
+from jaxllm.models.qwen_vision import QwenVisionConfig, QwenVisionEncoder
 from jaxllm.models.vision import VisionConfig, VisionEncoder
 from jaxllm.worker.compiler import Compiler
 from jaxllm.worker.device_state import DeviceState
@@ -69,13 +69,7 @@ class MMEncoder:
         else:
             self.pool = self._zeros_pool()
         self._sleep = None  # asleep: (the weights' shardings, their host copies or None)
-        if c.dynamic:
-            self.buckets = patch_buckets(c, budget)  # patches per launch
-        else:  # images per launch
-            most = max(1, min(num_blocks, budget // c.tokens_per_image))
-            self.buckets = [1 << i for i in range(most.bit_length())]
-            if self.buckets[-1] < most:
-                self.buckets.append(most)
+        self.buckets = c.encoder_buckets(num_blocks, budget)
         # The cache stays replicated (the forward passes were compiled for it), whatever the
         # projector's sharding would make of the rows written into it.
         self._encode = jax.jit(
@@ -125,36 +119,25 @@ class MMEncoder:
         return rows.reshape(-1)
 
     def _batches(self, inputs: list[EncoderInput], bucket: int | None = None) -> list[tuple]:
-        """The encoder's arguments (rows, *inputs) of each launch that encodes `inputs`,
-        padded to buckets (`bucket`: that one, for warmup's empty launches)."""
+        """The encoder's arguments (rows, *inputs) of each launch that encodes `inputs`: as
+        many images a launch as the largest bucket holds, padded to the smallest that holds
+        them (`bucket`: that one, for warmup's empty launch)."""
         c, most = self.config, self.buckets[-1]
-        if not c.dynamic:
-            out = []
-            for start in range(0, max(1, len(inputs)), most):
-                group = inputs[start : start + most]
-                b = bucket or next(b for b in self.buckets if b >= len(group))
-                pixels = np.zeros((b, *c.pixel_shape), np.float32)
-                rows = np.full((b, c.tokens_per_image), self.num_rows, np.int32)
-                for i, item in enumerate(group):
-                    pixels[i] = item.pixels.array()
-                    rows[i] = self._rows(item)[: c.tokens_per_image]
-                out.append((rows.reshape(-1), pixels))
-            return out
         groups: list[list] = [[]]
-        patches = 0
+        size = 0
         for item in inputs:
             pixels = item.pixels.array()
-            n = int(np.prod(pixels.shape[:3])) * c.unit
-            if patches + n > most:
+            n = c.launch_size(pixels.shape)
+            if size + n > most:
                 groups.append([])
-                patches = 0
+                size = 0
             groups[-1].append((pixels, self._rows(item)))
-            patches += n
+            size += n
         out = []
         for group in groups:
-            n = sum(int(np.prod(p.shape[:3])) * c.unit for p, _ in group)
+            n = sum(c.launch_size(p.shape) for p, _ in group)
             b = bucket or next(b for b in self.buckets if b >= n)
-            out.append(pack(c, group, b, self.num_rows).args())
+            out.append(c.pack(group, b, self.num_rows))
         return out
 
     def launch(self, inputs: list[EncoderInput]) -> None:
