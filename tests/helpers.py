@@ -270,11 +270,24 @@ IMAGE_CHATML = (
 IMAGE_SIZE, PATCH = 32, 8  # 16 patches: 16 placeholder tokens per image
 
 
+def save_image_text_model(model_class, config, path):
+    """A random image-text model of `config`, every weight counting (norms start at 0 or 1 and
+    biases at 0), saved as transformers saves it; returns it."""
+    import torch
+
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def write_llava_checkpoint(path, tower: str = "clip"):
     """A tiny random LLaVA (a CLIP or SigLIP tower, the MLP projector, a Llama decoder) with
     its processor (tokenizer with an `<image>` token, image processor, chat template), as
     transformers writes them; returns the transformers model."""
-    import torch
     import transformers
 
     path = Path(path)
@@ -320,12 +333,7 @@ def write_llava_checkpoint(path, tower: str = "clip"):
         vision_feature_select_strategy=strategy,
         vision_feature_layer=layer,
     )
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():  # norms start at 0 or 1 and biases at 0: make every weight count
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
-    model.save_pretrained(path, safe_serialization=True)
+    model = save_image_text_model(transformers.LlavaForConditionalGeneration, config, path)
     processor = transformers.LlavaProcessor(
         image_processor=images,
         tokenizer=tokenizer,
@@ -344,7 +352,6 @@ def write_gemma3_vl_checkpoint(path):
     image, a Gemma 3 decoder with a sliding and a global layer) with its processor (the
     `<start_of_image>` placeholder, expanded to begin/4 image tokens/end); returns the
     transformers model."""
-    import torch
     import transformers
 
     path = Path(path)
@@ -372,12 +379,7 @@ def write_gemma3_vl_checkpoint(path):
         boi_token_index=tokenizer.boi_token_id,
         eoi_token_index=tokenizer.eoi_token_id,
     )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
-    model.save_pretrained(path, safe_serialization=True)
+    model = save_image_text_model(transformers.Gemma3ForConditionalGeneration, config, path)
     images = transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = transformers.Gemma3Processor(
         image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=template
@@ -395,7 +397,6 @@ def write_qwen25_vl_checkpoint(path):
     placeholder), image processor (images of 4 to 48 tokens) and chat template, as
     transformers writes them; returns the transformers model. Its processor is not saved:
     building one needs torchvision (for video), as does loading one."""
-    import torch
     import transformers
 
     path = Path(path)
@@ -422,12 +423,7 @@ def write_qwen25_vl_checkpoint(path):
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.05))
-    model.save_pretrained(path, safe_serialization=True)
+    model = save_image_text_model(transformers.Qwen2_5_VLForConditionalGeneration, config, path)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )

@@ -76,6 +76,7 @@ class InputBatch:
         i = self.row_of.pop(request_id, None)
         if i is not None:
             self._free_rows.append(i)
+            self.mrope_prompt.pop(i, None)
 
     def positions(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """i32[3, T] M-RoPE positions of the tokens at indices `pos` of `rows`."""
