@@ -391,46 +391,51 @@ def write_gemma3_vl_checkpoint(path):
 QWEN_VL_MAX_PIXELS = 28 * 28 * 48  # at most 48 tokens an image: several 4 x 4 windows
 
 
-def write_qwen25_vl_checkpoint(path):
+def write_qwen25_vl_checkpoint(path, version: str = "2.5"):
     """A tiny random Qwen2.5-VL (windowed vision tower with 2-D RoPE and patch merger, a Qwen2
-    decoder with M-RoPE) with its tokenizer (the `<|vision_start|><|image_pad|><|vision_end|>`
-    placeholder), image processor (images of 4 to 48 tokens) and chat template, as
-    transformers writes them; returns the transformers model. Its processor is not saved:
-    building one needs torchvision (for video), as does loading one."""
+    decoder with M-RoPE), or with `version` "2" Qwen2-VL (its tower without windows, with
+    LayerNorms and a plain MLP), with its tokenizer (the
+    `<|vision_start|><|image_pad|><|vision_end|>` placeholder), image processor (images of 4
+    to 48 tokens) and chat template, as transformers writes them; returns the transformers
+    model. Its processor is not saved: building one needs torchvision (for video), as does
+    loading one."""
     import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     path = Path(path)
-    template = IMAGE_CHATML.replace("'<image>'", "'<|vision_start|><|image_pad|><|vision_end|>'")
+    template = IMAGE_CHATML.replace("'<image>'", f"'{QWEN_VL_PLACEHOLDER}'")
     write_tiny_tokenizer(path, vocab_size=VOCAB, chat_template=template)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
     tokenizer.save_pretrained(path)
     ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials), strict=True))
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=VOCAB + 16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-            max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                             "rope_theta": 1e6},
-        ),
-        vision_config=dict(
-            depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-            fullatt_block_indexes=[1, 3], hidden_act="silu",
-        ),
+    text = dict(
+        vocab_size=VOCAB + 16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6},
+    )  # fmt: skip
+    common = dict(
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )  # fmt: skip
-    model = save_image_text_model(transformers.Qwen2_5_VLForConditionalGeneration, config, path)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=QWEN_VL_MAX_PIXELS).save_pretrained(
-        path
-    )
+    if version == "2":
+        vision = dict(depth=3, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+        model_class = transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(
+            depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+            window_size=112, fullatt_block_indexes=[1, 3], hidden_act="silu",
+        )  # fmt: skip
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+    model = save_image_text_model(model_class, config, path)
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=QWEN_VL_MAX_PIXELS)
+    images.save_pretrained(path)
     return model
 
 

@@ -244,13 +244,19 @@ def test_kernel_matrix(request, target, page_size, cache_dtype, head_dim, kv_hea
 
 
 def _tiny_config(
-    path: Path, *, moe: bool = False, gemma: bool = False, llava: bool = False, qwen_vl=False
+    path: Path,
+    *,
+    moe: bool = False,
+    gemma: bool = False,
+    llava: bool = False,
+    qwen_vl: str | None = None,
 ) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
     Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups); with
     `llava`, behind a vision tower: LLaVA's (CLIP) for the Llama layout, Gemma 3's (SigLIP,
-    pooled to 16 tokens that attend to each other) for Gemma's; `qwen_vl`: Qwen2.5-VL's
-    windowed tower (images of up to 16 tokens) before a Qwen2 decoder with M-RoPE."""
+    pooled to 16 tokens that attend to each other) for Gemma's; `qwen_vl` "2.5": Qwen2.5-VL's
+    windowed tower (images of up to 16 tokens) before a Qwen2 decoder with M-RoPE, "2":
+    Qwen2-VL's."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -313,19 +319,22 @@ def _tiny_config(
         }
     path.mkdir(parents=True, exist_ok=True)
     if qwen_vl:
+        tower = {"depth": 2, "num_heads": 4}
+        if qwen_vl == "2":
+            tower |= {"embed_dim": 128, "hidden_size": 128, "mlp_ratio": 2}
+        else:
+            tower |= {"hidden_size": 128, "intermediate_size": 256, "out_hidden_size": 128}
+            tower |= {"fullatt_block_indexes": [1]}
         config |= {
-            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-            "model_type": "qwen2_5_vl",
+            "architectures": [
+                "Qwen2VLForConditionalGeneration"
+                if qwen_vl == "2"
+                else "Qwen2_5_VLForConditionalGeneration"
+            ],
+            "model_type": "qwen2_vl" if qwen_vl == "2" else "qwen2_5_vl",
             "image_token_id": 511,
             "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
-            "vision_config": {
-                "depth": 2,
-                "hidden_size": 128,
-                "intermediate_size": 256,
-                "num_heads": 4,
-                "out_hidden_size": 128,
-                "fullatt_block_indexes": [1],
-            },
+            "vision_config": tower,
         }
         processor = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16}
         (path / "preprocessor_config.json").write_text(json.dumps(processor))
@@ -367,6 +376,7 @@ ENGINES = [
     # [3, T] positions in the forward pass.
     pytest.param("v5e-4", "qwen-vl", {}, id="v5e-4-qwen-vl"),
     pytest.param("h100", "qwen-vl", dict(quantization="int8"), id="h100-qwen-vl"),
+    pytest.param("v6e-1", "qwen2-vl", {}, id="v6e-1-qwen2-vl"),
 ]  # fmt: skip
 
 
@@ -386,7 +396,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         moe=model == "moe",
         gemma=model.startswith("gemma"),
         llava=model in ("llava", "gemma3-vl"),
-        qwen_vl=model == "qwen-vl",
+        qwen_vl={"qwen-vl": "2.5", "qwen2-vl": "2"}.get(model),
     )
     settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
     config = EngineConfig.create(path, **settings)
@@ -401,7 +411,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         assert runner.kv_groups.num_groups == 4 and runner.kv_cache.shape[0] == 1
     if model in ("llava", "gemma3-vl"):
         assert {p.shape for p in runner.programs if p.name == "encode_images"} == {(1,)}
-    if model == "qwen-vl":  # 16 tokens' patches a launch; positions per M-RoPE component
+    if model in ("qwen-vl", "qwen2-vl"):  # 16 tokens' patches a launch; M-RoPE positions
         assert {p.shape for p in runner.programs if p.name == "encode_images"} == {(64,)}
         assert runner.inputs.input_batch.mrope
     assert runner.inputs.mm_attend == (model == "gemma3-vl")

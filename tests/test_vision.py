@@ -1,7 +1,7 @@
 """Image-text models (LLaVA: a CLIP or SigLIP tower, the MLP projector, a Llama decoder;
 Gemma 3: a SigLIP tower, the pooled projector, a Gemma 3 decoder whose image tokens attend to
 each other; Qwen2.5-VL: images at their own size through a windowed tower, a Qwen2 decoder with
-M-RoPE positions) against Hugging Face transformers (torch, float32), on tiny random checkpoints
+M-RoPE positions; Qwen2-VL, the same without windows) against Hugging Face transformers (torch, float32), on tiny random checkpoints
 transformers writes: the vision encoder's output, and greedy tokens through the engine identical to
 transformers' `generate` for prompts with no, one and two images, batched and alone, across
 chunked prefill, prefix-cache hits and preemption; the encoder cache; the offline chat API
@@ -45,15 +45,16 @@ def images(seed: int, n: int) -> list:
     ]
 
 
-@pytest.fixture(scope="module", params=["clip", "siglip", "gemma3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["clip", "siglip", "gemma3", "qwen2_5_vl", "qwen2_vl"])
 def llava(request, tmp_path_factory):
     """(checkpoint, transformers model, processor, the prompt's image placeholder text)."""
     path = tmp_path_factory.mktemp(f"vl-{request.param}")
     if request.param == "gemma3":
         model, placeholder = write_gemma3_vl_checkpoint(path), "<start_of_image>"
-    elif request.param == "qwen2_5_vl":
-        model, placeholder = write_qwen25_vl_checkpoint(path), QWEN_VL_PLACEHOLDER
-        return path, model, QwenVLProcessor(path), placeholder
+    elif request.param in ("qwen2_5_vl", "qwen2_vl"):
+        version = "2.5" if request.param == "qwen2_5_vl" else "2"
+        model = write_qwen25_vl_checkpoint(path, version)
+        return path, model, QwenVLProcessor(path), QWEN_VL_PLACEHOLDER
     else:
         model, placeholder = write_llava_checkpoint(path, tower=request.param), "<image>"
     processor = transformers.AutoProcessor.from_pretrained(path)
@@ -116,8 +117,9 @@ def test_vision_encoder_matches_transformers(llava, monkeypatch):
 
 
 def _qwen_encoder_matches(llava, config, encoder, monkeypatch):
-    """Qwen2.5-VL: images of several sizes (partial windows among them) packed into one
-    launch as the engine packs them, each token written to its row: transformers' rows."""
+    """Qwen2-VL and Qwen2.5-VL: images of several sizes (partial windows among them) packed
+    into one launch as the engine packs them, each token written to its row: transformers'
+    rows."""
     from jaxllm.models import qwen_vision
     from jaxllm.models.qwen_vision import pack
 
@@ -131,7 +133,8 @@ def _qwen_encoder_matches(llava, config, encoder, monkeypatch):
     ref = torch.cat(list(ref)).numpy() if isinstance(ref, list | tuple) else ref.numpy()
     pixels = config.split_pixels(out)
     assert len({p.shape[:3] for p in pixels}) == 4  # four grids
-    assert max(p.shape[1] for p in pixels) > config.window_units  # more than one window
+    if config.window_size:  # Qwen2.5-VL: more than one window
+        assert max(p.shape[1] for p in pixels) > config.window_units
     total = sum(int(np.prod(p.shape[:3])) for p in pixels)
     rows = np.cumsum([0] + [int(np.prod(p.shape[:3])) for p in pixels])
     spans = zip(pixels, rows[:-1], rows[1:], strict=True)

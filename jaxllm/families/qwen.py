@@ -1,5 +1,5 @@
-"""Qwen2/2.5, Qwen3 and Qwen3-MoE, and Qwen2.5-VL (a Qwen2 decoder with M-RoPE positions after
-its vision tower, `jaxllm.models.qwen_vision`)."""
+"""Qwen2/2.5, Qwen3 and Qwen3-MoE, and Qwen2-VL and Qwen2.5-VL (a Qwen2 decoder with M-RoPE
+positions after its vision tower, `jaxllm.models.qwen_vision`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ register(
         sliding_layers=_from_max_window_layers,
         gguf=GGUFFormat("qwen3", "qwen3", GGUF_QK_NORM_NAMES),
     ),
+    Family("Qwen2VLForConditionalGeneration", text_of="Qwen2ForCausalLM"),
     Family("Qwen2_5_VLForConditionalGeneration", text_of="Qwen2ForCausalLM"),
     Family(
         "Qwen3MoeForCausalLM",

@@ -22,7 +22,7 @@ from jaxllm.sharding import param_shardings
 # Where checkpoints put the vision side: transformers 5 under "model.", older ones at the top,
 # and the tower's own modules under "vision_model." (CLIPVisionModel) or not.
 _PREFIX = re.compile(r"^(?:model\.)?(vision_tower|multi_modal_projector)\.(?:vision_model\.)?")
-# Qwen2.5-VL's: "visual." (as its checkpoints are saved) or "model.visual.".
+# Qwen2-VL's and Qwen2.5-VL's: "visual." (as their checkpoints are saved) or "model.visual.".
 _QWEN_PREFIX = re.compile(r"^(?:model\.)?visual\.")
 _QWEN_BLOCK = re.compile(r"^blocks\.(\d+)\.(?:attn|mlp)?\.?(\w+)\.(weight|bias)$")
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
@@ -51,7 +51,7 @@ def vision_config(
     if not Path(path).is_dir() or not config_file.is_file():
         return None
     config = json.loads(config_file.read_text())
-    if config.get("model_type") == "qwen2_5_vl":
+    if config.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
         processor = Path(path) / "preprocessor_config.json"
         settings = json.loads(processor.read_text()) if processor.is_file() else {}
         return QwenVisionConfig.from_hf_config(config, settings, processor_kwargs or {})
@@ -61,7 +61,7 @@ def vision_config(
 
 
 def _qwen_target(name: str, config: QwenVisionConfig) -> tuple[tuple, bool]:
-    """`_target` for Qwen2.5-VL's tower: (path, transposed)."""
+    """`_target` for Qwen2-VL's and Qwen2.5-VL's towers: (path, transposed)."""
     rest = name[_QWEN_PREFIX.match(name).end() :]
     if rest == "patch_embed.proj.weight":  # Conv3d [D, C, T, p, p] as one matmul
         return ("patch_embed",), True
@@ -69,8 +69,10 @@ def _qwen_target(name: str, config: QwenVisionConfig) -> tuple[tuple, bool]:
     if block:
         index, module, leaf = int(block.group(1)), block.group(2), block.group(3)
         return ("blocks", index, module, leaf), leaf == "weight" and "norm" not in module
-    merger = {"merger.ln_q.weight": ("ln_q", "weight")}.get(rest)
-    if merger is None and rest.startswith("merger.mlp."):
+    merger = None
+    if rest.startswith("merger.ln_q."):
+        merger = ("ln_q", rest.removeprefix("merger.ln_q."))
+    elif rest.startswith("merger.mlp."):
         index, leaf = rest.removeprefix("merger.mlp.").split(".")
         merger = (f"mlp_{index}", leaf)
     if merger is None:

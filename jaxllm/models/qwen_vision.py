@@ -1,6 +1,7 @@
 """Qwen2.5-VL's vision side: images at their own resolution, as a variable number of patches,
 through a ViT with 2-D rotary positions and windowed attention, merged 2x2 into the decoder's
-width (`Qwen2_5_VLForConditionalGeneration`).
+width (`Qwen2_5_VLForConditionalGeneration`); and Qwen2-VL's (`Qwen2VLForConditionalGeneration`),
+the same without windows, with LayerNorms and a plain MLP.
 
 An image of H x W pixels (resized by the processor to multiples of patch * merge) is a grid of
 t x h x w patches (t = 1 for an image: the frame repeated over `temporal_patch_size`), and
@@ -21,7 +22,6 @@ layer's against every key of the sequence (dense: O(patches^2) per full layer).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -30,10 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.models.layers import ACTIVATIONS, RMSNorm, param
-from jaxllm.models.vision import _COLUMNS, _ROWS, Dense
+from jaxllm.models.layers import LayerNorm, RMSNorm, param
+from jaxllm.models.vision import _ACTIVATIONS, _COLUMNS, _ROWS, Dense
 
-_ACTIVATIONS = {**ACTIVATIONS, "gelu": functools.partial(jax.nn.gelu, approximate=False)}
 QUERY_CHUNK = 1024  # queries per attention chunk: scores [heads, 1024, patches] at most
 
 
@@ -57,6 +56,10 @@ class QwenVisionConfig:
     max_pixels: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # Qwen2-VL's tower: LayerNorms and a plain MLP (fc1, fc2), every layer over the whole
+    # image; Qwen2.5-VL's: RMSNorms, a gated MLP, windows.
+    layer_norm: bool = False
+    gated_mlp: bool = True
     bidirectional = False  # the decoder's image tokens attend causally
     dynamic = True  # images of many sizes: a variable number of rows each
 
@@ -81,24 +84,41 @@ class QwenVisionConfig:
         max_pixels = bound("max_pixels", "longest_edge", 28 * 28 * 1280)
         rope = vision.get("rope_parameters") or {}
         image_token = config.get("image_token_id", 151655)
-        return cls(
+        common = dict(
             architecture=config["architectures"][0],
-            hidden_size=vision["hidden_size"],
-            intermediate_size=vision["intermediate_size"],
             num_layers=vision["depth"],
-            num_heads=vision["num_heads"],
+            num_heads=vision.get("num_heads", 16),
             patch_size=vision.get("patch_size", 14),
             temporal_patch_size=vision.get("temporal_patch_size", 2),
             merge_size=vision.get("spatial_merge_size", 2),
+            num_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+            image_token_id=int(image_token),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+        if config.get("model_type") == "qwen2_vl":
+            # Its vision_config's hidden_size is the merger's output (the decoder's width).
+            width = vision.get("embed_dim", 1280)
+            return cls(
+                **common,
+                hidden_size=width,
+                intermediate_size=width * vision.get("mlp_ratio", 4),
+                window_size=0,
+                full_attention_layers=tuple(range(vision["depth"])),
+                hidden_act=vision.get("hidden_act", "quick_gelu"),
+                text_hidden_size=vision.get("hidden_size") or text["hidden_size"],
+                layer_norm=True,
+                gated_mlp=False,
+            )
+        return cls(
+            **common,
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
             window_size=vision.get("window_size", 112),
             full_attention_layers=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
-            num_channels=vision.get("in_channels", 3),
             hidden_act=vision.get("hidden_act", "silu"),
             text_hidden_size=vision.get("out_hidden_size") or text["hidden_size"],
-            image_token_id=int(image_token),
-            min_pixels=int(min_pixels),
-            max_pixels=int(max_pixels),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
         )
 
     @property
@@ -121,7 +141,9 @@ class QwenVisionConfig:
 
     @property
     def window_units(self) -> int:
-        """A window's side, in tokens (merge units)."""
+        """A window's side, in tokens (merge units); a tower without windows: one huge."""
+        if not self.window_size:
+            return 1 << 20
         return self.window_size // self.merge_size // self.patch_size
 
     def tokens_of(self, shape) -> int | None:
@@ -220,13 +242,17 @@ def pack(
 class VisionBlock(nnx.Module):
     def __init__(self, c: QwenVisionConfig, *, dtype, rngs):
         d, f = c.hidden_size, c.intermediate_size
-        self.norm1 = RMSNorm(d, c.norm_eps, dtype=dtype)
-        self.norm2 = RMSNorm(d, c.norm_eps, dtype=dtype)
+        self.norm1, self.norm2 = (_norm(c, d, dtype) for _ in range(2))
         self.qkv = Dense(d, 3 * d, _COLUMNS, dtype=dtype, rngs=rngs)
         self.proj = Dense(d, d, _ROWS, dtype=dtype, rngs=rngs)
-        self.gate_proj = Dense(d, f, _COLUMNS, dtype=dtype, rngs=rngs)
-        self.up_proj = Dense(d, f, _COLUMNS, dtype=dtype, rngs=rngs)
-        self.down_proj = Dense(f, d, _ROWS, dtype=dtype, rngs=rngs)
+        if c.gated_mlp:
+            self.gate_proj = Dense(d, f, _COLUMNS, dtype=dtype, rngs=rngs)
+            self.up_proj = Dense(d, f, _COLUMNS, dtype=dtype, rngs=rngs)
+            self.down_proj = Dense(f, d, _ROWS, dtype=dtype, rngs=rngs)
+        else:
+            self.fc1 = Dense(d, f, _COLUMNS, dtype=dtype, rngs=rngs)
+            self.fc2 = Dense(f, d, _ROWS, dtype=dtype, rngs=rngs)
+        self.gated = c.gated_mlp
         self.num_heads = c.num_heads
         self.act = _ACTIVATIONS[c.hidden_act]
 
@@ -237,7 +263,17 @@ class VisionBlock(nnx.Module):
         q, k = (_rotate(y, cos, sin) for y in (q, k))
         x = x + self.proj(_segment_attention(q, k, v, segments, band).reshape(n, d))
         y = self.norm2(x)
-        return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y))
+        if self.gated:
+            return x + self.down_proj(self.act(self.gate_proj(y)) * self.up_proj(y))
+        return x + self.fc2(self.act(self.fc1(y)))
+
+
+def _norm(c: QwenVisionConfig, dim: int, dtype):
+    return (
+        LayerNorm(dim, c.norm_eps, dtype=dtype)
+        if c.layer_norm
+        else RMSNorm(dim, c.norm_eps, dtype=dtype)
+    )
 
 
 def _rotate(x, cos, sin):
@@ -293,7 +329,7 @@ class PatchMerger(nnx.Module):
 
     def __init__(self, c: QwenVisionConfig, *, dtype, rngs):
         d, wide = c.hidden_size, c.hidden_size * c.unit
-        self.ln_q = RMSNorm(d, c.norm_eps, dtype=dtype)
+        self.ln_q = _norm(c, d, dtype)
         self.mlp_0 = Dense(wide, wide, _COLUMNS, dtype=dtype, rngs=rngs)
         self.mlp_2 = Dense(wide, c.text_hidden_size, _ROWS, dtype=dtype, rngs=rngs)
         self.wide = wide
