@@ -723,6 +723,9 @@ class MultiModalConfig:
     encoder_cache_size: int | None = None
     """Image tokens the encoder cache holds on the device (encoded images, kept while their
     requests need them and reused by image content); default max_num_encoder_input_tokens."""
+    enable_mm_embeds: bool = False
+    """Prompts may carry image embeddings instead of images (offline, vLLM's
+    `{"image": {"image_embeds": ...}}`), written to the encoder cache as they are."""
     mm_processor_kwargs: dict | None = None
     """Settings of the model's HF image processor over its preprocessor_config.json, as
     vLLM's JSON: Qwen2.5-VL's {"max_pixels": 1003520} bounds an image's tokens (here 1280),

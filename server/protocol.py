@@ -439,6 +439,13 @@ class ChatMessage(_Model):
                         f"{i}.image_url", "an image_url content part needs an object with a 'url'"
                     )
                 continue
+            if part.get("type") == "image_embeds":
+                raise _ParamError(
+                    f"{i}.type",
+                    "image_embeds content parts are not supported: vLLM sends them as "
+                    "torch-pickled tensors, which this server does not unpickle; send the "
+                    "image (image_url), or its embeddings offline (LLM with enable_mm_embeds)",
+                )
             if part.get("type") != "text":
                 raise _ParamError(
                     f"{i}.type",

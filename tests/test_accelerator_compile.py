@@ -374,7 +374,7 @@ ENGINES = [
     pytest.param("h100", "gemma3-vl", dict(max_num_batched_tokens=16), id="h100-gemma3-vl"),
     # Qwen2.5-VL: images of any size as patches in buckets, the windowed tower, M-RoPE's
     # [3, T] positions in the forward pass.
-    pytest.param("v5e-4", "qwen-vl", {}, id="v5e-4-qwen-vl"),
+    pytest.param("v5e-4", "qwen-vl", dict(enable_mm_embeds=True), id="v5e-4-qwen-vl"),
     pytest.param("h100", "qwen-vl", dict(quantization="int8"), id="h100-qwen-vl"),
     pytest.param("v6e-1", "qwen2-vl", {}, id="v6e-1-qwen2-vl"),
 ]  # fmt: skip
@@ -414,6 +414,8 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     if model in ("qwen-vl", "qwen2-vl"):  # 16 tokens' patches a launch; M-RoPE positions
         assert {p.shape for p in runner.programs if p.name == "encode_images"} == {(64,)}
         assert runner.inputs.input_batch.mrope
+    stores = {p.shape for p in runner.programs if p.name == "store_image_embeds"}
+    assert stores == ({(16,)} if settings.get("enable_mm_embeds") else set())
     assert runner.inputs.mm_attend == (model == "gemma3-vl")
     steps = [p for p in runner.programs if p.updates_cache]
     assert steps and not runner.cache_copies()

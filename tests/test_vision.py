@@ -595,6 +595,61 @@ def write_qwen_config(path):
     return path
 
 
+def test_image_embeds_instead_of_images(llava, cases):
+    """`{"image": {"image_embeds": ...}}` (with `enable_mm_embeds`; Qwen's with
+    `image_grid_thw`): the embeddings transformers' vision side makes of the images give the
+    images' tokens, from text and token-id prompts; written to the encoder cache by the store
+    programs compiled at warmup, the tower never run. Bad embeddings are refused naming them."""
+    path, model, processor, placeholder = llava
+    text, imgs, ref = cases[1]  # two images
+    out = processor.image_processor(images=imgs, return_tensors="np")
+    kwargs = {"pixel_values": torch.tensor(np.asarray(out["pixel_values"]))}
+    if "image_grid_thw" in out:
+        kwargs["image_grid_thw"] = torch.tensor(out["image_grid_thw"])
+    with torch.no_grad():
+        features = model.model.get_image_features(**kwargs).pooler_output
+    embeds = torch.cat(list(features)) if "image_grid_thw" in out else torch.stack(list(features))
+    data = {"image_embeds": embeds.numpy()}
+    if "image_grid_thw" in out:
+        data["image_grid_thw"] = out["image_grid_thw"].tolist()
+    llm = LLM(
+        path,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_pages=64,
+        enable_mm_embeds=True,
+    )
+    compiled = llm.runner.num_compilations
+    assert {p.name for p in llm.runner.programs} >= {"encode_images", "store_image_embeds"}
+    prompts = [{"prompt": text, "multi_modal_data": {"image": data}}]
+    if not is_gemma(llava):  # one image token an image, expanded by the engine
+        lone = processor.tokenizer.encode(text, add_special_tokens=True)
+        prompts.append({"prompt_token_ids": lone, "multi_modal_data": {"image": data}})
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref] * len(prompts)
+    assert llm.runner.num_compilations == compiled
+    assert llm.engine.scheduler.encoder_cache.num_held == 0
+
+    at = "multi_modal_data.image.image_embeds"
+    bad = [
+        ({"image_embeds": embeds.numpy()[..., :-1]}, at, "shape"),
+        ({"image_embeds": np.full_like(embeds.numpy(), np.nan)}, at, "not finite"),
+        ({"image_embeds": "abc"}, at, "not an array"),
+        ({"image_embeds": embeds.numpy(), "pixel_values": 1}, "multi_modal_data", "unknown"),
+    ]
+    if "image_grid_thw" in out:
+        bad.append(({"image_embeds": embeds.numpy()}, at.replace("embeds", "grid_thw"), "grids"))
+    for data, param, says in bad:
+        with pytest.raises(InputError) as e:
+            llm.generate([{"prompt": text, "multi_modal_data": {"image": data}}], GREEDY)
+        assert e.value.param == param and says in str(e.value), (param, str(e.value))
+    plain = LLM(path, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, num_pages=32)
+    assert "store_image_embeds" not in {p.name for p in plain.runner.programs}
+    with pytest.raises(InputError, match="enable_mm_embeds"):
+        plain.generate([{"prompt": text, "multi_modal_data": {"image": {"image_embeds": [1]}}}])
+
+
 def test_mm_processor_kwargs_bound_qwen_images(llava):
     """`mm_processor_kwargs={"max_pixels": ...}` shrinks Qwen2.5-VL's images to at most 8
     tokens, in the front end and the engine alike: transformers' tokens with the same

@@ -112,6 +112,7 @@ def test_chat_with_images_streams_and_equals_offline(server, client, llava_dir, 
         ([image_part("file:///etc/passwd")], "messages.0.content.0.image_url", "outside"),
         ([{"type": "image_url", "image_url": {}}], "messages.0.content.0.image_url", "url"),
         ([{"type": "input_audio", "input_audio": {}}], "messages.0.content.0.type", "not supported"),
+        ([{"type": "image_embeds", "image_embeds": "UEsDBA=="}], "messages.0.content.0.type", "torch-pickled"),
     ],
 )  # fmt: skip
 def test_bad_images_are_400s_naming_the_part(server, content, param, says):

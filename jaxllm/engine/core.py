@@ -304,6 +304,7 @@ class EngineCore:
                 request.prompt_token_ids,
                 self.vision,
                 self.config.multimodal.image_limit if self.config is not None else None,
+                embeds=self.config is not None and self.config.multimodal.enable_mm_embeds,
             )
         if request.lora is not None:
             if self.scheduler.loras is None:

@@ -201,9 +201,11 @@ class InputProcessor:
                     param,
                 )
             sources = data.get("image")
-            sources = list(sources) if isinstance(sources, list | tuple) else [sources]
             if self.images is None:
                 raise InputError(f"{param}: this model takes no images", param)
+            if isinstance(sources, dict) and "image_embeds" in sources:
+                return self._embeds_inputs(prompt, sources, add_special_tokens)
+            sources = list(sources) if isinstance(sources, list | tuple) else [sources]
             images = self.images.load(sources, param)
         if not images:
             text, ids, came_as = self._prompt_ids(prompt, add_special_tokens)
@@ -219,6 +221,19 @@ class InputProcessor:
         ids, items = self.images.process(
             source, images, add_special_tokens=add_special_tokens, param=param
         )
+        self.check_prompt(ids, "prompt")
+        return text, ids, items
+
+    def _embeds_inputs(self, prompt: dict[str, Any], data: dict, add_special_tokens: bool):
+        """`prompt_inputs` of a prompt whose images come as embeddings."""
+        if "prompt_token_ids" in prompt:
+            text, source, _ = self._prompt_ids(prompt, add_special_tokens)
+        else:
+            text = source = prompt.get("prompt")
+            if not isinstance(source, str) or not source:
+                raise InputError("prompt must be a non-empty string", "prompt")
+            self.check_text_fits(source)
+        ids, items = self.images.process_embeds(source, data, add_special_tokens=add_special_tokens)
         self.check_prompt(ids, "prompt")
         return text, ids, items
 

@@ -154,6 +154,14 @@ class QwenVisionConfig:
             return None
         return shape[0] * shape[1] * shape[2]
 
+    def embeds_tokens(self, shape) -> int | None:
+        """The tokens of an image given as embeddings of this shape ([t, h, w, width], its
+        tokens' grid), or None if the model takes no such array."""
+        shape = list(shape)
+        if len(shape) != 4 or shape[3] != self.text_hidden_size or min(shape[:3]) < 1:
+            return None
+        return shape[0] * shape[1] * shape[2]
+
     @property
     def pixel_shape_text(self) -> str:
         return f"[t, h, w, {self.unit * self.patch_dim}]"

@@ -99,6 +99,15 @@ class VisionConfig:
         such array."""
         return self.tokens_per_image if list(shape) == list(self.pixel_shape) else None
 
+    def embeds_tokens(self, shape) -> int | None:
+        """The tokens of an image given as embeddings of this shape ([tokens, width]), or
+        None if the model takes no such array."""
+        return (
+            self.tokens_per_image
+            if list(shape) == [self.tokens_per_image, self.text_hidden_size]
+            else None
+        )
+
     @property
     def pixel_shape_text(self) -> str:
         return str(list(self.pixel_shape))

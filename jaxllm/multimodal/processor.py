@@ -37,6 +37,7 @@ class ImageProcessor:
         allowed_local_media_path: str | None = None,
         allowed_media_domains: Sequence[str] | None = None,
         processor_kwargs: dict | None = None,
+        enable_mm_embeds: bool = False,
     ):
         """`vision`: the model's vision side (`jaxllm.loaders.vision.vision_config`, read with
         the same `processor_kwargs`, which override the HF processor's settings)."""
@@ -49,7 +50,7 @@ class ImageProcessor:
         try:
             try:
                 self.hf = AutoProcessor.from_pretrained(path, **kwargs)
-                self.image_processor, self.tokenizer = self.hf.image_processor, None
+                self.image_processor, self.tokenizer = self.hf.image_processor, self.hf.tokenizer
             except (ImportError, ValueError, TypeError):
                 # A processor that needs torchvision (Qwen2.5-VL's, for its video side): its
                 # image processor and tokenizer, the placeholders expanded here.
@@ -60,6 +61,7 @@ class ImageProcessor:
             hf_logging.set_verbosity(verbosity)
         self.vision = vision  # the model's `VisionConfig` or `QwenVisionConfig`
         self.limit = limit
+        self.enable_mm_embeds = enable_mm_embeds
         self.allowed_local_media_path = allowed_local_media_path
         self.allowed_media_domains = allowed_media_domains
 
@@ -79,6 +81,7 @@ class ImageProcessor:
             allowed_local_media_path=mm.allowed_local_media_path,
             allowed_media_domains=mm.allowed_media_domains,
             processor_kwargs=mm.mm_processor_kwargs,
+            enable_mm_embeds=mm.enable_mm_embeds,
         )
 
     def load(self, sources: Sequence[Any], param: str) -> list:
@@ -129,7 +132,7 @@ class ImageProcessor:
                     prompt = prompt["input_ids"]
                 out = self.image_processor(images=images, return_tensors="np")
                 pixels = self.vision.split_pixels(out)
-                ids = self._expanded(prompt, pixels)
+                ids = self._expanded(prompt, [self.vision.tokens_of(p.shape) for p in pixels])
         except InputError:
             raise
         except (ValueError, TypeError, OSError) as e:
@@ -147,12 +150,113 @@ class ImageProcessor:
                 return at
         return param
 
-    def _expanded(self, ids: list[int], pixels: list[np.ndarray]) -> list[int]:
+    def process_embeds(
+        self,
+        prompt: str | list[int],
+        data: dict,
+        *,
+        add_special_tokens: bool = True,
+        param: str = "multi_modal_data",
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """(token ids, the images as items) of a prompt whose images come as embeddings, as
+        vLLM takes them: {"image_embeds": [images, tokens, width] or [tokens, width], and for
+        Qwen2-VL/2.5-VL "image_grid_thw": [images, 3] (patches), the embeddings of all images
+        concatenated [tokens, width]}. Each image token in the prompt is expanded to its
+        image's tokens (or the prompt holds them expanded already)."""
+        v, at = self.vision, f"{param}.image.image_embeds"
+        if not self.enable_mm_embeds:
+            raise InputError(
+                f"{at}: image embeddings are not enabled for this engine (enable_mm_embeds)", at
+            )
+        unknown = sorted(set(data) - {"image_embeds", "image_grid_thw"})
+        if unknown:
+            raise InputError(f"{param}.image: unknown key(s) {', '.join(unknown)}", param)
+        try:
+            embeds = np.asarray(data["image_embeds"], np.float32)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{at}: not an array of numbers: {e}", at) from None
+        width = v.text_hidden_size
+        if embeds.ndim not in (2, 3) or embeds.shape[-1] != width or not embeds.size:
+            raise InputError(
+                f"{at}: shape {list(embeds.shape)}; the model takes [images, tokens, {width}] "
+                f"or [tokens, {width}]",
+                at,
+            )
+        if not np.isfinite(embeds).all():
+            raise InputError(f"{at}: not finite", at)
+        if v.dynamic:
+            arrays = self._by_grid(embeds.reshape(-1, width), data.get("image_grid_thw"), param)
+        else:
+            arrays = list(embeds if embeds.ndim == 3 else embeds[None])
+        if len(arrays) > self.limit:
+            raise InputError(
+                f"{param}: {len(arrays)} images, more than the {self.limit} a prompt may "
+                "carry (--limit-mm-per-prompt)",
+                param,
+            )
+        lengths = [v.embeds_tokens(a.shape) for a in arrays]
+        for array, n in zip(arrays, lengths, strict=True):
+            if n is None or n > v.max_tokens_per_image:
+                raise InputError(
+                    f"{at}: an image of {len(array.reshape(-1, width))} rows; the model makes "
+                    + ("at most " if v.dynamic else "")
+                    + f"{v.max_tokens_per_image} of an image",
+                    at,
+                )
+        if isinstance(prompt, str) and self.hf is not None and not v.dynamic:
+            # The processor lays the placeholders out its own way (Gemma's begin and end
+            # tokens): given blank images (all the same size to it), the same ids.
+            from PIL import Image
+
+            blank = [Image.new("RGB", (8, 8))] * len(arrays)
+            try:
+                out = self.hf(
+                    text=[prompt],
+                    images=blank,
+                    return_tensors="np",
+                    add_special_tokens=add_special_tokens,
+                )
+            except (ValueError, TypeError) as e:
+                raise InputError(f"{param}: {e}", param) from None
+            ids = out["input_ids"][0].tolist()
+        else:
+            if isinstance(prompt, str):
+                prompt = self.tokenizer(prompt, add_special_tokens=add_special_tokens)
+                prompt = prompt["input_ids"]
+            ids = self._expanded(list(prompt), lengths)
+        return ids, self.items(ids, arrays, param, lengths=lengths, embeds=True)
+
+    def _by_grid(self, rows: np.ndarray, grids, param: str) -> list[np.ndarray]:
+        """Qwen's embeddings of concatenated images split by their patch grids, each
+        [frames, rows, columns, width] in tokens."""
+        at = f"{param}.image.image_grid_thw"
+        try:
+            grids = np.asarray(grids, np.int64).reshape(-1, 3)
+        except (TypeError, ValueError):
+            raise InputError(
+                f"{at}: this model's image_embeds need their [t, h, w] grids", at
+            ) from None
+        m = self.vision.merge_size
+        if (grids < 1).any() or (grids[:, 1:] % m).any():
+            raise InputError(f"{at}: each grid [t, h, w] in patches, h and w multiples of {m}", at)
+        tokens = grids[:, 0] * (grids[:, 1] // m) * (grids[:, 2] // m)
+        if int(tokens.sum()) != len(rows):
+            raise InputError(
+                f"{at}: the grids make {int(tokens.sum())} tokens; image_embeds has {len(rows)}",
+                at,
+            )
+        starts = np.concatenate([[0], np.cumsum(tokens)])
+        return [
+            rows[a:b].reshape(t, h // m, w // m, -1)
+            for (t, h, w), a, b in zip(grids.tolist(), starts[:-1], starts[1:], strict=True)
+        ]
+
+    def _expanded(self, ids: list[int], lengths: list[int | None]) -> list[int]:
         """Token ids with each lone image token repeated as its image's placeholders (the
-        images in order; a token-id prompt may also hold them expanded already)."""
+        images' token counts in order; a token-id prompt may also hold them expanded)."""
         out: list[int] = []
         t = self.vision.image_token_id
-        lengths = iter([self.vision.tokens_of(p.shape) or 0 for p in pixels])
+        lengths = iter([n or 0 for n in lengths])
         for i, token in enumerate(ids):
             lone = (
                 token == t
@@ -162,12 +266,22 @@ class ImageProcessor:
             out.extend([t] * next(lengths, 1) if lone else [token])
         return out
 
-    def items(self, ids: list[int], pixels: list[np.ndarray], param: str) -> list[MultiModalItem]:
+    def items(
+        self,
+        ids: list[int],
+        pixels: list[np.ndarray],
+        param: str,
+        *,
+        lengths: list[int | None] | None = None,
+        embeds: bool = False,
+    ) -> list[MultiModalItem]:
         """The images' items at the placeholders of `ids`, in order: each image takes as many
-        as it makes tokens (adjacent images share a run of placeholders)."""
+        as it makes tokens (`lengths`, default from the pixels' shapes; adjacent images share
+        a run of placeholders). `embeds`: the arrays are the images' embeddings."""
         t = self.vision.image_token_id
         marks = np.flatnonzero(np.asarray(ids) == t)
-        lengths = [self.vision.tokens_of(p.shape) for p in pixels]
+        if lengths is None:
+            lengths = [self.vision.tokens_of(p.shape) for p in pixels]
         if sum(n or 0 for n in lengths) != len(marks) or None in lengths:
             raise InputError(
                 f"{param}: the prompt has {len(marks)} image placeholder tokens; its "
@@ -183,13 +297,18 @@ class ImageProcessor:
                     f"(an image of {n} tokens at {offset})",
                     param,
                 )
-            items.append(MultiModalItem.of(x, offset, n))
+            items.append(MultiModalItem.of(x, offset, n, embeds=embeds))
             k += n
         return items
 
 
 def check_mm_items(
-    items: Sequence[MultiModalItem], prompt_token_ids: Sequence[int], vision, limit: int | None
+    items: Sequence[MultiModalItem],
+    prompt_token_ids: Sequence[int],
+    vision,
+    limit: int | None,
+    *,
+    embeds: bool = False,
 ) -> None:
     """Raises a ValueError unless a request's images fit its prompt and the model: each at a
     run of its placeholder tokens of the image's length, pixels of the model's shape, every
@@ -206,11 +325,17 @@ def check_mm_items(
     covered = 0
     end = 0
     for item in sorted(items, key=lambda x: x.offset):
-        p = vision.tokens_of(item.pixels.shape)
-        if p is None or len(item.pixels.data) != 4 * int(np.prod(item.pixels.shape)):
+        if item.embeds and not embeds:
             raise ValueError(
-                f"multi_modal_data: pixels of shape {item.pixels.shape}; the model takes "
-                f"{vision.pixel_shape_text}"
+                "multi_modal_data: image embeddings are not enabled (enable_mm_embeds)"
+            )
+        shape = item.pixels.shape
+        p = vision.embeds_tokens(shape) if item.embeds else vision.tokens_of(shape)
+        if p is None or len(item.pixels.data) != 4 * int(np.prod(shape)):
+            what = "embeddings" if item.embeds else "pixels"
+            raise ValueError(
+                f"multi_modal_data: {what} of shape {shape} do not fit the model "
+                f"({vision.pixel_shape_text} pixels, {vision.text_hidden_size} wide embeddings)"
             )
         if p > vision.max_tokens_per_image:
             raise ValueError(

@@ -45,6 +45,12 @@ def encode(graphdef, params_def, params, pool: jax.Array, rows: jax.Array, *inpu
     return pool.at[rows].set(embeds, mode="drop")
 
 
+def store(pool: jax.Array, rows: jax.Array, embeds: jax.Array):
+    """The encoder cache with image embeddings given by a prompt (`enable_mm_embeds`) written
+    to `rows` (past the cache: dropped)."""
+    return pool.at[rows].set(embeds.astype(pool.dtype), mode="drop")
+
+
 class MMEncoder:
     def __init__(
         self,
@@ -55,9 +61,12 @@ class MMEncoder:
         num_blocks: int,
         budget: int,
         dtype,
+        embeds: bool = False,
     ):
         """`num_blocks`: the encoder cache's blocks; `budget`: the image tokens a step
-        encodes at most; `dtype`: the decoder's embeddings'."""
+        encodes at most; `dtype`: the decoder's embeddings'; `embeds`: prompts may carry image
+        embeddings, written as they are (`store`, in buckets of rows: powers of two from 16
+        up to the budget)."""
         self.config = c = encoder.config
         self.device, self.compiler = device, compiler
         self.num_rows = num_blocks * c.block_tokens
@@ -70,6 +79,8 @@ class MMEncoder:
             self.pool = self._zeros_pool()
         self._sleep = None  # asleep: (the weights' shardings, their host copies or None)
         self.buckets = c.encoder_buckets(num_blocks, budget)
+        top = max(4, (budget - 1).bit_length())
+        self.store_buckets = [1 << i for i in range(4, top + 1)] if embeds else []
         # The cache stays replicated (the forward passes were compiled for it), whatever the
         # projector's sharding would make of the rows written into it.
         self._encode = jax.jit(
@@ -77,10 +88,15 @@ class MMEncoder:
             donate_argnums=(1,),
             out_shardings=None if device.mesh is None else device.replicated,
         )
+        self._store = jax.jit(
+            store,
+            donate_argnums=(0,),
+            out_shardings=None if device.mesh is None else device.replicated,
+        )
 
     @property
     def num_programs(self) -> int:
-        return len(self.buckets)
+        return len(self.buckets) + len(self.store_buckets)
 
     def _zeros_pool(self) -> jax.Array:
         """An empty encoder cache, placed as warmup saw it (see `encoder_cache_bytes`)."""
@@ -140,11 +156,44 @@ class MMEncoder:
             out.append(c.pack(group, b, self.num_rows))
         return out
 
+    def _stores(self, inputs: list[EncoderInput], bucket: int | None = None) -> list[tuple]:
+        """`store`'s (rows, embeds) of each launch that writes `inputs`' embeddings."""
+        most, width = self.store_buckets[-1], self.config.text_hidden_size
+        groups: list[list] = [[]]
+        size = 0
+        for item in inputs:
+            array = item.pixels.array().reshape(-1, width)
+            if size + len(array) > most:
+                groups.append([])
+                size = 0
+            groups[-1].append((item, array))
+            size += len(array)
+        out = []
+        for group in groups:
+            n = sum(len(a) for _, a in group)
+            b = bucket or next(b for b in self.store_buckets if b >= n)
+            rows = np.full(b, self.num_rows, np.int32)
+            embeds = np.zeros((b, width), np.float32)
+            at = 0
+            for item, array in group:
+                rows[at : at + len(array)] = self._rows(item)[: len(array)]
+                embeds[at : at + len(array)] = array
+                at += len(array)
+            out.append((rows, embeds))
+        return out
+
     def launch(self, inputs: list[EncoderInput]) -> None:
-        """Encodes a step's images into their rows (dispatched, not waited for)."""
+        """Encodes a step's images into their rows, and writes the embeddings prompts gave
+        (dispatched, not waited for)."""
         put = self.device.put_if_mesh
-        for args in self._batches(inputs):
-            self.pool = self._encode(self.params, self.pool, *map(put, args))
+        images = [i for i in inputs if not i.embeds]
+        if images:
+            for args in self._batches(images):
+                self.pool = self._encode(self.params, self.pool, *map(put, args))
+        given = [i for i in inputs if i.embeds]
+        if given:
+            for args in self._stores(given):
+                self.pool = self._store(self.pool, *map(put, args))
 
     def warmup_jobs(self) -> list:
         def job(b: int):
@@ -152,4 +201,11 @@ class MMEncoder:
             args = (self.params, self.pool, *map(self.device.abstract_input, args))
             self.compiler.compile("encode_images", (b,), self._encode, *args)
 
-        return [functools.partial(job, b) for b in self.buckets]
+        def store_job(b: int):
+            (args,) = self._stores([], bucket=b)
+            args = (self.pool, *map(self.device.abstract_input, args))
+            self.compiler.compile("store_image_embeds", (b,), self._store, *args)
+
+        return [functools.partial(job, b) for b in self.buckets] + [
+            functools.partial(store_job, b) for b in self.store_buckets
+        ]

@@ -95,6 +95,7 @@ class ModelRunner:
         kv_groups: KVCacheGroups | None = None,
         vision: VisionEncoder | None = None,
         encoder_cache: tuple[int, int] = (0, 0),
+        mm_embeds: bool = False,
     ):
         """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
         over its kv heads the same way); None for one device. `speculative`: how draft tokens
@@ -106,7 +107,8 @@ class ModelRunner:
         `kv_groups`: how the layers share the cache (`jaxllm.kv_groups`, as the engine's KV
         cache manager keeps their tables); None: one group of every layer. `vision`: an
         image-text model's vision encoder, with `encoder_cache` (its blocks, the image tokens a
-        step encodes) for its images' rows on the device (see `mm_encoder`)."""
+        step encodes) for its images' rows on the device (see `mm_encoder`); `mm_embeds`:
+        prompts may give images' embeddings instead."""
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
@@ -173,6 +175,7 @@ class ModelRunner:
                 self.compiler,
                 num_blocks=encoder_cache[0],
                 budget=encoder_cache[1],
+                embeds=mm_embeds,
                 dtype=model.embed_tokens.get_value().dtype,
             )
         # Counters since start, for metrics: the tokens the steps computed, the token slots of
@@ -255,6 +258,7 @@ class ModelRunner:
             kv_groups=kv_groups,
             vision=vision,
             encoder_cache=encoder_cache,
+            mm_embeds=engine_config.multimodal.enable_mm_embeds,
         )
 
     # What the engine reads of the runner's parts.

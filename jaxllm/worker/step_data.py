@@ -41,20 +41,24 @@ class PixelArray(msgspec.Struct, array_like=True):
 
 
 class MultiModalItem(msgspec.Struct, array_like=True):
-    """An image of a prompt: its pixels, their hash (which keys the encoder's cache and the
-    prefix cache's blocks over its placeholders), and the placeholder tokens it fills."""
+    """An image of a prompt: its pixels (or, `embeds`, its embeddings: the encoder's rows
+    themselves), their hash (which keys the encoder's cache and the prefix cache's blocks over
+    its placeholders), and the placeholder tokens it fills."""
 
     hash: str  # hex SHA-256 of the pixels and their shape
     offset: int  # the prompt position of its first placeholder token
     length: int  # its placeholder tokens: the rows the encoder makes of it
     pixels: PixelArray
+    embeds: bool = False  # `pixels` are the rows [..., decoder width], not encoded
 
     @classmethod
-    def of(cls, pixels: np.ndarray, offset: int, length: int) -> MultiModalItem:
+    def of(
+        cls, pixels: np.ndarray, offset: int, length: int, *, embeds: bool = False
+    ) -> MultiModalItem:
         array = PixelArray.of(pixels)
-        digest = hashlib.sha256(repr(array.shape).encode())
+        digest = hashlib.sha256(repr((array.shape, embeds)).encode())
         digest.update(array.data)
-        return cls(digest.hexdigest(), offset, length, array)
+        return cls(digest.hexdigest(), offset, length, array, embeds)
 
     @property
     def grid(self) -> tuple[int, int, int] | None:
@@ -69,6 +73,7 @@ class EncoderInput(msgspec.Struct, array_like=True):
 
     blocks: list[int]
     pixels: PixelArray
+    embeds: bool = False  # the rows themselves: written, not encoded
 
 
 class NewRequestData(msgspec.Struct):
