@@ -675,6 +675,11 @@ def test_mm_processor_kwargs_bound_qwen_images(llava):
     assert 2 < out.prompt_token_ids.count(image_token) <= 16
     small = (path, model, QwenVLProcessor(path, **kwargs), placeholder)
     assert out.outputs[0].token_ids == reference(small, text, imgs)
+    # A thin image's short side rounds up to a token: past the bound, refused by name.
+    thin = Image.new("RGB", (19900, 100))
+    with pytest.raises(InputError, match="at most 8") as e:
+        llm.generate([prompt(ph(llava, "<image>"), [thin])], GREEDY, use_tqdm=False)
+    assert e.value.param == "multi_modal_data"
 
 
 def test_mrope_positions_as_transformers_computes_them():

@@ -288,6 +288,13 @@ class ImageProcessor:
                 f"{len(pixels)} image(s) take {sum(n or 0 for n in lengths)}",
                 param,
             )
+        most = self.vision.max_tokens_per_image
+        if max(lengths, default=0) > most:  # a very thin image, its short side rounded up
+            raise InputError(
+                f"{param}: an image of {max(lengths)} tokens; the model takes at most {most} "
+                "(its aspect ratio is too extreme for its pixel bound)",
+                param,
+            )
         items, k = [], 0
         for x, n in zip(pixels, lengths, strict=True):
             offset = int(marks[k])
