@@ -118,27 +118,26 @@ class ImageProcessor:
         images, in prompt order."""
         try:
             if isinstance(prompt, str) and self.hf is not None:  # the images with the text
-                out = self.hf(
-                    text=[prompt],
-                    images=images,
-                    return_tensors="np",
-                    add_special_tokens=add_special_tokens,
-                )
+                out = self._with_text(prompt, images, add_special_tokens)
                 ids = out["input_ids"][0].tolist()
                 pixels = self.vision.split_pixels(out)
             else:
-                if isinstance(prompt, str):
-                    prompt = self.tokenizer(prompt, add_special_tokens=add_special_tokens)
-                    prompt = prompt["input_ids"]
                 out = self.image_processor(images=images, return_tensors="np")
                 pixels = self.vision.split_pixels(out)
-                ids = self._expanded(prompt, [self.vision.tokens_of(p.shape) for p in pixels])
+                lengths = [self.vision.tokens_of(p.shape) for p in pixels]
+                ids = self._expanded(prompt, lengths, add_special_tokens)
         except InputError:
             raise
         except (ValueError, TypeError, OSError) as e:
             at = self._refused(images, param)
             raise InputError(f"{at}: the model's processor refused the image: {e}", at) from None
         return ids, self.items(ids, pixels, param)
+
+    def _with_text(self, prompt: str, images: list, add_special_tokens: bool) -> dict:
+        """The model's HF processor's output for a text prompt and its images."""
+        return self.hf(
+            text=[prompt], images=images, return_tensors="np", add_special_tokens=add_special_tokens
+        )
 
     def _refused(self, images: list, param: str) -> str:
         """The parameter of the first image the image processor refuses alone (`load`
@@ -210,20 +209,11 @@ class ImageProcessor:
 
             blank = [Image.new("RGB", (8, 8))] * len(arrays)
             try:
-                out = self.hf(
-                    text=[prompt],
-                    images=blank,
-                    return_tensors="np",
-                    add_special_tokens=add_special_tokens,
-                )
+                ids = self._with_text(prompt, blank, add_special_tokens)["input_ids"][0].tolist()
             except (ValueError, TypeError) as e:
                 raise InputError(f"{param}: {e}", param) from None
-            ids = out["input_ids"][0].tolist()
         else:
-            if isinstance(prompt, str):
-                prompt = self.tokenizer(prompt, add_special_tokens=add_special_tokens)
-                prompt = prompt["input_ids"]
-            ids = self._expanded(list(prompt), lengths)
+            ids = self._expanded(prompt, lengths, add_special_tokens)
         return ids, self.items(ids, arrays, param, lengths=lengths, embeds=True)
 
     def _by_grid(self, rows: np.ndarray, grids, param: str) -> list[np.ndarray]:
@@ -251,9 +241,15 @@ class ImageProcessor:
             for (t, h, w), a, b in zip(grids.tolist(), starts[:-1], starts[1:], strict=True)
         ]
 
-    def _expanded(self, ids: list[int], lengths: list[int | None]) -> list[int]:
-        """Token ids with each lone image token repeated as its image's placeholders (the
-        images' token counts in order; a token-id prompt may also hold them expanded)."""
+    def _expanded(
+        self, prompt: str | list[int], lengths: list[int | None], add_special_tokens: bool
+    ) -> list[int]:
+        """The prompt's token ids (a text tokenized) with each lone image token repeated as
+        its image's placeholders (the images' token counts in order; a token-id prompt may
+        also hold them expanded)."""
+        if isinstance(prompt, str):
+            prompt = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = list(prompt)
         out: list[int] = []
         t = self.vision.image_token_id
         lengths = iter([n or 0 for n in lengths])
