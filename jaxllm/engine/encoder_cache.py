@@ -48,14 +48,17 @@ class EncoderCache:
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
         self.budget = budget
-        self.max_item_tokens = largest
         self.whole = whole
-        self.blocks_of: dict[str, list[int]] = {}  # image hash -> its blocks
         self.holders: dict[str, set[str]] = {}  # image hash -> requests holding it
-        self.released: OrderedDict[str, None] = OrderedDict()  # cached, unheld: evictable
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.held: dict[str, set[str]] = {}  # request id -> the image hashes it holds
         self.hits = self.misses = 0
+        self._empty()
+
+    def _empty(self) -> None:
+        """No image cached: every block free."""
+        self.blocks_of: dict[str, list[int]] = {}  # image hash -> its blocks
+        self.released: OrderedDict[str, None] = OrderedDict()  # cached, unheld: evictable
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self._begin()
 
     def _begin(self) -> None:
@@ -177,10 +180,7 @@ class EncoderCache:
         may hold one."""
         if self.holders:
             raise ValueError("the encoder cache is in use: reset it when the engine is idle")
-        self.blocks_of.clear()
-        self.released.clear()
-        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
-        self._begin()
+        self._empty()
 
     def take_step(self) -> list[EncoderInput]:
         """The step's images to encode; the next step starts afresh."""

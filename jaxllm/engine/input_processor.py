@@ -188,9 +188,10 @@ class InputProcessor:
     ):
         """(text or None, checked token ids, images as `MultiModalItem`s) of `LLM`'s prompt
         forms: a string, or a dict with `prompt` text or `prompt_token_ids` and optionally
-        `multi_modal_data` {"image": an image or a list} (vLLM's). `images`: images already
-        loaded (a chat's), for a prompt without `multi_modal_data`."""
+        `multi_modal_data` {"image": an image, a list, or {"image_embeds": ...}} (vLLM's).
+        `images`: images already loaded (a chat's), for a prompt without `multi_modal_data`."""
         param = "multi_modal_data"
+        embeds = None  # {"image_embeds": ...}: the images as embeddings
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             data = prompt["multi_modal_data"]
             unknown = sorted(set(data) - {"image"}) if isinstance(data, dict) else None
@@ -204,10 +205,11 @@ class InputProcessor:
             if self.images is None:
                 raise InputError(f"{param}: this model takes no images", param)
             if isinstance(sources, dict) and "image_embeds" in sources:
-                return self._embeds_inputs(prompt, sources, add_special_tokens)
-            sources = list(sources) if isinstance(sources, list | tuple) else [sources]
-            images = self.images.load(sources, param)
-        if not images:
+                embeds = sources
+            else:
+                sources = list(sources) if isinstance(sources, list | tuple) else [sources]
+                images = self.images.load(sources, param)
+        if not images and embeds is None:
             text, ids, came_as = self._prompt_ids(prompt, add_special_tokens)
             self.check_prompt(ids, came_as)
             return text, ids, []
@@ -218,22 +220,14 @@ class InputProcessor:
             if not isinstance(source, str) or not source:
                 raise InputError("prompt must be a non-empty string", "prompt")
             self.check_text_fits(source)
-        ids, items = self.images.process(
-            source, images, add_special_tokens=add_special_tokens, param=param
-        )
-        self.check_prompt(ids, "prompt")
-        return text, ids, items
-
-    def _embeds_inputs(self, prompt: dict[str, Any], data: dict, add_special_tokens: bool):
-        """`prompt_inputs` of a prompt whose images come as embeddings."""
-        if "prompt_token_ids" in prompt:
-            text, source, _ = self._prompt_ids(prompt, add_special_tokens)
+        if embeds is not None:  # the images' embeddings instead of the images
+            ids, items = self.images.process_embeds(
+                source, embeds, add_special_tokens=add_special_tokens, param=param
+            )
         else:
-            text = source = prompt.get("prompt")
-            if not isinstance(source, str) or not source:
-                raise InputError("prompt must be a non-empty string", "prompt")
-            self.check_text_fits(source)
-        ids, items = self.images.process_embeds(source, data, add_special_tokens=add_special_tokens)
+            ids, items = self.images.process(
+                source, images, add_special_tokens=add_special_tokens, param=param
+            )
         self.check_prompt(ids, "prompt")
         return text, ids, items
 

@@ -87,12 +87,7 @@ class ImageProcessor:
     def load(self, sources: Sequence[Any], param: str) -> list:
         """PIL images from their sources (URLs, PIL images, arrays; or (source, parameter)
         pairs, each named in its own errors), checked."""
-        if len(sources) > self.limit:
-            raise InputError(
-                f"{param}: {len(sources)} images, more than the {self.limit} a prompt may "
-                "carry (--limit-mm-per-prompt)",
-                param,
-            )
+        self._check_count(len(sources), param)
         pairs = [s if isinstance(s, tuple) else (s, param) for s in sources]
         loaded = LoadedImages(
             load_image(
@@ -105,6 +100,14 @@ class ImageProcessor:
         )
         loaded.params = [at for _, at in pairs]
         return loaded
+
+    def _check_count(self, n: int, param: str) -> None:
+        if n > self.limit:
+            raise InputError(
+                f"{param}: {n} images, more than the {self.limit} a prompt may carry "
+                "(--limit-mm-per-prompt)",
+                param,
+            )
 
     def process(
         self,
@@ -187,12 +190,7 @@ class ImageProcessor:
             arrays = self._by_grid(embeds.reshape(-1, width), data.get("image_grid_thw"), param)
         else:
             arrays = list(embeds if embeds.ndim == 3 else embeds[None])
-        if len(arrays) > self.limit:
-            raise InputError(
-                f"{param}: {len(arrays)} images, more than the {self.limit} a prompt may "
-                "carry (--limit-mm-per-prompt)",
-                param,
-            )
+        self._check_count(len(arrays), param)
         lengths = [v.embeds_tokens(a.shape) for a in arrays]
         for array, n in zip(arrays, lengths, strict=True):
             if n is None or n > v.max_tokens_per_image:

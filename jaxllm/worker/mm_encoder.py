@@ -134,49 +134,45 @@ class MMEncoder:
         rows = np.asarray(item.blocks, np.int32)[:, None] * bt + np.arange(bt, dtype=np.int32)
         return rows.reshape(-1)
 
-    def _batches(self, inputs: list[EncoderInput], bucket: int | None = None) -> list[tuple]:
-        """The encoder's arguments (rows, *inputs) of each launch that encodes `inputs`: as
-        many images a launch as the largest bucket holds, padded to the smallest that holds
-        them (`bucket`: that one, for warmup's empty launch)."""
-        c, most = self.config, self.buckets[-1]
+    def _launches(self, inputs: list[EncoderInput], size_of, buckets: list[int], bucket):
+        """Each launch's (images as (array, their tokens' cache rows) pairs, bucket) for
+        `inputs`: as many images a launch as the largest of `buckets` holds (`size_of` an
+        array's shape: its share), padded to the smallest that holds them (`bucket`: that
+        one, for warmup's empty launch)."""
         groups: list[list] = [[]]
-        size = 0
+        sizes = [0]
         for item in inputs:
-            pixels = item.pixels.array()
-            n = c.launch_size(pixels.shape)
-            if size + n > most:
+            array = item.pixels.array()
+            n = size_of(array.shape)
+            if sizes[-1] + n > buckets[-1]:
                 groups.append([])
-                size = 0
-            groups[-1].append((pixels, self._rows(item)))
-            size += n
-        out = []
-        for group in groups:
-            n = sum(c.launch_size(p.shape) for p, _ in group)
-            b = bucket or next(b for b in self.buckets if b >= n)
-            out.append(c.pack(group, b, self.num_rows))
-        return out
+                sizes.append(0)
+            groups[-1].append((array, self._rows(item)))
+            sizes[-1] += n
+        return [
+            (group, bucket or next(b for b in buckets if b >= n))
+            for group, n in zip(groups, sizes, strict=True)
+        ]
+
+    def _batches(self, inputs: list[EncoderInput], bucket: int | None = None) -> list[tuple]:
+        """The encoder's arguments (rows, *inputs) of each launch that encodes `inputs`."""
+        c = self.config
+        launches = self._launches(inputs, c.launch_size, self.buckets, bucket)
+        return [c.pack(group, b, self.num_rows) for group, b in launches]
 
     def _stores(self, inputs: list[EncoderInput], bucket: int | None = None) -> list[tuple]:
         """`store`'s (rows, embeds) of each launch that writes `inputs`' embeddings."""
-        most, width = self.store_buckets[-1], self.config.text_hidden_size
-        groups: list[list] = [[]]
-        size = 0
-        for item in inputs:
-            array = item.pixels.array().reshape(-1, width)
-            if size + len(array) > most:
-                groups.append([])
-                size = 0
-            groups[-1].append((item, array))
-            size += len(array)
+        width = self.config.text_hidden_size
         out = []
-        for group in groups:
-            n = sum(len(a) for _, a in group)
-            b = bucket or next(b for b in self.store_buckets if b >= n)
+        for group, b in self._launches(
+            inputs, lambda shape: int(np.prod(shape)) // width, self.store_buckets, bucket
+        ):
             rows = np.full(b, self.num_rows, np.int32)
             embeds = np.zeros((b, width), np.float32)
             at = 0
-            for item, array in group:
-                rows[at : at + len(array)] = self._rows(item)[: len(array)]
+            for array, image_rows in group:
+                array = array.reshape(-1, width)
+                rows[at : at + len(array)] = image_rows[: len(array)]
                 embeds[at : at + len(array)] = array
                 at += len(array)
             out.append((rows, embeds))
