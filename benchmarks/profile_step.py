@@ -37,8 +37,10 @@ from jaxllm import LLM, SamplingParams
 STAGES = ("schedule", "prepare", "forward", "head+sample", "fetch", "update", "output")
 
 
-def _timed(times: dict[str, list[float]], obj, name: str, stage: str, *, block: bool = False):
-    fn = getattr(obj, name)
+def _timed(times: dict[str, list[float]], obj, name, stage: str, *, block: bool = False):
+    """Times `obj.name` (or `obj[name]`, `obj` a dict of programs) as `stage`."""
+    keyed = isinstance(obj, dict)
+    fn = obj[name] if keyed else getattr(obj, name)
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
@@ -48,7 +50,10 @@ def _timed(times: dict[str, list[float]], obj, name: str, stage: str, *, block: 
         times[stage].append(time.perf_counter() - start)
         return out
 
-    setattr(obj, name, wrapper)
+    if keyed:
+        obj[name] = wrapper
+    else:
+        setattr(obj, name, wrapper)
 
 
 def profile(args) -> dict:
@@ -88,7 +93,11 @@ def profile(args) -> dict:
     _timed(times, runner, "prepare", "prepare")
     if hasattr(runner, "update_batch"):  # the persistent batch's diffs count as prepare
         _timed(times, runner, "update_batch", "update_batch")
-    if hasattr(runner, "head_and_sample"):
+    if isinstance(getattr(runner, "head_and_sample", None), dict):  # a program per variant
+        _timed(times, runner, "forward", "forward", block=True)
+        for variant in runner.head_and_sample:
+            _timed(times, runner.head_and_sample, variant, "head+sample", block=True)
+    elif hasattr(runner, "head_and_sample"):
         _timed(times, runner, "forward", "forward", block=True)
         _timed(times, runner, "head_and_sample", "head+sample", block=True)
     elif hasattr(runner, "_forward"):  # before the worker package (for before/after tables)

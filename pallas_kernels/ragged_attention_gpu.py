@@ -190,7 +190,9 @@ def ragged_paged_attention_gpu(
     ends = jnp.cumsum(blocks)
     num_programs = num_tokens // q_block + max_reqs  # a bound: sum(ceil(q / b)) <= T / b + R
     prog = jnp.arange(num_programs, dtype=jnp.int32)
-    prog_req = jnp.searchsorted(ends, prog, side="right").astype(jnp.int32)
+    # By comparing all pairs (R x programs, small): the default method is a loop, and XLA:GPU
+    # runs a `while` by asking the host each trip (a host sync in every step).
+    prog_req = jnp.searchsorted(ends, prog, side="right", method="compare_all").astype(jnp.int32)
     in_range = prog < ends[-1]
     prog_req = jnp.where(in_range, prog_req, -1)
     safe_req = jnp.clip(prog_req, 0, max_reqs - 1)

@@ -358,7 +358,8 @@ ENGINES = [
     pytest.param("v6e-4", "moe", dict(kv_cache_dtype="fp8"), marks=SLOW, id="v6e-4"),
     pytest.param("h100", "llama", dict(quantization="int8", kv_cache_dtype="fp8"), marks=SLOW,
                  id="h100"),
-    pytest.param("h100x2", "moe", dict(kv_offloading_size=1, enable_lora=True, max_loras=2),
+    pytest.param("h100x2", "moe", dict(kv_offloading_size=1, enable_lora=True, max_loras=2,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                  id="h100x2"),
     # The hybrid KV cache: a table and slot mapping per layer group, the cache's layer axis
     # a group's slots.
@@ -429,6 +430,15 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     assert engine.weight_device_bytes + engine.kv_cache_device_bytes < (
         engine.target.usable_memory_bytes
     )
+    # A GPU step stops the host at every `conditional` and `while` (XLA:GPU asks the host for
+    # the predicate): no program of a GPU engine holds one. Its head-and-sampler programs come
+    # in the GPU's variants, one per logit bucket each.
+    if engine.target.chip.platform == "cuda":
+        syncing = [(p.name, p.shape, p.host_syncs) for p in runner.programs if p.host_syncs]
+        assert not syncing, syncing
+        assert all(p.kernels > 0 for p in runner.programs)
+        heads = [p for p in runner.programs if p.name.startswith("head_and_sample[")]
+        assert len(heads) == len(runner.logit_buckets) * 4
 
 
 def _fused_into_cache_writes(hlo: str, cache_shape: tuple, num_tokens: int) -> list[str]:
@@ -538,6 +548,12 @@ def test_compile_report_for_a_gpu(tmp_path):
         kv_read = r["batch"] * r["context"] * m["kv_page_bytes"] / data["page_size"]
         assert r["bytes_per_step"] == pytest.approx(m["weight_device_bytes"] + kv_read)
     assert data["kv_cache_copies"] == []
+    # What each program launches, and that no GPU program stops the host.
+    assert "host syncs (conditional, while): none in any program" in text
+    programs = data["programs"]
+    assert all(p["host_syncs"] == 0 and p["kernels"] > 0 for p in programs), programs
+    names = {p["name"] for p in programs}
+    assert {"head_and_sample[greedy]", "head_and_sample[modify+random+logprobs]"} <= names
 
 
 @tpu_only

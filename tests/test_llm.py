@@ -495,3 +495,59 @@ def test_async_scheduling_changes_no_output(tiny_model_dir, tiny_llm):
     same(run(tiny_llm), run(sync))
     _assert_idle(tiny_llm)
     _assert_idle(sync)
+
+
+def test_gpu_sampler_variants_serve_what_the_one_program_serves(tiny_model_dir, tiny_llm,
+                                                               monkeypatch):  # fmt: skip
+    """An engine with a GPU's sampler programs (greedy, logprobs, random, everything; no
+    run-time skips), here on the CPU: each step's batch goes to the first variant that holds
+    what it needs, as the batch's needs change from step to step (requests finishing, a
+    min_tokens block lifting), and every request's tokens and logprobs equal those of the one
+    program that skips at run time; nothing compiles after warmup."""
+    from jaxllm.worker.sampler import SamplerVariant
+
+    gpu = SamplerVariant.for_platform("gpu")
+    monkeypatch.setattr(SamplerVariant, "for_platform", staticmethod(lambda _: gpu))
+    llm = LLM(tiny_model_dir, max_model_len=256, num_pages=128, max_num_seqs=16,
+              max_num_batched_tokens=128)  # fmt: skip
+    assert tuple(llm.runner.head_and_sample) == gpu
+    compiled = llm.runner.num_compilations
+
+    # The biased, penalized and min_tokens requests end first; in the first workload then the
+    # sampled ones, then the greedy ones with logprobs, in the second the other way round: the
+    # last steps of each need less and less of the sampler.
+    def workload(sampled: int, with_logprobs: int) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=with_logprobs, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=sampled, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_k=20, seed=4, max_tokens=3, logprobs=3),
+            SamplingParams(temperature=1.0, seed=5, min_tokens=2, max_tokens=3),
+            SamplingParams(temperature=0, max_tokens=3, logit_bias={7: 5.0}, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=3, repetition_penalty=1.4, ignore_eos=True),
+        ]
+
+    used = []
+    pick = llm.runner.sampler_variant
+    monkeypatch.setattr(llm.runner, "sampler_variant", lambda needs: used.append(pick(needs))
+                        or used[-1])  # fmt: skip
+
+    def run(engine, kinds):
+        prompts = _prompts(len(kinds) * 2, seed=21)
+        params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        lps = [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []]
+               for o in outs]  # fmt: skip
+        return _tokens(outs), lps
+
+    for kinds in (workload(6, 10), workload(10, 6)):
+        tokens, logprobs = run(llm, kinds)
+        want_tokens, want_logprobs = run(tiny_llm, kinds)
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs, strict=True):
+            assert [g.keys() for g in got] == [w.keys() for w in want]
+            flat = lambda steps: [v for step in steps for v in step.values()]  # noqa: E731
+            assert flat(got) == pytest.approx(flat(want), abs=1e-5)
+    assert {v.name for v in used} == {v.name for v in gpu}  # every variant served some step
+    assert llm.runner.num_compilations == compiled
+    _assert_idle(llm)

@@ -158,10 +158,9 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
         text = forward.lower(lowering_platforms=(platform,)).as_text()
         _, hidden, _ = forward.out_info
         rows = jax.ShapeDtypeStruct((num_logits, *hidden.shape[1:]), hidden.dtype)
-        head = runner.head_and_sample.trace(
-            runner.params, rows, sampling, verify, runner.last_tokens
-        )
-        head.lower(lowering_platforms=(platform,))
+        for program in runner.head_and_sample.values():
+            head = program.trace(runner.params, rows, sampling, verify, runner.last_tokens)
+            head.lower(lowering_platforms=(platform,))
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
     # Quantized weights: the GPU program through the Pallas matmul, the TPU's through XLA.
     assert ("quant_matmul_int8_gpu" in text) == (platform == "cuda" and quantization == "int8")

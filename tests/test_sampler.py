@@ -4,6 +4,7 @@ penalties and logit bias."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 
 from jaxllm.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxllm.worker.compiler import launches
 from jaxllm.worker.sampler import (
     NUM_CANDIDATES,
+    SamplerVariant,
     SamplingInputs,
     _apply_penalties,
     _candidate_cut,
@@ -482,3 +485,96 @@ def test_penalty_defaults_are_off():
     assert p.logit_bias is None and not p.uses_penalties
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
     assert SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS), -100)).logit_bias
+
+
+def _mixed_batch(vocab: int) -> tuple[jax.Array, SamplingInputs]:
+    """Logits and inputs of 12 rows that need every part of the sampler: greedy rows (one with
+    logprobs, one with a blocked id, one with a bias), and random rows with each cut-off alone
+    and together (top-k inside and past the candidates, top-p, min-p, plain temperature), with
+    penalties, a grammar bitmask and logprobs."""
+    r = 12
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((r, vocab)) * 3, jnp.float32)
+    s = inputs(r, seq_len=16, vocab=vocab)
+    col = lambda *v: jnp.asarray(v)  # noqa: E731
+    words = -(-vocab // 32)
+    mask = np.full((r, words), -1, np.int32)
+    mask[9, :] = 0x0F0F0F0F  # the grammar allows half the tokens
+    history = np.full((r, 16), vocab, np.int32)
+    history[10, :5] = [1, 2, 3, 3, 4]
+    return x, dataclasses.replace(
+        s,
+        temperature=col(0, 0, 0, 0, 0.7, 1.0, 0.8, 1.3, 0.9, 1.0, 1.1, 0.6).astype(jnp.float32),
+        top_k=col(0, 0, 0, 0, 5, NUM_CANDIDATES + 40, 0, 0, 20, 0, 0, 0).astype(jnp.int32),
+        top_p=col(1, 1, 1, 1, 1, 1, 0.9, 1, 0.95, 0.8, 1, 0.99).astype(jnp.float32),
+        min_p=col(0, 0, 0, 0, 0, 0, 0, 0.05, 0.01, 0, 0, 0).astype(jnp.float32),
+        seeds=jnp.stack([jnp.arange(r, dtype=jnp.uint32), jnp.full(r, 3, jnp.uint32)], 1),
+        logprobs=col(0, 1, 0, 0, 1, 0, 0, 1, 0, 1, 0, 0).astype(bool),
+        blocked_ids=s.blocked_ids.at[2, 0].set(int(jnp.argmax(x[2]))),
+        logit_bias_ids=s.logit_bias_ids.at[3, 0].set(11),
+        logit_bias=s.logit_bias.at[3, 0].set(100.0),
+        repetition_penalty=s.repetition_penalty.at[10].set(1.3),
+        frequency_penalty=s.frequency_penalty.at[10].set(0.5),
+        presence_penalty=s.presence_penalty.at[10].set(0.4),
+        history_ids=jnp.asarray(history),
+        num_prompt_tokens=s.num_prompt_tokens.at[10].set(2),
+        token_bitmask=jnp.asarray(mask),
+    )
+
+
+GPU_VARIANTS = SamplerVariant.for_platform("gpu")
+
+
+@pytest.mark.parametrize("vocab", [300, 4096])
+def test_gpu_variants_sample_as_the_program_that_skips(vocab):
+    """A variant without run-time skips (a GPU's) computes each part on every row and masks:
+    the tokens, and the logprobs of the rows that ask, equal the skipping program's, for a batch
+    that needs everything, and for batches that need only what the smaller variants hold."""
+    x, s = _mixed_batch(vocab)
+    want = jax.device_get(sample(x, s))
+    got = jax.device_get(sample(x, s, GPU_VARIANTS[-1]))
+    np.testing.assert_array_equal(got.sampled, want.sampled)
+    asked = np.asarray(s.logprobs)
+    for field in ("logprob", "rank", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(got, field)[asked], getattr(want, field)[asked])
+    assert want.sampled[2] != int(jnp.argmax(x[2])) and want.sampled[3] == 11
+    # Each smaller variant on a batch that needs no more than it holds.
+    plain = inputs(12, seq_len=16, vocab=vocab)
+    batches = {
+        "greedy": dataclasses.replace(plain, temperature=jnp.zeros(12)),
+        "logprobs": dataclasses.replace(plain, temperature=jnp.zeros(12), logprobs=s.logprobs),
+        "random": dataclasses.replace(
+            plain, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+            seeds=s.seeds,
+        ),
+    }  # fmt: skip
+    for variant in GPU_VARIANTS[:-1]:
+        batch = batches[variant.name]
+        want = jax.device_get(sample(x, batch))
+        got = jax.device_get(sample(x, batch, variant))
+        np.testing.assert_array_equal(got.sampled, want.sampled, err_msg=variant.name)
+        lp = np.asarray(batch.logprobs)
+        np.testing.assert_array_equal(got.logprob[lp], want.logprob[lp], err_msg=variant.name)
+
+
+def test_gpu_sampler_variants_hold_no_control_flow():
+    """Every GPU variant's compiled program holds no `conditional` and no `while` (XLA:GPU
+    stops the host on each: a sync inside every step), while the CPU's one program skips its
+    parts under conditionals; the variants are tried smallest first, the last holds all."""
+    x, s = _mixed_batch(4096)
+    for variant in GPU_VARIANTS:
+        text = jax.jit(functools.partial(sample, variant=variant)).lower(x, s).compile()
+        syncs, kernels = launches(text.as_text())
+        assert syncs == 0, variant
+        assert kernels > 0
+    cpu = SamplerVariant.for_platform("cpu")
+    assert len(cpu) == 1 and cpu[0].skips
+    assert launches(jax.jit(sample).lower(x, s).compile().as_text())[0] > 0
+    assert GPU_VARIANTS[-1].covers(SamplerVariant())
+    greedy = SamplerVariant(modify=False, random=False, logprobs=False)
+    first = lambda needs: next(v for v in GPU_VARIANTS if v.covers(needs))  # noqa: E731
+    assert first(greedy).name == "greedy"
+    assert first(dataclasses.replace(greedy, logprobs=True)).name == "logprobs"
+    assert first(dataclasses.replace(greedy, random=True)).name == "random"
+    assert first(dataclasses.replace(greedy, random=True, logprobs=True)) == GPU_VARIANTS[-1]
+    assert first(dataclasses.replace(greedy, modify=True)) == GPU_VARIANTS[-1]

@@ -51,7 +51,8 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     runner = engine.runner
     shape = pick_shape(batch, batch, runner.shapes)
     forward = _program(engine, "forward", shape)
-    head = _program(engine, "head_and_sample", (shape[1],))
+    # The head of an all-greedy batch (a GPU's greedy sampler variant).
+    head = _program(engine, runner.head_name(runner.sampler_variants[0]), (shape[1],))
     cfg = engine.model_config
     tp = engine.tensor_parallel_size
     heads, kv_heads = cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1)
@@ -179,6 +180,8 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
                 "temp_bytes": p.temp_bytes,
                 "flops": p.flops,
                 "bytes_accessed": p.bytes_accessed,
+                "host_syncs": p.host_syncs,
+                "kernels": p.kernels,
             }
             for p in sorted(programs, key=lambda p: (p.name, p.shape))
         ],
@@ -233,6 +236,7 @@ def render(data: dict[str, Any]) -> str:
         f"{data['model_context']:,})",
         "",
         _programs_line(data),
+        _launches_line(data),
         f"KV cache updated in place: {data['kv_cache_in_place']} of "
         f"{data['kv_cache_programs']} step programs; copies: {len(data['kv_cache_copies'])}"
         + (f" ({', '.join(data['kv_cache_copies'])})" if data["kv_cache_copies"] else "")
@@ -268,6 +272,21 @@ def _programs_line(data: dict) -> str:
         + f"), compiled in {data['compile_seconds']:.1f} s; slowest {slowest['name']} "
         f"{tuple(slowest['shape'])} {slowest['compile_seconds']:.1f} s"
     )
+
+
+def _launches_line(data: dict) -> str:
+    """Host syncs (conditionals and loops: a GPU stops the host on each) and kernels per step."""
+    programs = data["programs"]
+    syncing = [p for p in programs if p.get("host_syncs")]
+    kernels = [p["kernels"] for p in programs if p.get("kernels") is not None]
+    text = "host syncs (conditional, while): " + (
+        "none in any program"
+        if not syncing
+        else ", ".join(f"{p['host_syncs']} in {p['name']} {tuple(p['shape'])}" for p in syncing)
+    )
+    if kernels:
+        text += f"; kernels per program {min(kernels)}-{max(kernels)}"
+    return text
 
 
 def _g(n: float) -> str:

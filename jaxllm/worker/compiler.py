@@ -82,10 +82,22 @@ class CompiledProgram:
     cache_bytes: int = 0  # per device, of the KV cache it updates (the draft model's, or not)
     cache_copy_ops: tuple[str, ...] = ()  # its instructions that copy the cache, if any
     scales_copy_ops: tuple[str, ...] = ()  # those that copy an 8-bit cache's scales
+    # Read from the compiled program where it matters (a GPU's; `jaxllm compile`), else None
+    # (see `launches`): its `conditional` and `while` instructions (on a GPU each stops the
+    # host until the device is done), and the kernels it launches.
+    host_syncs: int | None = None
+    kernels: int | None = None
 
     @classmethod
     def of(
-        cls, name: str, shape: tuple, compiled, seconds: float, *, updates_cache: bool
+        cls,
+        name: str,
+        shape: tuple,
+        compiled,
+        seconds: float,
+        *,
+        updates_cache: bool,
+        read_launches: bool = False,
     ) -> CompiledProgram:
         m = compiled.memory_analysis()
         try:
@@ -94,6 +106,7 @@ class CompiledProgram:
             cost = {}
         if isinstance(cost, list):  # older JAX: one dict per device
             cost = cost[0] if cost else {}
+        syncs, kernels = launches(compiled.as_text()) if read_launches else (None, None)
         return cls(
             name,
             tuple(shape),
@@ -107,6 +120,8 @@ class CompiledProgram:
             cost.get("bytes accessed"),
             cost.get("optimal_seconds"),
             updates_cache,
+            host_syncs=syncs,
+            kernels=kernels,
         )
 
     @property
@@ -166,8 +181,16 @@ class Compiler:
                 traced = fn.trace(*args)
                 platforms = (pallas_kernels.lowering_platform(device.device),)
                 compiled = traced.lower(lowering_platforms=platforms).compile()
+        # What the program launches is read for a GPU (host syncs) and for a target that is
+        # not here (`jaxllm compile` reports it); reading a CPU program's text would only cost
+        # startup time.
         program = CompiledProgram.of(
-            name, shape, compiled, time.perf_counter() - start, updates_cache=updates_cache
+            name,
+            shape,
+            compiled,
+            time.perf_counter() - start,
+            updates_cache=updates_cache,
+            read_launches=device.abstract or device.platform in ("gpu", "cuda", "rocm"),
         )
         if updates_cache:
             cache = device.kv_cache if cache is None else cache
@@ -270,3 +293,55 @@ def cache_copy_ops(hlo_text: str, shapes: list[tuple[int, ...]]) -> tuple[str, .
         for computation, name, opcode, called in candidates
         if computation not in fused and not (opcode == "fusion" and roots.get(called) in _IN_PLACE)
     )
+
+
+# Opcodes of compiled HLO that launch nothing on the device: structure, views, and the control
+# flow whose bodies are read instead.
+_NO_KERNEL = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "conditional", "while",
+    "call", "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id", "domain",
+}  # fmt: skip
+_CALLED = re.compile(
+    r"(?:condition|body|true_computation|false_computation|to_apply)=%([\w.-]+)"
+    r"|branch_computations=\{([^}]*)\}"
+)
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%\S+ = (?:\([^=]*?\)|\S+) ([\w-]+)\(")
+
+
+def launches(hlo_text: str) -> tuple[int, int]:
+    """(host syncs, kernels) of a compiled program's HLO text (`Compiled.as_text()`): its
+    `conditional` and `while` instructions, each of which XLA:GPU runs by copying a predicate to
+    the host and waiting for the device (a `while` on every trip); and the instructions that
+    launch work (fusions, custom calls such as the Pallas kernels and cuBLAS, copies,
+    collectives), counted once wherever they sit (a loop's body once, each branch of a
+    conditional), read from the entry computation and the control flow it reaches, not from
+    fusions' bodies."""
+    bodies: dict[str, list[str]] = {}
+    entry, name = "", ""
+    for line in hlo_text.splitlines():
+        if m := _HLO_COMPUTATION.match(line):
+            name = m.group(1)
+            bodies[name] = []
+            if line.startswith("ENTRY "):
+                entry = name
+        elif name and line.strip() not in ("", "}"):
+            bodies[name].append(line)
+    syncs = kernels = 0
+    seen, todo = set(), [entry]
+    while todo:
+        computation = todo.pop()
+        if computation in seen or computation not in bodies:
+            continue
+        seen.add(computation)
+        for line in bodies[computation]:
+            if (m := _OPCODE.match(line)) is None:
+                continue
+            opcode = m.group(1)
+            if opcode in ("conditional", "while"):
+                syncs += 1
+            if opcode in ("conditional", "while", "call"):
+                for single, several in _CALLED.findall(line):
+                    todo += [single] if single else [c.strip(" %") for c in several.split(",")]
+            elif opcode not in _NO_KERNEL and not opcode.endswith("-done"):
+                kernels += 1
+    return syncs, kernels

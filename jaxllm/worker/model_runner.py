@@ -52,6 +52,7 @@ from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.mm_encoder import MMEncoder
 from jaxllm.worker.programs import forward, head_and_sample
 from jaxllm.worker.prompt_logprobs import PromptScorer
+from jaxllm.worker.sampler import SamplerVariant
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
 from jaxllm.worker.spec_decode import Proposer
 from jaxllm.worker.spec_decode.draft_model import DraftModelProposer
@@ -197,8 +198,12 @@ class ModelRunner:
             functools.partial(forward, *bound), donate_argnums=(1,), out_shardings=out_shardings
         )
         # `last_tokens` is not donated (a few KiB): donating a buffer the forward pass still
-        # reads made the host wait for that pass before it could dispatch the sampler.
-        self.head_and_sample = jax.jit(functools.partial(head_and_sample, *bound))
+        # reads made the host wait for that pass before it could dispatch the sampler. One
+        # program per sampler variant of the platform (see `SamplerVariant`), tried in order.
+        self.sampler_variants = SamplerVariant.for_platform(platform)
+        self.head_and_sample = {
+            v: jax.jit(functools.partial(head_and_sample, *bound, v)) for v in self.sampler_variants
+        }
         self.scorer = PromptScorer(self.graphdef, self._params_def, ib, self.compiler)
         self.pooler = HiddenPooler(self.compiler, max_num_seqs) if pooling else None
         self.offloader = None
@@ -301,7 +306,8 @@ class ModelRunner:
     @property
     def num_programs(self) -> int:
         """The bound on compiled programs: a forward pass per shape, the head and sampler per
-        logit bucket (the request buckets, without speculative decoding), one prompt scorer
+        logit bucket (the request buckets, without speculative decoding) and sampler variant
+        of the platform, one prompt scorer
         (prompt_logprobs) per token bucket, a draft model's step per shape, and for pooling
         one pooler per token bucket, and with a host KV tier its copy programs."""
         drafts = len(self.shapes) if isinstance(self.proposer, DraftModelProposer) else 0
@@ -311,7 +317,7 @@ class ModelRunner:
         return (
             encoders
             + len(self.shapes)
-            + len(self.logit_buckets)
+            + len(self.logit_buckets) * len(self.sampler_variants)
             + len(self.token_buckets)
             + drafts
             + poolers
@@ -354,15 +360,19 @@ class ModelRunner:
             lora, mm = self._lora_weights(), self._mm_pool()
             compile_("forward", shape, self.forward, *args, batch, lora, mm, updates_cache=True)
 
-        def compile_head(n):
+        def compile_head(n, variant):
             sampling, verify = self.inputs.sampling.padding(n), self.inputs.padding_verify(n)
             args = (self.params, rows(n), sampling, verify, device.last_tokens)
-            compile_("head_and_sample", (n,), self.head_and_sample, *args)
+            compile_(self.head_name(variant), (n,), self.head_and_sample[variant], *args)
 
         shapes = [s for s in self.shapes if not decode_only or s[0] == s[1]]
         jobs = [functools.partial(compile_forward, shape) for shape in shapes]
         logit_buckets = sorted({logit_rows(s, self.num_speculative_tokens) for s in shapes})
-        jobs += [functools.partial(compile_head, n) for n in logit_buckets]
+        jobs += [
+            functools.partial(compile_head, n, v)
+            for n in logit_buckets
+            for v in self.sampler_variants
+        ]
         if not decode_only:
             jobs += self.scorer.warmup_jobs(self.params, self.token_buckets, rows)
             if self.proposer is not None:
@@ -469,7 +479,8 @@ class ModelRunner:
                 self._lora_weights(),
                 self._mm_pool(),
             )
-            result, device.last_tokens = self.head_and_sample(
+            head = self.head_and_sample[self.sampler_variant(step.needs)]
+            result, device.last_tokens = head(
                 self.params, last, step.sampling, step.verify, device.last_tokens
             )
             drafts = None
@@ -563,6 +574,17 @@ class ModelRunner:
         return RunnerOutput(
             dict(zip(ids, tokens, strict=True)), logprobs, prompt_logprobs, drafts, pooled
         )
+
+    def head_name(self, variant: SamplerVariant) -> str:
+        """The name a head-and-sampler program is recorded by: `head_and_sample`, with its
+        variant's where the platform has several (`head_and_sample[greedy]`)."""
+        if len(self.sampler_variants) == 1:
+            return "head_and_sample"
+        return f"head_and_sample[{variant.name}]"
+
+    def sampler_variant(self, needs: SamplerVariant) -> SamplerVariant:
+        """The first of the platform's sampler variants that holds what a batch `needs`."""
+        return next(v for v in self.sampler_variants if v.covers(needs))
 
     def _lora_weights(self):
         """The forward pass's adapter slots (None without LoRA)."""

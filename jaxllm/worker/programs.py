@@ -5,7 +5,8 @@ pooler of a decoder served for pooling (`pool_hidden`).
 
 Two programs per step: the forward pass per (token, request) shape, and the output head with
 the sampler per logit bucket only (the sampler compiles about as long as the 30 layers of the
-demo model; compiled into every shape it doubled startup).
+demo model; compiled into every shape it doubled startup), in each of the sampler's variants
+for the platform (`SamplerVariant.for_platform`: one off GPUs).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.models import AttentionMetadata
 from jaxllm.models.lora import layer_loras
-from jaxllm.worker.sampler import SamplingInputs, sample, token_logprobs
+from jaxllm.worker.sampler import SamplerVariant, SamplingInputs, sample, token_logprobs
 from jaxllm.worker.spec_decode.verification import VerifyInputs, kept_rows
 
 
@@ -76,6 +77,7 @@ def head_and_sample(
     graphdef,
     params_def,
     mesh,
+    variant: SamplerVariant,
     params,
     last: jax.Array,  # [L, D]
     sampling: SamplingInputs,
@@ -83,7 +85,7 @@ def head_and_sample(
     last_tokens: jax.Array,  # i32[max_num_seqs]
 ):
     """((the sampler's output, bool[L]: the rows whose tokens the step keeps), `last_tokens`
-    with each decode's token at its batch row).
+    with each decode's token at its batch row), with the sampler's parts `variant` holds.
 
     A row is kept when every earlier row of its request sampled the draft it verifies (see
     `jaxllm.worker.spec_decode`): the accepted drafts' rows and the one after them."""
@@ -91,7 +93,7 @@ def head_and_sample(
     logits = model.compute_logits(last)
     if mesh is not None:  # split on the vocabulary by the head: gather it for the sampler
         logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
-    result = sample(logits, sampling)
+    result = sample(logits, sampling, variant)
     kept = kept_rows(result.sampled, verify)
     last_tokens = last_tokens.at[verify.sample_rows].set(result.sampled, mode="drop")
     return (result, kept), last_tokens

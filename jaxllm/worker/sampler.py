@@ -12,10 +12,15 @@ and presence penalties, then greedy argmax or temperature, min-p, top-k, top-p a
 (vLLM V1 applies min-p as a logits processor, before its top-k/top-p sampler). So
 a greedy request's argmax sees its penalties and bias.
 
-One program, work that follows the batch: every optional part (the bitmask; blocked ids, bias
-and penalties; the random draw; logprobs) runs under `lax.cond` only when some row of the batch
-asks for it, so an all-greedy batch without logprobs pays for one argmax and three predicates,
-and no variant of the program is ever compiled.
+Work that follows the batch, in one of two ways (`SamplerVariant`): the optional parts (the
+bitmask; blocked ids, bias and penalties; the random draw; logprobs) are either held by one
+program and each run under `lax.cond` only when some row of the batch asks for it (CPU and TPU,
+where a conditional runs in line or on the device: an all-greedy batch without logprobs pays
+for one argmax and a few predicates), or compiled into a few variants the host picks from, each
+running every part it holds on every row, masked (NVIDIA GPUs: XLA:GPU runs a conditional by
+copying its predicate to the host and waiting for the device, a host sync inside every step that
+would also cancel the overlap of async scheduling; a GPU program of the sampler holds no
+`conditional` and no `while`).
 
 The random draw is exact and sorts nothing of the vocabulary's size. Each random row's
 candidates are its top `NUM_CANDIDATES` scaled logits (`lax.top_k`, in order). Top-k, top-p
@@ -82,10 +87,63 @@ class SamplingInputs:
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     sampled: jax.Array  # i32[R]
-    logprob: jax.Array  # f32[R]     the sampled token's logprob (0 for rows without logprobs)
+    logprob: jax.Array  # f32[R]     the sampled token's logprob (read only where asked for)
     rank: jax.Array  # i32[R]     its rank in the distribution, 1 = most likely
     top_ids: jax.Array  # i32[R, MAX_LOGPROBS]  the most likely alternatives, best first
     top_logprobs: jax.Array  # f32[R, MAX_LOGPROBS]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """Which optional parts a sampler program holds, and how it runs them: static, a part of
+    the program's key. A part not held is not compiled (the batch must not need it: the host
+    picks a variant that `covers` the batch's needs)."""
+
+    modify: bool = True  # the grammar bitmask, blocked ids, logit bias, penalties
+    random: bool = True  # temperature sampling with its top-k, top-p and min-p cut-offs
+    logprobs: bool = True  # the sampled token's logprob and rank, and the top alternatives
+    # Each part held runs under `lax.cond` only when some row of the batch needs it; without
+    # `skips`, every part held runs on every row (rows that do not need it are masked, their
+    # results those of the part skipped), and the program holds no `conditional` or `while`:
+    # what a GPU step needs (see the module's docstring).
+    skips: bool = True
+
+    @property
+    def name(self) -> str:
+        parts = [p for p in ("modify", "random", "logprobs") if getattr(self, p)]
+        return "+".join(parts) or "greedy"
+
+    def covers(self, needs: SamplerVariant) -> bool:
+        """Whether this program holds every part `needs` asks for."""
+        return all(getattr(self, p) or not getattr(needs, p) for p in _PARTS)
+
+    @staticmethod
+    def for_platform(platform: str) -> tuple[SamplerVariant, ...]:
+        """The variants a runner compiles on `platform` ("cpu", "tpu", "gpu"/"cuda"), in the
+        order the host tries them (the first that covers a batch serves it): one holding
+        everything with run-time skips off GPUs; on GPUs, greedy, greedy with logprobs,
+        random sampling, and everything, with none skipped at run time."""
+        if platform not in ("gpu", "cuda", "rocm"):
+            return (SamplerVariant(),)
+        return (
+            SamplerVariant(modify=False, random=False, logprobs=False, skips=False),
+            SamplerVariant(modify=False, random=False, logprobs=True, skips=False),
+            SamplerVariant(modify=False, random=True, logprobs=False, skips=False),
+            SamplerVariant(modify=True, random=True, logprobs=True, skips=False),
+        )
+
+
+_PARTS = ("modify", "random", "logprobs")
+ALL = SamplerVariant()  # everything, skipped at run time where no row needs it
+
+
+def _when(variant: SamplerVariant, pred: jax.Array, fn, otherwise, *operands):
+    """`fn(*operands)` where the batch-wide `pred` holds, else `otherwise(*operands)`: under
+    `lax.cond` in a variant that skips, else `fn` alone, whose result must then equal
+    `otherwise`'s on every row that does not need it (the callers mask by row)."""
+    if variant.skips:
+        return jax.lax.cond(pred, fn, otherwise, *operands)
+    return fn(*operands)
 
 
 def _uniforms(s: SamplingInputs) -> jax.Array:
@@ -98,9 +156,10 @@ def _uniforms(s: SamplingInputs) -> jax.Array:
     return jax.vmap(draw)(s.seeds, s.counters)
 
 
-def _bisect(ok, lo: jax.Array, hi: jax.Array) -> jax.Array:
+def _bisect(ok, lo: jax.Array, hi: jax.Array, *, unroll: bool = False) -> jax.Array:
     """Per row, the largest threshold t in [lo, hi] with ok(t) true, to ~(hi - lo) / 2**32.
-    `ok` must be monotone (true up to some point, false after) and true at lo."""
+    `ok` must be monotone (true up to some point, false after) and true at lo. `unroll`: no
+    `while` in the program (a GPU's, see `SamplerVariant.skips`)."""
 
     def step(_, bounds):
         lo, hi = bounds
@@ -108,11 +167,11 @@ def _bisect(ok, lo: jax.Array, hi: jax.Array) -> jax.Array:
         good = ok(mid)
         return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
 
-    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi))
+    lo, hi = jax.lax.fori_loop(0, _BISECT_STEPS, step, (lo, hi), unroll=unroll)
     return jnp.where(ok(hi), hi, lo)
 
 
-def _filter(x: jax.Array, s: SamplingInputs) -> jax.Array:
+def _filter(x: jax.Array, s: SamplingInputs, variant: SamplerVariant = ALL) -> jax.Array:
     """Masks (to -inf) tokens outside min-p, then top-k, then top-p. x: f32[R, V] scaled logits.
 
     The full-vocabulary definition (`_candidate_cut` is the fast one): each cut-off is a per-row
@@ -130,11 +189,12 @@ def _filter(x: jax.Array, s: SamplingInputs) -> jax.Array:
         # From the least finite value: blocked ids (min_tokens) and min-p's cut are -inf, and
         # a bisection from -inf never leaves it (top-k was silently off while min_tokens held).
         least = jnp.where(x > -jnp.inf, x, top).min(axis=-1, keepdims=True)
-        return _bisect(lambda v: (x >= v).sum(axis=-1, keepdims=True) >= k, least, top)
+        ok = lambda v: (x >= v).sum(axis=-1, keepdims=True) >= k  # noqa: E731
+        return _bisect(ok, least, top, unroll=not variant.skips)
 
-    # Each bisection is 32 passes over [R, V]: it runs only when some row has that cut-off
-    # (plain temperature sampling has neither).
-    kth = jax.lax.cond(jnp.any(s.top_k > 0), kth_value, lambda: top)
+    # Each bisection is 32 passes over [R, V]: where the variant skips, it runs only when some
+    # row has that cut-off (plain temperature sampling has neither).
+    kth = _when(variant, jnp.any(s.top_k > 0), kth_value, lambda: top)
     x = jnp.where((s.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
     top_p = s.top_p[:, None]
 
@@ -144,10 +204,11 @@ def _filter(x: jax.Array, s: SamplingInputs) -> jax.Array:
             lambda t: jnp.where(probs >= t, probs, 0.0).sum(axis=-1, keepdims=True) >= top_p,
             jnp.zeros_like(top),
             probs.max(axis=-1, keepdims=True),
+            unroll=not variant.skips,
         )
         return jnp.where((top_p < 1.0) & (probs < pth), -jnp.inf, x)
 
-    return jax.lax.cond(jnp.any(top_p < 1.0), top_p_cut, lambda x: x, x)
+    return _when(variant, jnp.any(top_p < 1.0), top_p_cut, lambda x: x, x)
 
 
 def _candidate_cut(x: jax.Array, s: SamplingInputs):
@@ -237,7 +298,7 @@ def _draw_full(x: jax.Array, u: jax.Array) -> jax.Array:
     return (b * _CDF_BLOCK + jnp.minimum(i, last)).astype(jnp.int32)
 
 
-def _random_draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+def _random_draw(logits: jax.Array, s: SamplingInputs, variant: SamplerVariant) -> jax.Array:
     """Sampled token ids i32[R] of the random rows (greedy rows: whatever, the caller picks)."""
     random = s.temperature >= SAMPLING_EPS
     x = logits / jnp.where(random, s.temperature, 1.0)[:, None]
@@ -251,7 +312,8 @@ def _random_draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     # rows skips the top_k.
     cut = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0)
     num_reqs = x.shape[0]
-    drawn, covered = jax.lax.cond(
+    drawn, covered = _when(
+        variant,
         jnp.any(random & cut),
         candidates,
         lambda: (jnp.zeros((num_reqs,), jnp.int32), jnp.zeros((num_reqs,), jnp.bool_)),
@@ -262,9 +324,10 @@ def _random_draw(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     full_s = dataclasses.replace(
         s, top_k=jnp.where(uncovered, s.top_k, 0), top_p=jnp.where(uncovered, s.top_p, 1.0)
     )
-    full = jax.lax.cond(
+    full = _when(
+        variant,
         jnp.any(uncovered),
-        lambda: _draw_full(_filter(x, full_s), u),
+        lambda: _draw_full(_filter(x, full_s, variant), u),
         lambda: jnp.zeros_like(drawn),
     )
     return jnp.where(uncovered, full, drawn).astype(jnp.int32)
@@ -306,14 +369,17 @@ def _apply_bitmask(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _modify(logits: jax.Array, s: SamplingInputs, constrained: jax.Array) -> jax.Array:
+def _modify(
+    logits: jax.Array, s: SamplingInputs, constrained: jax.Array, variant: SamplerVariant
+) -> jax.Array:
     """The bitmask (if some row is `constrained`), blocked ids, logit bias, then penalties
     (if some row has one)."""
-    logits = jax.lax.cond(constrained, _apply_bitmask, lambda x, _: x, logits, s)
+    same = lambda x, _: x  # noqa: E731
+    logits = _when(variant, constrained, _apply_bitmask, same, logits, s)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, s.blocked_ids].set(-jnp.inf, mode="drop")
     logits = logits.at[rows, s.logit_bias_ids].add(s.logit_bias, mode="drop")
-    return jax.lax.cond(_any_penalty(s), _apply_penalties, lambda x, _: x, logits, s)
+    return _when(variant, _any_penalty(s), _apply_penalties, same, logits, s)
 
 
 def token_logprobs(raw: jax.Array, ids: jax.Array):
@@ -362,20 +428,34 @@ def _argmax_block(vocab: int) -> int:
     return min(divisors, key=lambda d: abs(math.log(d) - 0.5 * math.log(vocab)))
 
 
-def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f32[R, V]
+def sample(
+    logits: jax.Array, s: SamplingInputs, variant: SamplerVariant = ALL
+) -> SamplerOutput:  # logits: f32[R, V]
+    """The tokens of the batch's rows, and their logprobs where asked for, with the parts
+    `variant` holds (it must cover what the batch needs: `SamplingInputsBuilder.needs`)."""
     vocab = logits.shape[-1]
     raw = logits
-    constrained = jnp.any(s.token_bitmask != -1)
-    modified = jnp.any(s.blocked_ids < vocab) | jnp.any(s.logit_bias_ids < vocab)
-    modified |= _any_penalty(s) | constrained
-    logits = jax.lax.cond(modified, _modify, lambda x, *_: x, logits, s, constrained)
+    if variant.modify:
+        constrained = jnp.any(s.token_bitmask != -1)
+        modified = jnp.any(s.blocked_ids < vocab) | jnp.any(s.logit_bias_ids < vocab)
+        modified |= _any_penalty(s) | constrained
+        logits = _when(
+            variant,
+            modified,
+            lambda x: _modify(x, s, constrained, variant),
+            lambda x: x,
+            logits,
+        )
     greedy = argmax(logits)
-    random = s.temperature >= SAMPLING_EPS
-    sampled = jax.lax.cond(
-        jnp.any(random),
-        lambda: jnp.where(random, _random_draw(logits, s), greedy),
-        lambda: greedy,
-    )
+    sampled = greedy
+    if variant.random:
+        random = s.temperature >= SAMPLING_EPS
+        sampled = _when(
+            variant,
+            jnp.any(random),
+            lambda: jnp.where(random, _random_draw(logits, s, variant), greedy),
+            lambda: greedy,
+        )
     num_reqs = logits.shape[0]
     none = (
         jnp.zeros((num_reqs,), jnp.float32),
@@ -383,7 +463,9 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:  # logits: f3
         jnp.zeros((num_reqs, MAX_LOGPROBS), jnp.int32),
         jnp.zeros((num_reqs, MAX_LOGPROBS), jnp.float32),
     )
-    chosen, rank, top_ids, top_lp = jax.lax.cond(
-        jnp.any(s.logprobs), lambda: token_logprobs(raw, sampled), lambda: none
-    )
+    chosen, rank, top_ids, top_lp = none
+    if variant.logprobs:  # computed on rows that did not ask, without skips: nobody reads them
+        chosen, rank, top_ids, top_lp = _when(
+            variant, jnp.any(s.logprobs), lambda: token_logprobs(raw, sampled), lambda: none
+        )
     return SamplerOutput(sampled, chosen, rank, top_ids, top_lp)

@@ -20,9 +20,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS
 from jaxllm.worker.device_state import DeviceState
-from jaxllm.worker.sampler import SamplingInputs
+from jaxllm.worker.sampler import SamplerVariant, SamplingInputs
 from jaxllm.worker.step_data import NewRequestData, SchedulerOutput
 
 # Width of the per-request blocked-id array (EOS ids plus stop ids, while min_tokens holds).
@@ -145,9 +145,10 @@ class SamplingInputsBuilder:
         samples: np.ndarray,
         out: SchedulerOutput,
         first_row: np.ndarray,
-    ) -> SamplingInputs:
-        """A step's inputs, padded to `n` logit rows. Per real logit row: its request's batch
-        row (`rows`), its sequence length with the drafts before it (`seq_len`), and whether its
+    ) -> tuple[SamplingInputs, SamplerVariant]:
+        """A step's inputs, padded to `n` logit rows, and the sampler's parts they need (a
+        variant: see `SamplerVariant.covers`). Per real logit row: its request's batch row
+        (`rows`), its sequence length with the drafts before it (`seq_len`), and whether its
         request's chunk reaches the end of its sequence (`samples`); `first_row`: each
         request's first logit row (structured outputs' bitmask rows go there)."""
         ib, params = self.input_batch, self.input_batch.sampling
@@ -162,8 +163,17 @@ class SamplingInputsBuilder:
         sampling.blocked_ids[:k] = np.where(
             blocked[:, None], params.blocked_ids[rows], self.vocab_size
         )
+        modified = out.grammar_bitmask is not None or bool(blocked.any())
+        modified |= bool(
+            ((params.has_logit_bias[rows] | params.uses_penalties[rows]) & samples).any()
+        )
+        needs = SamplerVariant(
+            modify=modified,
+            random=bool((sampling.temperature[:k] >= SAMPLING_EPS).any()),
+            logprobs=bool(sampling.logprobs[:k].any()),
+        )
         sampling = self._fill_penalty_inputs(sampling, rows, samples, seq_len)
-        return self._fill_bitmask(sampling, out, first_row)
+        return self._fill_bitmask(sampling, out, first_row), needs
 
     def _fill_penalty_inputs(
         self, sampling: SamplingInputs, rows: np.ndarray, samples: np.ndarray, lens: np.ndarray

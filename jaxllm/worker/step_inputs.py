@@ -15,7 +15,7 @@ from jaxllm.models import AttentionMetadata
 from jaxllm.worker.buckets import logit_rows, pick_shape
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.programs import BatchInputs
-from jaxllm.worker.sampler import SamplingInputs
+from jaxllm.worker.sampler import SamplerVariant, SamplingInputs
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
 from jaxllm.worker.spec_decode.verification import VerifyInputs, padding_verify
 from jaxllm.worker.step_data import SchedulerOutput
@@ -27,6 +27,7 @@ class PreparedStep:
 
     batch: BatchInputs
     sampling: SamplingInputs  # per logit row
+    needs: SamplerVariant  # the sampler's parts the batch needs
     verify: VerifyInputs  # per logit row
     samples: np.ndarray  # bool[R]: the request's chunk reaches the end of its sequence
     first_row: np.ndarray  # i32[R + 1]: each request's first logit row, then their number
@@ -146,7 +147,7 @@ class StepInputs:
         lrows = rows[req]
         seq_len = ib.num_tokens[lrows] + j  # each row's sequence, its drafts included
         n = len(batch.logits_indices)
-        sampling = self.sampling.build(n, lrows, seq_len, samples[req], out, first_row)
+        sampling, needs = self.sampling.build(n, lrows, seq_len, samples[req], out, first_row)
         # Verification: row j is kept if rows 0..j-1 of its request sampled their drafts.
         verify = self.padding_verify(n)
         has_draft = j < num_drafts[req]
@@ -157,7 +158,7 @@ class StepInputs:
         # (async scheduling; an engine with speculative decoding steps synchronously).
         single = samples & (num_drafts == 0)
         verify.sample_rows[first_row[:-1][single]] = rows[single]
-        return PreparedStep(batch, sampling, verify, samples, first_row, num_drafts)
+        return PreparedStep(batch, sampling, needs, verify, samples, first_row, num_drafts)
 
 
 def _ints(*shape: int, fill: int = 0) -> np.ndarray:
