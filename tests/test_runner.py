@@ -149,18 +149,24 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
         skip_warmup=True,
     )
     runner = llm.runner
-    batch = runner.inputs.padding_batch(*runner.shapes[-1])
+    batch_template = runner.inputs.batch_template(*runner.shapes[-1])
+    buffer, batch = batch_template.new()
     num_logits = len(batch.logits_indices)
-    sampling = runner.inputs.sampling.padding(num_logits)
-    verify = runner.inputs.padding_verify(num_logits)
+    head = runner.inputs.head_template(num_logits)
+    idle = runner.inputs.sampling.idle_inputs(num_logits)
     with pallas_kernels.target_platform(platform):
-        forward = runner.forward.trace(runner.params, runner.kv_cache, runner.last_tokens, batch)
+        forward = runner.forward.trace(
+            runner.params, runner.kv_cache, runner.last_tokens, buffer,
+            layout=batch_template.layout,
+        )  # fmt: skip
         text = forward.lower(lowering_platforms=(platform,)).as_text()
         _, hidden, _ = forward.out_info
         rows = jax.ShapeDtypeStruct((num_logits, *hidden.shape[1:]), hidden.dtype)
         for program in runner.head_and_sample.values():
-            head = program.trace(runner.params, rows, sampling, verify, runner.last_tokens)
-            head.lower(lowering_platforms=(platform,))
+            traced = program.trace(
+                runner.params, rows, head.buffer, idle, runner.last_tokens, layout=head.layout
+            )
+            traced.lower(lowering_platforms=(platform,))
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
     # Quantized weights: the GPU program through the Pallas matmul, the TPU's through XLA.
     assert ("quant_matmul_int8_gpu" in text) == (platform == "cuda" and quantization == "int8")

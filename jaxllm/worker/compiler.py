@@ -165,20 +165,30 @@ class Compiler:
         self._lock = threading.Lock()
 
     def compile(
-        self, name: str, shape: tuple, fn, *args, updates_cache: bool = False, cache=None
+        self,
+        name: str,
+        shape: tuple,
+        fn,
+        *args,
+        updates_cache: bool = False,
+        cache=None,
+        static: dict | None = None,
     ) -> CompiledProgram:
-        """Compiles `fn(*args)` (a jitted function) and records it. An abstract runner compiles
-        for its parameters' devices with their platform's compiler (a TPU's or a GPU's, on this
-        machine), with the kernels traced for that platform. `updates_cache`: the program takes
-        the donated KV cache (the device state's, or `cache`) and returns it."""
+        """Compiles `fn(*args, **static)` (a jitted function; `static`: the keyword arguments
+        it takes as static, such as a step buffer's layout) and records it. An abstract runner
+        compiles for its parameters' devices with their platform's compiler (a TPU's or a
+        GPU's, on this machine), with the kernels traced for that platform. `updates_cache`:
+        the program takes the donated KV cache (the device state's, or `cache`) and returns
+        it."""
         device = self.device
+        static = static or {}
         start = time.perf_counter()
         if not device.abstract:
-            compiled = fn.lower(*args).compile()
+            compiled = fn.lower(*args, **static).compile()
         else:
             args = jax.tree.map(device.abstract_input, args)
             with device.traced_for_target():
-                traced = fn.trace(*args)
+                traced = fn.trace(*args, **static)
                 platforms = (pallas_kernels.lowering_platform(device.device),)
                 compiled = traced.lower(lowering_platforms=platforms).compile()
         # What the program launches is read for a GPU (host syncs) and for a target that is

@@ -194,15 +194,20 @@ class ModelRunner:
         if mesh is not None:
             cache = jax.tree.map(lambda x: x.sharding, self.device.kv_cache)
             out_shardings = (self.device.replicated, self.device.replicated, cache)
+        # Each takes its step's buffer with the layout (static) that says where its inputs lie.
         self.forward = jax.jit(
-            functools.partial(forward, *bound), donate_argnums=(1,), out_shardings=out_shardings
+            functools.partial(forward, *bound),
+            donate_argnums=(1,),
+            out_shardings=out_shardings,
+            static_argnames=("layout",),
         )
         # `last_tokens` is not donated (a few KiB): donating a buffer the forward pass still
         # reads made the host wait for that pass before it could dispatch the sampler. One
         # program per sampler variant of the platform (see `SamplerVariant`), tried in order.
         self.sampler_variants = SamplerVariant.for_platform(platform)
         self.head_and_sample = {
-            v: jax.jit(functools.partial(head_and_sample, *bound, v)) for v in self.sampler_variants
+            v: jax.jit(functools.partial(head_and_sample, *bound, v), static_argnames=("layout",))
+            for v in self.sampler_variants
         }
         self.scorer = PromptScorer(self.graphdef, self._params_def, ib, self.compiler)
         self.pooler = HiddenPooler(self.compiler, max_num_seqs) if pooling else None
@@ -339,12 +344,13 @@ class ModelRunner:
         # Traced for the target as the programs are: jit caches this trace, and a program
         # compiled later for the same inputs reuses it (with the host's kernels, were it not).
         with device.traced_for_target():
+            layout = self.inputs.batch_template(*self.shapes[0]).layout
             _, hidden, _ = jax.eval_shape(
-                self.forward,
+                functools.partial(self.forward, layout=layout),
                 self.params,
                 device.kv_cache,
                 device.last_tokens,
-                self.inputs.padding_batch(*self.shapes[0]),
+                layout.abstract(device.replicated),
                 self._lora_weights(),
                 self._mm_pool(),
             )
@@ -355,15 +361,24 @@ class ModelRunner:
             )
 
         def compile_forward(shape):
+            layout = self.inputs.batch_template(*shape).layout
             args = (self.params, device.kv_cache, device.last_tokens)
-            batch = self.inputs.padding_batch(*shape)
+            packed = layout.abstract(device.replicated)
             lora, mm = self._lora_weights(), self._mm_pool()
-            compile_("forward", shape, self.forward, *args, batch, lora, mm, updates_cache=True)
+            compile_(
+                "forward", shape, self.forward, *args, packed, lora, mm,
+                updates_cache=True, static={"layout": layout},
+            )  # fmt: skip
 
         def compile_head(n, variant):
-            sampling, verify = self.inputs.sampling.padding(n), self.inputs.padding_verify(n)
-            args = (self.params, rows(n), sampling, verify, device.last_tokens)
-            compile_(self.head_name(variant), (n,), self.head_and_sample[variant], *args)
+            layout = self.inputs.head_template(n).layout
+            idle = self.inputs.sampling.idle_inputs(n)
+            args = (self.params, rows(n), layout.abstract(device.replicated), idle)
+            program = self.head_and_sample[variant]
+            compile_(
+                self.head_name(variant), (n,), program, *args, device.last_tokens,
+                static={"layout": layout},
+            )  # fmt: skip
 
         shapes = [s for s in self.shapes if not decode_only or s[0] == s[1]]
         jobs = [functools.partial(compile_forward, shape) for shape in shapes]
@@ -471,21 +486,24 @@ class ModelRunner:
                 self.offloader.launch(out.kv_stores, out.kv_loads)
             if out.encoder_inputs:
                 self.mm.launch(out.encoder_inputs)
+            batch, sampling = device.put(step.buffers)  # the step's inputs, in one transfer
+            batch_layout, head_layout = step.layouts
             last, hidden, device.kv_cache = self.forward(
                 self.params,
                 device.kv_cache,
                 device.last_tokens,
-                step.batch,
+                batch,
                 self._lora_weights(),
                 self._mm_pool(),
+                layout=batch_layout,
             )
             head = self.head_and_sample[self.sampler_variant(step.needs)]
             result, device.last_tokens = head(
-                self.params, last, step.sampling, step.verify, device.last_tokens
+                self.params, last, sampling, step.idle, device.last_tokens, layout=head_layout
             )
             drafts = None
             if self.proposer is not None:
-                drafts = self.proposer.launch(step, rows, result[0].sampled, result[1])
+                drafts = self.proposer.launch(step, batch, rows, result[0].sampled, result[1])
             scoring = self.scorer.launch(self.params, out, hidden, len(step.batch.input_ids))
             pooling = None
             if self.pooler is not None:

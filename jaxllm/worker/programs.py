@@ -20,8 +20,9 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.models import AttentionMetadata
 from jaxllm.models.lora import layer_loras
+from jaxllm.worker.packing import Layout
 from jaxllm.worker.sampler import SamplerVariant, SamplingInputs, sample, token_logprobs
-from jaxllm.worker.spec_decode.verification import VerifyInputs, kept_rows
+from jaxllm.worker.spec_decode.verification import kept_rows
 
 
 @jax.tree_util.register_dataclass
@@ -42,6 +43,11 @@ class BatchInputs:
     mm_rows: jax.Array | None = None
 
 
+def unpack_batch(layout: Layout, packed: jax.Array) -> BatchInputs:
+    """The forward pass's inputs from the step's buffer (see `jaxllm.worker.packing`)."""
+    return layout.unpack(packed)
+
+
 def merge(graphdef, params_def, params: list[jax.Array]) -> nnx.Module:
     """The model from its graph and its flat list of parameters (see `ModelRunner`)."""
     return nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
@@ -54,14 +60,18 @@ def forward(
     params,
     kv_cache,
     last_tokens,
-    batch: BatchInputs,
+    batch: BatchInputs | jax.Array,
     lora=None,
     mm_pool=None,
+    *,
+    layout: Layout | None = None,
 ):
     """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
-    the updated cache). `lora`: the device's adapter slots by target (see `lora_slots`), when
-    LoRA is served. `mm_pool`: the encoder cache's rows (an image-text model, see
-    `mm_encoder`)."""
+    the updated cache). `batch`: the step's inputs, or with `layout` (static) the buffer that
+    holds them. `lora`: the device's adapter slots by target (see `lora_slots`), when LoRA is
+    served. `mm_pool`: the encoder cache's rows (an image-text model, see `mm_encoder`)."""
+    if layout is not None:
+        batch = unpack_batch(layout, batch)
     model = merge(graphdef, params_def, params)
     src = batch.token_src
     input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
@@ -80,15 +90,21 @@ def head_and_sample(
     variant: SamplerVariant,
     params,
     last: jax.Array,  # [L, D]
-    sampling: SamplingInputs,
-    verify: VerifyInputs,
+    packed: jax.Array,  # i32[layout.size]: the sampler's host inputs and the verification's
+    idle: dict,  # the sampler's other inputs
     last_tokens: jax.Array,  # i32[max_num_seqs]
+    *,
+    layout: Layout,
 ):
     """((the sampler's output, bool[L]: the rows whose tokens the step keeps), `last_tokens`
     with each decode's token at its batch row), with the sampler's parts `variant` holds.
+    `packed` holds (the `SamplingInputs` fields sent every step, `VerifyInputs`) as `layout`
+    (static) lays them out (see `jaxllm.worker.packing`).
 
     A row is kept when every earlier row of its request sampled the draft it verifies (see
     `jaxllm.worker.spec_decode`): the accepted drafts' rows and the one after them."""
+    host, verify = layout.unpack(packed)
+    sampling = SamplingInputs(**host, **idle)
     model = merge(graphdef, params_def, params)
     logits = model.compute_logits(last)
     if mesh is not None:  # split on the vocabulary by the head: gather it for the sampler

@@ -15,8 +15,6 @@ a batch that uses none of them neither builds nor sends them.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
@@ -58,6 +56,8 @@ _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _IDLE = (*_BIAS, *_PENALTIES, "history_ids", "num_prompt_tokens", "token_bitmask")
 # Copied from a request's row to each of its logit rows as they are.
 _PER_REQUEST = ("temperature", "top_k", "top_p", "min_p", "seeds")
+# Sent with every step (in the step's one buffer, see `jaxllm.worker.packing`).
+HOST = tuple(name for name in NEUTRAL if name not in _IDLE)
 
 
 class SamplingRows:
@@ -126,12 +126,17 @@ class SamplingInputsBuilder:
         shape = (n,) if width is None else (n, self._widths[width])
         return np.full(shape, self.vocab_size if value == VOCAB else value, dtype)
 
+    def host_padding(self, n: int) -> dict[str, np.ndarray]:
+        """The inputs sent with every step (`HOST`) for `n` rows, at their neutral values."""
+        return {name: self.neutral(name, n) for name in HOST}
+
     def padding(self, n: int) -> SamplingInputs:
         """Inputs for `n` rows that sample nothing anyone reads."""
-        host = {name: self.neutral(name, n) for name in NEUTRAL if name not in _IDLE}
-        return SamplingInputs(**host, **self._idle_inputs(n))
+        return SamplingInputs(**self.host_padding(n), **self.idle_inputs(n))
 
-    def _idle_inputs(self, n: int) -> dict[str, jax.Array]:
+    def idle_inputs(self, n: int) -> dict[str, jax.Array]:
+        """The inputs few requests use (`_IDLE`) for `n` rows, at their neutral values, kept
+        on the device."""
         if n not in self._idle_device_inputs:
             idle = {name: self.neutral(name, n) for name in _IDLE}
             self._idle_device_inputs[n] = self.device.put(idle)
@@ -139,55 +144,56 @@ class SamplingInputsBuilder:
 
     def build(
         self,
-        n: int,
+        host: dict[str, np.ndarray],
         rows: np.ndarray,
         seq_len: np.ndarray,
         samples: np.ndarray,
         out: SchedulerOutput,
         first_row: np.ndarray,
-    ) -> tuple[SamplingInputs, SamplerVariant]:
-        """A step's inputs, padded to `n` logit rows, and the sampler's parts they need (a
-        variant: see `SamplerVariant.covers`). Per real logit row: its request's batch row
-        (`rows`), its sequence length with the drafts before it (`seq_len`), and whether its
-        request's chunk reaches the end of its sequence (`samples`); `first_row`: each
-        request's first logit row (structured outputs' bitmask rows go there)."""
+    ) -> tuple[dict[str, jax.Array | np.ndarray], SamplerVariant]:
+        """A step's inputs: the ones every step sends written into `host` (its padded rows at
+        their neutral values, see `host_padding`), and returned, the others (`idle_inputs`,
+        or host arrays where some row uses them) and the sampler's parts they need (a variant:
+        see `SamplerVariant.covers`). Per real logit row: its request's batch row (`rows`),
+        its sequence length with the drafts before it (`seq_len`), and whether its request's
+        chunk reaches the end of its sequence (`samples`); `first_row`: each request's first
+        logit row (structured outputs' bitmask rows go there)."""
         ib, params = self.input_batch, self.input_batch.sampling
-        sampling = self.padding(n)
         k = len(rows)
         for name in _PER_REQUEST:
-            getattr(sampling, name)[:k] = getattr(params, name)[rows]
+            host[name][:k] = getattr(params, name)[rows]
         num_output = seq_len - ib.num_prompt_tokens[rows]
-        sampling.counters[:k] = num_output
-        sampling.logprobs[:k] = params.num_logprobs[rows] >= 0
+        host["counters"][:k] = num_output
+        wants_logprobs = params.num_logprobs[rows] >= 0
+        host["logprobs"][:k] = wants_logprobs
         blocked = num_output < params.min_tokens[rows]  # EOS and stop ids wait for min_tokens
-        sampling.blocked_ids[:k] = np.where(
-            blocked[:, None], params.blocked_ids[rows], self.vocab_size
-        )
-        modified = out.grammar_bitmask is not None or bool(blocked.any())
-        modified |= bool(
-            ((params.has_logit_bias[rows] | params.uses_penalties[rows]) & samples).any()
-        )
+        if blocked.any():
+            host["blocked_ids"][:k] = np.where(
+                blocked[:, None], params.blocked_ids[rows], self.vocab_size
+            )
+        uses = (params.has_logit_bias[rows] | params.uses_penalties[rows]) & samples
         needs = SamplerVariant(
-            modify=modified,
-            random=bool((sampling.temperature[:k] >= SAMPLING_EPS).any()),
-            logprobs=bool(sampling.logprobs[:k].any()),
+            modify=out.grammar_bitmask is not None or bool(blocked.any() or uses.any()),
+            random=bool((host["temperature"][:k] >= SAMPLING_EPS).any()),
+            logprobs=bool(wants_logprobs.any()),
         )
-        sampling = self._fill_penalty_inputs(sampling, rows, samples, seq_len)
-        return self._fill_bitmask(sampling, out, first_row), needs
+        n = len(host["temperature"])
+        idle = self._fill_penalty_inputs(self.idle_inputs(n), rows, samples, seq_len)
+        return self._fill_bitmask(idle, n, out, first_row), needs
 
     def _fill_penalty_inputs(
-        self, sampling: SamplingInputs, rows: np.ndarray, samples: np.ndarray, lens: np.ndarray
-    ) -> SamplingInputs:
+        self, idle: dict, rows: np.ndarray, samples: np.ndarray, lens: np.ndarray
+    ) -> dict:
         """Host arrays for logit bias and penalties, filled from the rows that sample with
-        them (batch rows `rows`, each sampling after its first `lens` tokens); `sampling`
-        unchanged (the device-resident padding) when none does."""
+        them (batch rows `rows`, each sampling after its first `lens` tokens), in place of the
+        device-resident `idle` ones; `idle` unchanged when none does."""
         ib, params = self.input_batch, self.input_batch.sampling
         biased = params.has_logit_bias[rows] & samples
         penalized = params.uses_penalties[rows] & samples
         if not (biased.any() or penalized.any()):
-            return sampling
+            return idle
         names = _BIAS if not penalized.any() else _IDLE[:-1]
-        r = len(sampling.temperature)
+        r = len(idle["logit_bias"])
         host = {name: self.neutral(name, r) for name in names}
         k = len(rows)
         for name in _BIAS if biased.any() else ():
@@ -198,22 +204,22 @@ class SamplingInputsBuilder:
             seen = np.arange(ib.token_ids.shape[1])[None, :] < lens[:, None]
             host["history_ids"][:k] = np.where(seen, ib.token_ids[rows], self.vocab_size)
             host["num_prompt_tokens"][:k] = ib.num_prompt_tokens[rows]
-        return dataclasses.replace(sampling, **self.device.put_if_mesh(host))
+        return {**idle, **self.device.put_if_mesh(host)}
 
     def _fill_bitmask(
-        self, sampling: SamplingInputs, out: SchedulerOutput, first_row: np.ndarray
-    ) -> SamplingInputs:
+        self, idle: dict, n: int, out: SchedulerOutput, first_row: np.ndarray
+    ) -> dict:
         """Structured outputs: the step's bitmask rows at their requests' logit rows."""
         mask = out.grammar_bitmask
         if mask is None:
-            return sampling
+            return idle
         rows = np.frombuffer(mask.data, np.int32).reshape(-1, self.bitmask_words)
         index = {s.request_id: i for i, s in enumerate(out.requests)}
-        host = self.neutral("token_bitmask", len(sampling.temperature))
+        host = self.neutral("token_bitmask", n)
         start = 0
         for rid in mask.request_ids:
             i = index[rid]
-            n = 1 + len(out.requests[i].spec_token_ids)
-            host[first_row[i] : first_row[i] + n] = rows[start : start + n]
-            start += n
-        return dataclasses.replace(sampling, token_bitmask=self.device.put_if_mesh(host))
+            k = 1 + len(out.requests[i].spec_token_ids)
+            host[first_row[i] : first_row[i] + k] = rows[start : start + k]
+            start += k
+        return {**idle, "token_bitmask": self.device.put_if_mesh(host)}

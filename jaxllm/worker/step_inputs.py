@@ -3,6 +3,9 @@
 
 Every batch is padded to a compiled shape (`buckets`). Padding tokens write to an out-of-range
 slot (dropped) and padding requests have no tokens and length 0, so they never touch real data.
+The forward pass's inputs are written into one buffer per step and the sampler's and the
+verification's into another (`packing`): a step sends both in one transfer, beside what few
+steps need (the sampler's idle inputs, kept on the device).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import numpy as np
 from jaxllm.models import AttentionMetadata
 from jaxllm.worker.buckets import logit_rows, pick_shape
 from jaxllm.worker.input_batch import InputBatch
+from jaxllm.worker.packing import Layout, Template
 from jaxllm.worker.programs import BatchInputs
-from jaxllm.worker.sampler import SamplerVariant, SamplingInputs
+from jaxllm.worker.sampler import SamplerVariant
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
 from jaxllm.worker.spec_decode.verification import VerifyInputs, padding_verify
 from jaxllm.worker.step_data import SchedulerOutput
@@ -25,10 +29,14 @@ from jaxllm.worker.step_data import SchedulerOutput
 class PreparedStep:
     """A step's inputs, as `StepInputs.prepare` builds them."""
 
-    batch: BatchInputs
-    sampling: SamplingInputs  # per logit row
+    batch: BatchInputs  # views of `buffers[0]`
+    sampling: dict[str, np.ndarray]  # the sampler's host inputs per logit row: views of the 2nd
+    verify: VerifyInputs  # per logit row: views of `buffers[1]`
+    # The forward pass's and the sampler's buffers, and their layouts (see `packing`)
+    buffers: tuple[np.ndarray, np.ndarray]
+    layouts: tuple[Layout, Layout]
+    idle: dict  # the sampler's other inputs (`SamplingInputsBuilder.idle_inputs`)
     needs: SamplerVariant  # the sampler's parts the batch needs
-    verify: VerifyInputs  # per logit row
     samples: np.ndarray  # bool[R]: the request's chunk reaches the end of its sequence
     first_row: np.ndarray  # i32[R + 1]: each request's first logit row, then their number
     num_drafts: np.ndarray  # i32[R]
@@ -51,6 +59,24 @@ class StepInputs:
     mm_block: int = 1  # the encoder cache's rows per block
     # An image's tokens attend to each other (Gemma 3): `AttentionMetadata.attend_to`.
     mm_attend: bool = False
+    # The buffers' neutral contents by shape (forward) and by logit rows (sampler), made once.
+    _templates: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def batch_template(self, t_pad: int, r_pad: int) -> Template:
+        """The forward pass's buffer of a padded shape, holding no request."""
+        key = ("batch", t_pad, r_pad)
+        if key not in self._templates:
+            self._templates[key] = Template.of(self.padding_batch(t_pad, r_pad))
+        return self._templates[key]
+
+    def head_template(self, n: int) -> Template:
+        """The sampler's and the verification's buffer of `n` logit rows, sampling nothing."""
+        key = ("head", n)
+        if key not in self._templates:
+            self._templates[key] = Template.of(
+                (self.sampling.host_padding(n), self.padding_verify(n))
+            )
+        return self._templates[key]
 
     def padding_batch(self, t_pad: int, r_pad: int) -> BatchInputs:
         """Fresh arrays of the given padded shape holding no request: such a batch writes
@@ -92,7 +118,8 @@ class StepInputs:
         num_drafts = np.fromiter((len(s.spec_token_ids) for s in out.requests), np.int32, num_reqs)
         num_tokens = int(lens.sum())
         t_pad, r_pad = pick_shape(num_tokens, num_reqs, self.shapes)
-        batch = self.padding_batch(t_pad, r_pad)
+        batch_template = self.batch_template(t_pad, r_pad)
+        batch_buffer, batch = batch_template.new()
         attn = batch.attn
 
         starts = np.zeros(num_reqs + 1, np.int32)
@@ -146,10 +173,10 @@ class StepInputs:
         samples = (computed + lens - num_drafts == ib.num_tokens[rows]) & ~pool
         lrows = rows[req]
         seq_len = ib.num_tokens[lrows] + j  # each row's sequence, its drafts included
-        n = len(batch.logits_indices)
-        sampling, needs = self.sampling.build(n, lrows, seq_len, samples[req], out, first_row)
+        head_template = self.head_template(len(batch.logits_indices))
+        head_buffer, (sampling, verify) = head_template.new()
+        idle, needs = self.sampling.build(sampling, lrows, seq_len, samples[req], out, first_row)
         # Verification: row j is kept if rows 0..j-1 of its request sampled their drafts.
-        verify = self.padding_verify(n)
         has_draft = j < num_drafts[req]
         draft_pos = np.minimum(seq_len, ib.token_ids.shape[1] - 1)
         verify.drafts[:num_logits] = np.where(has_draft, ib.token_ids[lrows, draft_pos], -1)
@@ -158,7 +185,18 @@ class StepInputs:
         # (async scheduling; an engine with speculative decoding steps synchronously).
         single = samples & (num_drafts == 0)
         verify.sample_rows[first_row[:-1][single]] = rows[single]
-        return PreparedStep(batch, sampling, needs, verify, samples, first_row, num_drafts)
+        return PreparedStep(
+            batch,
+            sampling,
+            verify,
+            (batch_buffer, head_buffer),
+            (batch_template.layout, head_template.layout),
+            idle,
+            needs,
+            samples,
+            first_row,
+            num_drafts,
+        )
 
 
 def _ints(*shape: int, fill: int = 0) -> np.ndarray:

@@ -31,12 +31,12 @@ import numpy as np
 
 class Proposer(Protocol):
     """How the runner asks for drafts. `launch` runs when a step is dispatched, with its inputs
-    and its sampled tokens still on the device (a draft model dispatches its own program
-    there); `propose` runs when the step's output is back, for the requests that sampled and
+    (the prepared step, and its forward pass's buffer on the device) and its sampled tokens
+    still on the device (a draft model dispatches its own program there); `propose` runs when the step's output is back, for the requests that sampled and
     still hold their batch rows: `held` is (request id, index in the step's requests, batch
     row) each, and the result the drafts for each request's next step."""
 
-    def launch(self, step: Any, rows: np.ndarray, sampled: Any, kept: Any) -> Any: ...
+    def launch(self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any) -> Any: ...
 
     def propose(self, launched: Any, held: list[tuple[str, int, int]]) -> dict[str, list[int]]: ...
 

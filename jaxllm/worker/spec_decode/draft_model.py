@@ -32,6 +32,7 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionMetadata
+from jaxllm.worker.packing import Layout
 from jaxllm.worker.programs import forward, merge
 from jaxllm.worker.sampler import argmax
 from pallas_kernels import get_kv_cache_shape
@@ -97,6 +98,7 @@ class DraftModelProposer:
                 inputs.num_pages * inputs.page_size,
             ),
             donate_argnums=(1,),
+            static_argnames=("layout",),
         )
 
     def warmup_jobs(self) -> list:
@@ -104,15 +106,16 @@ class DraftModelProposer:
         device = self.device
 
         def compile_step(shape):
-            batch = self.inputs.padding_batch(*shape)
-            n = len(batch.logits_indices)
+            template = self.inputs.batch_template(*shape)
+            n = len(template.new()[1].logits_indices)
             sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=device.replicated)
             kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=device.replicated)
             inputs, tables = self._padding_inputs(shape[1])
+            batch = template.layout.abstract(device.replicated)
             self.compiler.compile(
                 "draft_step", shape, self._step, self._params, self.kv_cache,
                 device.last_tokens, batch, sampled, kept, inputs, tables, updates_cache=True,
-                cache=self.kv_cache,
+                cache=self.kv_cache, static={"layout": template.layout},
             )  # fmt: skip
 
         return [functools.partial(compile_step, shape) for shape in self.inputs.shapes]
@@ -128,11 +131,17 @@ class DraftModelProposer:
         return inputs, np.zeros((r, self.inputs.pages_per_seq), np.int32)
 
     def launch(
-        self, step: PreparedStep, rows: np.ndarray, sampled: jax.Array, kept: jax.Array
+        self,
+        step: PreparedStep,
+        batch: jax.Array,
+        rows: np.ndarray,
+        sampled: jax.Array,
+        kept: jax.Array,
     ) -> jax.Array:
         """Dispatches the draft's step: its cache gets the batch's tokens, and every request
         that sampled gets k drafts, i32[R, k] on the device (junk in the other rows). `step`:
-        the runner's step, launched; `sampled`, `kept`: its verification output."""
+        the runner's step, launched, `batch` its forward pass's buffer on the device;
+        `sampled`, `kept`: its verification output."""
         ib = self.inputs.input_batch
         r_pad = len(step.batch.attn.seq_lens)
         num_reqs = len(rows)
@@ -147,11 +156,12 @@ class DraftModelProposer:
             self._params,
             self.kv_cache,
             self.device.last_tokens,
-            step.batch,
+            batch,
             sampled,
             kept,
             inputs,
             tables,
+            layout=step.layouts[0],
         )
         return drafts
 
@@ -172,15 +182,19 @@ def _draft_step(
     params,
     kv_cache,
     last_tokens: jax.Array,
-    batch,  # the target's `BatchInputs`
+    batch: jax.Array,  # the target's forward pass's buffer (`BatchInputs` as `layout` says)
     sampled: jax.Array,  # i32[L]  the target's token per logit row
     kept: jax.Array,  # bool[L]  the rows the step kept
     inputs: ProposeInputs,
     block_tables: jax.Array,  # i32[R, P]
+    *,
+    layout: Layout,
 ):
     """The draft model over the batch, then k greedy draft tokens per request from the last
     token the step kept: (i32[R, k], the draft's cache)."""
-    _, _, kv_cache = forward(graphdef, params_def, mesh, params, kv_cache, last_tokens, batch)
+    _, _, kv_cache = forward(
+        graphdef, params_def, mesh, params, kv_cache, last_tokens, batch, layout=layout
+    )
     model = merge(graphdef, params_def, params)
     num_reqs = inputs.first_rows.shape[0]
     rows = jnp.arange(num_reqs)
@@ -218,5 +232,7 @@ def _draft_step(
         return nxt, positions + 1, cache, drafts.at[:, j].set(nxt)
 
     drafts = jnp.zeros((num_reqs, k), jnp.int32)
-    _, _, kv_cache, drafts = jax.lax.fori_loop(0, k, step, (tokens, positions, kv_cache, drafts))
+    # Unrolled: a GPU runs a `while` by asking the host at each trip.
+    carry = (tokens, positions, kv_cache, drafts)
+    _, _, kv_cache, drafts = jax.lax.fori_loop(0, k, step, carry, unroll=True)
     return drafts, kv_cache

@@ -22,7 +22,7 @@ class NgramProposer:
     def warmup_jobs(self) -> list:
         return []  # it runs on the host
 
-    def launch(self, step: Any, rows: np.ndarray, sampled: Any, kept: Any) -> None:
+    def launch(self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any) -> None:
         return None
 
     def propose(self, launched: None, held: list[tuple[str, int, int]]) -> dict[str, list[int]]:
