@@ -90,6 +90,7 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.windows = windows
+        self._sliding = any(w is not None for w in windows)  # a group frees behind a window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.block_keys: list[Key | None] = [None] * num_pages
@@ -191,13 +192,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        tables = self.block_tables.get(rid)
-        if tables is None:
-            return
-        start = self._num_cached_blocks.get(rid, 0)
         # Speculative decoding: a stop inside accepted drafts leaves confirmed tokens that
         # were never appended (the ones after the stop).
         confirmed = min(request.num_confirmed_tokens, request.num_tokens)
+        start = self._num_cached_blocks.get(rid, 0)
+        if confirmed // self.page_size <= start:
+            return  # no block became full (most steps)
+        tables = self.block_tables.get(rid)
+        if tables is None:
+            return
         end = min(confirmed // self.page_size, len(tables[0]))
         if end <= start:
             return
@@ -244,6 +247,9 @@ class KVCacheManager:
         nothing else, when the pool has too few free blocks."""
         rid = request.request_id
         tables = self.block_tables.get(rid)
+        total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if tables is not None and not self._sliding and total <= len(tables[0]) * self.page_size:
+            return True  # a running request within its blocks (most decodes): nothing to do
         if tables is None:
             entries = hit.entries if hit is not None else [[] for _ in self.windows]
             located = [[self._locate(key) for key in group] for group in entries]
@@ -251,7 +257,6 @@ class KVCacheManager:
         else:
             self._free_skipped(request)
             located, length = None, len(tables[0])
-        total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         fresh = max(self.blocks_needed(total) - length, 0) * self.num_groups
         if located is not None:
             # A host-tier block takes a fresh block; reviving a free cached one takes it out
