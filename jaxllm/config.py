@@ -461,8 +461,10 @@ class CacheConfig:
     num_pages: int | None = option(None, "--num-gpu-blocks-override")
     """Pages in the KV pool; default: as many as `memory_utilization` leaves room for."""
     memory_utilization: float = option(0.9, "--gpu-memory-utilization")
-    """Share of device memory the weights and KV cache may use. On CPU, where JAX reports
-    no memory limit, the KV cache gets `cpu_kv_cache_gib` instead."""
+    """Share of device memory the engine may use (weights, KV cache, temporaries). On a GPU
+    it is vLLM's gpu_memory_utilization: a share of the whole device, to which JAX's memory
+    pool is set (`jaxllm.kv_sizing`). On CPU, where JAX reports no memory limit, the KV cache
+    gets `cpu_kv_cache_gib` instead."""
     cpu_kv_cache_gib: float = 1.0
     """The KV cache's size on CPU, in GiB."""
     enable_prefix_caching: bool = True

@@ -3,6 +3,9 @@
 On an accelerator the pool gets what `memory_utilization` of the local device leaves after the
 weights (read from its memory stats; an accelerator that reports no limit is an error that
 names `num_pages`); on CPU, where JAX reports no limit, a fixed budget (`cpu_kv_cache_gib`).
+`memory_utilization` means vLLM's `gpu_memory_utilization` on a GPU: the engine's share of the
+device's whole memory (`engine_bytes`), JAX's preallocated pool set to it before JAX starts
+(`preallocate_gpu_memory`).
 A page costs what its layout takes on the device (`device_page_bytes`): a TPU pads the cache's
 minor dimensions to whole tiles, so the pool is sized from the compiled layout's bytes, not
 from the logical ones. `max_model_len` defaults to the model's context, clipped to what the
@@ -107,6 +110,52 @@ def _compiled_cache_bytes(
     return zeros.lower().compile().memory_analysis().output_size_in_bytes
 
 
+# On a GPU, the share of the engine's pool kept for what the programs allocate as they run
+# (their temporaries: 0.2-0.3 GiB for Llama-3.1-8B's and Qwen3-30B-A3B's at the default batch
+# bounds, `jaxllm compile`), XLA's autotuning scratch while warmup compiles (the largest matrix
+# product's operands: 1.1 GiB for an 8B model's output head), and cuBLAS's workspaces: 1.8 GiB
+# of an H100's pool at 0.9, where vLLM's profiling run finds 1-2 GiB of activations.
+GPU_RESERVE = 0.025
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def preallocate_gpu_memory(memory_utilization: float) -> None:
+    """Makes JAX's GPU memory pool `memory_utilization` of the device (vLLM's meaning of
+    gpu_memory_utilization) instead of JAX's default 75%, by setting
+    XLA_PYTHON_CLIENT_MEM_FRACTION before JAX starts its GPU backend: unless it is set already
+    (the operator's choice wins) or the backend has started (then what JAX took is what there
+    is; `engine_bytes` reads it)."""
+    import os
+
+    from jax._src import xla_bridge
+
+    if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ or xla_bridge.backends_are_initialized():
+        return
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_utilization:.4f}"
+
+
+def gpu_pool_fraction(memory_utilization: float) -> float:
+    """The share of a GPU's memory JAX preallocates for this process:
+    XLA_PYTHON_CLIENT_MEM_FRACTION, as `preallocate_gpu_memory` sets it from
+    `memory_utilization` where the operator did not."""
+    import os
+
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", memory_utilization))
+
+
+def engine_bytes(platform: str, limit_bytes: int, memory_utilization: float) -> int:
+    """What the engine's arrays (weights, KV cache, LoRA slots, encoder cache) may take of one
+    device whose programs may use `limit_bytes`. On a TPU (`limit_bytes` about its HBM):
+    `memory_utilization` of it, the rest for the programs' temporaries. On a GPU
+    (`limit_bytes`: JAX's pool, `gpu_pool_fraction` of the whole memory): `memory_utilization`
+    of the whole memory, at most the pool, less `GPU_RESERVE` of it."""
+    if platform not in _GPU_PLATFORMS:
+        return int(limit_bytes * memory_utilization)
+    whole = limit_bytes / gpu_pool_fraction(memory_utilization)
+    pool = min(limit_bytes, memory_utilization * whole)
+    return int(pool * (1 - GPU_RESERVE))
+
+
 def device_memory_limit(device: jax.Device) -> tuple[int, int] | None:
     """(bytes_limit, bytes_in_use) of a device's memory, or None where JAX reports none (the
     CPU)."""
@@ -131,7 +180,7 @@ def kv_budget_bytes(cache: CacheConfig, device: jax.Device | None = None) -> int
             )
         return int(cache.cpu_kv_cache_gib * 2**30)
     bytes_limit, in_use = limit
-    free = bytes_limit * cache.memory_utilization - in_use
+    free = engine_bytes(device.platform, bytes_limit, cache.memory_utilization) - in_use
     if free <= 0:
         raise ValueError(
             f"no device memory is left for the KV cache at memory_utilization="

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -428,7 +429,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         text = runner.compiler.executables[p.name, p.shape].as_text()
         assert not _fused_into_cache_writes(text, cache_shape, max(p.shape)), (p.name, p.shape)
     assert engine.weight_device_bytes + engine.kv_cache_device_bytes < (
-        engine.target.usable_memory_bytes
+        engine.target.limit_bytes(engine.config.cache.memory_utilization)
     )
     # A GPU step stops the host at every `conditional` and `while` (XLA:GPU asks the host for
     # the predicate): no program of a GPU engine holds one. Its head-and-sampler programs come
@@ -629,3 +630,63 @@ def test_pool_is_sized_from_the_compiled_layout():
     logical = bytes_per_page(config, 16, jnp.bfloat16)
     physical = device_page_bytes(config, 16, jnp.bfloat16, placement)
     assert physical == logical * 256 // 160
+
+
+def test_gpu_memory_utilization_is_a_share_of_the_whole_device(monkeypatch):
+    """vLLM's gpu_memory_utilization: the engine's share of the whole GPU. The engine sets
+    JAX's pool to it before JAX starts, unless the operator set XLA_PYTHON_CLIENT_MEM_FRACTION
+    (then the engine keeps within the smaller of the two); a TPU's programs' limit is shared as
+    before. Needs no compiler."""
+    from jax._src import xla_bridge
+
+    from jaxllm.aot.targets import parse_target
+    from jaxllm.kv_sizing import GPU_RESERVE, engine_bytes, preallocate_gpu_memory
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    preallocate_gpu_memory(0.9)  # too late: JAX has started, its pool is what there is
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    preallocate_gpu_memory(0.9)
+    assert float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == 0.9
+    h100 = parse_target("h100")
+    whole = h100.chip.memory_bytes
+    assert h100.limit_bytes(0.9) == int(whole * 0.9)
+    assert engine_bytes("cuda", int(whole * 0.9), 0.9) == pytest.approx(
+        0.9 * whole * (1 - GPU_RESERVE), rel=1e-6
+    )
+    # The operator's pool: 0.95 of the device, of which the engine takes its 0.9; or 0.5.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    preallocate_gpu_memory(0.8)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+    assert engine_bytes("gpu", int(whole * 0.95), 0.9) == pytest.approx(
+        0.9 * whole * (1 - GPU_RESERVE), rel=1e-6
+    )
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert engine_bytes("gpu", int(whole * 0.5), 0.9) == pytest.approx(
+        0.5 * whole * (1 - GPU_RESERVE), rel=1e-6
+    )
+    # A TPU: memory_utilization of what its programs may use.
+    v5e = parse_target("v5e-1")
+    assert engine_bytes("tpu", v5e.limit_bytes(0.9), 0.9) == int(15.75 * 2**30 * 0.9)
+
+
+@gpu_only
+def test_a_30b_moe_fits_an_h100_at_vllms_memory_utilization(tmp_path, monkeypatch):
+    """Qwen3-30B-A3B in bfloat16 (56.9 GiB of weights) on one H100 at --gpu-memory-utilization
+    0.9: JAX's default pool of 75% refused it; as a share of the whole device (vLLM's meaning)
+    it fits, with a KV pool of what vLLM's 0.9 leaves (within a few GiB of temporaries)."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    report = tmp_path / "report.json"
+    rc, text = _run_cli(
+        "compile", str(CONFIGS / "qwen3-30b-a3b"), "--target", "h100", "--max-num-seqs", "1",
+        "--max-num-batched-tokens", "16", "--programs", "decode", "--json", str(report),
+        "--quiet",
+    )  # fmt: skip
+    assert rc == 0, text
+    m = json.loads(report.read_text())["memory_per_device"]
+    whole = _target("h100").chip.memory_bytes
+    assert m["usable_bytes"] == int(0.9 * whole)
+    assert m["fits"] and m["weight_device_bytes"] > 56 * 2**30
+    vllm_kv = 0.9 * whole - m["weight_device_bytes"] - 2 * 2**30  # ~1-2 GiB of activations
+    assert m["kv_cache_bytes"] > 0.9 * vllm_kv, (m["kv_cache_bytes"] / 2**30, vllm_kv / 2**30)

@@ -29,7 +29,12 @@ from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_
 from jaxllm.engine.encoder_cache import EncoderCache
 from jaxllm.engine.kv_offload import host_blocks
 from jaxllm.kv_groups import engine_kv_groups
-from jaxllm.kv_sizing import device_page_bytes, plan_kv_cache, resolve_kv_cache_dtype
+from jaxllm.kv_sizing import (
+    device_page_bytes,
+    engine_bytes,
+    plan_kv_cache,
+    resolve_kv_cache_dtype,
+)
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_cache import resolve_model
@@ -114,7 +119,7 @@ def compile_engine(
     )
     comp = config.compilation
     quantization = config.load.quantization
-    memory = target.usable_memory_bytes
+    memory = target.limit_bytes(config.cache.memory_utilization)
     model = abstract_model(config.load.model, dtype, comp, mesh, devices[0], quantization, memory)
     vision = abstract_vision(
         config.load.model, dtype, mesh, devices[0], config.multimodal.mm_processor_kwargs
@@ -146,7 +151,7 @@ def compile_engine(
             + fit_advice(config, target, dtype, logical, page_bytes)
         )
     weight_device_bytes = sum(w.weight_device_bytes for w in weights)
-    usable = memory * cache.memory_utilization
+    usable = engine_bytes(target.platform, memory, cache.memory_utilization)
     # The LoRA slots (with --enable-lora) and the encoder cache (an image-text model's) take
     # their share before the KV pool.
     encoder_cache, encoder_bytes = (0, 0), 0
@@ -160,8 +165,7 @@ def compile_engine(
         raise DoesNotFit(
             f"{config.load.model} does not fit {target.name}: its weights take "
             f"{_gib(weight_device_bytes)} per device of the {_gib(usable)} that "
-            f"memory_utilization {cache.memory_utilization} leaves of "
-            f"{_gib(target.usable_memory_bytes)}. "
+            f"memory_utilization {cache.memory_utilization} leaves of {_gib(memory)}. "
             + fit_advice(config, target, dtype, weight_device_bytes, page_bytes)
         )
     try:
@@ -333,7 +337,8 @@ def fit_advice(
 ) -> str:
     """What would fit, naming the flags: more devices (tensor parallelism), smaller weights
     (quantization), a shorter context."""
-    usable = target.usable_memory_bytes * config.cache.memory_utilization
+    util = config.cache.memory_utilization
+    usable = engine_bytes(target.platform, target.limit_bytes(util), util)
     tp = config.parallel.tensor_parallel_size or target.num_devices
     chip = target.chip
     # Smaller weights: (flag, bytes per device) for each format that shrinks these.

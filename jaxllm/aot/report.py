@@ -124,7 +124,7 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
     programs = runner.programs
     temp = max(programs, key=lambda p: p.temp_bytes)
     total = engine.weight_device_bytes + engine.kv_cache_device_bytes + temp.temp_bytes
-    usable = target.usable_memory_bytes
+    usable = target.limit_bytes(cfg.cache.memory_utilization)
     forward = [p for p in programs if p.updates_cache]
     copies = runner.cache_copies()
     batches = sorted({min(b, cfg.scheduler.max_num_seqs) for b in batches})

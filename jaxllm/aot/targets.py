@@ -22,6 +22,8 @@ import re
 
 import jax
 
+from jaxllm.kv_sizing import gpu_pool_fraction
+
 _GIB = 2**30
 _MIB = 2**20
 
@@ -139,16 +141,15 @@ class Target:
     def platform(self) -> str:
         return self.chip.platform
 
-    @property
-    def usable_memory_bytes(self) -> int:
-        """Device memory JAX lets a program use: on a TPU what XLA:TPU allows (`program_bytes`,
-        a little under the chip's HBM); on a GPU the share JAX preallocates
-        (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 unless set), as `jaxllm serve` on that GPU
-        would see in its memory stats."""
+    def limit_bytes(self, memory_utilization: float) -> int:
+        """Device memory JAX lets the engine's programs use, as `jaxllm serve` on the target
+        would see it in its memory stats: on a TPU what XLA:TPU allows (`program_bytes`, a
+        little under the chip's HBM); on a GPU the pool JAX preallocates, which serve sets to
+        `memory_utilization` of the memory (XLA_PYTHON_CLIENT_MEM_FRACTION where set, see
+        `jaxllm.kv_sizing.preallocate_gpu_memory`)."""
         if self.platform != "cuda":
             return self.chip.program_bytes or self.chip.memory_bytes
-        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-        return int(self.chip.memory_bytes * fraction)
+        return int(self.chip.memory_bytes * gpu_pool_fraction(memory_utilization))
 
     def devices(self) -> list[jax.Device]:
         """The target's compile-only devices (needs its compiler: libtpu, or the CUDA

@@ -119,6 +119,7 @@ class EngineCore:
             device_page_bytes,
             kv_budget_bytes,
             plan_kv_cache,
+            preallocate_gpu_memory,
             resolve_kv_cache_dtype,
         )
         from jaxllm.loaders import load_model
@@ -127,6 +128,8 @@ class EngineCore:
         from jaxllm.worker import ModelRunner, encoder_cache_bytes, lora_slot_bytes
 
         comp, parallel = config.compilation, config.parallel
+        # Before JAX starts: on a GPU, its memory pool is memory_utilization of the device.
+        preallocate_gpu_memory(config.cache.memory_utilization)
         xla_cache = comp.compilation_cache_dir
         setup_compilation_cache(cache_dir() / "xla" if xla_cache == "default" else xla_cache)
         if parallel.multihost:
