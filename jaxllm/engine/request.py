@@ -71,6 +71,9 @@ class Request:
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = set(sampling_params.stop_token_ids)
         self.max_tokens = max_tokens  # resolved: never runs past max_model_len
+        # The sequence length it may reach: prompt + max_tokens within max_model_len (the
+        # scheduler sets it when the request is added).
+        self.max_len = len(prompt_token_ids) + max_tokens
         self.seed = seed  # resolved: a request without a seed gets one from the engine
         self.priority = priority  # lower runs earlier under the "priority" policy
         # A sibling with the same prompt (the first of n completions): this request waits

@@ -112,6 +112,10 @@ class Scheduler:
             if self.structured_outputs is None:
                 raise ValueError("structured_outputs: this engine has no grammar support")
             request.grammar = self.structured_outputs.grammar(constraint)
+        # The sequence length it may reach, read at every step it runs.
+        request.max_len = min(
+            request.num_prompt_tokens + request.max_tokens, self.config.max_model_len
+        )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -358,9 +362,10 @@ class Scheduler:
         lookahead = max(0, min(self.num_lookahead_tokens, end))
         return self.kv.allocate_slots(request, n, hit, num_lookahead_tokens=lookahead)
 
-    def _end(self, request: Request) -> int:
-        """The sequence length a request may reach."""
-        return min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+    @staticmethod
+    def _end(request: Request) -> int:
+        """The sequence length a request may reach (set when it was added)."""
+        return request.max_len
 
     def _finishes_by_length(self, request: Request) -> bool:
         """Whether the token an in-flight step samples for the request is its last."""
@@ -439,15 +444,21 @@ class Scheduler:
         self, request: Request, n: int, drafts: list[int], spans: list[tuple[int, int, list[int]]]
     ) -> ScheduledRequest:
         tables = self.kv.get_block_table(request.request_id)
-        new_block_ids = _sent(tables, request.num_blocks_sent)
-        request.num_blocks_sent = len(tables[0])
+        if len(tables[0]) == request.num_blocks_sent:  # most decodes: no new block
+            new_block_ids = [[] for _ in tables]
+        else:
+            new_block_ids = _sent(tables, request.num_blocks_sent)
+            request.num_blocks_sent = len(tables[0])
         start = request.num_computed_tokens
+        targets = None
+        if request.sampling_params.prompt_logprobs is not None:
+            targets = self._prompt_logprob_targets(request, start, n)
         return ScheduledRequest(
             request_id=request.request_id,
             num_computed_tokens=start,
             num_scheduled_tokens=n,
             new_block_ids=new_block_ids,
-            prompt_logprob_targets=self._prompt_logprob_targets(request, start, n),
+            prompt_logprob_targets=targets,
             spec_token_ids=drafts,
             pool=request.pooled is not None,
             mm_spans=spans,

@@ -16,6 +16,7 @@ is fixed per compiled shape, so the program of that shape knows where each input
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -31,7 +32,8 @@ class Layout:
     key together with its shape."""
 
     treedef: Any  # jax.tree_util.PyTreeDef
-    leaves: tuple[tuple[int, tuple[int, ...], str], ...]  # (offset in words, shape, dtype)
+    # (offset in words, words, shape, dtype) per leaf
+    leaves: tuple[tuple[int, int, tuple[int, ...], str], ...]
     size: int  # words
 
     @classmethod
@@ -44,9 +46,10 @@ class Layout:
             dtype = np.dtype(leaf.dtype)
             if dtype.itemsize != 4 and dtype != np.bool_:
                 raise ValueError(f"packing holds 32-bit and bool arrays, not {dtype}")
-            shape = tuple(leaf.shape)
-            leaves.append((offset, shape, dtype.name))
-            offset += int(np.prod(shape, dtype=np.int64))
+            shape = tuple(int(d) for d in leaf.shape)
+            words = math.prod(shape)
+            leaves.append((offset, words, shape, dtype.name))
+            offset += words
         return cls(treedef, tuple(leaves), offset)
 
     def pack(self, tree) -> np.ndarray:
@@ -63,17 +66,18 @@ class Layout:
 
     def _views(self, buffer: np.ndarray) -> list[np.ndarray]:
         out = []
-        for offset, shape, dtype in self.leaves:
-            words = buffer[offset : offset + int(np.prod(shape, dtype=np.int64))]
-            view = words if dtype in ("int32", "bool") else words.view(dtype)
+        for offset, words, shape, dtype in self.leaves:
+            view = buffer[offset : offset + words]
+            if dtype not in ("int32", "bool"):
+                view = view.view(dtype)
             out.append(view.reshape(shape))
         return out
 
     def unpack(self, buffer: jax.Array):
         """The pytree, in a program, from the buffer this layout packed (i32[size])."""
         leaves = []
-        for offset, shape, dtype in self.leaves:
-            words = buffer[offset : offset + int(np.prod(shape, dtype=np.int64))]
+        for offset, size, shape, dtype in self.leaves:
+            words = buffer[offset : offset + size]
             if dtype == "bool":
                 leaf = words != 0
             elif dtype == "int32":
@@ -88,12 +92,22 @@ class Layout:
         return jax.ShapeDtypeStruct((self.size,), jnp.int32, sharding=sharding)
 
 
-@dataclasses.dataclass(frozen=True)
+# Buffers a template hands out in turn: a step's are read by the device_put that sends them,
+# inside the call, and the next step is prepared while one step is in flight (async
+# scheduling); the third is a margin.
+_RING = 3
+
+
+@dataclasses.dataclass
 class Template:
-    """A layout with its buffer of neutral values (a step's padding): `new` copies it."""
+    """A layout with its buffer of neutral values (a step's padding): `new` hands out one of
+    a few buffers, reset to those values, with its pytree of views (made once: the views'
+    objects cost more than the copy)."""
 
     layout: Layout
     buffer: np.ndarray
+    _ring: list = dataclasses.field(default_factory=list, repr=False)
+    _turn: int = 0
 
     @classmethod
     def of(cls, tree) -> Template:
@@ -101,6 +115,13 @@ class Template:
         return cls(layout, layout.pack(tree))
 
     def new(self):
-        """(a fresh buffer of the neutral values, its pytree of views)."""
-        buffer = self.buffer.copy()
-        return buffer, self.layout.views(buffer)
+        """(a buffer of the neutral values, its pytree of views): one of `_RING` in turn,
+        written over by the call `_RING` calls later."""
+        if len(self._ring) < _RING:
+            buffer = self.buffer.copy()
+            self._ring.append((buffer, self.layout.views(buffer)))
+        else:
+            np.copyto(self._ring[self._turn][0], self.buffer)
+        buffer, tree = self._ring[self._turn]
+        self._turn = (self._turn + 1) % _RING
+        return buffer, tree

@@ -178,7 +178,9 @@ class SamplingInputsBuilder:
             logprobs=bool(wants_logprobs.any()),
         )
         n = len(host["temperature"])
-        idle = self._fill_penalty_inputs(self.idle_inputs(n), rows, samples, seq_len)
+        idle = self.idle_inputs(n)
+        if uses.any():
+            idle = self._fill_penalty_inputs(idle, rows, samples, seq_len)
         return self._fill_bitmask(idle, n, out, first_row), needs
 
     def _fill_penalty_inputs(

@@ -11,6 +11,7 @@ steps need (the sampler's idle inputs, kept on the device).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -113,9 +114,19 @@ class StepInputs:
         request's parameters, counter and history as they would be at that token)."""
         ib = self.input_batch
         num_reqs = len(out.requests)
-        computed = np.fromiter((s.num_computed_tokens for s in out.requests), np.int32, num_reqs)
-        lens = np.fromiter((s.num_scheduled_tokens for s in out.requests), np.int32, num_reqs)
-        num_drafts = np.fromiter((len(s.spec_token_ids) for s in out.requests), np.int32, num_reqs)
+        # Each request's computed and scheduled tokens, drafts, and whether it pools, read once.
+        computed, lens, num_drafts, pool = (
+            np.fromiter(
+                itertools.chain.from_iterable(
+                    (s.num_computed_tokens, s.num_scheduled_tokens, len(s.spec_token_ids), s.pool)
+                    for s in out.requests
+                ),
+                np.int32,
+                4 * num_reqs,
+            )
+            .reshape(num_reqs, 4)
+            .T
+        )
         num_tokens = int(lens.sum())
         t_pad, r_pad = pick_shape(num_tokens, num_reqs, self.shapes)
         batch_template = self.batch_template(t_pad, r_pad)
@@ -169,17 +180,17 @@ class StepInputs:
         j = np.arange(num_logits, dtype=np.int32) - first_row[req]
         batch.logits_indices[:num_logits] = starts[req + 1] - 1 - num_drafts[req] + j
 
-        pool = np.fromiter((s.pool for s in out.requests), np.bool_, num_reqs)
-        samples = (computed + lens - num_drafts == ib.num_tokens[rows]) & ~pool
+        samples = (computed + lens - num_drafts == ib.num_tokens[rows]) & (pool == 0)
         lrows = rows[req]
         seq_len = ib.num_tokens[lrows] + j  # each row's sequence, its drafts included
         head_template = self.head_template(len(batch.logits_indices))
         head_buffer, (sampling, verify) = head_template.new()
         idle, needs = self.sampling.build(sampling, lrows, seq_len, samples[req], out, first_row)
         # Verification: row j is kept if rows 0..j-1 of its request sampled their drafts.
-        has_draft = j < num_drafts[req]
-        draft_pos = np.minimum(seq_len, ib.token_ids.shape[1] - 1)
-        verify.drafts[:num_logits] = np.where(has_draft, ib.token_ids[lrows, draft_pos], -1)
+        if num_logits > num_reqs:  # some request has drafts
+            has_draft = j < num_drafts[req]
+            draft_pos = np.minimum(seq_len, ib.token_ids.shape[1] - 1)
+            verify.drafts[:num_logits] = np.where(has_draft, ib.token_ids[lrows, draft_pos], -1)
         verify.first_rows[:num_logits] = first_row[req]
         # A decode without drafts leaves its token on the device for the next step to read
         # (async scheduling; an engine with speculative decoding steps synchronously).
