@@ -214,6 +214,7 @@ def ragged_paged_attention(
             kv_itemsize=kv_cache.dtype.itemsize,
             q_itemsize=q.dtype.itemsize,
             exact_float32=exact_float32_dots(),
+            num_kv_heads=kv_cache.shape[2],
         )
     if backend == "pallas_tpu":
         if page_size % 8:
@@ -248,6 +249,7 @@ def ragged_paged_attention(
         kv_pages=block_sizes.kv_pages,
         num_warps=block_sizes.num_warps,
         num_stages=block_sizes.num_stages,
+        num_splits=block_sizes.num_splits,
         interpret=interpret,
     )
 

@@ -25,6 +25,14 @@ first row's first visible key, never loading the pages before the window.
 
 An 8-bit cache (`kv_cache.py`): its block is widened to q's dtype before the matmuls and its
 per-key scales, gathered like the pages, multiply the scores (K) and probabilities (V).
+
+Split-KV (flash-decoding): with few programs against the SMs (a decode of one sequence is K
+programs, each walking the whole context, on an H100's 132 SMs), the grid gains a third axis of
+`num_splits`: split s of a program walks its s-th share of the KV blocks and writes its
+unnormalized partial output with its running max and sum, which the wrapper combines (each
+share rescaled by exp(its max - the max), summed, divided by the rescaled sums). The tuning
+table says when (`tuning.get_block_sizes`); with one split the kernel writes its output as
+before.
 """
 
 from __future__ import annotations
@@ -55,18 +63,24 @@ def _kernel(
     q_ref,  # [K, T' * Gp, H]
     kv_ref,  # [L, num_pages, K, page_size, 2H]
     *refs,  # with attend_to: attend_ref i32[T']; with an 8-bit cache scales_ref f32[L,
-    # num_pages, 1, 2K * page_size]; then o_ref [K, T' * Gp, H]
+    # num_pages, 1, 2K * page_size]; then o_ref [K, T' * Gp, H], or with num_splits > 1 the
+    # partial outputs: acc_ref f32[S, K, T' * Gp, H], m_ref and l_ref f32[S, K, T' * Gp]
     q_block: int,
     group_padded: int,
     kv_pages: int,
     sm_scale: float,
     soft_cap: float | None,
     attend: bool = False,
+    num_splits: int = 1,
 ):
-    *refs, o_ref = refs
+    refs = list(refs)
+    if num_splits > 1:
+        *refs, acc_ref, m_ref, l_ref = refs
+    else:
+        *refs, o_ref = refs
     attend_ref = refs.pop(0) if attend else None
     scales_ref = refs[0] if refs else None
-    j, h = pl.program_id(0), pl.program_id(1)
+    j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, head_dim = kv_ref.shape[3], kv_ref.shape[4] // 2
     kv_tokens = kv_pages * page_size
     rows = q_block * group_padded
@@ -145,9 +159,19 @@ def _kernel(
         )
         kb_lo = jax.lax.div(kv_begin, kv_tokens)
         kb_hi = jax.lax.div(kv_end + kv_tokens - 1, kv_tokens)
-        _, l, acc = jax.lax.fori_loop(kb_lo, kb_hi, body, init)
-        out = (acc / jnp.where(l > 0.0, l, 1.0)[:, None]).astype(o_ref.dtype)
-        pltriton.store(o_ref.at[h, pl.ds(tok0 * group_padded, rows), :], out, mask=row_ok[:, None])
+        here = pl.ds(tok0 * group_padded, rows)
+        if num_splits == 1:
+            _, l, acc = jax.lax.fori_loop(kb_lo, kb_hi, body, init)
+            out = (acc / jnp.where(l > 0.0, l, 1.0)[:, None]).astype(o_ref.dtype)
+            pltriton.store(o_ref.at[h, here, :], out, mask=row_ok[:, None])
+            return
+        # This split's share of the KV blocks (none past the last: it writes an empty share).
+        share = jax.lax.div(kb_hi - kb_lo + num_splits - 1, num_splits)
+        lo = jnp.minimum(kb_lo + split * share, kb_hi)
+        m, l, acc = jax.lax.fori_loop(lo, jnp.minimum(lo + share, kb_hi), body, init)
+        pltriton.store(acc_ref.at[split, h, here, :], acc, mask=row_ok[:, None])
+        pltriton.store(m_ref.at[split, h, here], m, mask=row_ok)
+        pltriton.store(l_ref.at[split, h, here], l, mask=row_ok)
 
 
 def ragged_paged_attention_gpu(
@@ -166,6 +190,7 @@ def ragged_paged_attention_gpu(
     kv_pages: int,
     num_warps: int = 4,
     num_stages: int = 2,
+    num_splits: int = 1,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     interpret: bool = False,
@@ -173,7 +198,8 @@ def ragged_paged_attention_gpu(
     """The Triton kernel behind `ragged_paged_attention(..., backend="pallas_gpu")`.
 
     Shapes are checked by the public entry point; the block sizes come from
-    `tuning.get_block_sizes`. `q_block` and `kv_pages` must be powers of two.
+    `tuning.get_block_sizes`. `q_block` and `kv_pages` must be powers of two; `num_splits`
+    (split-KV) shares of each program's KV blocks run as programs of their own.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, num_pages, num_kv_heads, page_size, _ = kv_cache.shape
@@ -221,12 +247,21 @@ def ragged_paged_attention_gpu(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         attend=attend_to is not None,
+        num_splits=num_splits,
     )
     attend = [] if attend_to is None else [jnp.pad(attend_to, (0, q_block), constant_values=-1)]
+    out_shape = jax.ShapeDtypeStruct(qh.shape, q.dtype)
+    if num_splits > 1:
+        partial = (num_splits, *qh.shape[:2])
+        out_shape = (
+            jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
+        )
     out = pl.pallas_call(
         kernel,
-        grid=(num_programs, num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        grid=(num_programs, num_kv_heads, num_splits),
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         cost_estimate=_cost(q, kv_cache, block_tables, kv_scales),
@@ -244,11 +279,24 @@ def ragged_paged_attention_gpu(
         *attend,
         *([] if kv_scales is None else [kv_scales]),
     )
+    if num_splits > 1:
+        out = _combine_splits(*out).astype(q.dtype)
     out = out.reshape(num_kv_heads, padded_tokens, group_padded, head_dim)[:, :num_tokens, :group]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
     # Rows no program owns (padding tokens) were never written.
     valid = jnp.arange(num_tokens) < cu_q_lens[n]
     return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+
+
+def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """The attention output from the splits' partial ones: acc f32[S, K, rows, H] unnormalized,
+    m and l f32[S, K, rows] their running maxima and sums. Rows no program wrote hold garbage
+    and are dropped by the caller."""
+    top = m.max(axis=0)
+    w = jnp.exp(m - top[None])  # 0 for an empty share (its max is the mask value)
+    total = (w * l).sum(axis=0)
+    out = (w[..., None] * acc).sum(axis=0)
+    return out / jnp.where(total > 0.0, total, 1.0)[..., None]
 
 
 def _cost(q, kv_cache, block_tables, kv_scales) -> pl.CostEstimate:

@@ -36,6 +36,7 @@ class BlockSizes:
     kv_pages: int  # KV pages per block
     num_warps: int = 4  # Triton only
     num_stages: int = 2  # Triton only
+    num_splits: int = 1  # Triton only: shares of a program's KV blocks run apart (split-KV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,26 @@ _TABLE |= {
     for family in ("h200", "h100")
     for head_dim, entry in _HOPPER.items()
 }
+
+# Split-KV on a GPU (`ragged_attention_gpu`): a decode call whose programs (requests x kv
+# heads) are fewer than `_SPLIT_PROGRAMS` by family splits each program's KV blocks into the
+# power of two of shares (at most `_MAX_SPLITS`) that brings them up to it: twice the SMs (132
+# on an H100 and H200), so that each SM has a program to run while another waits on memory. A
+# starting point reasoned from the hardware, not yet measured: replace it with the sweep's
+# (benchmarks/kernels/tune_attention.py --splits) once a GPU is lent.
+_SPLIT_PROGRAMS = {"h100": 264, "h200": 264, "a100": 216, "*": 0}
+_MAX_SPLITS = 16
+
+
+def decode_splits(family: str, num_programs: int) -> int:
+    """Shares per program for a decode call of `num_programs` programs (requests x kv heads)
+    on a GPU `family`: 1 where there are enough programs (or the family is unknown)."""
+    target = _SPLIT_PROGRAMS.get(family, _SPLIT_PROGRAMS["*"])
+    splits = 1
+    while splits < _MAX_SPLITS and num_programs * splits * 2 <= target:
+        splits *= 2
+    return splits
+
 
 _DEVICE_FAMILIES = (  # (substring of device_kind, family), first match wins
     ("v5 lite", "v5e"),
@@ -179,11 +200,13 @@ def get_block_sizes(
     kv_itemsize: int = 2,
     q_itemsize: int = 2,
     exact_float32: bool = False,
+    num_kv_heads: int = 0,
 ) -> BlockSizes:
     """Block sizes for one call shape on the current device (or `device_kind`). `group` (query
     heads per kv head), the itemsizes of the cache and the queries and whether float32 dots are
     exact (`exact_float32_dots()`) size the GPU program's shared memory, which the sizes are cut
-    down to fit."""
+    down to fit; `num_kv_heads` (per device) with `max_reqs` counts a GPU decode's programs,
+    which decide its split-KV shares (0: no split)."""
     family = device_family(device_kind)
     entry = None
     for key in (
@@ -215,4 +238,7 @@ def get_block_sizes(
         shape = dict(page_size=page_size, head_dim=head_dim, group=group, hopper=hopper)
         shape |= dict(kv_itemsize=kv_itemsize, q_itemsize=q_itemsize, exact_float32=exact_float32)
         sizes = _fit_gpu(sizes, limit, **shape)
+        if mean_q == 1 and num_kv_heads:
+            splits = decode_splits(family, max_reqs * num_kv_heads)
+            sizes = dataclasses.replace(sizes, num_splits=splits)
     return sizes

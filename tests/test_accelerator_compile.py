@@ -121,8 +121,9 @@ def test_tpu_kernel_reads_the_cache_in_place(case):
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 def test_gpu_kernel_fits_an_h100(case):
     """Triton compiles the kernel for an H100 (shared memory included: the block sizes are
-    cut to fit it) at decode and prefill shapes, with no copy of the cache."""
-    for num_tokens, max_reqs in ((512, 8), (64, 64)):
+    cut to fit it) at decode and prefill shapes, with no copy of the cache; a decode of one or
+    eight sequences with its KV blocks split (split-KV: a third grid axis, partial outputs)."""
+    for num_tokens, max_reqs in ((512, 8), (64, 64), (1, 1), (8, 8)):
         compiled, nbytes = _compile_kernel("h100", *case, num_tokens=num_tokens, max_reqs=max_reqs)
         _assert_no_cache_copy(compiled, nbytes)
 

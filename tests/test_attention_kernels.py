@@ -13,6 +13,7 @@ CUDA), which checks on this CPU what interpret mode cannot: that each op has a l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -219,7 +220,44 @@ class TestPallasTpuInterpret(KernelCases):
     backend, interpret = "pallas_tpu", True
 
 
-class TestPallasGpuInterpret(KernelCases):
+class GpuKernelCases(KernelCases):
+    @pytest.mark.parametrize(
+        "mix,num_splits,sliding_window",
+        [
+            ("decode", 16, None),
+            ("mixed", 4, 40),
+            *(
+                pytest.param(m, n, w, marks=pytest.mark.slow)
+                for m in ("decode", "mixed")
+                for n in (2, 4, 16)
+                for w in (None, 40)
+                if (m, n, w) not in (("decode", 16, None), ("mixed", 4, 40))
+            ),
+        ],
+    )
+    def test_split_kv_matches_reference(self, mix, num_splits, sliding_window):
+        """Split-KV: each program's KV blocks in `num_splits` shares (more shares than a short
+        sequence has blocks: empty ones), partial outputs combined, equal to the reference and
+        to the unsplit kernel, with and without a window, and an 8-bit cache."""
+        args, (_, _, _, _, total) = _case(np.random.default_rng(5), mix, 6, 2, 64, 16, jnp.float32)
+        kwargs = dict(sm_scale=0.125, sliding_window=sliding_window)
+        ref = np.asarray(ragged_paged_attention(*args, **kwargs, backend="reference"))
+        q_block = 1 if mix == "decode" else 16
+        one = BlockSizes(q_block=q_block, kv_pages=2)
+        split = dataclasses.replace(one, num_splits=num_splits)
+        out = np.asarray(self.run(args, **kwargs, block_sizes=split))
+        assert not np.isnan(out).any()
+        np.testing.assert_allclose(out[:total], ref[:total], atol=self.tol(), rtol=self.tol())
+        assert np.all(out[total:] == 0)
+        unsplit = np.asarray(self.run(args, **kwargs, block_sizes=one))
+        np.testing.assert_allclose(out, unsplit, atol=1e-5, rtol=1e-5)
+        quantized = (args[0], quantize_case_cache(np.asarray(args[1]), jnp.int8), *args[2:])
+        ref8 = np.asarray(ragged_paged_attention(*quantized, **kwargs, backend="reference"))
+        out8 = np.asarray(self.run(quantized, **kwargs, block_sizes=split))
+        np.testing.assert_allclose(out8[:total], ref8[:total], atol=self.tol(), rtol=self.tol())
+
+
+class TestPallasGpuInterpret(GpuKernelCases):
     backend, interpret = "pallas_gpu", True
 
 
@@ -234,7 +272,7 @@ class TestPallasTpuOnDevice(KernelCases):
     jax.default_backend() != "gpu",
     reason="needs an NVIDIA GPU: the kernel runs natively only there",
 )
-class TestPallasGpuOnDevice(KernelCases):
+class TestPallasGpuOnDevice(GpuKernelCases):
     backend, interpret = "pallas_gpu", False
 
 
@@ -370,6 +408,19 @@ def test_tuning_table_lookup():
         "pallas_gpu", head_dim=128, page_size=16, num_tokens=64, max_reqs=64, device_kind="L4"
     )
     assert (unknown.kv_pages * 16, unknown.num_warps) == (64, 4)  # the fallback row
+
+    # Split-KV: a decode of few programs (requests x kv heads) against an H100's 132 SMs
+    # splits each program's KV blocks up to about twice the SMs; prefill and a full batch,
+    # and an unknown GPU, do not.
+    def splits(num_tokens, max_reqs, kv_heads=8, kind="H100"):
+        return get_block_sizes(
+            "pallas_gpu", head_dim=128, page_size=16, num_tokens=num_tokens, max_reqs=max_reqs,
+            device_kind=kind, num_kv_heads=kv_heads,
+        ).num_splits  # fmt: skip
+
+    assert [splits(b, b) for b in (1, 8, 16, 64)] == [16, 4, 2, 1]
+    assert splits(1, 1, kv_heads=1) == 16 and splits(4, 4, kv_heads=2) == 16
+    assert splits(512, 8) == 1 and splits(1, 1, kind="L4") == 1
 
 
 def test_declared_cost_counts_only_requests_that_can_have_a_query():

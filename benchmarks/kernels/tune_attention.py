@@ -39,6 +39,9 @@ from ragged_attention import make_inputs, pipelined_seconds  # noqa: E402
 SHAPES = [
     ("8b-decode-b64-c2k", 32, 8, 128, 16, 64, 2048, 1),
     ("8b-decode-b16-c8k", 32, 8, 128, 16, 16, 8192, 1),
+    # Few programs against the SMs: where split-KV (`num_splits`) pays, if anywhere.
+    ("8b-decode-b8-c8k", 32, 8, 128, 16, 8, 8192, 1),
+    ("8b-decode-b1-c8k", 32, 8, 128, 16, 1, 8192, 1),
     ("8b-prefill-b4-q256-c2k", 32, 8, 128, 16, 4, 2048, 256),
     ("gemma3-decode-b32-c4k", 4, 1, 256, 16, 32, 4096, 1),
     ("smollm2-decode-b64-c2k", 9, 3, 64, 16, 64, 2048, 1),
@@ -57,11 +60,14 @@ def candidates(backend: str, head_dim: int, q_len: int, quick: bool) -> list[Blo
         q_blocks = [8, 16, 32, 64] if q_len > 1 else [8, 32]
     else:
         warps, stages = [4, 8], [2, 3, 4] if q_len == 1 else [2, 3]
+    # Split-KV shares for a GPU decode (`ragged_attention_gpu`): 1 is no split.
+    splits = [1, 2, 4, 8, 16] if q_len == 1 and backend == "pallas_gpu" else [1]
     if quick:
         q_blocks, kv_tokens, warps, stages = q_blocks[:1], kv_tokens[:2], warps[:1], stages[:1]
+        splits = splits[:2]
     return [
-        BlockSizes(q, max(1, kv // 16), w, s)
-        for q, kv, w, s in itertools.product(q_blocks, kv_tokens, warps, stages)
+        BlockSizes(q, max(1, kv // 16), w, s, n)
+        for q, kv, w, s, n in itertools.product(q_blocks, kv_tokens, warps, stages, splits)
     ]
 
 
@@ -89,6 +95,7 @@ def sweep_shape(backend: str, shape: tuple, args) -> dict:
         group=n // k,
         kv_itemsize=ns.dtype.itemsize,
         q_itemsize=ns.dtype.itemsize,
+        num_kv_heads=k,
     )
     cands = candidates(backend, h, q_len, args.quick)
     if current not in cands:
@@ -181,7 +188,7 @@ def main() -> None:
         line += f"current {r['current']} {r['current_us']} us"
         if f is not None:
             ratio = "" if r["current_us"] is None else f" ({r['current_us'] / f['us']:.2f}x faster)"
-            line += f"; fastest q_block={f['q_block']} kv_pages={f['kv_pages']} warps={f['num_warps']} stages={f['num_stages']} {f['us']} us{ratio} err {f['max_abs_err']:.1e}"
+            line += f"; fastest q_block={f['q_block']} kv_pages={f['kv_pages']} warps={f['num_warps']} stages={f['num_stages']} splits={f.get('num_splits', 1)} {f['us']} us{ratio} err {f['max_abs_err']:.1e}"
         print(line, flush=True)
     if args.json:
         args.json.write_text(
