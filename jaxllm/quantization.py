@@ -39,8 +39,8 @@ The matmul (`qmatmul`) has three implementations, picked by the engine's
 `config.kernel_choices()` while the step is traced):
 - "auto" on the CPU: a native kernel (`pallas_kernels/quant_matmul_cpu.py`) reads each weight
   once as stored (XLA's CPU backend would write the whole float weight to memory first: 12x
-  slower than float32 at batch 1); where the CPU has 8-bit dot products, int8 and int4 take
-  its integer path (activations rounded to int8 per 16 inputs, as llama.cpp does);
+  slower than float32 at batch 1); where the CPU has 8-bit dot products or AVX2, int8 and
+  int4 take its integer path (activations rounded to int8 per 16 inputs, as llama.cpp does);
 - "xla", and "auto" on TPU and GPU: the weight dequantized by XLA ops inside the jitted step,
   which those compilers may fuse into the dot's operand;
 - "pallas": a Pallas Triton kernel for NVIDIA GPUs (`pallas_kernels/quant_matmul_gpu.py`)

@@ -8,9 +8,9 @@ L1-resident buffer and multiplies there. The weight layout is `jaxllm.quantizati
 exactly. Built on first use (`native.py`); `available()` is False where it cannot be built,
 and callers then dequantize with XLA ops.
 
-Where the CPU has 8-bit dot products (AVX-512 VNNI, AVX-VNNI) int8 and int4 take an integer
-path: x rounded to int8 per 16 inputs, `vpdpbusd` against the codes (`path()` names the one
-built). `VARIANTS` are the builds a test or benchmark can ask for on a CPU that has them all:
+Where the CPU has 8-bit dot products (AVX-512 VNNI, AVX-VNNI), or AVX2 to stand in for them
+(`vpmaddubsw`), int8 and int4 take an integer path: x rounded to int8 per 16 inputs, 8-bit
+products against the codes summed exactly in int32 (`path()` names the one built). `VARIANTS` are the builds a test or benchmark can ask for on a CPU that has them all:
 each one is checked against the reference in tests/test_quantization.py.
 """
 
@@ -27,11 +27,13 @@ _TARGET = "jaxllm_quant_matmul"
 FORMATS = {"int8": 0, "int4": 1, "fp8": 2}
 # Extra compiler flags per variant, after -march=native: "native" is what this CPU gets;
 # "avx_vnni" is the 256-bit integer path of CPUs with AVX-VNNI but no AVX-512 (on a CPU
-# without AVX-VNNI either, it is the float path); "float" dequantizes to float32.
+# without AVX-VNNI, the AVX2 one); "avx2" the integer path of CPUs with neither (`vpmaddubsw`);
+# "float" dequantizes to float32.
 VARIANTS = {
     "native": (),
     "avx_vnni": ("-mno-avx512f",),
-    "float": ("-mno-avx512f", "-mno-avxvnni"),
+    "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+    "float": ("-mno-avx512f", "-mno-avxvnni", "-DJAXLLM_NO_AVX2_INT_PATH"),
 }
 
 
@@ -49,7 +51,8 @@ def available(variant: str = "native") -> bool:
 
 
 def path(variant: str = "native") -> str:
-    """The path int8 and int4 take in that build: "avx512_vnni", "avx_vnni" or "float"."""
+    """The path int8 and int4 take in that build: "avx512_vnni", "avx_vnni", "avx2" or
+    "float"."""
     import ctypes
 
     fn = native.library("quant_matmul", VARIANTS[variant]).JaxllmQuantMatmulPath

@@ -73,10 +73,11 @@ def load_tokenizer(model: str | os.PathLike) -> tuple[Any, dict]:
 def gguf_kept_quantized() -> bool:
     """Whether a GGUF file's quantized tensors stay quantized when no quantization is asked
     for: on accelerators, and on CPUs where the native kernel has its integer path (8-bit dot
-    products). There the demo model decodes at 2.8-2.9x the speed of its float32
-    dequantization at batch 1 and serves 2.1-2.2x and 2.6-2.7x llama.cpp's server at 8 and 32
-    clients (benchmarks/results/README.md), in 0.18x the bytes. Elsewhere the kernel's float path
-    would dequantize every weight on every step, so the weights are dequantized once
+    products, or AVX2). With 8-bit dot products the demo model decodes at 2.8-2.9x the speed
+    of its float32 dequantization at batch 1 and serves 2.1-2.2x and 2.6-2.7x llama.cpp's
+    server at 8 and 32 clients (benchmarks/results/README.md), in 0.18x the bytes; with AVX2
+    alone at 1.7x (batch 1) and 2.1x (batch 8). Elsewhere the kernel's float path would
+    dequantize every weight on every step, so the weights are dequantized once
     (`quantization="float"`); `quantization="gguf"` keeps them quantized anyway."""
     if jax.default_backend() != "cpu":
         return True

@@ -19,16 +19,17 @@
 // Two paths, picked when the library is built (`-march=native`: the CPU's own features):
 //
 // The integer path (int8 and int4 in groups of whole 16s, where the CPU has 8-bit dot
-// products: AVX-512 VNNI, else AVX-VNNI): x is quantized to int8 per sub-block of 16 inputs
-// (one float scale each; finer than llama.cpp's blocks of 32) and multiplied with the codes by
-// `vpdpbusd` (u8 x s8 multiply-adds into int32), as llama.cpp's CPU backend does:
+// products: AVX-512 VNNI, else AVX-VNNI; or AVX2's `vpmaddubsw` in their place, see `Vec`
+// there): x is quantized to int8 per sub-block of 16 inputs (one float scale each; finer than
+// llama.cpp's blocks of 32) and multiplied with the codes by `vpdpbusd` (u8 x s8 multiply-adds
+// into int32), as llama.cpp's CPU backend does:
 //   sum_i w[o,i] x[t,i] ~= sum_sub s[o,g] dx[t,sub] sum_{i in sub} code[o,i] xq[t,i]
 //                          + sum_sub m'[o,g] dx[t,sub] sum_{i in sub} xq[t,i]
 // `vpdpbusd` takes the weight side unsigned: int4 codes are 0..15 already, and int8 codes
 // are flipped to code + 128 (one xor), the 128 x sum(xq) this adds being taken back through
 // the offset term (m' = offset - 128 s).
 //
-// Output rows go in panels of kP (16 with AVX-512, 8 with AVX-VNNI), one row per int32 lane:
+// Output rows go in panels of kP (16 with AVX-512, 8 with AVX2), one row per int32 lane:
 // each row's codes are read in pieces of 4 kP bytes, transposed in registers (dwords; int4
 // unpacked after), so that one vector holds 4 codes of every row of the panel for the same 4
 // inputs, which `vpdpbusd` meets with those 4 inputs of x broadcast. Four such instructions sum
@@ -50,8 +51,8 @@
 // up): x is rounded once, and their row blocks, numbered one after another, are spread over
 // the threads together (`Weights`).
 //
-// The float path (fp8, shapes the integer path does not take, CPUs without 8-bit dot
-// products): output rows in blocks of kRows, spread over XLA's intra-op threads (parallel.h,
+// The float path (fp8, shapes the integer path does not take, CPUs without AVX2): output
+// rows in blocks of kRows, spread over XLA's intra-op threads (parallel.h,
 // as the integer path's). A block's rows are dequantized into an f32 buffer once (at most
 // kRows x I floats, L1/L2-resident), then every
 // block of up to kT input rows runs a register micro-kernel over I: kT x kRows vector
@@ -359,6 +360,16 @@ struct Vec {
   static I Dot(I acc, I w, int32_t x4) {  // lane r += sum_j w[r][j] x4[j], u8 x s8
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
   }
+  static constexpr bool kFlipInt8 = true;  // int8 codes go in as code + 128 (u8)
+  // Lane r: sum over a sub-block's 16 inputs of row r's codes w[q] (u8) times x's codes.
+  template <bool kSigned>
+  static I DotSub(const I w[4], const int32_t x4[4]) {
+    static_assert(!kSigned, "8-bit dot products take the codes unsigned");
+    I d = Dot(ZeroI(), w[0], x4[0]);
+    d = Dot(d, w[1], x4[1]);
+    d = Dot(d, w[2], x4[2]);
+    return Dot(d, w[3], x4[3]);
+  }
   static F ToFloat(I v) { return _mm512_cvtepi32_ps(v); }
   static F Load(const float* p) { return _mm512_loadu_ps(p); }
   static F Broadcast(float v) { return _mm512_set1_ps(v); }
@@ -370,11 +381,10 @@ struct Vec {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
   }
 };
-#elif defined(__AVXVNNI__) && defined(__AVX2__)
+#elif defined(__AVX2__) && !defined(JAXLLM_NO_AVX2_INT_PATH)
 #define JAXLLM_INT_PATH_ENABLED 1
-#define JAXLLM_INT_PATH "avx_vnni"
-// A panel of 8 output rows, one per int32 lane.
-struct Vec {
+// A panel of 8 output rows, one per int32 lane: what AVX-VNNI and plain AVX2 share.
+struct Vec256 {
   static constexpr int kP = 8;
   static constexpr int kT = 4;  // 16 registers: kT accumulators, 4 code vectors, temporaries
   using I = __m256i;
@@ -407,7 +417,6 @@ struct Vec {
   }
   static I Low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
   static I High4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
-  static I Flip(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
   static I LoadFactors(const float* p, int64_t n) {
     if (n >= kP) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), FirstLanes(n));
@@ -423,9 +432,6 @@ struct Vec {
   }
   static void StoreI(uint8_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   static I ZeroI() { return _mm256_setzero_si256(); }
-  static I Dot(I acc, I w, int32_t x4) {
-    return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x4));
-  }
   static F ToFloat(I v) { return _mm256_cvtepi32_ps(v); }
   static F Load(const float* p) { return _mm256_loadu_ps(p); }
   static F Broadcast(float v) { return _mm256_set1_ps(v); }
@@ -437,6 +443,55 @@ struct Vec {
     _mm256_maskstore_ps(p, FirstLanes(n), v);
   }
 };
+#if defined(__AVXVNNI__)
+#define JAXLLM_INT_PATH "avx_vnni"
+struct Vec : Vec256 {
+  static I Flip(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+  static I Dot(I acc, I w, int32_t x4) {
+    return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(x4));
+  }
+  static constexpr bool kFlipInt8 = true;
+  template <bool kSigned>
+  static I DotSub(const I w[4], const int32_t x4[4]) {
+    static_assert(!kSigned, "8-bit dot products take the codes unsigned");
+    I d = Dot(ZeroI(), w[0], x4[0]);
+    d = Dot(d, w[1], x4[1]);
+    d = Dot(d, w[2], x4[2]);
+    return Dot(d, w[3], x4[3]);
+  }
+};
+#else
+// AVX2 without 8-bit dot products (most x86 servers before 2021): `vpmaddubsw` multiplies u8 by
+// s8 and adds pairs into s16, saturating; `vpmaddwd` by ones adds pairs of those into s32, as
+// llama.cpp's AVX2 path does. int4 codes (0..15) go in as they are: a pair of products is at
+// most 2 x 15 x 127 = 3810, and a sub-block's four sums add up in s16 (at most 15240) before
+// one `vpmaddwd`. int8 codes stay signed (no + 128: 255 x 127 twice would saturate): the
+// unsigned side is |code| (at most 128, -128 included) and the signed one x with the code's
+// sign (x is within +-127), at most 2 x 128 x 127 = 32512 a pair: exact for every code.
+#define JAXLLM_INT_PATH "avx2"
+struct Vec : Vec256 {
+  static I Flip(I v) { return v; }  // int8 codes as DotSub takes them: as stored
+  static constexpr bool kFlipInt8 = false;
+  template <bool kSigned>
+  static I DotSub(const I w[4], const int32_t x4[4]) {
+    const I ones = _mm256_set1_epi16(1);
+    if constexpr (kSigned) {
+      I d = ZeroI();
+      for (int q = 0; q < 4; ++q) {
+        const I x = _mm256_set1_epi32(x4[q]);
+        const I p = _mm256_maddubs_epi16(_mm256_abs_epi8(w[q]), _mm256_sign_epi8(x, w[q]));
+        d = _mm256_add_epi32(d, _mm256_madd_epi16(p, ones));
+      }
+      return d;
+    } else {
+      I p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x4[0]));
+      for (int q = 1; q < 4; ++q)
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(x4[q])));
+      return _mm256_madd_epi16(p, ones);
+    }
+  }
+};
+#endif
 #endif
 
 #ifdef JAXLLM_INT_PATH_ENABLED
@@ -461,7 +516,7 @@ inline float QuantizeSub(const float* v, int8_t* q, int* sum) {
   const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(inv)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(c));
   *sum = _mm512_reduce_add_epi32(c);
-#else  // AVX2, which the AVX-VNNI path implies
+#else  // AVX2 (with or without AVX-VNNI)
   const __m256 a = _mm256_loadu_ps(v), b = _mm256_loadu_ps(v + 8);
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b));
@@ -499,8 +554,8 @@ QuantizedX QuantizeX(ffi::ThreadPool& pool, const float* x, int64_t num_t, int64
 }
 
 // The panel's codes by sub-block of 16 inputs, in order: visit(s, w) with w[q] (q < 4) the
-// vector whose lane r holds row r's codes of inputs 16 s + 4 q .. + 3 as u8 (int8 codes + 128;
-// int4 codes as they are). Each row's bytes are read in pieces of 4 kP, transposed in registers
+// vector whose lane r holds row r's codes of inputs 16 s + 4 q .. + 3 as `Vec::DotSub` takes
+// them (int8 codes + 128 as u8 where `Vec::kFlipInt8`, else as stored; int4 codes as they are). Each row's bytes are read in pieces of 4 kP, transposed in registers
 // (dwords), and for int4 unpacked after the transpose, two codes per byte.
 // `next` (next_bytes of them, contiguous): the codes of the panel to come, prefetched a share
 // per piece as this panel's are read (a decode reads each code once: too fast for the
@@ -567,7 +622,7 @@ struct PanelArgs {
 // acc[a] += sub-block s of token t0 + a against the panel's codes w: 4 `vpdpbusd` into one
 // int32 sum per row (exact), then one float multiply-add with the row's weight scale times the
 // token's x scale.
-template <int NT>
+template <bool kSigned, int NT>
 inline void SubStep(const PanelArgs& p, int64_t t0, int64_t s, const typename Vec::I* w,
                     typename Vec::F* acc) {
   const int64_t subs = p.in / kSub;
@@ -575,10 +630,7 @@ inline void SubStep(const PanelArgs& p, int64_t t0, int64_t s, const typename Ve
   for (int a = 0; a < NT; ++a) {
     int32_t x4[4];
     std::memcpy(x4, p.xq->q.data() + (t0 + a) * p.in + s * kSub, sizeof(x4));
-    typename Vec::I d = Vec::Dot(Vec::ZeroI(), w[0], x4[0]);
-    d = Vec::Dot(d, w[1], x4[1]);
-    d = Vec::Dot(d, w[2], x4[2]);
-    d = Vec::Dot(d, w[3], x4[3]);
+    const typename Vec::I d = Vec::template DotSub<kSigned>(w, x4);
     const float dx = p.xq->scale[(t0 + a) * subs + s];
     acc[a] = Vec::Fma(Vec::ToFloat(d), Vec::Mul(sv, Vec::Broadcast(dx)), acc[a]);
   }
@@ -608,19 +660,20 @@ template <Format kFormat, int NT>
 void IntMicroKernel(const PanelArgs& p, int64_t t0, const uint8_t* const* rows,
                     const uint8_t* next, int64_t next_bytes, int64_t row_bytes,
                     const uint8_t* buf, float* out, int64_t num_out, int64_t o0, int nr) {
+  constexpr bool kSigned = kFormat == kInt8 && !Vec::kFlipInt8;  // codes as stored
   typename Vec::F acc[NT];
   for (int a = 0; a < NT; ++a) acc[a] = Vec::Zero();
   if (buf == nullptr) {
     ForPanelSubs<kFormat>(rows, next, next_bytes, row_bytes,
                           [&](int64_t s, const typename Vec::I* w) {
-                            SubStep<NT>(p, t0, s, w, acc);
+                            SubStep<kSigned, NT>(p, t0, s, w, acc);
                           });
   } else {
     constexpr int64_t kSubBytes = 16 * Vec::kP;
     for (int64_t s = 0; s < p.in / kSub; ++s) {
       typename Vec::I w[4];
       for (int q = 0; q < 4; ++q) w[q] = Vec::LoadI(buf + s * kSubBytes + q * 4 * Vec::kP);
-      SubStep<NT>(p, t0, s, w, acc);
+      SubStep<kSigned, NT>(p, t0, s, w, acc);
     }
   }
   FinishRows<NT>(p, t0, acc, out, num_out, o0, nr);
@@ -645,8 +698,9 @@ void RunInt(ffi::ThreadPool& pool, const float* x, Weights<ST>& ws, bool has_off
     if (pack) buf.resize(in * Vec::kP);
     sc.resize(groups * Vec::kP);
     mv.resize(groups * Vec::kP);
-    const PanelArgs args{&xq, sc.data(), mv.data(), has_offset || kFormat == kInt8,
-                         sub_group.data(), in, groups};
+    constexpr bool kFlipped = kFormat == kInt8 && Vec::kFlipInt8;  // codes + 128
+    const PanelArgs args{&xq, sc.data(), mv.data(), has_offset || kFlipped, sub_group.data(),
+                         in, groups};
     const uint8_t* rows[Vec::kP];
     for (int64_t blk = b0; blk < b1; ++blk) {
       int64_t o0;
@@ -676,7 +730,7 @@ void RunInt(ffi::ThreadPool& pool, const float* x, Weights<ST>& ws, bool has_off
         PanelFactors(m.offset + o0 * groups, nr, groups, mv.data());
       else
         std::fill(mv.begin(), mv.end(), 0.f);
-      if constexpr (kFormat == kInt8)
+      if constexpr (kFlipped)
         for (int64_t i = 0; i < groups * Vec::kP; ++i) mv[i] -= 128.f * sc[i];
       if (pack) {
         constexpr int64_t kSubBytes = 16 * Vec::kP;
@@ -818,5 +872,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQuantMatmul, Impl,
                                   .Attr<bool>("has_offset")
                                   .RemainingRets());  // per matrix: f32[T, O]
 
-// Which path int8 and int4 matmuls take in this build: "avx512_vnni", "avx_vnni" or "float".
+// Which path int8 and int4 matmuls take in this build: "avx512_vnni", "avx_vnni", "avx2" or
+// "float".
 extern "C" const char* JaxllmQuantMatmulPath() { return JAXLLM_INT_PATH; }
