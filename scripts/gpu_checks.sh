@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU, in one run: the on-device kernel tests, the kernel
-# benchmarks, the attention block-size sweep, and an 8B-shaped model end to end against
-# transformers (parity, then decode speed with the full model's random weights).
+# benchmarks, the attention block-size sweep (split-KV shares included), an 8B-shaped model end
+# to end against transformers (parity, then decode speed with the full model's random weights),
+# a traced decode step (`profile`) and the torch.compile'd peer's decode speed (`torch-peer`).
 #
 #   bash scripts/gpu_checks.sh [OUT_DIR]      # default: $OUT, else ./gpu-checks
 #
@@ -66,6 +67,47 @@ stage e2e-parity-small "${T_SMALL:-60}" "$py" benchmarks/e2e_vs_transformers.py 
     --config benchmarks/configs/smollm2-135m --json "$out/e2e-parity-small.json"
 stage e2e-speed "${T_SPEED:-130}" "$py" benchmarks/e2e_vs_transformers.py --skip-parity \
     --json "$out/e2e-speed.json" "${speed_args[@]}"
+# Issue 56: the 8B shape's decode step, random weights, ~1k context: ms per step untraced
+# (greedy; sampled at batch 1), then traced (kernels per step, their times, the device's idle
+# gaps, the host's launches and syncs)...
+stage profile "${T_PROFILE:-240}" "$py" benchmarks/trace_step.py \
+    --model benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+    --batch "${PROFILE_BATCHES:-1,8,64}" --context 1024 --output-len 128 --steps 16 \
+    --json "$out/profile.json"
+# ... and the peer in the same run: transformers with a static cache and CUDA graphs
+# (torch.compile reduce-overhead), batch 1 and 64, 128 in / 128 out.
+stage torch-peer "${T_PEER:-200}" "$py" benchmarks/torch_peer.py --batches 1,64 \
+    --json "$out/torch-peer.json"
+# XLA's GPU flags, each against none in one run (what issue 56 asks the engine's defaults to be
+# chosen by): rematerialization off (XLA plans temporaries against 80% of the device less the
+# program's inputs, which a KV cache at vLLM's 0.9 exceeds, so it re-schedules every step; the
+# H100 compiler makes 778 kernels of the 8B decode step with it, 713 without), and cuBLAS in
+# place of Triton's GEMM fusions (at batch 1 those ran at about half the bandwidth on an H200).
+# XLA_FLAGS, not per-program options: the engine's jitted calls must compile as its warmup did.
+xla_sets=("" "--xla_disable_hlo_passes=rematerialization" "--xla_gpu_enable_triton_gemm=false")
+for i in "${!xla_sets[@]}"; do
+    stage "xla-flags-$i" "${T_XLA:-75}" env XLA_FLAGS="${xla_sets[$i]}" "$py" \
+        benchmarks/trace_step.py --model benchmarks/configs/llama-3.1-8b --load-format dummy \
+        --dtype bfloat16 --batch "${XLA_BATCHES:-1,8}" --context 1024 --output-len 128 --steps 8 \
+        --sampled "" --json "$out/xla-flags-$i.json"
+done
+# The hybrid KV cache against one group of every layer: Gemma 3 27B's text model cut to 12
+# layers (10 sliding, 2 full), random weights, each in its own process.
+g12=$(mktemp -d)
+"$py" - "$g12" <<'PY'
+import json, sys
+c = json.load(open("benchmarks/configs/gemma-3-27b/config.json"))
+text = {**c["text_config"], "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12}
+text.update(eos_token_id=c["eos_token_id"], torch_dtype="bfloat16")
+json.dump(text, open(sys.argv[1] + "/config.json", "w"))
+PY
+for kv in hybrid one-group; do
+    flag=()
+    [[ $kv == one-group ]] && flag=(--disable_hybrid_kv_cache_manager=1)
+    stage "hybrid-$kv" "${T_HYBRID_SPEED:-80}" "$py" benchmarks/trace_step.py --model "$g12" \
+        --load-format dummy --dtype bfloat16 --batch 1,64 --context 512 --output-len 64 \
+        --steps 8 --sampled "" --json "$out/hybrid-$kv.json" "${flag[@]}"
+done
 
 echo "--- summary"
 grep -E "passed|failed|error" "$log" | grep -E "^[0-9]+ (passed|failed)|= .*(passed|failed)" | tail -3
