@@ -285,7 +285,10 @@ def main() -> None:
     engine_args = {}
     for flag in extra:
         key, _, value = flag.lstrip("-").partition("=")
-        engine_args[key.replace("-", "_")] = int(value) if value.isdigit() else value
+        if value.lower() in ("true", "false"):
+            engine_args[key.replace("-", "_")] = value.lower() == "true"
+        else:
+            engine_args[key.replace("-", "_")] = int(value) if value.isdigit() else value
 
     def save(results: dict) -> None:
         if not args.json:

@@ -103,7 +103,7 @@ json.dump(text, open(sys.argv[1] + "/config.json", "w"))
 PY
 for kv in hybrid one-group; do
     flag=()
-    [[ $kv == one-group ]] && flag=(--disable_hybrid_kv_cache_manager=1)
+    [[ $kv == one-group ]] && flag=(--disable_hybrid_kv_cache_manager=true)
     stage "hybrid-$kv" "${T_HYBRID_SPEED:-80}" "$py" benchmarks/trace_step.py --model "$g12" \
         --load-format dummy --dtype bfloat16 --batch 1,64 --context 512 --output-len 64 \
         --steps 8 --sampled "" --json "$out/hybrid-$kv.json" "${flag[@]}"
