@@ -10,8 +10,9 @@ and callers then dequantize with XLA ops.
 
 Where the CPU has 8-bit dot products (AVX-512 VNNI, AVX-VNNI), or AVX2 to stand in for them
 (`vpmaddubsw`), int8 and int4 take an integer path: x rounded to int8 per 16 inputs, 8-bit
-products against the codes summed exactly in int32 (`path()` names the one built). `VARIANTS` are the builds a test or benchmark can ask for on a CPU that has them all:
-each one is checked against the reference in tests/test_quantization.py.
+products against the codes summed exactly in int32 (`path()` names the one built).
+`VARIANTS` are the builds a test or benchmark can ask for on a CPU that has them all: each one
+is checked against the reference in tests/test_quantization.py.
 """
 
 from __future__ import annotations

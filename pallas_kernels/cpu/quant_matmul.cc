@@ -301,6 +301,17 @@ void Run(ffi::ThreadPool& pool, const float* x, const Weights<ST>& ws, bool has_
 
 // ---- The integer path -------------------------------------------------------------------
 
+// A sub-block's 16 inputs against row r's codes, where the ISA has an 8-bit dot product (VNNI,
+// both widths): four `V::Dot`s of 4 inputs, the codes taken unsigned (int8 flipped to u8).
+template <typename V, bool kSigned>
+typename V::I VnniDotSub(const typename V::I w[4], const int32_t x4[4]) {
+  static_assert(!kSigned, "8-bit dot products take the codes unsigned");
+  typename V::I d = V::Dot(V::ZeroI(), w[0], x4[0]);
+  d = V::Dot(d, w[1], x4[1]);
+  d = V::Dot(d, w[2], x4[2]);
+  return V::Dot(d, w[3], x4[3]);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define JAXLLM_INT_PATH_ENABLED 1
 #define JAXLLM_INT_PATH "avx512_vnni"
@@ -364,11 +375,7 @@ struct Vec {
   // Lane r: sum over a sub-block's 16 inputs of row r's codes w[q] (u8) times x's codes.
   template <bool kSigned>
   static I DotSub(const I w[4], const int32_t x4[4]) {
-    static_assert(!kSigned, "8-bit dot products take the codes unsigned");
-    I d = Dot(ZeroI(), w[0], x4[0]);
-    d = Dot(d, w[1], x4[1]);
-    d = Dot(d, w[2], x4[2]);
-    return Dot(d, w[3], x4[3]);
+    return VnniDotSub<Vec, kSigned>(w, x4);
   }
   static F ToFloat(I v) { return _mm512_cvtepi32_ps(v); }
   static F Load(const float* p) { return _mm512_loadu_ps(p); }
@@ -453,11 +460,7 @@ struct Vec : Vec256 {
   static constexpr bool kFlipInt8 = true;
   template <bool kSigned>
   static I DotSub(const I w[4], const int32_t x4[4]) {
-    static_assert(!kSigned, "8-bit dot products take the codes unsigned");
-    I d = Dot(ZeroI(), w[0], x4[0]);
-    d = Dot(d, w[1], x4[1]);
-    d = Dot(d, w[2], x4[2]);
-    return Dot(d, w[3], x4[3]);
+    return VnniDotSub<Vec, kSigned>(w, x4);
   }
 };
 #else
