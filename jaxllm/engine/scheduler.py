@@ -312,7 +312,7 @@ class Scheduler:
         many as the budget holds and as could still be accepted before its end."""
         if not request.spec_token_ids or n != 1 or request.num_pending_tokens:
             return []
-        room = self._end(request) - request.num_tokens - 1  # the last token is sampled
+        room = request.max_len - request.num_tokens - 1  # the last token is sampled
         spec = request.spec_token_ids[: max(0, min(room, budget - 1))]
         if request.grammar is not None and spec:
             if not request.grammar_live:
@@ -358,20 +358,15 @@ class Scheduler:
         """Slots for a grant of `n` tokens (a new request's from its prefix-cache `hit`) and,
         past them, the `num_lookahead_tokens` where a draft model writes its drafts' KV (none
         past the request's end)."""
-        end = self._end(request) - request.num_computed_tokens - n
+        end = request.max_len - request.num_computed_tokens - n
         lookahead = max(0, min(self.num_lookahead_tokens, end))
         return self.kv.allocate_slots(request, n, hit, num_lookahead_tokens=lookahead)
-
-    @staticmethod
-    def _end(request: Request) -> int:
-        """The sequence length a request may reach (set when it was added)."""
-        return request.max_len
 
     def _finishes_by_length(self, request: Request) -> bool:
         """Whether the token an in-flight step samples for the request is its last."""
         if request.pooled is not None:
             return False  # it samples nothing; it ends with its prompt
-        return request.num_tokens + request.num_pending_tokens >= self._end(request)
+        return request.num_tokens + request.num_pending_tokens >= request.max_len
 
     def _release_lora(self, request: Request) -> None:
         """Unpins a running request's adapter slot (finished or preempted)."""
@@ -567,7 +562,7 @@ class Scheduler:
             if token in request.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_tokens >= self._end(request):
+        if request.num_tokens >= request.max_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
