@@ -41,7 +41,6 @@ import gzip
 import json
 import re
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -168,21 +167,13 @@ def render(r: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-def _timed(llm, prompts, n: int, params) -> tuple[float, int]:
-    """Seconds for `generate` of `n` tokens per prompt, and the programs it compiled."""
-    llm.reset_prefix_cache()  # a repeated run must prefill again
-    compilations = llm.runner.num_compilations
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, llm.runner.num_compilations - compilations
-
-
 def run(args, engine_args: dict, on_batch=None) -> dict:
     import dataclasses
 
     import jax
 
     from jaxllm import LLM, SamplingParams
+    from jaxllm.bench.throughput import measure, random_token_prompts
 
     # One engine for every batch size, programs compiled as the shapes first occur (as
     # e2e_vs_transformers.py does): a warmed 8B engine would compile every bucket first.
@@ -195,23 +186,21 @@ def run(args, engine_args: dict, on_batch=None) -> dict:
         **{"skip_warmup": True, **engine_args},
     )
     vocab = llm.model_config.vocab_size
-    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
-    sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=0, ignore_eos=True, max_tokens=1)
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=0, ignore_eos=True)
     results = {}
     for batch in args.batch:
-        rng = np.random.default_rng(batch)
-        prompts = [
-            {"prompt_token_ids": rng.integers(10, vocab, args.context).tolist()}
-            for _ in range(batch)
-        ]
+        tokens = random_token_prompts(batch, args.context, vocab, seed=batch)
+        prompts = [{"prompt_token_ids": p} for p in tokens]
         row: dict = {"batch": batch, "context": args.context, "output_len": args.output_len}
         # Decode ms per step, untraced: an --output-len run against a 1-token run (best of two
         # each, after one that compiles what the shapes need), greedy, then sampled.
         kinds = [("greedy", greedy)] + ([("sampled", sampled)] if batch in args.sampled else [])
         for name, params in kinds:
 
-            def gen(n, params=params, prompts=prompts):
-                return _timed(llm, prompts, n, dataclasses.replace(params, max_tokens=n))
+            def gen(n, params=params, tokens=tokens):
+                r = measure(llm, tokens, n, use_tqdm=False, params=params)
+                return r["elapsed_time"], r["compilations_during_run"]
 
             first_s, compiled = gen(args.output_len)
             one = min(gen(1)[0] for _ in range(2))

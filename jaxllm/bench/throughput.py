@@ -67,11 +67,15 @@ def random_token_prompts(num: int, length: int, vocab_size: int, seed: int) -> l
     return rng.integers(low, vocab_size, size=(num, length)).tolist()
 
 
-def measure(llm, prompts: list[list[int]], output_len: int, *, use_tqdm: bool) -> dict:
-    """Generates `output_len` tokens for every prompt in one `generate` call, timed."""
+def measure(llm, prompts: list[list[int]], output_len: int, *, use_tqdm: bool, params=None) -> dict:
+    """Generates `output_len` tokens for every prompt in one `generate` call, timed: greedy,
+    or as `params` (a SamplingParams) sample, ignoring EOS either way."""
+    import dataclasses
+
     from jaxllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = params or SamplingParams(temperature=0)
+    params = dataclasses.replace(params, max_tokens=output_len, ignore_eos=True)
     llm.reset_prefix_cache()  # a repeated run must prefill again
     steps, compilations = llm.engine.num_steps, llm.runner.num_compilations
     start = time.perf_counter()
