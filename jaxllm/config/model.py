@@ -1,0 +1,156 @@
+"""The network's shape: `ModelConfig`, one frozen dataclass validated on construction, built
+from a Hugging Face `config.json` (`from_hf_config`, read by the family records:
+`jaxllm.families.hf_config`), from GGUF metadata in the same keys, or by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxllm.families import FULL_ATTENTION, SLIDING_ATTENTION
+from jaxllm.families.hf_config import RopeScaling, model_config_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer: the Llama layout plus the switches other
+    families need (each family's record in `jaxllm.families`, its `features`, says which it
+    turns on)."""
+
+    architecture: str
+    """The Hugging Face architecture name, e.g. "LlamaForCausalLM"."""
+    vocab_size: int
+    hidden_size: int
+    """D: the width of the residual stream."""
+    intermediate_size: int
+    """F: the width of the gated MLP (of the dense layers, in a mixture of experts)."""
+    num_layers: int
+    num_heads: int
+    """N: query heads."""
+    num_kv_heads: int
+    """K: key/value heads (GQA when K < N)."""
+    head_dim: int
+    """H: the width of one head (not always hidden / heads: Gemma, Qwen3)."""
+    max_position_embeddings: int
+    """The context the model was trained for; `max_model_len` defaults to it."""
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
+    """llama.cpp's `rope_freqs` (Llama 3.1 GGUF files): the inverse frequencies are divided
+    by these instead of applying `rope_scaling`."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2; others where their config says so)."""
+    attention_out_bias: bool = False
+    """Bias on the output projection (HF's `attention_bias` outside Qwen2)."""
+    tie_word_embeddings: bool = False
+    """The output head reuses the token embedding (no `lm_head.weight`)."""
+    sliding_window: int | None = None
+    """How far the sliding-window layers look back (Mistral: all layers; Gemma: the layers
+    `layer_types` marks "sliding_attention"); None for full attention everywhere."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, "full_attention" or "sliding_attention"; empty: every layer slides when
+    `sliding_window` is set."""
+    rope_local_theta: float | None = None
+    """The RoPE base of the sliding-window layers, without scaling (Gemma 3: 10,000 while
+    the global layers use 1,000,000); None: the same RoPE as every other layer."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2.5-VL): positions are (time, row, column) triples, and RoPE's frequencies
+    fall in these sections, each rotated by one component (they sum to head_dim / 2)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Gemma 3, Qwen3)."""
+    sandwich_norms: bool = False
+    """Norms before and after both attention and MLP (Gemma 2/3) instead of before only."""
+    norm_offset: float = 0.0
+    """RMSNorm scales by (offset + weight): 1 for Gemma, whose weights are stored as w - 1."""
+    scale_embeddings: bool = False
+    """Token embeddings are multiplied by sqrt(hidden_size) (Gemma)."""
+    hidden_act: str = "silu"
+    """The gate's activation: "silu" or "gelu_pytorch_tanh" (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become cap * tanh(score / cap) (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Output logits become cap * tanh(logit / cap) (Gemma 2)."""
+    num_experts: int = 0
+    """E: experts of each mixture-of-experts layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """How many experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """The MLP width of one expert."""
+    moe_renormalize: bool = True
+    """Routing weights of the chosen experts are renormalised to sum to 1 (Mixtral; Qwen3-MoE
+    per its `norm_topk_prob`)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a mixture-of-experts model that keep a dense MLP (Qwen3-MoE's
+    `mlp_only_layers` and `decoder_sparse_step`)."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    kv_head_replicas: int = 1
+    """Each checkpoint kv head is repeated this many times (tensor parallelism over more
+    devices than kv heads, see `sharding.shard_config`); num_kv_heads counts the copies."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"model config: sliding_window must be >= 1, got {self.sliding_window}"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"model config: layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_layers} layers"
+            )
+        bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if bad:
+            raise ValueError(f"model config: unsupported layer_types {sorted(bad)}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"model config: hidden_act must be silu or gelu_pytorch_tanh, got "
+                f"{self.hidden_act!r}"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model config: num_experts_per_tok must be in [1, {self.num_experts}], got "
+                f"{self.num_experts_per_tok}"
+            )
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError("model config: moe_intermediate_size must be >= 1")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of `layer`; None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    def layer_uses_local_rope(self, layer: int) -> bool:
+        return self.rope_local_theta is not None and self.layer_window(layer) is not None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any] | Any) -> ModelConfig:
+        """Builds the config from a Hugging Face `config.json` (a dict or a PretrainedConfig),
+        read by its family's record (`jaxllm.families.hf_config`). GGUF metadata arrives here
+        too, as the same keys (plus `rope_freq_factors`)."""
+        return cls(**model_config_fields(config))

@@ -1,0 +1,169 @@
+"""A Hugging Face `config.json` read into `ModelConfig`'s fields by the records of this
+package: the architecture picks the family, whose `features` are defaults that the config's
+own keys override; its `sliding_layers` and `read_config` read what the family says its own
+way, and an image-text architecture is read as its text decoder (`text_of`). GGUF metadata
+arrives here too, written as the same keys (`jaxllm.loaders.gguf`).
+
+`ModelConfig.from_hf_config` builds the config from these fields. `RopeScaling`, HF's
+`rope_scaling` record, is read here with them; like the records, this module imports nothing
+of the library beyond this package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxllm.families import (
+    FAMILIES,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    text_family_of,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: "llama3" (Llama 3.1's smooth low-frequency scaling) or "linear"
+    (every frequency divided by `factor`, as Gemma 3's global layers)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, params: dict[str, Any] | None) -> RopeScaling | None:
+        """From a Hugging Face `rope_scaling` / `rope_parameters` dict; None for plain RoPE."""
+        if not isinstance(params, dict):
+            return None
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind in ("default", "mrope"):  # M-RoPE's sections: `ModelConfig.mrope_section`
+            return None
+        if kind == "linear":
+            return cls("linear", float(params["factor"]))
+        if kind == "llama3":
+            return cls(
+                "llama3",
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            )
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+
+
+def model_config_fields(config: dict[str, Any] | Any) -> dict[str, Any]:
+    """`ModelConfig`'s keyword arguments from a Hugging Face `config.json` (a dict or a
+    PretrainedConfig), or GGUF metadata in its keys (plus `rope_freq_factors`)."""
+    if not isinstance(config, dict):
+        config = config.to_dict()
+    archs = config.get("architectures") or []
+    headless = [a for a in archs if a.endswith(("ForSequenceClassification", "Model"))]
+    if headless:
+        # A decoder without its LM head: a classifier or reranker (its `score` head is
+        # `jaxllm.classifier`'s) or a base model (Qwen3Model, MistralModel: embedders).
+        # The embedding stands in for the LM head, which the engine never uses for them:
+        # they serve pooling only.
+        base = headless[0].removesuffix("ForSequenceClassification").removesuffix("Model")
+        base += "ForCausalLM"
+        if base in FAMILIES:
+            config = {**config, "architectures": [base], "tie_word_embeddings": True}
+            archs = [base]
+    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    if family is None:
+        raise ValueError(
+            f"unsupported architecture {archs or config.get('model_type')!r}; "
+            f"supported: {', '.join(FAMILIES)}"
+        )
+    if family.text_of is not None:  # an image-text model: its text decoder
+        family = text_family_of(family, config)
+        config = {**config, **config.get("text_config", {})}
+    arch = family.architecture
+    features = dict(family.features)
+    num_heads = config["num_attention_heads"]
+    num_layers = config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+
+    # RoPE: transformers 5 writes `rope_parameters` (per layer type for Gemma 3), older
+    # configs `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`).
+    rope = config.get("rope_parameters") or {}
+    local_rope = rope.get(SLIDING_ATTENTION) if isinstance(rope, dict) else None
+    if isinstance(rope, dict) and FULL_ATTENTION in rope:
+        rope = rope[FULL_ATTENTION]
+    default_theta = features.pop("rope_theta", 10000.0)
+    default_local_theta = features.pop("rope_local_theta", None)
+    rope_theta = config.get("rope_theta") or rope.get("rope_theta") or default_theta
+    rope_scaling = RopeScaling.from_hf(config.get("rope_scaling") or rope)
+    rope_local_theta = config.get("rope_local_base_freq") or default_local_theta
+    if local_rope is not None:
+        if RopeScaling.from_hf(local_rope) is not None:
+            raise ValueError("model config: scaled RoPE on sliding layers is not supported")
+        rope_local_theta = local_rope.get("rope_theta", rope_local_theta)
+
+    sliding_window = config.get("sliding_window")
+    if "use_sliding_window" in config and not config["use_sliding_window"]:
+        sliding_window = None  # Qwen2/3 carry a window they do not use
+    layer_types = tuple(config.get("layer_types") or ())
+    if not layer_types and sliding_window is not None:
+        # Older configs name no layer types: derive them as transformers does.
+        slides = family.sliding_layers(config, num_layers)
+        layer_types = tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in slides)
+
+    num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    dense_layers: tuple[int, ...] = ()
+    if num_experts:
+        step = config.get("decoder_sparse_step") or 1
+        only = set(config.get("mlp_only_layers") or ())
+        dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    # HF's `attention_bias` puts biases on q, k, v and o.
+    if config.get("attention_bias") is not None:
+        features["attention_bias"] = features["attention_out_bias"] = bool(config["attention_bias"])
+    activation = config.get("hidden_activation") or config.get("hidden_act")
+    if activation:
+        features["hidden_act"] = activation
+    if family.read_config is not None:  # what the family reads its own way
+        features.update(family.read_config(config))
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    factors = config.get("rope_freq_factors")
+    mrope = (config.get("rope_scaling") or rope or {}).get("mrope_section")
+    if mrope is not None and 2 * sum(mrope) != head_dim:
+        raise ValueError(f"mrope_section {mrope} must sum to head_dim / 2 ({head_dim // 2})")
+    return dict(
+        architecture=arch,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        rope_freq_factors=tuple(float(f) for f in factors) if factors else None,
+        tie_word_embeddings=bool(
+            config.get("tie_word_embeddings", features.pop("tie_word_embeddings", False))
+        ),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        rope_local_theta=None if rope_local_theta is None else float(rope_local_theta),
+        mrope_section=None if mrope is None else tuple(int(n) for n in mrope),
+        query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        num_experts=num_experts,
+        num_experts_per_tok=(config.get("num_experts_per_tok") or 0) if num_experts else 0,
+        moe_intermediate_size=(
+            (config.get("moe_intermediate_size") or config["intermediate_size"])
+            if num_experts
+            else 0
+        ),
+        dense_layers=dense_layers,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        **features,
+    )
