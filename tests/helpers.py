@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models import AttentionMetadata
+from jaxllm.models import AttentionMetadata, ModelCache
 from jaxllm.testing import write_tiny_tokenizer
 from pallas_kernels import KVCache, get_kv_cache_shape
 from pallas_kernels.kv_cache import quantize_kv_cache
@@ -34,7 +34,8 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
         num_seqs=jnp.array([1], jnp.int32),
     )
     ids = jnp.asarray(token_ids, jnp.int32)
-    hidden, _ = model(ids, jnp.arange(num_tokens, dtype=jnp.int32), cache, meta)
+    positions = jnp.arange(num_tokens, dtype=jnp.int32)
+    hidden, _ = model(ids, positions, ModelCache(kv=cache), meta)
     return np.asarray(model.compute_logits(hidden))
 
 

@@ -365,8 +365,8 @@ def test_engine_recovers_from_a_failed_step(tiny_llm):
     runner = tiny_llm.runner
     step = runner.forward
 
-    def failing_step(state, kv_cache, *args, **kwargs):
-        kv_cache.data.delete()  # as a device fault after donation would leave it
+    def failing_step(state, cache, *args, **kwargs):
+        cache.kv.data.delete()  # as a device fault after donation would leave it
         raise RuntimeError("simulated device fault")
 
     runner.forward = failing_step

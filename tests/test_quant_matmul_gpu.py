@@ -189,7 +189,9 @@ def test_engine_tokens_with_the_kernel(tiny_model_dir):
         )
         runner = llm.runner
         batch = runner.inputs.padding_batch(*runner.shapes[-1])
-        step = runner.forward.trace(runner.params, runner.kv_cache, runner.last_tokens, batch)
+        step = runner.forward.trace(
+            runner.params, runner.cache, runner.last_tokens, batch, runner.resident()
+        )
         assert ("quant_matmul_int4_gpu" in str(step.jaxpr)) == (backend == "pallas")
         before = runner.num_compilations
         outputs = llm.generate(prompts, params, use_tqdm=False)

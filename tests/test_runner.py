@@ -156,7 +156,7 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
     idle = runner.inputs.sampling.idle_inputs(num_logits)
     with pallas_kernels.target_platform(platform):
         forward = runner.forward.trace(
-            runner.params, runner.kv_cache, runner.last_tokens, buffer,
+            runner.params, runner.cache, runner.last_tokens, buffer, runner.resident(),
             layout=batch_template.layout,
         )  # fmt: skip
         text = forward.lower(lowering_platforms=(platform,)).as_text()

@@ -24,24 +24,19 @@ from jax.sharding import SingleDeviceSharding
 import pallas_kernels
 from jaxllm import loaders
 from jaxllm.aot.targets import Target
-from jaxllm.classifier import is_classifier
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
-from jaxllm.engine.encoder_cache import EncoderCache
-from jaxllm.engine.kv_offload import host_blocks
 from jaxllm.kv_groups import engine_kv_groups
 from jaxllm.kv_sizing import (
     device_page_bytes,
     engine_bytes,
-    plan_kv_cache,
     resolve_kv_cache_dtype,
 )
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_cache import resolve_model
-from jaxllm.pooling import decoder_pools
 from jaxllm.quantization import FORMATS
 from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
-from jaxllm.worker import ModelRunner, encoder_cache_bytes, lora_slot_bytes
+from jaxllm.worker import DeviceMemory, EnginePlan, ModelRunner, NoRoom, plan_engine
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +56,32 @@ class AbstractModel:
 @dataclasses.dataclass
 class CompiledEngine:
     target: Target
-    config: EngineConfig  # resolved: max_model_len, num_pages, tensor_parallel_size filled in
+    plan: EnginePlan  # as `serve` would plan it on the target
     model_config: ModelConfig
     dtype: jnp.dtype  # the weights'
-    kv_dtype: jnp.dtype
     runner: ModelRunner  # abstract: its `programs` hold what the compiler said of each
     weights: list[AbstractModel]  # the model, then the draft model if any
-    page_bytes: int  # one page of every layer (both caches with a draft) on one device
-    budget_bytes: int  # what the KV pool could take on one device
     compile_seconds: float
     build_seconds: float
+
+    @property
+    def config(self) -> EngineConfig:
+        """Resolved: max_model_len, num_pages, tensor_parallel_size filled in."""
+        return self.plan.config
+
+    @property
+    def kv_dtype(self) -> jnp.dtype:
+        return self.plan.kv_dtype
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of every layer (both caches with a draft) on one device."""
+        return self.plan.page_bytes
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """What the KV pool could take on one device (None: num_pages was given)."""
+        return self.plan.budget_bytes
 
     @property
     def weight_device_bytes(self) -> int:
@@ -132,17 +143,9 @@ def compile_engine(
     spec = config.speculative.method
     if spec is not None and spec.method == "draft_model":
         weights.append(abstract_model(spec.model, dtype, comp, mesh, devices[0], None, memory))
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype, platform)
-    cache = config.cache
-    placement = kv_cache_placement(mesh, kv_dtype, devices[0])
-    groups = engine_kv_groups(model.config, cache, draft=len(weights) > 1)
-    page_bytes = device_page_bytes(
-        model.config, cache.page_size, kv_dtype, placement, tp, groups.num_slots
-    ) + sum(
-        device_page_bytes(w.config, cache.page_size, kv_dtype, placement, tp) for w in weights[1:]
-    )
     if any(w.weight_device_bytes is None for w in weights):
         logical = sum(w.weight_bytes for w in weights)
+        page_bytes = _page_bytes(config, model.config, weights, platform, mesh, devices[0])
         raise DoesNotFit(
             f"{config.load.model} does not fit {target.name}: its weights take "
             f"{_gib(logical)} per device, "
@@ -151,59 +154,31 @@ def compile_engine(
             + fit_advice(config, target, dtype, logical, page_bytes)
         )
     weight_device_bytes = sum(w.weight_device_bytes for w in weights)
-    usable = engine_bytes(target.platform, memory, cache.memory_utilization)
-    # The LoRA slots (with --enable-lora) and the encoder cache (an image-text model's) take
-    # their share before the KV pool.
-    encoder_cache, encoder_bytes = (0, 0), 0
-    if vision is not None:  # as `serve` sizes it (and refuses what it refuses)
-        encoders = EncoderCache.for_model(vision.model.config, config)
-        encoder_cache = (encoders.num_blocks, encoders.budget)
-        encoder_bytes = encoder_cache_bytes(vision.model.config, encoders.num_blocks, dtype)
-    lora_bytes = lora_slot_bytes(model.config, config.lora, jnp.dtype(dtype).itemsize, tp)
-    budget = int(usable - weight_device_bytes - lora_bytes - encoder_bytes)
-    if budget < 2 * page_bytes and cache.num_pages is None:
-        raise DoesNotFit(
-            f"{config.load.model} does not fit {target.name}: its weights take "
-            f"{_gib(weight_device_bytes)} per device of the {_gib(usable)} that "
-            f"memory_utilization {cache.memory_utilization} leaves of {_gib(memory)}. "
-            + fit_advice(config, target, dtype, weight_device_bytes, page_bytes)
-        )
-    try:
-        num_pages, max_model_len = plan_kv_cache(
+    usable = engine_bytes(target.platform, memory, config.cache.memory_utilization)
+    try:  # as `serve` plans it on the target, with the weights laid out as it lays them
+        plan = plan_engine(
+            config.replace(tensor_parallel_size=tp),
             model.config,
-            cache,
-            kv_dtype,
-            config.scheduler.max_model_len,
-            tp,
-            page_bytes=page_bytes,
-            budget_bytes=budget,
-            kv_groups=groups,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            DeviceMemory(usable, weight_device_bytes),
+            dtype=dtype,
+            mesh=mesh,
+            device=devices[0],
+            draft_config=weights[1].config if len(weights) > 1 else None,
+            vision=None if vision is None else vision.model.config,
         )
-    except ValueError as e:
+    except NoRoom as e:
+        page_bytes = _page_bytes(config, model.config, weights, platform, mesh, devices[0])
         raise DoesNotFit(
-            f"{config.load.model} on {target.name}: {e}. "
+            f"{config.load.model} does not fit {target.name}: {e}. "
             + fit_advice(config, target, dtype, weight_device_bytes, page_bytes)
         ) from e
-    config = config.replace(
-        max_model_len=max_model_len,
-        num_pages=num_pages,
-        tensor_parallel_size=tp,
-    )
-    runner = ModelRunner.from_config(
+    runner = ModelRunner(
         model.model,
         model.config,
-        config,
-        kv_dtype=kv_dtype,
+        plan,
         mesh=mesh,
         draft_model=None if len(weights) == 1 else (weights[1].model, weights[1].config),
-        num_host_blocks=host_blocks(
-            cache, page_bytes * tp, multi=False, draft=weights[1] if len(weights) > 1 else None
-        ),
-        pooling=serves_pooling(config),
-        kv_groups=groups,
         vision=None if vision is None else vision.model,
-        encoder_cache=encoder_cache,
     )
     build_seconds = time.perf_counter() - start
     runner.compiler.keep_executables = keep_executables
@@ -211,28 +186,23 @@ def compile_engine(
         progress=progress, check_in_place=False, decode_only=decode_only
     )
     return CompiledEngine(
-        target,
-        config,
-        model.config,
-        dtype,
-        kv_dtype,
-        runner,
-        weights,
-        page_bytes,
-        budget,
-        compile_seconds,
-        build_seconds,
+        target, plan, model.config, dtype, runner, weights, compile_seconds, build_seconds
     )
 
 
-def serves_pooling(config: EngineConfig) -> bool:
-    """Whether `serve` would run this decoder for pooling (`--runner`, a checkpoint that pools
-    or has no LM head, a sequence classifier), read from config.json alone: its pooler
-    programs are compiled too."""
-    if config.load.runner != "auto":
-        return config.load.runner == "pooling"
-    path = resolve_model(config.load.model)
-    return decoder_pools(path, "auto") or (path.is_dir() and is_classifier(_hf_config(path)))
+def _page_bytes(config, model_config, weights, platform, mesh, device) -> int:
+    """One page's bytes on one device, for the advice of a model that does not fit (where no
+    plan could be made)."""
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype, platform)
+    placement = kv_cache_placement(mesh, kv_dtype, device)
+    tp = config.parallel.tensor_parallel_size or (1 if mesh is None else mesh.size)
+    slots = engine_kv_groups(model_config, config.cache, draft=len(weights) > 1).num_slots
+    return device_page_bytes(
+        model_config, config.cache.page_size, kv_dtype, placement, tp, slots
+    ) + sum(
+        device_page_bytes(w.config, config.cache.page_size, kv_dtype, placement, tp)
+        for w in weights[1:]
+    )
 
 
 def abstract_model(

@@ -24,7 +24,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from jaxllm.classifier import ClassifierHead, read_classifier
+from jaxllm.classifier import ClassifierHead
 from jaxllm.config import EngineConfig, ModelConfig
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
@@ -33,14 +33,9 @@ from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
 from jaxllm.multimodal.processor import check_mm_items
 from jaxllm.pooling import (
-    DECODER_CLASSIFIER_POOLER,
-    DECODER_POOLER,
     PooledState,
     PoolerConfig,
     check_params,
-    decoder_pools,
-    has_lm_head,
-    resolve_pooler_config,
     supported_tasks,
 )
 from jaxllm.pooling_params import PoolingParams
@@ -113,19 +108,12 @@ class EngineCore:
         from jaxllm.engine import multihost
         from jaxllm.engine.encoder_cache import EncoderCache
         from jaxllm.engine.kv_cache_manager import KVCacheManager
-        from jaxllm.engine.kv_offload import HostBlockPool, host_blocks
-        from jaxllm.kv_groups import engine_kv_groups
-        from jaxllm.kv_sizing import (
-            device_page_bytes,
-            kv_budget_bytes,
-            plan_kv_cache,
-            preallocate_gpu_memory,
-            resolve_kv_cache_dtype,
-        )
+        from jaxllm.engine.kv_offload import HostBlockPool
+        from jaxllm.kv_sizing import preallocate_gpu_memory
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
-        from jaxllm.sharding import kv_cache_placement, make_mesh
-        from jaxllm.worker import ModelRunner, encoder_cache_bytes, lora_slot_bytes
+        from jaxllm.sharding import make_mesh
+        from jaxllm.worker import DeviceMemory, ModelRunner, plan_engine
 
         comp, parallel = config.compilation, config.parallel
         # Before JAX starts: on a GPU, its memory pool is memory_utilization of the device.
@@ -140,7 +128,8 @@ class EngineCore:
         tp = parallel.tensor_parallel_size or (jax.device_count() if multi else 1)
         # The kernel choices, resolved for this platform, travel in the config from here on.
         config = config.replace(
-            attention_backend=pallas_kernels.resolve_backend(comp.attention_backend)
+            attention_backend=pallas_kernels.resolve_backend(comp.attention_backend),
+            tensor_parallel_size=tp,
         )
         mesh = make_mesh(tp) if tp != 1 else None
         loaded = _load_weights(config, mesh)
@@ -161,71 +150,38 @@ class EngineCore:
                 load_format=config.load.load_format,
             )
             check_draft_config(loaded.config, draft.config)
-        encoder_cache, encoder_bytes = None, 0
-        if vision is not None:
-            encoder_cache = EncoderCache.for_model(vision.config, config)
-            embed_dtype = loaded.model.embed_tokens.get_value().dtype
-            encoder_bytes = encoder_cache_bytes(
-                vision.config, encoder_cache.num_blocks, embed_dtype
-            )
-        kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype)
-        cache_sharding = kv_cache_placement(mesh, kv_dtype)
-        groups = engine_kv_groups(loaded.config, config.cache, draft=draft is not None)
-        page_bytes = device_page_bytes(
-            loaded.config, config.cache.page_size, kv_dtype, cache_sharding, tp, groups.num_slots
-        )
-        if draft is not None:
-            page_bytes += device_page_bytes(
-                draft.config, config.cache.page_size, kv_dtype, cache_sharding, tp
-            )
-        num_pages, max_model_len = plan_kv_cache(
+        # What is left of the device once the weights are on it: the plan sizes the rest.
+        device = jax.local_devices()[0]
+        plan = plan_engine(
+            config,
             loaded.config,
-            config.cache,
-            kv_dtype,
-            config.scheduler.max_model_len,
-            tp,
-            page_bytes=page_bytes,
-            kv_groups=groups,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            budget_bytes=None
-            if config.cache.num_pages is not None
-            else kv_budget_bytes(config.cache, jax.local_devices()[0])
-            # the LoRA slots (enable_lora) come out of it first, in the model's dtype
-            - lora_slot_bytes(
-                loaded.config, config.lora, loaded.model.embed_tokens.get_value().dtype.itemsize, tp
-            )
-            # and the encoder cache of an image-text model
-            - encoder_bytes,
+            DeviceMemory.of(config.cache, device),
+            dtype=loaded.model.embed_tokens.get_value().dtype,
+            mesh=mesh,
+            device=device,
+            draft_config=None if draft is None else draft.config,
+            vision=None if vision is None else vision.config,
+            multi=multi,
         )
-        config = config.replace(
-            max_model_len=max_model_len,
-            num_pages=num_pages,
-            tensor_parallel_size=tp,
-        )
+        config = plan.config
         sched, cache = config.scheduler, config.cache
-        pooler, head = _pooler(config)
-        num_host_blocks = host_blocks(cache, page_bytes * tp, multi=multi, draft=draft)
-        runner = ModelRunner.from_config(
+        runner = ModelRunner(
             loaded.model,
             loaded.config,
-            config,
-            kv_dtype=kv_dtype,
+            plan,
             mesh=mesh,
             draft_model=None if draft is None else (draft.model, draft.config),
-            pooling=pooler is not None,
-            num_host_blocks=num_host_blocks,
-            kv_groups=groups,
             vision=vision,
-            encoder_cache=(0, 0)
-            if encoder_cache is None
-            else (encoder_cache.num_blocks, encoder_cache.budget),
         )
+        encoder_cache = None
+        if vision is not None:
+            encoder_cache = EncoderCache.for_model(vision.config, config)
         kv = KVCacheManager(
-            num_pages,
+            plan.num_pages,
             cache.page_size,
             windows=runner.kv_groups.windows,
             enable_prefix_caching=cache.enable_prefix_caching,
-            host=HostBlockPool(num_host_blocks) if num_host_blocks else None,
+            host=HostBlockPool(plan.num_host_blocks) if plan.num_host_blocks else None,
         )
         lookahead = runner.num_speculative_tokens if draft is not None else 0
         scheduler = Scheduler(
@@ -244,19 +200,23 @@ class EngineCore:
                 runner.num_speculative_tokens,
             )
         core.config = config
-        core.pooler, core.head = pooler, head
-        if pooler is not None:
+        core.plan = plan
+        core.pooler, core.head = plan.pooler, plan.head
+        if plan.pooler is not None:
             logger.info(
                 "served for pooling (%s pooling%s)",
-                pooler.pooling_type,
-                ", normalized" if pooler.normalize else "",
+                plan.pooler.pooling_type,
+                ", normalized" if plan.pooler.normalize else "",
             )
         core.model_config = loaded.config
         core.vision = None if vision is None else vision.config
         core.generation_config = loaded.generation_config
         core.mesh = mesh
         core.checks = InputProcessor(
-            None, eos_token_ids=(), vocab_size=loaded.config.vocab_size, max_model_len=max_model_len
+            None,
+            eos_token_ids=(),
+            vocab_size=loaded.config.vocab_size,
+            max_model_len=plan.max_model_len,
         )
         logger.info(
             "buckets: tokens %s x requests %s; programs: %d forward shapes %s + %d output "
@@ -618,30 +578,6 @@ def _host_tier_stats(host) -> dict:
         kv_offload_blocks=len(host),
         kv_offload_capacity=host.num_blocks,
     )
-
-
-def _pooler(config: EngineConfig) -> tuple[PoolerConfig | None, ClassifierHead | None]:
-    """How a decoder served for pooling pools (see `LoadConfig.runner`), and a classifier's
-    head; (None, None): it generates."""
-    from jaxllm.model_cache import resolve_model
-
-    path = resolve_model(config.load.model)
-    head = read_classifier(path)
-    if head is not None:
-        if config.load.runner == "generate":
-            raise ValueError("runner generate: a sequence classification model does not generate")
-        pooler = resolve_pooler_config(path, config.load.pooler_config, DECODER_CLASSIFIER_POOLER)
-        return pooler, head
-    if not decoder_pools(path, config.load.runner):
-        if not has_lm_head(path):
-            raise ValueError(
-                f"runner {config.load.runner}: the checkpoint is a base model without an LM "
-                "head; it serves pooling (embeddings) only"
-            )
-        if config.load.pooler_config is not None:
-            raise ValueError("pooler_config: the model is not served for pooling (--runner)")
-        return None, None
-    return resolve_pooler_config(path, config.load.pooler_config, DECODER_POOLER), None
 
 
 def _structured_outputs(model: str, model_config: ModelConfig):

@@ -47,11 +47,10 @@ def build_engine_core(config: EngineConfig) -> EngineCore | PoolingEngineCore:
     (its config says it is one, as vLLM detects a pooling model), the decoder's core
     otherwise (which serves pooling too, under `--runner`: see `LoadConfig.runner`). Loads
     the weights and compiles every program."""
-    from jaxllm.loaders.encoder import is_encoder
-    from jaxllm.model_cache import resolve_model
+    from jaxllm.worker import serving_kind
 
-    pooling = is_encoder(resolve_model(config.load.model))
-    return (PoolingEngineCore if pooling else EngineCore).from_config(config)
+    core = PoolingEngineCore if serving_kind(config) == "encoder" else EngineCore
+    return core.from_config(config)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:

@@ -72,15 +72,15 @@ class EncoderCache:
         vision side (`VisionConfig` or `QwenVisionConfig`), as `serve` and `jaxllm compile`
         size it. A model whose image tokens attend to each other needs a step to hold an
         image's tokens."""
-        tokens, batched = vision.max_tokens_per_image, config.scheduler.max_num_batched_tokens
-        if vision.bidirectional and batched < tokens:
-            raise ValueError(
-                f"max_num_batched_tokens ({batched}) must be >= {tokens}: this model computes "
-                f"an image's {tokens} tokens in one step"
-            )
-        blocks, budget = config.multimodal.encoder_plan(tokens, vision.block_tokens, batched)
+        from jaxllm.worker import encoder_plan
+
+        blocks, budget = encoder_plan(vision, config)
         return cls(
-            blocks, vision.block_tokens, budget, max_item_tokens=tokens, whole=vision.bidirectional
+            blocks,
+            vision.block_tokens,
+            budget,
+            max_item_tokens=vision.max_tokens_per_image,
+            whole=vision.bidirectional,
         )
 
     def blocks_for(self, tokens: int) -> int:

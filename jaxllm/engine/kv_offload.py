@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from jaxllm.config import CacheConfig
-
 
 class HostBlockPool:
     def __init__(self, num_blocks: int):
@@ -55,22 +53,3 @@ class HostBlockPool:
     def clear(self) -> None:
         self.slots.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
-
-
-def host_blocks(cache: CacheConfig, block_bytes: int, *, multi: bool, draft: object) -> int:
-    """Blocks of the prefix cache's host tier (`kv_offloading_size` GiB over a whole block:
-    a page of the cache's layer slots, every device's shard); 0 when off. `jaxllm compile`
-    sizes it too."""
-    if not cache.kv_offloading_size:
-        return 0
-    if multi:
-        raise ValueError("kv_offloading_size is not supported in a multi-host run")
-    if draft is not None:
-        raise ValueError("kv_offloading_size with a draft model is not supported")
-    blocks = int(cache.kv_offloading_size * 2**30 // block_bytes)
-    if blocks < 1:
-        raise ValueError(
-            f"kv_offloading_size {cache.kv_offloading_size} GiB holds no block of "
-            f"{block_bytes / 2**20:.2f} MiB (one page of {cache.page_size} tokens)"
-        )
-    return blocks

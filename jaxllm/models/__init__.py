@@ -11,6 +11,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.families import FAMILIES
 from jaxllm.models.decoder import DecoderForCausalLM
 from jaxllm.models.layers import AttentionMetadata
+from jaxllm.models.state import ModelCache, StepExtras
 
 MODEL_REGISTRY: dict[str, type[nnx.Module]] = {
     arch: DecoderForCausalLM for arch, family in FAMILIES.items() if family.text_of is None
@@ -27,4 +28,11 @@ def get_model_class(config: ModelConfig) -> type[nnx.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "AttentionMetadata", "DecoderForCausalLM", "get_model_class"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "AttentionMetadata",
+    "DecoderForCausalLM",
+    "ModelCache",
+    "StepExtras",
+    "get_model_class",
+]

@@ -19,6 +19,7 @@ scan).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,8 +39,8 @@ from jaxllm.models.layers import (
     param,
     rope_inv_freq,
 )
-from jaxllm.models.lora import LayerLoRA
 from jaxllm.models.moe import MoE
+from jaxllm.models.state import ModelCache, StepExtras
 from jaxllm.quantization import QArray, qmatmul, take_rows
 from pallas_kernels import KVCache, as_kv_cache
 
@@ -141,24 +142,26 @@ class DecoderForCausalLM(nnx.Module):
         self,
         input_ids: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]; with M-RoPE i32[3, T]
-        kv_cache: KVCache | jax.Array,  # [L, num_pages, K, page_size, 2H]; an array: float
+        cache: ModelCache,
         meta: AttentionMetadata,
-        lora: list[LayerLoRA] | None = None,  # per layer, each token's adapter (models.lora)
-        # An image-text model's image embeddings: (rows [N, D], i32[T] each token's row, -1
-        # for a token that is not an image placeholder), taken instead of the token's
-        # embedding (after its scaling: HF merges them into the scaled embeddings).
-        mm_embeds: tuple[jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, KVCache]:  # [T, D], updated cache
+        extras: StepExtras | None = None,
+    ) -> tuple[jax.Array, ModelCache]:  # [T, D], the updated cache
+        """The hidden states of a step's tokens and the cache with their keys and values
+        written. `extras`: the served features' inputs (adapters, image embeddings)."""
+        extras = extras or StepExtras()
         with using_kernels(self.compilation):
-            kv_cache = as_kv_cache(kv_cache)
-            return self._forward(input_ids, positions, kv_cache, meta, lora, mm_embeds)
+            kv = as_kv_cache(cache.kv)
+            hidden, kv = self._forward(input_ids, positions, kv, meta, extras)
+            return hidden, dataclasses.replace(cache, kv=kv)
 
-    def _forward(self, input_ids, positions, kv_cache: KVCache, meta, lora, mm_embeds=None):
+    def _forward(self, input_ids, positions, kv_cache: KVCache, meta, extras: StepExtras):
         table = self.embed_tokens.get_value()
         x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the dtype, as HF does
-        if mm_embeds is not None:
+        # An image-text model's image embeddings taken instead of their placeholders'
+        # embeddings (after the scaling: HF merges them into the scaled embeddings).
+        if (mm_embeds := extras.image_embeds()) is not None:
             rows, index = mm_embeds
             image = rows[jnp.maximum(index, 0)].astype(x.dtype)
             x = jnp.where((index >= 0)[:, None], image, x)
@@ -168,7 +171,7 @@ class DecoderForCausalLM(nnx.Module):
             if self.inv_freq[1] == self.inv_freq[0]
             else Rope.at(positions, self.inv_freq[1], self.mrope_section)
         )
-        loras = lora or [None] * len(self.layers)
+        loras = extras.layer_loras() or [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
                 x, kv_cache = layer(x, (global_rope, local_rope), kv_cache, i, meta, loras[i])

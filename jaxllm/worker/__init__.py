@@ -21,6 +21,12 @@ _HOMES = {
     "pick_shape": "jaxllm.worker.buckets",
     "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
     "lora_slot_bytes": "jaxllm.worker.lora_slots",
+    "DeviceMemory": "jaxllm.worker.plan",
+    "EnginePlan": "jaxllm.worker.plan",
+    "NoRoom": "jaxllm.worker.plan",
+    "encoder_plan": "jaxllm.worker.plan",
+    "plan_engine": "jaxllm.worker.plan",
+    "serving_kind": "jaxllm.worker.plan",
     "encoder_cache_bytes": "jaxllm.worker.mm_encoder",
     "GrammarBitmask": "jaxllm.worker.step_data",
     "PixelArray": "jaxllm.worker.step_data",
@@ -36,6 +42,8 @@ _HOMES = {
 }
 __all__ = [
     "CompiledProgram",
+    "DeviceMemory",
+    "EnginePlan",
     "EncoderInput",
     "EncoderRunner",
     "GrammarBitmask",
@@ -43,6 +51,7 @@ __all__ = [
     "ModelRunner",
     "MultiModalItem",
     "NewRequestData",
+    "NoRoom",
     "PixelArray",
     "PooledChunk",
     "PromptTokenLogprobs",
@@ -54,8 +63,11 @@ __all__ = [
     "encoder_cache_bytes",
     "check_draft_config",
     "lora_slot_bytes",
+    "encoder_plan",
     "make_buckets",
     "pick_shape",
+    "plan_engine",
+    "serving_kind",
 ]
 
 if TYPE_CHECKING:
@@ -64,6 +76,14 @@ if TYPE_CHECKING:
     from jaxllm.worker.lora_slots import lora_slot_bytes
     from jaxllm.worker.mm_encoder import encoder_cache_bytes
     from jaxllm.worker.model_runner import InflightStep, ModelRunner
+    from jaxllm.worker.plan import (
+        DeviceMemory,
+        EnginePlan,
+        NoRoom,
+        encoder_plan,
+        plan_engine,
+        serving_kind,
+    )
     from jaxllm.worker.pooling_runner import EncoderRunner
     from jaxllm.worker.spec_decode.draft_model import check_draft_config
     from jaxllm.worker.step_data import (

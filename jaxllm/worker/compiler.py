@@ -203,7 +203,7 @@ class Compiler:
             read_launches=device.abstract or device.platform in ("gpu", "cuda", "rocm"),
         )
         if updates_cache:
-            cache = device.kv_cache if cache is None else cache
+            cache = device.cache if cache is None else cache
             program = dataclasses.replace(
                 program,
                 cache_bytes=sum(
@@ -244,7 +244,7 @@ class Compiler:
         if copies := self.cache_copies():
             raise RuntimeError(
                 f"{len(copies)} step program(s) would copy the KV cache "
-                f"({self.device.kv_cache.nbytes / 2**20:.0f} MiB) instead of updating it in place "
+                f"({self.device.cache.nbytes / 2**20:.0f} MiB) instead of updating it in place "
                 f"(slow steps, and twice the cache's memory): "
                 + ", ".join(f"{p.name} {p.shape}: {p.describe()}" for p in copies)
             )
@@ -262,7 +262,7 @@ def _cache_copy_ops(compiled, cache, array: str = "data") -> tuple[str, ...]:
     needs temporaries of the array's size, so only a program that has that many is read (the
     temporaries alone would also count a small cache's neighbours: an MoE layer's transposed
     expert weights outweigh a 64-page one)."""
-    x = getattr(as_kv_cache(cache), array)
+    x = getattr(as_kv_cache(cache.kv), array)
     if x is None:
         return ()
     shape = x.sharding.shard_shape(x.shape)

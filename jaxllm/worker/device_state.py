@@ -1,5 +1,5 @@
-"""What a runner keeps on its devices between steps, besides the parameters: the paged KV
-cache and the token each batch row sampled last; where host inputs go; and how both are
+"""What a runner keeps on its devices between steps, besides the parameters: the model's cache
+(`ModelCache`: the paged KV cache today) and the token each batch row sampled last; where host inputs go; and how both are
 remade when a failed step took its donated buffers with it.
 
 A runner over abstract parameters (`jax.ShapeDtypeStruct`s placed on the devices of a target
@@ -10,6 +10,7 @@ and runs none.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 
 import pallas_kernels
 from jaxllm import sharding
+from jaxllm.models import ModelCache
 from pallas_kernels import KVCache, is_quantized_dtype, zeros_kv_cache
 from pallas_kernels.kv_cache import abstract_kv_cache
 
@@ -44,7 +46,7 @@ class DeviceState:
             self.replicated = first_param.sharding
         self.max_num_seqs = max_num_seqs
         self._zeros_programs: dict = {}
-        self.kv_cache = self.zeros_cache(cache_shape, cache_dtype)
+        self.cache = self.zeros_model_cache(cache_shape, cache_dtype)
         self.kv_cache_lost = False  # set when a failed step took a cache with it
         # The token each batch row sampled last, kept on the device: the next step's decode
         # input for that row when it was scheduled before this step's output came back.
@@ -62,10 +64,18 @@ class DeviceState:
         return self.device.platform
 
     @property
+    def kv_cache(self) -> KVCache:
+        """The paged KV cache (the model cache's `kv`)."""
+        return self.cache.kv
+
+    @kv_cache.setter
+    def kv_cache(self, value: KVCache) -> None:
+        self.cache = dataclasses.replace(self.cache, kv=value)
+
+    @property
     def kv_cache_device_bytes(self) -> int:
-        """The KV cache's logical bytes on one device (all of it without a mesh)."""
-        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.kv_cache))
-        return nbytes // (1 if self.mesh is None else self.mesh.shape["model"])
+        """The model cache's logical bytes on one device (all of it without a mesh)."""
+        return self.cache.nbytes // (1 if self.mesh is None else self.mesh.shape["model"])
 
     def traced_for_target(self) -> contextlib.AbstractContextManager:
         """For an abstract state, kernels traced for its devices' platform (see
@@ -115,35 +125,45 @@ class DeviceState:
             )
         return make()
 
-    def renewed(self, cache: KVCache) -> KVCache:
-        """`cache`, or a zero one in its place when a failed step deleted it."""
-        if not any(a.is_deleted() for a in jax.tree.leaves(cache)):
+    def zeros_model_cache(self, kv_shape, kv_dtype) -> ModelCache:
+        """A zero model cache of a KV cache of `kv_shape` and `kv_dtype` (see `zeros_cache`).
+        The one place a model cache is made: a new kind of state is made here too."""
+        return ModelCache(kv=self.zeros_cache(kv_shape, kv_dtype))
+
+    def _spec(self, cache: ModelCache) -> tuple:
+        """What `zeros_model_cache` needs to make `cache` anew."""
+        return cache.kv.shape, cache.kv.dtype
+
+    def renewed(self, cache: ModelCache) -> ModelCache:
+        """`cache`, or a zero one in its place when a failed step deleted one of its arrays."""
+        if not any(a.is_deleted() for a in cache.arrays()):
             return cache
         self.kv_cache_lost = True
-        return self.zeros_cache(cache.shape, cache.dtype)
+        return self.zeros_model_cache(*self._spec(cache))
 
     def drop_cache(self) -> tuple:
-        """Frees the KV cache's device memory (sleep); returns what `restore_cache` needs."""
-        spec = (self.kv_cache.shape, self.kv_cache.dtype)
-        for a in jax.tree.leaves(self.kv_cache):
+        """Frees the model cache's device memory (sleep); returns what `restore_cache`
+        needs."""
+        spec = self._spec(self.cache)
+        for a in self.cache.arrays():
             a.delete()
         return spec
 
     def restore_cache(self, spec: tuple) -> None:
-        """A zero KV cache again, as `drop_cache` left it (wake up)."""
-        self.kv_cache = self.zeros_cache(*spec)
+        """A zero model cache again, as `drop_cache` left it (wake up)."""
+        self.cache = self.zeros_model_cache(*spec)
 
     @contextlib.contextmanager
     def recovering(self, others: Iterable = ()):
         """A failed step may take the buffers it was donated with it: start from fresh ones so
         the engine can serve again (the caller drops every cached prefix). `others`: holders of
-        another KV cache (a draft model's), as their `kv_cache` attribute."""
+        another model cache (a draft model's), as their `cache` attribute."""
         try:
             yield
         except BaseException:
-            self.kv_cache = self.renewed(self.kv_cache)
+            self.cache = self.renewed(self.cache)
             for holder in others:
-                holder.kv_cache = self.renewed(holder.kv_cache)
+                holder.cache = self.renewed(holder.cache)
             if self.last_tokens.is_deleted():
                 self.last_tokens = self.zeros_last_tokens()
             raise

@@ -6,7 +6,7 @@ The cache is one array of rows in the decoder's width, `num_blocks` blocks of th
 (`jaxllm.engine.encoder_cache`); a step's `encoder_inputs` are encoded first, each token's row
 written to its place in the image's blocks (the array donated: updated in place), then the
 forward pass takes each placeholder token's row of the cache instead of its embedding
-(`BatchInputs.mm_rows`). Padding writes past the last row: dropped.
+(`StepExtras.mm_rows`). Padding writes past the last row: dropped.
 
 Images are encoded whole, in launches padded to a bucket compiled at warmup, as the model's
 vision config lays them out (`encoder_buckets`, `launch_size`, `pack`): for a model whose

@@ -8,7 +8,8 @@ rarer a feature, the further from this file it sits (vLLM model runner V2's rule
 - `buckets`: the compiled shapes every batch pads to;
 - `programs`: the pure functions the step runs (forward, head and sampler, prompt scorer);
 - `compiler`: compiling them, what the compiler says of each, the in-place check;
-- `device_state`: the KV cache and the last sampled tokens on the devices, and recovery;
+- `device_state`: the model cache (`jaxllm.models.ModelCache`) and the last sampled tokens
+  on the devices, and recovery;
 - `input_batch`: the persistent batch, one row of host arrays per request;
 - `step_inputs`: a step's padded inputs gathered from those rows;
 - `sampling_inputs`, `sampler`: the sampler's per-row inputs (one table of neutral values),
@@ -33,13 +34,12 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxllm.config import EngineConfig, LoRAConfig, ModelConfig, SpecMethod, using_kernels
-from jaxllm.kv_groups import KVCacheGroups
+from jaxllm.config import ModelConfig, using_kernels
+from jaxllm.models import ModelCache, StepExtras
 from jaxllm.models.vision import VisionEncoder
 from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
@@ -50,6 +50,7 @@ from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_offload import KVOffloader
 from jaxllm.worker.lora_slots import LoRASlots
 from jaxllm.worker.mm_encoder import MMEncoder
+from jaxllm.worker.plan import EnginePlan
 from jaxllm.worker.programs import forward, head_and_sample
 from jaxllm.worker.prompt_logprobs import PromptScorer
 from jaxllm.worker.sampler import SamplerVariant
@@ -80,49 +81,38 @@ class ModelRunner:
         self,
         model: nnx.Module,
         config: ModelConfig,
+        plan: EnginePlan,
         *,
-        num_pages: int,
-        page_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        dtype: jnp.dtype,  # the KV cache's
         mesh: Mesh | None = None,
-        speculative: SpecMethod | None = None,
         draft_model: tuple[nnx.Module, ModelConfig] | None = None,
-        pooling: bool = False,
-        num_host_blocks: int = 0,
-        lora: LoRAConfig | None = None,
-        kv_groups: KVCacheGroups | None = None,
         vision: VisionEncoder | None = None,
-        encoder_cache: tuple[int, int] = (0, 0),
-        mm_embeds: bool = False,
     ):
-        """`mesh`: the tensor-parallel mesh the model was loaded onto (the KV cache is split
-        over its kv heads the same way); None for one device. `speculative`: how draft tokens
-        are proposed (see `jaxllm.worker.spec_decode`), with `draft_model` (loaded onto the
-        same mesh) for the draft_model method. `pooling`: the model is served for pooling
-        (its requests' hidden states pooled, see `hidden_pooler`). `num_host_blocks`: blocks
-        of host memory for the prefix cache's host tier (see `kv_offload`); 0: none. `lora`:
-        LoRA adapters served (`enable_lora`), in slots on the device (see `lora_slots`).
-        `kv_groups`: how the layers share the cache (`jaxllm.kv_groups`, as the engine's KV
-        cache manager keeps their tables); None: one group of every layer. `vision`: an
-        image-text model's vision encoder, with `encoder_cache` (its blocks, the image tokens a
-        step encodes) for its images' rows on the device (see `mm_encoder`); `mm_embeds`:
-        prompts may give images' embeddings instead."""
+        """The runner of `model` (of `config`, as sharded) as `plan` says (see
+        `jaxllm.worker.plan`: the engine config with the KV pool sized, the cache's dtype and
+        layer groups, the host tier's blocks, the encoder cache, the serving kind). `mesh`:
+        the tensor-parallel mesh the model was loaded onto (the KV cache is split over its kv
+        heads the same way); None for one device. `draft_model`: the draft model (loaded onto
+        the same mesh) of the draft_model speculative method. `vision`: an image-text model's
+        vision encoder (see `mm_encoder`)."""
+        engine = plan.config
+        sched = engine.scheduler
+        page_size, num_pages = engine.cache.page_size, plan.num_pages
+        max_model_len, max_num_seqs = plan.max_model_len, sched.max_num_seqs
+        speculative, lora = engine.speculative.method, engine.lora
+        kv_groups = plan.kv_groups
         self.config = config
         self.mesh = mesh
         self.max_model_len = max_model_len
         self.num_speculative_tokens = k = speculative.num_speculative_tokens if speculative else 0
         self.token_buckets, self.request_buckets, self.shapes = make_buckets(
-            max_num_batched_tokens, max_num_seqs, k, fine=_work_grows_with_rows(model)
+            sched.max_num_batched_tokens, max_num_seqs, k, fine=_work_grows_with_rows(model)
         )
         # The head-and-sampler programs, by rows sampled (`logit_rows` of each shape).
         self.logit_buckets = sorted({logit_rows(shape, k) for shape in self.shapes})
         self.graphdef, state = nnx.split(model)
         self.params, self._params_def = jax.tree.flatten(state)
         platform = next(iter(self.params[0].sharding.device_set)).platform  # the target's
-        self.kv_groups = kv_groups = kv_groups or KVCacheGroups.single(config.num_layers)
+        self.kv_groups = kv_groups
         if draft_model is not None and kv_groups.num_groups > 1:
             raise ValueError("a draft model shares the block tables: one KV cache group only")
         cache_shape = get_kv_cache_shape(
@@ -133,7 +123,7 @@ class ModelRunner:
             config.head_dim,
             platform,
         )
-        self.device = DeviceState(self.params[0], mesh, cache_shape, dtype, max_num_seqs)
+        self.device = DeviceState(self.params[0], mesh, cache_shape, plan.kv_dtype, max_num_seqs)
         self.compiler = Compiler(self.device)
         pages_per_seq = -(-max_model_len // page_size)  # the block table's width
         self.input_batch = ib = InputBatch(
@@ -145,7 +135,7 @@ class ModelRunner:
             mrope=config.mrope_section is not None,
         )
         self.lora = None
-        if lora is not None and lora.enable_lora:
+        if lora.enable_lora:
             self.lora = LoRASlots(
                 config,
                 self.device,
@@ -174,9 +164,9 @@ class ModelRunner:
                 vision,
                 self.device,
                 self.compiler,
-                num_blocks=encoder_cache[0],
-                budget=encoder_cache[1],
-                embeds=mm_embeds,
+                num_blocks=plan.encoder_cache[0],
+                budget=plan.encoder_cache[1],
+                embeds=engine.multimodal.enable_mm_embeds,
                 dtype=model.embed_tokens.get_value().dtype,
             )
         # Counters since start, for metrics: the tokens the steps computed, the token slots of
@@ -192,7 +182,7 @@ class ModelRunner:
         # scales were a copy of the whole array every step.
         out_shardings = None
         if mesh is not None:
-            cache = jax.tree.map(lambda x: x.sharding, self.device.kv_cache)
+            cache = jax.tree.map(lambda x: x.sharding, self.device.cache)
             out_shardings = (self.device.replicated, self.device.replicated, cache)
         # Each takes its step's buffer with the layout (static) that says where its inputs lie.
         self.forward = jax.jit(
@@ -210,12 +200,10 @@ class ModelRunner:
             for v in self.sampler_variants
         }
         self.scorer = PromptScorer(self.graphdef, self._params_def, ib, self.compiler)
-        self.pooler = HiddenPooler(self.compiler, max_num_seqs) if pooling else None
+        self.pooler = HiddenPooler(self.compiler, max_num_seqs) if plan.pooling else None
         self.offloader = None
-        if num_host_blocks:
-            if draft_model is not None:
-                raise ValueError("kv_offloading_size with a draft model is not supported")
-            self.offloader = KVOffloader(self.device, self.compiler, num_host_blocks)
+        if plan.num_host_blocks:
+            self.offloader = KVOffloader(self.device, self.compiler, plan.num_host_blocks)
         self._sleep = None  # asleep: (the weights' shardings, their host copies, the cache's)
         self.proposer: Proposer | None = None
         if speculative is not None and speculative.method == "ngram":
@@ -226,50 +214,6 @@ class ModelRunner:
             if draft_model is None:
                 raise ValueError("speculative_config: the draft_model method needs the draft")
             self.proposer = DraftModelProposer(*draft_model, self.inputs, self.compiler)
-
-    @classmethod
-    def from_config(
-        cls,
-        model: nnx.Module,
-        config: ModelConfig,
-        engine_config: EngineConfig,
-        *,
-        kv_dtype: jnp.dtype,
-        mesh: Mesh | None = None,
-        draft_model: tuple[nnx.Module, ModelConfig] | None = None,
-        pooling: bool = False,
-        num_host_blocks: int = 0,
-        kv_groups: KVCacheGroups,
-        vision: VisionEncoder | None = None,
-        encoder_cache: tuple[int, int] = (0, 0),
-    ) -> ModelRunner:
-        """The runner of an engine whose KV cache is planned: `engine_config` with num_pages
-        and max_model_len resolved, `kv_groups` the layer groups the pool was sized for and the
-        KV cache manager keeps tables of (`EngineCore.from_config` and `jaxllm compile` build
-        it)."""
-        cache, sched = engine_config.cache, engine_config.scheduler
-        if cache.num_pages is None or sched.max_model_len is None:
-            raise ValueError("ModelRunner.from_config: plan num_pages and max_model_len first")
-        return cls(
-            model,
-            config,
-            num_pages=cache.num_pages,
-            page_size=cache.page_size,
-            max_model_len=sched.max_model_len,
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            dtype=kv_dtype,
-            mesh=mesh,
-            speculative=engine_config.speculative.method,
-            draft_model=draft_model,
-            pooling=pooling,
-            num_host_blocks=num_host_blocks,
-            lora=engine_config.lora,
-            kv_groups=kv_groups,
-            vision=vision,
-            encoder_cache=encoder_cache,
-            mm_embeds=engine_config.multimodal.enable_mm_embeds,
-        )
 
     # What the engine reads of the runner's parts.
     page_size = property(lambda self: self.inputs.page_size)
@@ -291,7 +235,13 @@ class ModelRunner:
         self.device.kv_cache_lost = value
 
     @property
+    def cache(self) -> ModelCache:
+        """The model cache (see `jaxllm.models.state`)."""
+        return self.device.cache
+
+    @property
     def kv_cache(self):
+        """The paged KV cache (the model cache's `kv`)."""
         return self.device.kv_cache
 
     @kv_cache.setter
@@ -348,11 +298,10 @@ class ModelRunner:
             _, hidden, _ = jax.eval_shape(
                 functools.partial(self.forward, layout=layout),
                 self.params,
-                device.kv_cache,
+                device.cache,
                 device.last_tokens,
                 layout.abstract(device.replicated),
-                self._lora_weights(),
-                self._mm_pool(),
+                self.resident(),
             )
 
         def rows(n: int) -> jax.ShapeDtypeStruct:  # hidden states shaped as the forward makes them
@@ -362,11 +311,10 @@ class ModelRunner:
 
         def compile_forward(shape):
             layout = self.inputs.batch_template(*shape).layout
-            args = (self.params, device.kv_cache, device.last_tokens)
+            args = (self.params, device.cache, device.last_tokens)
             packed = layout.abstract(device.replicated)
-            lora, mm = self._lora_weights(), self._mm_pool()
             compile_(
-                "forward", shape, self.forward, *args, packed, lora, mm,
+                "forward", shape, self.forward, *args, packed, self.resident(),
                 updates_cache=True, static={"layout": layout},
             )  # fmt: skip
 
@@ -488,13 +436,12 @@ class ModelRunner:
                 self.mm.launch(out.encoder_inputs)
             batch, sampling = device.put(step.buffers)  # the step's inputs, in one transfer
             batch_layout, head_layout = step.layouts
-            last, hidden, device.kv_cache = self.forward(
+            last, hidden, device.cache = self.forward(
                 self.params,
-                device.kv_cache,
+                device.cache,
                 device.last_tokens,
                 batch,
-                self._lora_weights(),
-                self._mm_pool(),
+                self.resident(),
                 layout=batch_layout,
             )
             head = self.head_and_sample[self.sampler_variant(step.needs)]
@@ -604,16 +551,16 @@ class ModelRunner:
         """The first of the platform's sampler variants that holds what a batch `needs`."""
         return next(v for v in self.sampler_variants if v.covers(needs))
 
-    def _lora_weights(self):
-        """The forward pass's adapter slots (None without LoRA)."""
-        return None if self.lora is None else self.lora.device
-
-    def _mm_pool(self):
-        """The encoder cache's rows the forward pass reads (None without images)."""
-        return None if self.mm is None else self.mm.pool
+    def resident(self) -> StepExtras:
+        """The served features' arrays the forward pass reads from the devices: the adapter
+        slots (LoRA), the encoder cache's rows (images)."""
+        return StepExtras(
+            lora=None if self.lora is None else self.lora.device,
+            mm_pool=None if self.mm is None else self.mm.pool,
+        )
 
     def _other_caches(self) -> list:
-        """Holders of KV caches beside the target's (a draft model's), for recovery."""
+        """Holders of model caches beside the target's (a draft model's), for recovery."""
         return [self.proposer] if isinstance(self.proposer, DraftModelProposer) else []
 
 

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm import sharding
-from jaxllm.models import AttentionMetadata
-from jaxllm.models.lora import layer_loras
+from jaxllm.models import AttentionMetadata, ModelCache, StepExtras
 from jaxllm.worker.packing import Layout
 from jaxllm.worker.sampler import SamplerVariant, SamplingInputs, sample, token_logprobs
 from jaxllm.worker.spec_decode.verification import kept_rows
@@ -37,10 +36,9 @@ class BatchInputs:
     # also its draft tokens: L = `logit_rows`)
     logits_indices: jax.Array
     attn: AttentionMetadata
-    lora_slots: jax.Array | None = None  # i32[T]: each token's LoRA slot (-1: none), if served
-    # i32[T]: each image placeholder's row of the encoder cache (-1: a text token), for an
-    # image-text model (see `mm_encoder`)
-    mm_rows: jax.Array | None = None
+    # The served features' per-step inputs (each token's LoRA slot, image rows, ...): the
+    # fields of `StepExtras` that come with the step, None where not served
+    extras: StepExtras = StepExtras()
 
 
 def unpack_batch(layout: Layout, packed: jax.Array) -> BatchInputs:
@@ -58,29 +56,27 @@ def forward(
     params_def,
     mesh,
     params,
-    kv_cache,
+    cache: ModelCache,
     last_tokens,
     batch: BatchInputs | jax.Array,
-    lora=None,
-    mm_pool=None,
+    resident: StepExtras,
     *,
     layout: Layout | None = None,
 ):
     """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
     the updated cache). `batch`: the step's inputs, or with `layout` (static) the buffer that
-    holds them. `lora`: the device's adapter slots by target (see `lora_slots`), when LoRA is
-    served. `mm_pool`: the encoder cache's rows (an image-text model, see `mm_encoder`)."""
+    holds them. `resident`: the served features' arrays kept on the devices (adapter slots,
+    the encoder cache's rows; see `StepExtras`), joined to the step's own extras."""
     if layout is not None:
         batch = unpack_batch(layout, batch)
     model = merge(graphdef, params_def, params)
     src = batch.token_src
     input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
-    adapters = None if lora is None else layer_loras(lora, batch.lora_slots)
-    mm = None if mm_pool is None else (mm_pool, batch.mm_rows)
-    hidden, kv_cache = model(input_ids, batch.positions, kv_cache, batch.attn, adapters, mm)
+    extras = batch.extras.merged(resident)
+    hidden, cache = model(input_ids, batch.positions, cache, batch.attn, extras)
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
-    return hidden[batch.logits_indices], hidden, kv_cache
+    return hidden[batch.logits_indices], hidden, cache
 
 
 def head_and_sample(

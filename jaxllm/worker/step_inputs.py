@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 
-from jaxllm.models import AttentionMetadata
+from jaxllm.models import AttentionMetadata, StepExtras
 from jaxllm.worker.buckets import logit_rows, pick_shape
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.packing import Layout, Template
@@ -98,8 +98,10 @@ class StepInputs:
                 layer_slots=self.layer_slots,
                 attend_to=_ints(t_pad, fill=-1) if self.mm_attend else None,
             ),
-            lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
-            mm_rows=_ints(t_pad, fill=-1) if self.mm else None,
+            extras=StepExtras(
+                lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
+                mm_rows=_ints(t_pad, fill=-1) if self.mm else None,
+            ),
         )
 
     def padding_verify(self, n: int) -> VerifyInputs:
@@ -146,16 +148,17 @@ class StepInputs:
             batch.positions[:, :num_tokens] = ib.positions(token_rows, pos)
         else:
             batch.positions[:num_tokens] = pos
-        if batch.lora_slots is not None:
-            batch.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
-        if batch.mm_rows is not None:
+        extras = batch.extras
+        if extras.lora_slots is not None:
+            extras.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
+        if extras.mm_rows is not None:
             bt = self.mm_block
             for i, s in enumerate(out.requests):
                 for first, length, blocks in s.mm_spans:
                     span = slice(starts[i], starts[i + 1])
                     inside = (pos[span] >= first) & (pos[span] < first + length)
                     k = pos[span][inside] - first
-                    batch.mm_rows[span][inside] = np.asarray(blocks)[k // bt] * bt + k % bt
+                    extras.mm_rows[span][inside] = np.asarray(blocks)[k // bt] * bt + k % bt
                     if attn.attend_to is not None:  # the whole image is in this chunk
                         attn.attend_to[span][inside] = first + length - 1
         attn.slot_mapping[:, :num_tokens] = (

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
-from jaxllm.models import AttentionMetadata
+from jaxllm.models import AttentionMetadata, ModelCache, StepExtras
 from jaxllm.worker.packing import Layout
 from jaxllm.worker.programs import forward, merge
 from jaxllm.worker.sampler import argmax
@@ -86,7 +86,7 @@ class DraftModelProposer:
             config.head_dim,
             device.platform,
         )
-        self.kv_cache = device.zeros_cache(shape, device.kv_cache.dtype)
+        self.cache = device.zeros_model_cache(shape, device.kv_cache.dtype)
         self._step = jax.jit(
             functools.partial(
                 _draft_step,
@@ -113,9 +113,9 @@ class DraftModelProposer:
             inputs, tables = self._padding_inputs(shape[1])
             batch = template.layout.abstract(device.replicated)
             self.compiler.compile(
-                "draft_step", shape, self._step, self._params, self.kv_cache,
+                "draft_step", shape, self._step, self._params, self.cache,
                 device.last_tokens, batch, sampled, kept, inputs, tables, updates_cache=True,
-                cache=self.kv_cache, static={"layout": template.layout},
+                cache=self.cache, static={"layout": template.layout},
             )  # fmt: skip
 
         return [functools.partial(compile_step, shape) for shape in self.inputs.shapes]
@@ -152,9 +152,9 @@ class DraftModelProposer:
         inputs.num_slots[:num_reqs] = ib.num_blocks[rows] * self.inputs.page_size
         inputs.active[:num_reqs] = step.samples
         tables[:num_reqs] = ib.block_table[0, rows]  # one layer group: see `kv_cache_groups`
-        drafts, self.kv_cache = self._step(
+        drafts, self.cache = self._step(
             self._params,
-            self.kv_cache,
+            self.cache,
             self.device.last_tokens,
             batch,
             sampled,
@@ -180,7 +180,7 @@ def _draft_step(
     page_size: int,
     dropped_slot: int,
     params,
-    kv_cache,
+    cache: ModelCache,
     last_tokens: jax.Array,
     batch: jax.Array,  # the target's forward pass's buffer (`BatchInputs` as `layout` says)
     sampled: jax.Array,  # i32[L]  the target's token per logit row
@@ -192,8 +192,8 @@ def _draft_step(
 ):
     """The draft model over the batch, then k greedy draft tokens per request from the last
     token the step kept: (i32[R, k], the draft's cache)."""
-    _, _, kv_cache = forward(
-        graphdef, params_def, mesh, params, kv_cache, last_tokens, batch, layout=layout
+    _, _, cache = forward(
+        graphdef, params_def, mesh, params, cache, last_tokens, batch, StepExtras(), layout=layout
     )
     model = merge(graphdef, params_def, params)
     num_reqs = inputs.first_rows.shape[0]
@@ -233,6 +233,6 @@ def _draft_step(
 
     drafts = jnp.zeros((num_reqs, k), jnp.int32)
     # Unrolled: a GPU runs a `while` by asking the host at each trip.
-    carry = (tokens, positions, kv_cache, drafts)
-    _, _, kv_cache, drafts = jax.lax.fori_loop(0, k, step, carry, unroll=True)
-    return drafts, kv_cache
+    carry = (tokens, positions, cache, drafts)
+    _, _, cache, drafts = jax.lax.fori_loop(0, k, step, carry, unroll=True)
+    return drafts, cache

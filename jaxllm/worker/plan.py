@@ -1,0 +1,290 @@
+"""The engine plan: how one engine uses a device's memory and what it serves, worked out once
+from the engine config, the model's config, the device and the weights' bytes.
+
+`serve` (`EngineCore.from_config`, real weights on the local devices) and `jaxllm compile`
+(`jaxllm.aot.compile_engine`, abstract weights on a target's) both call `plan_engine`, and
+build their runner, KV cache manager and report from what it returns. Everything that takes
+device memory besides the KV cache is one entry of `EnginePlan.memory` (`_consumers`): the
+pool gets what `memory_utilization` leaves after them. The serving kind (generate, or pool a
+decoder's hidden states; an encoder checkpoint has a core of its own) is decided here too
+(`serving_kind`), for all callers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxllm.classifier import ClassifierHead, read_classifier
+from jaxllm.config import CacheConfig, EngineConfig, ModelConfig
+from jaxllm.kv_groups import KVCacheGroups, engine_kv_groups
+from jaxllm.kv_sizing import (
+    device_memory_limit,
+    device_page_bytes,
+    engine_bytes,
+    plan_kv_cache,
+    resolve_kv_cache_dtype,
+)
+from jaxllm.loaders.encoder import is_encoder
+from jaxllm.model_cache import resolve_model
+from jaxllm.pooling import (
+    DECODER_CLASSIFIER_POOLER,
+    DECODER_POOLER,
+    PoolerConfig,
+    decoder_pools,
+    has_lm_head,
+    resolve_pooler_config,
+)
+from jaxllm.sharding import kv_cache_placement
+from jaxllm.worker.lora_slots import lora_slot_bytes
+from jaxllm.worker.mm_encoder import encoder_cache_bytes
+
+if TYPE_CHECKING:
+    from jaxllm.models.qwen_vision import QwenVisionConfig
+    from jaxllm.models.vision import VisionConfig
+
+logger = logging.getLogger(__name__)
+
+
+class NoRoom(ValueError):
+    """The device's memory, at these settings, holds no pool that fits a sequence (or not one
+    of max_model_len); the message names the setting. `jaxllm compile` adds what would fit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What one device offers the engine's arrays."""
+
+    usable: int | None
+    """Bytes the engine's arrays (weights, KV cache and the other consumers) may take of one
+    device (`kv_sizing.engine_bytes`); None on the CPU, where JAX reports no limit and the KV
+    cache gets `cpu_kv_cache_gib` after the other consumers (not the weights)."""
+    weights: int = 0
+    """Bytes the weights take of it: in use once loaded (`serve`), or as the target lays the
+    abstract ones out (`jaxllm compile`); 0 on the CPU."""
+
+    @classmethod
+    def of(cls, cache: CacheConfig, device: jax.Device) -> DeviceMemory:
+        """A local device's memory with the weights loaded: its limit and what is in use."""
+        limit = device_memory_limit(device)
+        if limit is None:
+            if device.platform != "cpu":
+                raise ValueError(
+                    f"the {device.device_kind} ({device.platform}) reports no memory limit to "
+                    "size the KV cache from; give the pool's size with num_pages "
+                    "(--num-gpu-blocks-override)"
+                )
+            return cls(None)
+        bytes_limit, in_use = limit
+        return cls(engine_bytes(device.platform, bytes_limit, cache.memory_utilization), in_use)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """One engine's plan (see the module's docstring). `config` is the engine config with
+    what the plan resolved filled in (max_model_len, num_pages, tensor_parallel_size)."""
+
+    config: EngineConfig
+    kv_dtype: jnp.dtype
+    kv_groups: KVCacheGroups
+    page_bytes: int
+    """One page of every layer slot on one device (the draft model's cache included)."""
+    memory: dict[str, int]
+    """Bytes per device of everything that takes device memory, by name: the consumers sized
+    before the pool ("weights", "lora slots", "encoder cache") and then "kv cache"."""
+    budget_bytes: int | None
+    """What the KV pool could take on one device; None where num_pages was given."""
+    num_host_blocks: int = 0
+    """Blocks of the prefix cache's host tier (`kv_offloading_size`); 0: none."""
+    encoder_cache: tuple[int, int] = (0, 0)
+    """An image-text model's encoder cache: (its blocks, the image tokens a step encodes)."""
+    pooler: PoolerConfig | None = None
+    """How a decoder served for pooling pools; None: it generates."""
+    head: ClassifierHead | None = None
+    """A sequence classifier's head (served for pooling)."""
+
+    @property
+    def num_pages(self) -> int:
+        return self.config.cache.num_pages
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.parallel.tensor_parallel_size or 1
+
+    @property
+    def pooling(self) -> bool:
+        return self.pooler is not None
+
+
+def serving_kind(config: EngineConfig) -> str:
+    """What the checkpoint of `config` is served for: "encoder" (an encoder model: the pooling
+    core), "pooling" (a decoder's hidden states pooled, or a sequence classifier) or
+    "generate". The one place that decides it; raises on a runner the checkpoint cannot do."""
+    path = resolve_model(config.load.model)
+    if is_encoder(path):
+        return "encoder"
+    return "generate" if _pooler(config)[0] is None else "pooling"
+
+
+def _pooler(config: EngineConfig) -> tuple[PoolerConfig | None, ClassifierHead | None]:
+    """How a decoder served for pooling pools (see `LoadConfig.runner`), and a classifier's
+    head; (None, None): it generates."""
+    path = resolve_model(config.load.model)
+    head = read_classifier(path)
+    if head is not None:
+        if config.load.runner == "generate":
+            raise ValueError("runner generate: a sequence classification model does not generate")
+        pooler = resolve_pooler_config(path, config.load.pooler_config, DECODER_CLASSIFIER_POOLER)
+        return pooler, head
+    if not decoder_pools(path, config.load.runner):
+        if not has_lm_head(path):
+            raise ValueError(
+                f"runner {config.load.runner}: the checkpoint is a base model without an LM "
+                "head; it serves pooling (embeddings) only"
+            )
+        if config.load.pooler_config is not None:
+            raise ValueError("pooler_config: the model is not served for pooling (--runner)")
+        return None, None
+    return resolve_pooler_config(path, config.load.pooler_config, DECODER_POOLER), None
+
+
+def encoder_plan(vision: VisionConfig | QwenVisionConfig, config: EngineConfig) -> tuple[int, int]:
+    """(the encoder cache's blocks, the image tokens a step encodes) for the model's vision
+    side. A model whose image tokens attend to each other needs a step to hold an image's
+    tokens."""
+    tokens, batched = vision.max_tokens_per_image, config.scheduler.max_num_batched_tokens
+    if vision.bidirectional and batched < tokens:
+        raise ValueError(
+            f"max_num_batched_tokens ({batched}) must be >= {tokens}: this model computes "
+            f"an image's {tokens} tokens in one step"
+        )
+    return config.multimodal.encoder_plan(tokens, vision.block_tokens, batched)
+
+
+def host_blocks(cache: CacheConfig, block_bytes: int, *, multi: bool, draft: bool) -> int:
+    """Blocks of the prefix cache's host tier (`kv_offloading_size` GiB over a whole block:
+    a page of the cache's layer slots, every device's shard); 0 when off."""
+    if not cache.kv_offloading_size:
+        return 0
+    if multi:
+        raise ValueError("kv_offloading_size is not supported in a multi-host run")
+    if draft:
+        raise ValueError("kv_offloading_size with a draft model is not supported")
+    blocks = int(cache.kv_offloading_size * 2**30 // block_bytes)
+    if blocks < 1:
+        raise ValueError(
+            f"kv_offloading_size {cache.kv_offloading_size} GiB holds no block of "
+            f"{block_bytes / 2**20:.2f} MiB (one page of {cache.page_size} tokens)"
+        )
+    return blocks
+
+
+def _consumers(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    memory: DeviceMemory,
+    dtype: jnp.dtype,
+    encoder: tuple[int, int],
+    vision: VisionConfig | QwenVisionConfig | None,
+) -> dict[str, int]:
+    """Bytes per device of what is sized before the KV pool, by name. A new consumer of
+    device memory is one entry here."""
+    tp = config.parallel.tensor_parallel_size or 1
+    itemsize = jnp.dtype(dtype).itemsize
+    return {
+        "weights": memory.weights,
+        "lora slots": lora_slot_bytes(model_config, config.lora, itemsize, tp),
+        "encoder cache": 0 if vision is None else encoder_cache_bytes(vision, encoder[0], dtype),
+    }
+
+
+def plan_engine(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    memory: DeviceMemory,
+    *,
+    dtype: jnp.dtype,
+    mesh: Mesh | None = None,
+    device: jax.Device | None = None,
+    draft_config: ModelConfig | None = None,
+    vision: VisionConfig | QwenVisionConfig | None = None,
+    multi: bool = False,
+) -> EnginePlan:
+    """The plan of an engine of `config` (its attention backend resolved) serving a model of
+    `model_config` (as sharded) whose weights are in `dtype`, on `device` (default: the first
+    local one) or `mesh`, with `memory` of each device; `draft_config`: a draft model's
+    (speculative decoding), `vision`: an image-text model's vision side, `multi`: a multi-host
+    run. Raises `NoRoom` (a ValueError naming the setting) when the pool cannot hold a
+    sequence, or one of max_model_len."""
+    device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
+    platform = device.platform
+    tp = config.parallel.tensor_parallel_size or (1 if mesh is None else mesh.size)
+    config = config.replace(tensor_parallel_size=tp)
+    cache = config.cache
+    pooler, head = _pooler(config)
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, config.load.dtype, platform)
+    placement = kv_cache_placement(mesh, kv_dtype, device)
+    groups = engine_kv_groups(model_config, cache, draft=draft_config is not None)
+    page_bytes = device_page_bytes(
+        model_config, cache.page_size, kv_dtype, placement, tp, groups.num_slots
+    )
+    if draft_config is not None:
+        page_bytes += device_page_bytes(draft_config, cache.page_size, kv_dtype, placement, tp)
+    encoder = (0, 0) if vision is None else encoder_plan(vision, config)
+    consumers = _consumers(config, model_config, memory, dtype, encoder, vision)
+    budget = None
+    if cache.num_pages is None:
+        cpu = memory.usable is None  # a fixed pool (the weights are not counted there)
+        offered = int(cache.cpu_kv_cache_gib * 2**30) if cpu else memory.usable
+        budget = offered - sum(consumers.values())
+        if budget < 2 * page_bytes:
+            taken = ", ".join(f"{k} {_gib(v)}" for k, v in consumers.items() if v) or "nothing"
+            setting = (
+                f"cpu_kv_cache_gib={cache.cpu_kv_cache_gib}"
+                if cpu
+                else f"memory_utilization={cache.memory_utilization}"
+            )
+            raise NoRoom(
+                f"no device memory is left for the KV cache at {setting}: {taken} of the "
+                f"{_gib(offered)} it offers; raise it or use a smaller model"
+            )
+    try:
+        num_pages, max_model_len = plan_kv_cache(
+            model_config,
+            cache,
+            kv_dtype,
+            config.scheduler.max_model_len,
+            tp,
+            page_bytes=page_bytes,
+            budget_bytes=budget,
+            kv_groups=groups,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        )
+    except ValueError as e:
+        raise NoRoom(str(e)) from e
+    config = config.replace(max_model_len=max_model_len, num_pages=num_pages)
+    return EnginePlan(
+        config,
+        kv_dtype,
+        groups,
+        page_bytes,
+        {**consumers, "kv cache": num_pages * page_bytes},
+        budget,
+        host_blocks(cache, page_bytes * tp, multi=multi, draft=draft_config is not None),
+        encoder,
+        pooler,
+        head,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
