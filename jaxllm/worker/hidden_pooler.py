@@ -15,31 +15,43 @@ import jax
 import numpy as np
 
 from jaxllm.worker.compiler import Compiler
+from jaxllm.worker.features import Feature, LaunchedForward, Warmup
 from jaxllm.worker.programs import pool_hidden
 from jaxllm.worker.step_data import PooledChunk, SchedulerOutput
 
 
-class HiddenPooler:
-    def __init__(self, compiler: Compiler, max_num_seqs: int):
+class HiddenPooler(Feature):
+    output = "pooled"
+
+    def __init__(self, compiler: Compiler, max_num_seqs: int, token_buckets: list[int]):
         self.compiler = compiler
         self.max_num_seqs = max_num_seqs
+        self.token_buckets = token_buckets
         self._pool = jax.jit(pool_hidden)
 
-    def warmup_jobs(self, token_buckets: list[int], rows) -> list:
-        """One compile job per token bucket; `rows(t)`: abstract hidden states of t tokens."""
+    @property
+    def num_programs(self) -> int:
+        return len(self.token_buckets)
+
+    def warmup_jobs(self, warm: Warmup) -> list:
+        """One compile job per token bucket."""
 
         def compile_pooler(t):
-            args = (rows(t), np.zeros(t, np.int32), np.zeros(self.max_num_seqs, np.int32))
-            self.compiler.compile("hidden_pooler", (t,), self._pool, *args)
+            seqs = np.zeros(self.max_num_seqs, np.int32)
+            self.compiler.compile(
+                "hidden_pooler", (t,), self._pool, warm.rows(t), np.zeros(t, np.int32), seqs
+            )
 
-        return [functools.partial(compile_pooler, t) for t in token_buckets]
+        return [functools.partial(compile_pooler, t) for t in self.token_buckets]
 
-    def launch(self, out: SchedulerOutput, hidden: jax.Array, t_pad: int):
+    def after_forward(self, step: LaunchedForward):
         """Dispatches the pooler over the step's hidden states when a pooling request's chunk
         ran; the device results, or None."""
+        out = step.out
         if not any(s.pool for s in out.requests):
             return None
-        segments = np.full(t_pad, self.max_num_seqs, np.int32)  # out of range: not pooled
+        # out of range: not pooled
+        segments = np.full(step.t_pad, self.max_num_seqs, np.int32)
         last_rows = np.zeros(self.max_num_seqs, np.int32)
         start = 0
         for i, s in enumerate(out.requests):
@@ -48,7 +60,7 @@ class HiddenPooler:
                 segments[start : start + n] = i
                 last_rows[i] = start + n - 1
             start += n
-        return self._pool(hidden, segments, last_rows)
+        return self._pool(step.hidden, segments, last_rows)
 
     def fetch(self, out: SchedulerOutput, pooling) -> dict[str, PooledChunk]:
         """The pooled chunks of a launched step, by request."""

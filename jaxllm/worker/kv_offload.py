@@ -1,6 +1,6 @@
 """The host-RAM KV tier's copies (vLLM's `--kv-offloading-size`): full blocks evicted from the
 device's prefix cache go to host memory, and come back into fresh device blocks when a
-request's prefix hits them there (the books: `jaxllm.engine.kv_offload.HostBlockPool`).
+request's prefix hits them there (the books: `jaxllm.engine.host_blocks.HostBlockPool`).
 
 Each step's copies run before its programs, in the order that keeps them right when a block
 or slot changes hands within the step:
@@ -28,6 +28,8 @@ import numpy as np
 
 from jaxllm.worker.compiler import Compiler
 from jaxllm.worker.device_state import DeviceState
+from jaxllm.worker.features import Feature, Warmup
+from jaxllm.worker.step_data import SchedulerOutput
 from pallas_kernels import KVCache
 
 CHUNKS = (1, 4, 16, 64)  # blocks per copy program
@@ -49,7 +51,7 @@ def _scatter(cache: KVCache, pages: jax.Array, blocks: list[jax.Array]) -> KVCac
     )
 
 
-class KVOffloader:
+class KVOffloader(Feature):
     def __init__(self, device: DeviceState, compiler: Compiler, num_host_blocks: int):
         self.device = device
         self.compiler = compiler
@@ -68,7 +70,7 @@ class KVOffloader:
     def host_bytes(self) -> int:
         return sum(h.nbytes for h in self.host)
 
-    def warmup_jobs(self) -> list:
+    def warmup_jobs(self, warm: Warmup) -> list:
         """A gather and a scatter program per chunk size."""
 
         def compile_chunk(n: int):
@@ -82,12 +84,16 @@ class KVOffloader:
 
         return [functools.partial(compile_chunk, n) for n in CHUNKS]
 
-    @staticmethod
-    def num_programs() -> int:
+    @property
+    def num_programs(self) -> int:
         return 2 * len(CHUNKS)
 
-    def launch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+    def before_forward(self, out: SchedulerOutput) -> None:
         """Runs a step's copies before its programs (see the module doc)."""
+        self.launch(out.kv_stores, out.kv_loads)
+
+    def launch(self, stores: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """Stores blocks to host memory and loads blocks back (see the module doc)."""
         self.land()
         for pairs in _chunks(stores):
             blocks, slots = zip(*pairs, strict=True)

@@ -27,7 +27,8 @@ from jaxllm.models.qwen_vision import QwenVisionConfig, QwenVisionEncoder
 from jaxllm.models.vision import VisionConfig, VisionEncoder
 from jaxllm.worker.compiler import Compiler
 from jaxllm.worker.device_state import DeviceState
-from jaxllm.worker.step_data import EncoderInput
+from jaxllm.worker.features import Feature, Warmup
+from jaxllm.worker.step_data import EncoderInput, SchedulerOutput
 
 
 def encoder_cache_bytes(config: VisionConfig | QwenVisionConfig, num_blocks: int, dtype) -> int:
@@ -51,7 +52,7 @@ def store(pool: jax.Array, rows: jax.Array, embeds: jax.Array):
     return pool.at[rows].set(embeds.astype(pool.dtype), mode="drop")
 
 
-class MMEncoder:
+class MMEncoder(Feature):
     def __init__(
         self,
         encoder: VisionEncoder | QwenVisionEncoder,
@@ -191,7 +192,12 @@ class MMEncoder:
             for args in self._stores(given):
                 self.pool = self._store(self.pool, *map(put, args))
 
-    def warmup_jobs(self) -> list:
+    def before_forward(self, out: SchedulerOutput) -> None:
+        """Encodes the step's images before the forward pass reads their rows."""
+        if out.encoder_inputs:
+            self.launch(out.encoder_inputs)
+
+    def warmup_jobs(self, warm: Warmup) -> list:
         def job(b: int):
             (args,) = self._batches([], bucket=b)
             args = (self.params, self.pool, *map(self.device.abstract_input, args))

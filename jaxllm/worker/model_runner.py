@@ -5,6 +5,8 @@ Only what every model and every request needs lives here: the runner sequences a
 and compiles every program at warmup. Each feature has a module of its own beside it, and the
 rarer a feature, the further from this file it sits (vLLM model runner V2's rule):
 
+- `features`: the one interface the runner drives its feature modules through (the modules
+  below from `prompt_logprobs` on, and the image encoder `mm_encoder`);
 - `buckets`: the compiled shapes every batch pads to;
 - `programs`: the pure functions the step runs (forward, head and sampler, prompt scorer);
 - `compiler`: compiling them, what the compiler says of each, the in-place check;
@@ -45,6 +47,7 @@ from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
 from jaxllm.worker.device_state import DeviceState
+from jaxllm.worker.features import Feature, LaunchedForward, Warmup
 from jaxllm.worker.hidden_pooler import HiddenPooler
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.kv_offload import KVOffloader
@@ -199,8 +202,12 @@ class ModelRunner:
             v: jax.jit(functools.partial(head_and_sample, *bound, v), static_argnames=("layout",))
             for v in self.sampler_variants
         }
-        self.scorer = PromptScorer(self.graphdef, self._params_def, ib, self.compiler)
-        self.pooler = HiddenPooler(self.compiler, max_num_seqs) if plan.pooling else None
+        self.scorer = PromptScorer(
+            self.graphdef, self._params_def, ib, self.compiler, self.token_buckets
+        )
+        self.pooler = None
+        if plan.pooling:
+            self.pooler = HiddenPooler(self.compiler, max_num_seqs, self.token_buckets)
         self.offloader = None
         if plan.num_host_blocks:
             self.offloader = KVOffloader(self.device, self.compiler, plan.num_host_blocks)
@@ -214,6 +221,11 @@ class ModelRunner:
             if draft_model is None:
                 raise ValueError("speculative_config: the draft_model method needs the draft")
             self.proposer = DraftModelProposer(*draft_model, self.inputs, self.compiler)
+        # The features this engine serves, driven through one interface (see `features`), in
+        # the order their work runs in a step: host blocks back, images encoded, then what
+        # reads the hidden states.
+        candidates = (self.offloader, self.mm, self.scorer, self.pooler, self.proposer)
+        self.features: list[Feature] = [f for f in candidates if f is not None]
 
     # What the engine reads of the runner's parts.
     page_size = property(lambda self: self.inputs.page_size)
@@ -262,22 +274,11 @@ class ModelRunner:
     def num_programs(self) -> int:
         """The bound on compiled programs: a forward pass per shape, the head and sampler per
         logit bucket (the request buckets, without speculative decoding) and sampler variant
-        of the platform, one prompt scorer
-        (prompt_logprobs) per token bucket, a draft model's step per shape, and for pooling
-        one pooler per token bucket, and with a host KV tier its copy programs."""
-        drafts = len(self.shapes) if isinstance(self.proposer, DraftModelProposer) else 0
-        poolers = len(self.token_buckets) if self.pooler is not None else 0
-        copies = KVOffloader.num_programs() if self.offloader is not None else 0
-        encoders = self.mm.num_programs if self.mm is not None else 0
-        return (
-            encoders
-            + len(self.shapes)
-            + len(self.logit_buckets) * len(self.sampler_variants)
-            + len(self.token_buckets)
-            + drafts
-            + poolers
-            + copies
-        )
+        of the platform, and each feature's (one prompt scorer per token bucket, a draft
+        model's step per shape, for pooling one pooler per token bucket, the host KV tier's
+        copy programs, the image encoder's)."""
+        heads = len(self.logit_buckets) * len(self.sampler_variants)
+        return len(self.shapes) + heads + sum(f.num_programs for f in self.features)
 
     def warmup(
         self, *, progress: bool = True, check_in_place: bool = True, decode_only: bool = False
@@ -337,15 +338,9 @@ class ModelRunner:
             for v in self.sampler_variants
         ]
         if not decode_only:
-            jobs += self.scorer.warmup_jobs(self.params, self.token_buckets, rows)
-            if self.proposer is not None:
-                jobs += self.proposer.warmup_jobs()
-            if self.pooler is not None:
-                jobs += self.pooler.warmup_jobs(self.token_buckets, rows)
-            if self.offloader is not None:
-                jobs += self.offloader.warmup_jobs()
-            if self.mm is not None:
-                jobs += self.mm.warmup_jobs()
+            warm = Warmup(self.params, self.token_buckets, rows)
+            for feature in self.features:
+                jobs += feature.warmup_jobs(warm)
         self.compiler.run(jobs, progress=progress)
         if check_in_place:
             self.compiler.check_in_place()
@@ -430,10 +425,8 @@ class ModelRunner:
         step = self.prepare(out, rows)
         (sampling_reqs,) = np.nonzero(step.samples)
         with device.recovering(self._other_caches()):
-            if self.offloader is not None:
-                self.offloader.launch(out.kv_stores, out.kv_loads)
-            if out.encoder_inputs:
-                self.mm.launch(out.encoder_inputs)
+            for feature in self.features:
+                feature.before_forward(out)
             batch, sampling = device.put(step.buffers)  # the step's inputs, in one transfer
             batch_layout, head_layout = step.layouts
             last, hidden, device.cache = self.forward(
@@ -451,10 +444,8 @@ class ModelRunner:
             drafts = None
             if self.proposer is not None:
                 drafts = self.proposer.launch(step, batch, rows, result[0].sampled, result[1])
-            scoring = self.scorer.launch(self.params, out, hidden, len(step.batch.input_ids))
-            pooling = None
-            if self.pooler is not None:
-                pooling = self.pooler.launch(out, hidden, len(step.batch.input_ids))
+            launched = LaunchedForward(out, self.params, hidden, len(step.batch.input_ids))
+            handles = [feature.after_forward(launched) for feature in self.features]
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
         self.num_padded_tokens += len(step.batch.input_ids)
         sampling_rows = rows[sampling_reqs]
@@ -470,9 +461,8 @@ class ModelRunner:
             step.first_row[sampling_reqs],
             step.num_drafts[sampling_reqs],
             result,
-            scoring,
             drafts,
-            pooling,
+            handles,
         )
 
     def fetch(self, step: InflightStep) -> RunnerOutput:
@@ -497,8 +487,11 @@ class ModelRunner:
             else:
                 kept_rows = first[:, None]
                 tokens = [[t] for t in all_tokens[first].tolist()]
-            prompt_logprobs = self.scorer.fetch(step.out, step.scoring)
-            pooled = {} if self.pooler is None else self.pooler.fetch(step.out, step.pooling)
+            fetched = {
+                f.output: f.fetch(step.out, handle)
+                for f, handle in zip(self.features, step.handles, strict=True)
+                if f.output is not None
+            }
             launched_drafts = step.drafts
             if launched_drafts is not None:
                 launched_drafts = jax.device_get(launched_drafts)
@@ -537,7 +530,10 @@ class ModelRunner:
                 for i in kept_rows[n].tolist()
             ]
         return RunnerOutput(
-            dict(zip(ids, tokens, strict=True)), logprobs, prompt_logprobs, drafts, pooled
+            dict(zip(ids, tokens, strict=True)),
+            logprobs,
+            draft_token_ids=drafts,
+            **fetched,  # the scorer's prompt_logprobs (always), the pooler's pooled
         )
 
     def head_name(self, variant: SamplerVariant) -> str:
@@ -576,6 +572,5 @@ class InflightStep:
     first_rows: np.ndarray  # their first logit rows
     num_drafts: np.ndarray  # their draft tokens
     result: Any  # (the sampler's output, the logit rows kept), on the device
-    scoring: Any  # prompt_logprobs: (targets, device results), or None
     drafts: Any  # what the proposer's `launch` returned (a draft model's drafts), or None
-    pooling: Any = None  # the pooler's device results (pooling requests' chunks), or None
+    handles: list  # each feature's `after_forward` handle, in the runner's feature order

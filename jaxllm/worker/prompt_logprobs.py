@@ -10,38 +10,54 @@ import jax
 import numpy as np
 
 from jaxllm.worker.compiler import Compiler
+from jaxllm.worker.features import Feature, LaunchedForward, Warmup
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.programs import score_prompt
 from jaxllm.worker.step_data import PromptTokenLogprobs, SchedulerOutput
 
 
-class PromptScorer:
-    def __init__(self, graphdef, params_def, input_batch: InputBatch, compiler: Compiler):
+class PromptScorer(Feature):
+    output = "prompt_logprobs"
+
+    def __init__(
+        self,
+        graphdef,
+        params_def,
+        input_batch: InputBatch,
+        compiler: Compiler,
+        token_buckets: list[int],
+    ):
         self.input_batch = input_batch
         self.compiler = compiler
+        self.token_buckets = token_buckets
         self._score = jax.jit(functools.partial(score_prompt, graphdef, params_def))
 
-    def warmup_jobs(self, params, token_buckets: list[int], rows) -> list:
-        """One compile job per token bucket; `rows(t)`: abstract hidden states of t tokens."""
+    @property
+    def num_programs(self) -> int:
+        return len(self.token_buckets)
+
+    def warmup_jobs(self, warm: Warmup) -> list:
+        """One compile job per token bucket."""
 
         def compile_scorer(t):
-            args = (params, rows(t), np.zeros(t, np.int32))
+            args = (warm.params, warm.rows(t), np.zeros(t, np.int32))
             self.compiler.compile("prompt_scorer", (t,), self._score, *args)
 
-        return [functools.partial(compile_scorer, t) for t in token_buckets]
+        return [functools.partial(compile_scorer, t) for t in self.token_buckets]
 
-    def launch(self, params, out: SchedulerOutput, hidden: jax.Array, t_pad: int):
+    def after_forward(self, step: LaunchedForward):
         """Dispatches the scorer over the step's hidden states when a chunk scores prompt
         tokens; (targets, device results) or None."""
+        out = step.out
         if not any(s.prompt_logprob_targets for s in out.requests):
             return None
-        targets = np.full(t_pad, -1, np.int32)
+        targets = np.full(step.t_pad, -1, np.int32)
         start = 0
         for s in out.requests:
             if s.prompt_logprob_targets:
                 targets[start : start + s.num_scheduled_tokens] = s.prompt_logprob_targets
             start += s.num_scheduled_tokens
-        return targets, self._score(params, hidden, targets)
+        return targets, self._score(step.params, step.hidden, targets)
 
     def fetch(self, out: SchedulerOutput, scoring) -> dict[str, list[PromptTokenLogprobs]]:
         """The scored tokens of a launched step, by request (those still in the batch)."""

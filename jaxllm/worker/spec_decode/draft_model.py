@@ -32,6 +32,7 @@ from flax import nnx
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionMetadata, ModelCache, StepExtras
+from jaxllm.worker.features import Feature, Warmup
 from jaxllm.worker.packing import Layout
 from jaxllm.worker.programs import forward, merge
 from jaxllm.worker.sampler import argmax
@@ -63,7 +64,7 @@ class ProposeInputs:
     active: jax.Array  # bool[R]  it sampled this step (padding and prefill chunks do not)
 
 
-class DraftModelProposer:
+class DraftModelProposer(Feature):
     """The draft model's proposer (see `jaxllm.worker.spec_decode.Proposer`), beside the
     runner: it reads the runner's step inputs and compiles with its compiler, and its cache
     lives on the runner's devices."""
@@ -101,7 +102,11 @@ class DraftModelProposer:
             static_argnames=("layout",),
         )
 
-    def warmup_jobs(self) -> list:
+    @property
+    def num_programs(self) -> int:
+        return len(self.inputs.shapes)
+
+    def warmup_jobs(self, warm: Warmup) -> list:
         """One compile job per program: one per compiled shape of the target's."""
         device = self.device
 

@@ -6,10 +6,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxllm.worker.features import Feature
 from jaxllm.worker.input_batch import InputBatch
 
 
-class NgramProposer:
+class NgramProposer(Feature):
     """Prompt lookup (vLLM's `ngram` method): finds the latest earlier occurrence of the
     sequence's last n tokens, for n from `max_n` down to `min_n`, and proposes the (up to) k
     tokens that followed it."""
@@ -18,9 +19,6 @@ class NgramProposer:
         """`input_batch`: the runner's persistent batch, whose rows `propose` reads."""
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self.input_batch = input_batch
-
-    def warmup_jobs(self) -> list:
-        return []  # it runs on the host
 
     def launch(self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any) -> None:
         return None
