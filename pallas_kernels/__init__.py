@@ -59,6 +59,35 @@ ATTENTION_BACKENDS = ("auto", "pallas", *BACKENDS)
 _NATIVE_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
 _MAX_WINDOW = np.iinfo(np.int32).max  # a longer static window is the same as this one
 
+# The optional operands of `ragged_paged_attention`, each with the backends whose kernels
+# honour it. A new operand (gpt-oss's attention sinks, say) is an entry here, its check in
+# `ragged_paged_attention`, and the kernels that take it: a backend left out refuses it by
+# name (`check_operands`) instead of ignoring it, so a model that needs it cannot be served
+# wrong on that backend, and each kernel can learn it in its own change.
+_EVERY_BACKEND = frozenset(BACKENDS)
+ATTENTION_OPERANDS: dict[str, frozenset[str]] = {
+    "sliding_window": _EVERY_BACKEND,
+    "soft_cap": _EVERY_BACKEND,
+    "attend_to": _EVERY_BACKEND,
+}
+
+
+def check_operands(backend: str, operands: dict[str, object]) -> None:
+    """Raises, naming the operand, if `backend` does not honour one that is set (not None)."""
+    for name, value in operands.items():
+        if value is None:
+            continue
+        honoured = ATTENTION_OPERANDS.get(name)
+        if honoured is None:
+            raise ValueError(
+                f"unknown attention operand {name!r}; known: {list(ATTENTION_OPERANDS)}"
+            )
+        if backend not in honoured:
+            raise ValueError(
+                f"attention_backend {backend!r} does not support {name}; these do: "
+                f"{', '.join(b for b in BACKENDS if b in honoured)}"
+            )
+
 
 def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:  # i32[]
     """`sliding_window` as the i32[] every backend takes: the window (>= 1), or <= 0 for none.
@@ -186,6 +215,9 @@ def ragged_paged_attention(
     )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_operands(
+        backend, dict(sliding_window=sliding_window, soft_cap=soft_cap, attend_to=attend_to)
+    )
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
     if backend == "xla":
@@ -256,12 +288,14 @@ def ragged_paged_attention(
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "ATTENTION_OPERANDS",
     "BACKENDS",
     "QUANTIZED_KV_DTYPES",
     "BlockSizes",
     "KVCache",
     "as_kv_cache",
     "cache_head_dim",
+    "check_operands",
     "compute_capability",
     "current_device",
     "current_device_kind",

@@ -621,6 +621,22 @@ def test_bad_sliding_window_is_named():
             ragged_paged_attention(*args, sm_scale=0.1, sliding_window=bad)
 
 
+def test_an_operand_a_backend_lacks_is_refused_by_name(monkeypatch):
+    """The operand table says which backends honour each optional operand: one left out
+    refuses it, naming it and the backends that do, instead of ignoring it; unset, the
+    operand costs that backend nothing."""
+    import pallas_kernels
+
+    args, _, _ = _window_case()
+    monkeypatch.setitem(pallas_kernels.ATTENTION_OPERANDS, "soft_cap", frozenset({"reference"}))
+    with pytest.raises(ValueError, match="'xla' does not support soft_cap; these do: reference"):
+        ragged_paged_attention(*args, sm_scale=0.1, soft_cap=30.0, backend="xla")
+    ragged_paged_attention(*args, sm_scale=0.1, soft_cap=30.0, backend="reference")
+    ragged_paged_attention(*args, sm_scale=0.1, backend="xla")
+    with pytest.raises(ValueError, match="unknown attention operand 'sinks'"):
+        pallas_kernels.check_operands("xla", {"sinks": jnp.zeros(4)})
+
+
 @pytest.mark.parametrize("backend", [pytest.param("pallas", marks=pytest.mark.slow), "pallas_gpu"])
 def test_whole_model_greedy_tokens_match_the_reference(
     tiny_model_dir, tiny_llm, backend, monkeypatch
