@@ -10,8 +10,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
+from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager
-from jaxllm.engine.kv_offload import HostBlockPool
 from jaxllm.engine.request import Request
 from jaxllm.kv_groups import KVCacheGroups, kv_cache_groups
 from jaxllm.kv_sizing import pages_per_sequence

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.kv_offload import HostBlockPool
 from tests.helpers import tensor_parallel_report
 from tests.test_prefix_caching import _admit, _request
 

@@ -86,7 +86,7 @@ class EngineCore:
         self.is_worker = False  # a multi-host host other than 0: runs `multihost.run_worker`
         # The front end's checks, which the core applies again to what it is handed (a
         # library caller of the core, or a front end with a bug, must not fail a step).
-        self.checks: InputProcessor | None = None
+        self.input_processor: InputProcessor | None = None
         self.sleep_level = 0  # sleep mode (see `sleep`)
         # How a decoder served for pooling pools (and a classifier's head); None: it
         # generates.
@@ -107,8 +107,8 @@ class EngineCore:
         from jaxllm.config import resolve_dtype
         from jaxllm.engine import multihost
         from jaxllm.engine.encoder_cache import EncoderCache
+        from jaxllm.engine.host_blocks import HostBlockPool
         from jaxllm.engine.kv_cache_manager import KVCacheManager
-        from jaxllm.engine.kv_offload import HostBlockPool
         from jaxllm.kv_sizing import preallocate_gpu_memory
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
@@ -212,7 +212,7 @@ class EngineCore:
         core.vision = None if vision is None else vision.config
         core.generation_config = loaded.generation_config
         core.mesh = mesh
-        core.checks = InputProcessor(
+        core.input_processor = InputProcessor(
             None,
             eos_token_ids=(),
             vocab_size=loaded.config.vocab_size,
@@ -258,9 +258,9 @@ class EngineCore:
             raise ValueError(
                 "this model is served for pooling (embeddings), not generation (--runner)"
             )
-        if self.checks is not None:
-            self.checks.check_prompt(request.prompt_token_ids)
-            self.checks.check_params(request.sampling_params)
+        if self.input_processor is not None:
+            self.input_processor.check_prompt(request.prompt_token_ids)
+            self.input_processor.check_params(request.sampling_params)
         if request.mm_items or self.vision is not None:
             check_mm_items(
                 request.mm_items,
@@ -303,8 +303,8 @@ class EngineCore:
             )
         self._check_awake()
         check_params(params, self.hidden_size, self.head)
-        if self.checks is not None:
-            self.checks.check_pooling_ids(token_ids)
+        if self.input_processor is not None:
+            self.input_processor.check_pooling_ids(token_ids)
         request = Request(
             request_id, token_ids, SamplingParams(max_tokens=1), eos_token_ids=(), max_tokens=1,
             seed=0,

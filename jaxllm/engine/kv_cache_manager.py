@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jaxllm.engine.kv_offload import HostBlockPool
+from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.request import Request
 
 NULL_BLOCK = -1

@@ -61,7 +61,7 @@ class PoolingEngineCore:
         self.pooler = pooler
         self.head = head
         # The front end's checks, applied again to what the core is handed (as EngineCore's).
-        self.checks = InputProcessor(
+        self.input_processor = InputProcessor(
             None,
             eos_token_ids=(),
             vocab_size=runner.config.vocab_size,
@@ -156,7 +156,7 @@ class PoolingEngineCore:
         """Queues a request; a ValueError naming the field if it cannot run here (a front end
         checks and truncates first; the core checks again, so a bad request fails alone)."""
         check_params(params, self.hidden_size, self.head)
-        self.checks.check_pooling_ids(token_ids)
+        self.input_processor.check_pooling_ids(token_ids)
         if token_type_ids is not None:
             types = self.runner.config.type_vocab_size
             if len(token_type_ids) != len(token_ids) or not all(
