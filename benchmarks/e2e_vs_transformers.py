@@ -100,11 +100,11 @@ def reference(model_dir: Path, config_dir: Path, layers: int, out: Path, max_tok
 
 def _pages(model: Path, length: int, hybrid: bool = True) -> int:
     """The KV pages one sequence of `length` tokens may hold in `model`'s engine (a hybrid
-    model's pages hold one layer group: `jaxllm.kv_groups`), pages of 16 tokens."""
+    model's pages hold one layer group: `jaxllm.worker.kv_groups`), pages of 16 tokens."""
     from jaxllm.config import CacheConfig
-    from jaxllm.kv_groups import engine_kv_groups
-    from jaxllm.kv_sizing import pages_per_sequence
     from jaxllm.loaders import load_config
+    from jaxllm.worker.kv_groups import engine_kv_groups
+    from jaxllm.worker.kv_sizing import pages_per_sequence
 
     cache = CacheConfig(disable_hybrid_kv_cache_manager=not hybrid)
     groups = engine_kv_groups(load_config(model), cache, draft=False)
@@ -238,7 +238,7 @@ def main() -> None:
     p.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",
-        help="speed: every layer in one KV cache group (see jaxllm/kv_groups.py)",
+        help="speed: every layer in one KV cache group (see jaxllm/worker/kv_groups.py)",
     )
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--skip-speed", action="store_true")

@@ -1,4 +1,4 @@
-"""KV-cache bytes per token of the demo models with the hybrid KV cache (`jaxllm.kv_groups`:
+"""KV-cache bytes per token of the demo models with the hybrid KV cache (`jaxllm.worker.kv_groups`:
 sliding-window layers free the blocks behind their window) and without it
 (`--disable-hybrid-kv-cache-manager`: every layer keeps every token), and how many sequences
 of 8k tokens the same memory holds.

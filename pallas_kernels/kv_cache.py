@@ -39,7 +39,7 @@ a cache whose rows are not whole tiles with its pages minor, and the kernel woul
 row-major on every call; on a GPU, W is the power of two Triton's blocks need. Keys and values
 are written with zeros in the extra lanes and queries padded with zeros (the results are the
 same). A device may still pad a page's rows (the sublanes: e.g. 8 bfloat16 rows), so
-`jaxllm.kv_sizing` sizes a TPU pool from the compiled layout's bytes, not from this module's
+`jaxllm.worker.kv_sizing` sizes a TPU pool from the compiled layout's bytes, not from this module's
 arithmetic.
 """
 

@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     params = [greedy] * (len(prompts) - 1) + [penalized]
     from jaxllm.config import CacheConfig
-    from jaxllm.kv_groups import engine_kv_groups
     from jaxllm.loaders import load_config
     from jaxllm.model_cache import resolve_model
+    from jaxllm.worker.kv_groups import engine_kv_groups
 
     config = load_config(resolve_model(args.model))
     layers_per_slot = (

@@ -619,8 +619,8 @@ def test_pool_is_sized_from_the_compiled_layout():
     """A TPU pads the cache's lanes to 128: with head_dim 80 (2H = 160 lanes) a page takes the
     bytes of 256 lanes, and the pool is sized by those, not the logical ones."""
     from jaxllm.config import ModelConfig
-    from jaxllm.kv_sizing import bytes_per_page, device_page_bytes
     from jaxllm.sharding import kv_cache_placement
+    from jaxllm.worker.kv_sizing import bytes_per_page, device_page_bytes
 
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=100, hidden_size=640, intermediate_size=64,
@@ -641,7 +641,7 @@ def test_gpu_memory_utilization_is_a_share_of_the_whole_device(monkeypatch):
     from jax._src import xla_bridge
 
     from jaxllm.aot.targets import parse_target
-    from jaxllm.kv_sizing import GPU_RESERVE, engine_bytes, preallocate_gpu_memory
+    from jaxllm.worker.kv_sizing import GPU_RESERVE, engine_bytes, preallocate_gpu_memory
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)

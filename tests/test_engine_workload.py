@@ -16,8 +16,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.request import Request
-from jaxllm.kv_groups import kv_cache_groups
 from jaxllm.loaders import load_config
+from jaxllm.worker.kv_groups import kv_cache_groups
 
 from helpers import write_family_checkpoint
 
@@ -74,7 +74,7 @@ def model_dirs(tiny_model_dir, tmp_path_factory):
 
 def same_bytes(model: Path, num_pages: int) -> int:
     """The pages of `model`'s KV cache that take the bytes of `num_pages` pages of every
-    layer (a hybrid model's pages hold one layer group: `jaxllm.kv_groups`)."""
+    layer (a hybrid model's pages hold one layer group: `jaxllm.worker.kv_groups`)."""
     config = load_config(model)
     return num_pages * config.num_layers // kv_cache_groups(config).num_slots
 

@@ -1,4 +1,4 @@
-"""The hybrid KV cache (`jaxllm.kv_groups`): layers grouped by window, one block table per
+"""The hybrid KV cache (`jaxllm.worker.kv_groups`): layers grouped by window, one block table per
 group over one pool, sliding groups freeing the blocks behind their window, prefix-cache hits
 that need only the window's blocks there; and Gemma 3 served with it, token for token as
 without it and as transformers."""
@@ -13,8 +13,8 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from jaxllm.engine.request import Request
-from jaxllm.kv_groups import KVCacheGroups, kv_cache_groups
-from jaxllm.kv_sizing import pages_per_sequence
+from jaxllm.worker.kv_groups import KVCacheGroups, kv_cache_groups
+from jaxllm.worker.kv_sizing import pages_per_sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

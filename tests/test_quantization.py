@@ -407,7 +407,7 @@ def test_8bit_kv_cache_pages_at_equal_memory():
     per token and head) holds (4 * 64) / (64 + 4) = 3.8x the pages of float32 and 1.9x those of
     bfloat16 at head size 64, in the same budget."""
     from jaxllm.config import CacheConfig, ModelConfig
-    from jaxllm.kv_sizing import plan_kv_cache, resolve_kv_cache_dtype
+    from jaxllm.worker.kv_sizing import plan_kv_cache, resolve_kv_cache_dtype
 
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=100, hidden_size=576, intermediate_size=64, num_layers=30, num_heads=9,

@@ -25,18 +25,22 @@ import pallas_kernels
 from jaxllm import loaders
 from jaxllm.aot.targets import Target
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
-from jaxllm.kv_groups import engine_kv_groups
-from jaxllm.kv_sizing import (
-    device_page_bytes,
-    engine_bytes,
-    resolve_kv_cache_dtype,
-)
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_cache import resolve_model
 from jaxllm.quantization import FORMATS
 from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
-from jaxllm.worker import DeviceMemory, EnginePlan, ModelRunner, NoRoom, plan_engine
+from jaxllm.worker import (
+    DeviceMemory,
+    EnginePlan,
+    ModelRunner,
+    NoRoom,
+    device_page_bytes,
+    engine_bytes,
+    engine_kv_groups,
+    plan_engine,
+    resolve_kv_cache_dtype,
+)
 
 logger = logging.getLogger(__name__)
 

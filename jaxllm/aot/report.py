@@ -97,8 +97,8 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
 
 def _kv_bytes_per_token(engine: CompiledEngine) -> float:
     """The model's KV bytes per token on one device (a draft model's cache excluded)."""
-    from jaxllm.kv_sizing import device_page_bytes
     from jaxllm.sharding import kv_cache_placement
+    from jaxllm.worker import device_page_bytes
 
     runner = engine.runner
     device = runner.device.device
@@ -129,7 +129,7 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
     copies = runner.cache_copies()
     batches = sorted({min(b, cfg.scheduler.max_num_seqs) for b in batches})
     # The pool's tokens at every layer's cost (a hybrid model's pages hold one layer group:
-    # a sequence's sliding layers take less, see `jaxllm.kv_groups`).
+    # a sequence's sliding layers take less, see `jaxllm.worker.kv_groups`).
     groups, num_layers = runner.kv_groups, engine.model_config.num_layers
     capacity = runner.num_pages * runner.page_size * groups.num_slots // num_layers
     predictions = [

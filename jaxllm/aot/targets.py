@@ -22,7 +22,7 @@ import re
 
 import jax
 
-from jaxllm.kv_sizing import gpu_pool_fraction
+from jaxllm.worker import gpu_pool_fraction
 
 _GIB = 2**30
 _MIB = 2**20
@@ -146,7 +146,7 @@ class Target:
         would see it in its memory stats: on a TPU what XLA:TPU allows (`program_bytes`, a
         little under the chip's HBM); on a GPU the pool JAX preallocates, which serve sets to
         `memory_utilization` of the memory (XLA_PYTHON_CLIENT_MEM_FRACTION where set, see
-        `jaxllm.kv_sizing.preallocate_gpu_memory`)."""
+        `jaxllm.worker.kv_sizing.preallocate_gpu_memory`)."""
         if self.platform != "cuda":
             return self.chip.program_bytes or self.chip.memory_bytes
         return int(self.chip.memory_bytes * gpu_pool_fraction(memory_utilization))

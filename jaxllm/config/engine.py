@@ -117,7 +117,7 @@ class CacheConfig:
     memory_utilization: float = option(0.9, "--gpu-memory-utilization")
     """Share of device memory the engine may use (weights, KV cache, temporaries). On a GPU
     it is vLLM's gpu_memory_utilization: a share of the whole device, to which JAX's memory
-    pool is set (`jaxllm.kv_sizing`). On CPU, where JAX reports no memory limit, the KV cache
+    pool is set (`jaxllm.worker.kv_sizing`). On CPU, where JAX reports no memory limit, the KV cache
     gets `cpu_kv_cache_gib` instead."""
     cpu_kv_cache_gib: float = 1.0
     """The KV cache's size on CPU, in GiB."""
@@ -135,7 +135,7 @@ class CacheConfig:
     """Keep every token of every layer, sliding-window layers included (vLLM's flag). By
     default a model that mixes sliding-window and full-attention layers (Gemma 2/3) keeps
     only the window's blocks in its sliding layers, for more sequences in the same memory
-    (see `jaxllm.kv_groups`)."""
+    (see `jaxllm.worker.kv_groups`)."""
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -20,6 +20,7 @@ the other hosts this way (`multihost.LockstepPublisher`), which replay the same 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,7 +45,7 @@ from jaxllm.worker import SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxllm.models.vision import VisionConfig
-    from jaxllm.worker import InflightStep, ModelRunner
+    from jaxllm.worker import EnginePlan, InflightStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -59,40 +60,65 @@ class StepHook(Protocol):
         """The engine is shutting down."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What an engine built from a config serves (`EngineCore.from_config`)."""
+
+    plan: EnginePlan  # its `config` resolved: max_model_len, num_pages, tensor_parallel_size
+    model_config: ModelConfig
+    generation_config: dict[str, Any]  # the checkpoint's generation_config.json
+    mesh: Any  # the tensor-parallel mesh, or None
+    vision: VisionConfig | None = None  # an image-text model's vision side
+
+
 class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
         runner: ModelRunner,
+        served: Served | None = None,
         *,
         async_scheduling: bool = True,
         hook: StepHook | None = None,
+        is_worker: bool = False,
+        warmup_seconds: float | None = None,
     ):
+        """The core over a scheduler and a runner; `served`: what `from_config` loaded and
+        planned (None for a core over parts made by hand: no input checks, no pooling). A
+        multi-host run's host 0 has the lockstep publisher as its `hook`; the other hosts'
+        cores are workers (`is_worker`: they run `multihost.run_worker`)."""
         self.scheduler = scheduler
         self.runner = runner
+        self.served = served
         self.async_scheduling = async_scheduling
         self.hook = hook
+        self.is_worker = is_worker
+        self.warmup_seconds = warmup_seconds
         self.num_steps = 0
         self.last_step = StepEvents()  # what metrics need of the last `step`
         self._inflight: tuple[SchedulerOutput, InflightStep] | None = None
-        # Set by `from_config`: the resolved config (max_model_len, num_pages,
-        # tensor_parallel_size and attention_backend filled in), what was loaded, and the
-        # engine's place in a multi-host run.
-        self.config: EngineConfig | None = None
-        self.model_config: ModelConfig | None = None
-        self.generation_config: dict[str, Any] = {}
-        self.mesh = None
-        self.warmup_seconds: float | None = None
-        self.is_worker = False  # a multi-host host other than 0: runs `multihost.run_worker`
+        self.sleep_level = 0  # sleep mode (see `sleep`)
+        plan = None if served is None else served.plan
+        self.config: EngineConfig | None = None if plan is None else plan.config
+        self.model_config: ModelConfig | None = None if served is None else served.model_config
+        # The server may replace it (--generation-config).
+        self.generation_config: dict[str, Any] = {} if served is None else served.generation_config
+        self.mesh = None if served is None else served.mesh
+        self.vision: VisionConfig | None = None if served is None else served.vision
+        # How a decoder served for pooling pools (and a classifier's head); None: it
+        # generates.
+        self.pooler: PoolerConfig | None = None if plan is None else plan.pooler
+        self.head: ClassifierHead | None = None if plan is None else plan.head
         # The front end's checks, which the core applies again to what it is handed (a
         # library caller of the core, or a front end with a bug, must not fail a step).
         self.input_processor: InputProcessor | None = None
-        self.sleep_level = 0  # sleep mode (see `sleep`)
-        # How a decoder served for pooling pools (and a classifier's head); None: it
-        # generates.
-        self.pooler: PoolerConfig | None = None
-        self.head: ClassifierHead | None = None
-        self.vision: VisionConfig | None = None  # an image-text model's vision side
+        if served is not None:
+            self.input_processor = InputProcessor(
+                None,
+                eos_token_ids=(),
+                vocab_size=served.model_config.vocab_size,
+                max_model_len=plan.max_model_len,
+            )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -109,11 +135,10 @@ class EngineCore:
         from jaxllm.engine.encoder_cache import EncoderCache
         from jaxllm.engine.host_blocks import HostBlockPool
         from jaxllm.engine.kv_cache_manager import KVCacheManager
-        from jaxllm.kv_sizing import preallocate_gpu_memory
         from jaxllm.loaders import load_model
         from jaxllm.model_cache import cache_dir
         from jaxllm.sharding import make_mesh
-        from jaxllm.worker import DeviceMemory, ModelRunner, plan_engine
+        from jaxllm.worker import DeviceMemory, ModelRunner, plan_engine, preallocate_gpu_memory
 
         comp, parallel = config.compilation, config.parallel
         # Before JAX starts: on a GPU, its memory pool is memory_utilization of the device.
@@ -192,32 +217,18 @@ class EngineCore:
             loras=_lora_manager(config, runner, multi=multi),
             encoder_cache=encoder_cache,
         )
-        core = cls(scheduler, runner, async_scheduling=sched.async_scheduling)
         if runner.num_speculative_tokens:
             logger.info(
                 "speculative decoding (%s, %d tokens): each step runs synchronously",
                 spec.method,
                 runner.num_speculative_tokens,
             )
-        core.config = config
-        core.plan = plan
-        core.pooler, core.head = plan.pooler, plan.head
         if plan.pooler is not None:
             logger.info(
                 "served for pooling (%s pooling%s)",
                 plan.pooler.pooling_type,
                 ", normalized" if plan.pooler.normalize else "",
             )
-        core.model_config = loaded.config
-        core.vision = None if vision is None else vision.config
-        core.generation_config = loaded.generation_config
-        core.mesh = mesh
-        core.input_processor = InputProcessor(
-            None,
-            eos_token_ids=(),
-            vocab_size=loaded.config.vocab_size,
-            max_model_len=plan.max_model_len,
-        )
         logger.info(
             "buckets: tokens %s x requests %s; programs: %d forward shapes %s + %d output "
             "heads + %d prompt scorers = %d",
@@ -229,17 +240,27 @@ class EngineCore:
             len(runner.token_buckets),
             runner.num_programs,
         )
+        warmup_seconds = None
         if not comp.skip_warmup:
-            core.warmup_seconds = runner.warmup()
-            logger.info("warmup: %d programs in %.1f s", runner.num_programs, core.warmup_seconds)
+            warmup_seconds = runner.warmup()
+            logger.info("warmup: %d programs in %.1f s", runner.num_programs, warmup_seconds)
+        hook = None
         if multi and jax.process_index() == 0:
-            core.hook = multihost.LockstepPublisher(
+            hook = multihost.LockstepPublisher(
                 multihost.lockstep_address(parallel.lockstep_address),
                 jax.process_count() - 1,
                 multihost.engine_fingerprint(runner),
             )
-        core.is_worker = multi and jax.process_index() != 0
-        return core
+        vision_config = None if vision is None else vision.config
+        return cls(
+            scheduler,
+            runner,
+            Served(plan, loaded.config, loaded.generation_config, mesh, vision_config),
+            async_scheduling=sched.async_scheduling,
+            hook=hook,
+            is_worker=multi and jax.process_index() != 0,
+            warmup_seconds=warmup_seconds,
+        )
 
     @property
     def max_model_len(self) -> int:

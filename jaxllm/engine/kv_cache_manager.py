@@ -1,6 +1,6 @@
 """The pool of KV cache pages, each request's block tables, and automatic prefix caching.
 
-Pages ("blocks") hold `page_size` tokens of one layer group (`jaxllm.kv_groups`: all layers,
+Pages ("blocks") hold `page_size` tokens of one layer group (`jaxllm.worker.kv_groups`: all layers,
 for most models). A request owns one block table per group, which grow together as its tokens
 are scheduled and are released when it finishes, is aborted or is preempted. Blocks carry
 reference counts because a block can be shared.

@@ -222,7 +222,7 @@ def _num_in_axes(shape: tuple[int, ...], num_in: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens live in the paged KV cache (all arrays padded to buckets), per
-    layer group (`jaxllm.kv_groups`: G = 1 but for a hybrid sliding-window model)."""
+    layer group (`jaxllm.worker.kv_groups`: G = 1 but for a hybrid sliding-window model)."""
 
     slot_mapping: jax.Array  # i32[G, T]     cache slot of each token; >= num_slots: padding
     seq_lens: jax.Array  # i32[R]        tokens in the cache per request after this step

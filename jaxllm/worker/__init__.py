@@ -22,6 +22,13 @@ _HOMES = {
     "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
     "lora_slot_bytes": "jaxllm.worker.lora_slots",
     "DeviceMemory": "jaxllm.worker.plan",
+    "device_page_bytes": "jaxllm.worker.kv_sizing",
+    "engine_bytes": "jaxllm.worker.kv_sizing",
+    "gpu_pool_fraction": "jaxllm.worker.kv_sizing",
+    "preallocate_gpu_memory": "jaxllm.worker.kv_sizing",
+    "resolve_kv_cache_dtype": "jaxllm.worker.kv_sizing",
+    "KVCacheGroups": "jaxllm.worker.kv_groups",
+    "engine_kv_groups": "jaxllm.worker.kv_groups",
     "EnginePlan": "jaxllm.worker.plan",
     "NoRoom": "jaxllm.worker.plan",
     "encoder_plan": "jaxllm.worker.plan",
@@ -46,6 +53,7 @@ __all__ = [
     "EnginePlan",
     "EncoderInput",
     "EncoderRunner",
+    "KVCacheGroups",
     "GrammarBitmask",
     "InflightStep",
     "ModelRunner",
@@ -60,6 +68,12 @@ __all__ = [
     "SchedulerOutput",
     "TokenLogprobs",
     "cache_copy_ops",
+    "device_page_bytes",
+    "engine_bytes",
+    "engine_kv_groups",
+    "gpu_pool_fraction",
+    "preallocate_gpu_memory",
+    "resolve_kv_cache_dtype",
     "encoder_cache_bytes",
     "check_draft_config",
     "lora_slot_bytes",
@@ -73,6 +87,14 @@ __all__ = [
 if TYPE_CHECKING:
     from jaxllm.worker.buckets import make_buckets, pick_shape
     from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
+    from jaxllm.worker.kv_groups import KVCacheGroups, engine_kv_groups
+    from jaxllm.worker.kv_sizing import (
+        device_page_bytes,
+        engine_bytes,
+        gpu_pool_fraction,
+        preallocate_gpu_memory,
+        resolve_kv_cache_dtype,
+    )
     from jaxllm.worker.lora_slots import lora_slot_bytes
     from jaxllm.worker.mm_encoder import encoder_cache_bytes
     from jaxllm.worker.model_runner import InflightStep, ModelRunner

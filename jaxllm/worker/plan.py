@@ -22,14 +22,6 @@ from jax.sharding import Mesh
 
 from jaxllm.classifier import ClassifierHead, read_classifier
 from jaxllm.config import CacheConfig, EngineConfig, ModelConfig
-from jaxllm.kv_groups import KVCacheGroups, engine_kv_groups
-from jaxllm.kv_sizing import (
-    device_memory_limit,
-    device_page_bytes,
-    engine_bytes,
-    plan_kv_cache,
-    resolve_kv_cache_dtype,
-)
 from jaxllm.loaders.encoder import is_encoder
 from jaxllm.model_cache import resolve_model
 from jaxllm.pooling import (
@@ -41,6 +33,14 @@ from jaxllm.pooling import (
     resolve_pooler_config,
 )
 from jaxllm.sharding import kv_cache_placement
+from jaxllm.worker.kv_groups import KVCacheGroups, engine_kv_groups
+from jaxllm.worker.kv_sizing import (
+    device_memory_limit,
+    device_page_bytes,
+    engine_bytes,
+    plan_kv_cache,
+    resolve_kv_cache_dtype,
+)
 from jaxllm.worker.lora_slots import lora_slot_bytes
 from jaxllm.worker.mm_encoder import encoder_cache_bytes
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import CacheConfig, ModelConfig, resolve_dtype
-from jaxllm.kv_groups import KVCacheGroups
+from jaxllm.worker.kv_groups import KVCacheGroups
 from pallas_kernels import (
     QUANTIZED_KV_DTYPES,
     cache_head_dim,
