@@ -25,9 +25,10 @@ from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core_proc import CoreLoop, build_engine_core
-from jaxllm.engine.input_processor import InputError, InputProcessor
+from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.errors import InputError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
 from jaxllm.model_cache import resolve_model

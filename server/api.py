@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 import jaxllm
-from jaxllm.engine.input_processor import InputError
+from jaxllm.errors import InputError
 from server import protocol
 from server.anthropic_api import PATH_PREFIX as ANTHROPIC_PATHS
 from server.anthropic_api import anthropic_error_body

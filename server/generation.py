@@ -22,9 +22,8 @@ from typing import Any, ClassVar
 import jinja2
 from pydantic import BaseModel
 
-from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
-from jaxllm.engine.core_client import EngineDeadError
-from jaxllm.engine.input_processor import InputError
+from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.errors import EngineDeadError, InputError, RequestFailedError
 from jaxllm.multimodal.chat import split_images
 from server import protocol, reasoning_parsers, tool_parsers
 from server.protocol import APIError

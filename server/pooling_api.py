@@ -25,9 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 from fastapi import APIRouter, Request
 
-from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError
-from jaxllm.engine.core_client import EngineDeadError
-from jaxllm.engine.input_processor import InputError
+from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.errors import EngineDeadError, InputError, RequestFailedError
 from jaxllm.engine.messages import AddPooling
 from jaxllm.pooling_params import PoolingParams
 from server import pooling_protocol as protocol

@@ -9,8 +9,9 @@ import contextlib
 import pytest
 
 from jaxllm import SamplingParams
-from jaxllm.engine.async_llm import AsyncLLM, RequestFailedError, _Stream
+from jaxllm.engine.async_llm import AsyncLLM, _Stream
 from jaxllm.engine.messages import AddRequest
+from jaxllm.errors import RequestFailedError
 
 ENGINE = dict(max_model_len=256, num_pages=128, max_num_seqs=16, max_num_batched_tokens=128)
 
@@ -110,7 +111,7 @@ def test_concurrent_streams_match_the_offline_engine(tiny_model_dir, tiny_llm, p
 def test_a_failure_in_output_processing_fails_every_request(tiny_model_dir, prompts):
     """Issue 13, defect 8: an exception while processing the core's outputs used to kill the
     output loop silently, leaving every request waiting forever."""
-    from jaxllm.engine.core_client import EngineDeadError
+    from jaxllm.errors import EngineDeadError
 
     async def run():
         eng = await AsyncLLM.create(str(tiny_model_dir), in_process=True, **ENGINE)

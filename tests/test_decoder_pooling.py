@@ -107,7 +107,7 @@ def test_runner_and_pooler_config_flags(tmp_path):
     (then it pools its last token, normalized, as vLLM's default); `pooler_config` overrides
     the checkpoint; asking a generative model for embeddings says how to serve it."""
     from jaxllm import LLM
-    from jaxllm.engine.input_processor import InputError
+    from jaxllm.errors import InputError
 
     path, ref = _qwen3_embedder(tmp_path, pooling=None)
     args = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, num_pages=16)

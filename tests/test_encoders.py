@@ -214,7 +214,7 @@ def test_llm_embed_equals_transformers_batched_and_alone(tmp_path):
 
 def test_llm_embed_names_what_is_wrong(tmp_path):
     from jaxllm import LLM
-    from jaxllm.engine.input_processor import InputError
+    from jaxllm.errors import InputError
     from jaxllm.pooling_params import PoolingParams
 
     path, _ = _checkpoint(tmp_path, "bert")

@@ -2,7 +2,10 @@
 the reader finds a violation planted in a copy of the tree.
 
 The rules: no import cycles anywhere in the library (imports inside functions and under
-TYPE_CHECKING count: they are dependencies all the same); the worker (`jaxllm.worker`) never
+TYPE_CHECKING count: they are dependencies all the same), and none between packages either,
+each package one node (`jaxllm.engine` with all its modules and subpackages; a loose module
+such as `jaxllm.llm` is its own): two packages that need each other are one package in two
+folders, even when no two of their modules form a cycle. The worker (`jaxllm.worker`) never
 imports the engine, and the engine and everything else import the worker's public names only
 (`from jaxllm.worker import Name`, never a module of it); the draft proposer never imports the
 runner module; the scheduler shares only the step data with the worker; the engine never
@@ -112,6 +115,27 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _packages(root: Path) -> set[str]:
+    return {name for name, path in _modules(root).items() if path.name == "__init__.py"}
+
+
+def package_graph(root: Path) -> dict[str, set[str]]:
+    """`read_imports`' graph with each package merged into one node: a module of a package
+    under a top-level one (`jaxllm.worker.spec_decode.proposer`) becomes that package
+    (`jaxllm.worker`), a loose module (`jaxllm.llm`, `server.api`) stays itself."""
+    graph, _ = read_imports(root)
+    packages = _packages(root)
+
+    def node(module: str) -> str:
+        top_two = ".".join(module.split(".")[:2])
+        return top_two if top_two != module.split(".")[0] and top_two in packages else module
+
+    out: dict[str, set[str]] = {node(m): set() for m in graph}
+    for module, deps in graph.items():
+        out[node(module)] |= {node(d) for d in deps} - {node(module)}
+    return out
+
+
 def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
@@ -120,6 +144,13 @@ def violations(root: Path) -> list[str]:
     """Every break of the rules in the module docstring, one line each."""
     graph, written = read_imports(root)
     found = [f"import cycle: {' <-> '.join(c)}" for c in _cycles(graph)]
+    packages = _packages(root)
+    found += [
+        f"import cycle between packages: {' <-> '.join(c)}"
+        for c in _cycles(package_graph(root))
+        # one of loose modules only is a cycle of those modules, named above already
+        if any(node in packages for node in c)
+    ]
     for module, deps in sorted(graph.items()):
         for dep in sorted(deps):
             if _within(module, "jaxllm.worker") and _within(dep, "jaxllm.engine"):
@@ -149,15 +180,25 @@ def violations(root: Path) -> list[str]:
 def test_the_library_keeps_its_import_rules():
     graph, _ = read_imports(ROOT)
     assert len(graph) > 60 and "jaxllm.worker.model_runner" in graph  # the tree was read
+    assert {"jaxllm.engine", "jaxllm.worker", "jaxllm.multimodal"} <= package_graph(ROOT).keys()
     assert violations(ROOT) == []
 
 
-def test_a_planted_violation_is_found(tmp_path):
+def _copy_with(tmp_path: Path, plant: dict[str, str]) -> Path:
+    """A copy of the library under `tmp_path` that keeps the rules, with `plant`'s files
+    (path -> text) added."""
     for package in PACKAGES:
         shutil.copytree(
             ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.so", "__pycache__")
         )
     assert violations(tmp_path) == []
+    for path, text in plant.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(text)
+    return tmp_path
+
+
+def test_a_planted_violation_is_found(tmp_path):
     plant = {
         "jaxllm/worker/planted.py": "from jaxllm.engine.core import EngineCore\n",
         "jaxllm/worker/spec_decode/planted.py": (
@@ -171,9 +212,7 @@ def test_a_planted_violation_is_found(tmp_path):
         "pallas_kernels/planted.py": "from jaxllm import LLM\n",
         "jaxllm/engine/planted_cli.py": "import server.api\n",
     }
-    for path, text in plant.items():
-        (tmp_path / path).write_text(text)
-    found = violations(tmp_path)
+    found = violations(_copy_with(tmp_path, plant))
     assert "jaxllm.worker.planted imports the engine (jaxllm.engine.core)" in found
     assert "jaxllm.worker.spec_decode.planted imports the runner module" in found
     assert (
@@ -183,4 +222,22 @@ def test_a_planted_violation_is_found(tmp_path):
     assert "import cycle: jaxllm.planted_a <-> jaxllm.planted_b" in found
     assert "pallas_kernels.planted imports jaxllm.llm" in found  # through the lazy name
     assert "jaxllm.engine.planted_cli imports the server (server.api)" in found
-    assert len(found) == 6, found
+    # the worker and the engine now need each other, and the engine the server: cycles
+    # between packages too (their members depend on the rest of the tree), counted apart
+    by_module = [f for f in found if not f.startswith("import cycle between packages")]
+    assert len(by_module) == 6, found
+    assert any("jaxllm.engine <-> " in f and "jaxllm.worker" in f for f in found), found
+
+
+def test_a_planted_cycle_between_packages_is_found(tmp_path):
+    """Two packages that need each other through different modules (one of the imports inside
+    a function): no cycle among modules, one between the packages."""
+    plant = {
+        "jaxllm/planted_p/__init__.py": "",
+        "jaxllm/planted_p/one.py": "from jaxllm.planted_q.two import g\n",
+        "jaxllm/planted_p/three.py": "",
+        "jaxllm/planted_q/__init__.py": "",
+        "jaxllm/planted_q/two.py": "def g():\n    from jaxllm.planted_p import three\n",
+    }
+    found = violations(_copy_with(tmp_path, plant))
+    assert found == ["import cycle between packages: jaxllm.planted_p <-> jaxllm.planted_q"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxllm.engine.input_processor import InputError, InputProcessor, resolve_eos_token_ids
+from jaxllm.engine.input_processor import InputProcessor, resolve_eos_token_ids
+from jaxllm.errors import InputError
 from jaxllm.sampling_params import SamplingParams
 
 

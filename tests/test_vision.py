@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.engine.input_processor import InputError
+from jaxllm.errors import InputError
 from jaxllm.loaders.vision import load_vision_encoder, vision_config
 
 from helpers import (

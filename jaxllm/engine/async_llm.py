@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.core_client import EngineCoreClient, EngineDeadError
+from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
 from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Sleep, Stats, WakeUp
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.step_data import FinishReason
+from jaxllm.errors import EngineDeadError, RequestFailedError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
 from jaxllm.model_cache import resolve_model
@@ -36,10 +37,6 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (its step raised); the engine itself goes on."""
 
 
 class _Stream:

@@ -32,12 +32,9 @@ from jaxllm.engine.messages import (
     encoder,
     output_decoder,
 )
+from jaxllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone; no request can be served."""
 
 
 class EngineCoreClient:

@@ -21,17 +21,10 @@ from typing import Any
 import numpy as np
 
 from jaxllm.engine.messages import AddRequest, Ready
+from jaxllm.errors import InputError
 from jaxllm.lora import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import MultiModalItem
-
-
-class InputError(ValueError):
-    """A request the engine cannot run, with the parameter to blame (a 400 on the server)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 class InputProcessor:

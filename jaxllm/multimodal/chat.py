@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxllm.engine.input_processor import InputError
+from jaxllm.errors import InputError
 
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 

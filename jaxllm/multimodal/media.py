@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
-from jaxllm.engine.input_processor import InputError
+from jaxllm.errors import InputError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image's encoded bytes (OpenAI's limit)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxllm.engine.input_processor import InputError
+from jaxllm.errors import InputError
 from jaxllm.multimodal.media import load_image
 from jaxllm.worker import MultiModalItem
 
