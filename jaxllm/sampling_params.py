@@ -20,22 +20,61 @@ LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are in [-100, 100] (as in OpenAI's
 SAMPLING_EPS = 1e-5
 
 
-def _check_float(name: str, value, lo: float, hi: float, *, lo_open=False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise ValueError(f"{name} must be in {interval}, got {value}")
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric parameter takes: `kind` numbers from lo to hi (no upper bound when
+    hi is None), lo itself left out when lo_open."""
+
+    kind: type  # int or float (a float parameter takes ints too, never booleans)
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+
+    def __str__(self) -> str:
+        """As an error message says it: "in [0.0, 1.0]", "in (0.0, 1.0]", ">= 1"."""
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+
+    def check(self, name: str, value) -> None:
+        """A ValueError that names `name` unless `value` is a `kind` number in the range."""
+        number = int if self.kind is int else int | float
+        if isinstance(value, bool) or not isinstance(value, number):
+            a = "an integer" if self.kind is int else "a number"
+            raise ValueError(f"{name} must be {a}, got {value!r}")
+        if self.kind is float and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        if (
+            value < self.lo
+            or (self.lo_open and value == self.lo)
+            or (self.hi is not None and value > self.hi)
+        ):
+            raise ValueError(f"{name} must be {self}, got {value}")
 
 
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+# The range of each numeric field of SamplingParams, written once: __post_init__ checks them,
+# and the server's request fields take them as their constraints (server/protocol/sampling.py),
+# so an API request accepts what SamplingParams accepts, as in vLLM. temperature: vLLM sets no
+# upper bound; 1e4 only refuses absurd values (sampling is all but uniform long before).
+RANGES: dict[str, Range] = {
+    "n": Range(int, 1, MAX_N),
+    "max_tokens": Range(int, 1),
+    "temperature": Range(float, 0.0, 1e4),
+    "top_p": Range(float, 0.0, 1.0, lo_open=True),
+    "top_k": Range(int, -1),  # -1 or 0: off
+    "min_p": Range(float, 0.0, 1.0),
+    "seed": Range(int, -(2**63), 2**64 - 1),
+    "min_tokens": Range(int, 0),
+    "logprobs": Range(int, 0, MAX_LOGPROBS),
+    "prompt_logprobs": Range(int, 0, MAX_LOGPROBS),
+    "presence_penalty": Range(float, -2.0, 2.0),
+    "frequency_penalty": Range(float, -2.0, 2.0),
+    "repetition_penalty": Range(float, 0.0, 2.0, lo_open=True),
+}
+# The fields of RANGES that may also be None: no limit, no seed, no logprobs.
+_OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})
+TOKEN_ID = Range(int, 0)
+LOGIT_BIAS = Range(float, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
 
 
 @dataclasses.dataclass
@@ -89,17 +128,12 @@ class SamplingParams:
     parser sets it)."""
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, 1, MAX_N)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
-        _check_float("temperature", self.temperature, 0.0, 1e4)
-        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_int("top_k", self.top_k, -1)
+        for name, bounds in RANGES.items():
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                bounds.check(name, value)
         if self.top_k == -1:
             self.top_k = 0
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, -(2**63), 2**64 - 1)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -115,19 +149,11 @@ class SamplingParams:
                 f"{len(self.stop_token_ids)}"
             )
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0)
-        _check_int("min_tokens", self.min_tokens, 0)
+            TOKEN_ID.check("stop_token_ids", t)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(
@@ -139,11 +165,11 @@ class SamplingParams:
                     f"{len(self.logit_bias)}"
                 )
             for t, b in self.logit_bias.items():
-                _check_int("logit_bias token id", t, 0)
-                _check_float("logit_bias value", b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+                TOKEN_ID.check("logit_bias token id", t)
+                LOGIT_BIAS.check("logit_bias value", b)
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.reasoning_end_token_id is not None:
-            _check_int("reasoning_end_token_id", self.reasoning_end_token_id, 0)
+            TOKEN_ID.check("reasoning_end_token_id", self.reasoning_end_token_id)
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

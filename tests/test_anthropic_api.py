@@ -124,7 +124,7 @@ def test_count_tokens_and_both_key_headers(server, client):
         ({"max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {}}]}]}, "image"),
         ({"max_tokens": 4, "messages": HELLO, "tool_choice": {"type": "maybe"}}, "tool_choice"),
-        ({"max_tokens": 4, "messages": HELLO, "temperature": 9}, "temperature"),
+        ({"max_tokens": 4, "messages": HELLO, "temperature": -1}, "temperature"),
         ({"max_tokens": 0, "messages": HELLO}, "max_tokens"),
         ({"max_tokens": 4, "messages": "hi"}, "messages"),
         ({"max_tokens": 4, "messages": HELLO, "thinking": {"type": "maybe"}}, "thinking"),

@@ -1,4 +1,4 @@
-"""server/protocol.py: request validation (400s naming the param), the conversion to
+"""server/protocol/: request validation (400s naming the param), the conversion to
 SamplingParams, logprob formatting and the JSON shapes of errors and responses. No HTTP."""
 
 import json
@@ -7,7 +7,13 @@ import math
 import pytest
 
 from jaxllm.outputs import Logprob
-from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxllm.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_TOKEN_IDS,
+    RANGES,
+    SamplingParams,
+)
 from server.protocol import (
     MAX_ECHOED_CHARS,
     MAX_PROMPTS,
@@ -45,7 +51,7 @@ def chat(**fields):
 BAD_BODIES = [
     # sampling ranges, on completions
     (CompletionRequest, completion(temperature=-0.1), "temperature"),
-    (CompletionRequest, completion(temperature=2.5), "temperature"),
+    (CompletionRequest, completion(temperature=2e4), "temperature"),  # SamplingParams' cap
     (CompletionRequest, completion(temperature=math.nan), "temperature"),
     (CompletionRequest, completion(temperature=math.inf), "temperature"),
     (CompletionRequest, completion(temperature=True), "temperature"),
@@ -464,6 +470,29 @@ def test_sampling_params_errors_become_400s():
     with pytest.raises(APIError) as info:
         sp(ChatCompletionRequest, chat(), generation_defaults={"temperature": 1e9})
     assert (info.value.status, info.value.param) == (400, "temperature")
+
+
+def test_request_ranges_are_sampling_params_ranges():
+    # One range per parameter (RANGES): a request takes every bound SamplingParams takes
+    # (temperature 2.5 as in vLLM, up to SamplingParams' cap) and refuses a value past one
+    # with a 400 naming the field.
+    for name, r in RANGES.items():
+        step = 1 if r.kind is int else 0.5
+        inside = [] if r.lo_open else [r.lo]
+        outside = [r.lo if r.lo_open else r.lo - step]
+        if r.hi is not None:
+            inside.append(r.hi)
+            outside.append(r.hi + step)
+        for value in inside:
+            expected = 0 if (name, value) == ("top_k", -1) else value  # -1 and 0: off
+            assert getattr(sp(CompletionRequest, completion(**{name: value})), name) == expected
+        for value in outside:
+            with pytest.raises(APIError) as info:
+                parse_request(CompletionRequest, completion(**{name: value}))
+            assert (info.value.status, info.value.param) == (400, name), info.value.message
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: value})
+    assert sp(ChatCompletionRequest, chat(temperature=2.5)).temperature == 2.5
 
 
 def test_lenient_inputs_like_vllm():

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from pydantic import field_validator
 
 from server.protocol.fields import _token_list
-from server.protocol.sampling import Logprobs, _SamplingRequest
+from server.protocol.sampling import Logprobs, PromptLogprobs, _SamplingRequest
 
 MAX_PROMPTS = 1024  # prompts in one completions request (a list of strings or of token lists)
 _COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -24,7 +24,7 @@ class CompletionRequest(_SamplingRequest):
     suffix: Any = None
     logprobs: Logprobs | None = None
     echo: bool | None = False
-    prompt_logprobs: Logprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")

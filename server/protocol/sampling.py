@@ -1,6 +1,7 @@
 """The fields completions and chat share (`_SamplingRequest`): the sampling parameters with
-their ranges, the stop conditions, the structured-output fields, and the conversion to the
-engine's `SamplingParams` with the model's generation defaults.
+SamplingParams' own ranges (`jaxllm.sampling_params.RANGES`), the stop conditions, the
+structured-output fields, and the conversion to the engine's `SamplingParams` with the model's
+generation defaults.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from pydantic import PrivateAttr, field_validator, model_validator
 from jaxllm.sampling_params import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_N,
     MAX_STOP_TOKEN_IDS,
+    RANGES,
     SamplingParams,
 )
 from jaxllm.structured_outputs import StructuredOutputsParams
@@ -54,17 +54,29 @@ _GUIDED_FIELDS = {
     "guided_grammar": "grammar",
 }
 
-Temperature = _number(Ge(0.0), Le(2.0))
-TopP = _number(Gt(0.0), Le(1.0))
-MinP = _number(Ge(0.0), Le(1.0))
-Penalty = _number(Ge(-2.0), Le(2.0))
-RepetitionPenalty = _number(Gt(0.0), Le(2.0))
-Seed = _integer(Ge(-(2**63)), Le(2**64 - 1))
-Logprobs = _integer(Ge(0), Le(MAX_LOGPROBS))
-MaxTokens = _integer(Ge(1))
-TopK = _integer(Ge(-1))  # -1 or 0: off
-MinTokens = _integer(Ge(0))
-N = _integer(Ge(1), Le(MAX_N))
+
+def _ranged(name: str) -> Any:
+    """SamplingParams' field `name` as a request field: its kind and range (RANGES)."""
+    r = RANGES[name]
+    bounds = [Gt(r.lo) if r.lo_open else Ge(r.lo), *([] if r.hi is None else [Le(r.hi)])]
+    return (_integer if r.kind is int else _number)(*bounds)
+
+
+# The sampling fields' types, with SamplingParams' ranges: a value out of range is a 400
+# naming the field, whether the request or SamplingParams finds it.
+Temperature = _ranged("temperature")
+TopP = _ranged("top_p")
+MinP = _ranged("min_p")
+PresencePenalty = _ranged("presence_penalty")
+FrequencyPenalty = _ranged("frequency_penalty")
+RepetitionPenalty = _ranged("repetition_penalty")
+Seed = _ranged("seed")
+Logprobs = _ranged("logprobs")
+PromptLogprobs = _ranged("prompt_logprobs")
+MaxTokens = _ranged("max_tokens")
+TopK = _ranged("top_k")  # -1 or 0: off
+MinTokens = _ranged("min_tokens")
+N = _ranged("n")
 BestOf = _integer(Ge(1))
 
 
@@ -110,8 +122,8 @@ class _SamplingRequest(_Model):
     top_p: TopP | None = None
     top_k: TopK | None = None
     min_p: MinP | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
+    presence_penalty: PresencePenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
     seed: Seed | None = None
