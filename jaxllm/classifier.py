@@ -65,12 +65,6 @@ def is_classifier(hf_config: dict) -> bool:
     return any(a.endswith(_SUFFIX) for a in hf_config.get("architectures") or [])
 
 
-def base_architecture(architecture: str) -> str:
-    """The generative architecture a decoder classifier is built on (Qwen2ForCausalLM for
-    Qwen2ForSequenceClassification)."""
-    return architecture.removesuffix(_SUFFIX) + "ForCausalLM"
-
-
 def read_classifier(path: str | Path) -> ClassifierHead | None:
     """The classification head of a checkpoint directory, or None if it has none."""
     path = Path(path)

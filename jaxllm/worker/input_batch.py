@@ -35,7 +35,7 @@ class InputBatch:
         self.token_ids = np.full((n, max_model_len), vocab_size, np.int32)
         self.num_tokens = np.zeros(n, np.int32)
         self.num_prompt_tokens = np.zeros(n, np.int32)
-        # Per layer group (`jaxllm.kv_groups`), per row, its pages.
+        # Per layer group (`jaxllm.worker.kv_groups`), per row, its pages.
         self.block_table = np.zeros((num_kv_groups, n, pages_per_seq), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
         self.lora_slot = np.full(n, -1, np.int32)  # each row's LoRA adapter slot; -1: none
@@ -105,8 +105,3 @@ class InputBatch:
                 n = self.num_tokens[row]
                 self.token_ids[row, n : n + len(s.spec_token_ids)] = s.spec_token_ids
         return rows
-
-    def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """Appends one sampled token to each of `rows`."""
-        self.token_ids[rows, self.num_tokens[rows]] = tokens
-        self.num_tokens[rows] += 1
