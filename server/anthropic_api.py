@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from server import protocol
+from server.chat_errors import parse_chat_request
 from server.generation import ChatCompletion, chat_generation, render_chat
 from server.protocol import APIError, _Model
 from server.serving import ServerState
@@ -241,14 +242,7 @@ def to_chat_request(req: MessagesRequest, *, generate: bool) -> protocol.ChatCom
         if kind not in ("enabled", "disabled"):
             raise APIError.bad_request("thinking.type must be enabled or disabled", "thinking.type")
         body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
-    try:
-        return protocol.parse_request(protocol.ChatCompletionRequest, body)
-    except APIError as e:
-        param = _PARAMS.get(e.param, e.param)
-        message = e.message
-        for old, new in _PARAMS.items():
-            message = message.replace(old, new)
-        raise APIError(e.status, message, e.type, param) from None
+    return parse_chat_request(body, _PARAMS)
 
 
 # ---- the response -----------------------------------------------------------------------

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from server import protocol
+from server.chat_errors import parse_chat_request
 from server.generation import ChatCompletion, chat_generation
 from server.protocol import APIError, _Model
 from server.serving import ServerState
@@ -229,6 +230,7 @@ def _chat_fields(req: ResponsesRequest) -> dict[str, Any]:
     return fields
 
 
+# Chat request params -> the Responses API's names, for error messages.
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
@@ -240,16 +242,8 @@ def to_chat_request(req: ResponsesRequest, history: list[dict]):
     if not messages:
         raise APIError.bad_request("input must not be empty", "input")
     body = {"messages": messages, "stream": req.stream, **_chat_fields(req)}
-    try:
-        chat = protocol.parse_request(protocol.ChatCompletionRequest, body)
-    except APIError as e:
-        message = e.message
-        for old, new in _PARAMS.items():
-            message = message.replace(old, new)
-        param = _PARAMS.get(e.param, e.param)
-        if param and param.startswith("messages"):
-            param = "input"
-        raise APIError(e.status, message, e.type, param) from None
+    # the input does not map one to one onto the messages: an error in any is the input's
+    chat = parse_chat_request(body, _PARAMS, messages_param="input")
     offset = 1 if req.instructions is not None else 0
     return chat, messages[offset:]
 
