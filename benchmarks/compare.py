@@ -112,7 +112,7 @@ class Transformers:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from jaxllm.model_cache import resolve_model
+        from jaxllm.model_files import resolve_model
 
         self.torch = torch
         path = resolve_model(args.model)
@@ -150,7 +150,7 @@ class LlamaCpp:
     def __init__(self, args):
         import llama_cpp
 
-        from jaxllm.model_cache import resolve_model
+        from jaxllm.model_files import resolve_model
 
         path = resolve_model(args.model)
         if path.suffix != ".gguf":

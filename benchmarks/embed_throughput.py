@@ -53,7 +53,7 @@ def main() -> int:
 
     from jaxllm import LLM
     from jaxllm.bench import write_json
-    from jaxllm.model_cache import resolve_model
+    from jaxllm.model_files import resolve_model
 
     args.model = str(resolve_model(args.model))
     torch.set_num_threads(os.cpu_count() or 1)

@@ -40,7 +40,7 @@ import httpx
 
 from jaxllm.bench import cpu_name, write_json
 from jaxllm.bench import serve as client
-from jaxllm.model_cache import demo_model_path
+from jaxllm.model_files import demo_model_path
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench import cpu_name, write_json
-from jaxllm.model_cache import demo_model_path
+from jaxllm.model_files import demo_model_path
 
 
 def tpot_ms(llm: LLM, batch: int, input_len: int, steps: int, repeats: int) -> float:

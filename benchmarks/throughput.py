@@ -78,7 +78,7 @@ def run_hf(args, prompts) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxllm.model_cache import resolve_model
+    from jaxllm.model_files import resolve_model
 
     path = resolve_model(args.model)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}

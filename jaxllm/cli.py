@@ -17,7 +17,7 @@ import sys
 from importlib.metadata import entry_points
 
 from jaxllm.config import EngineConfig, add_cli_args
-from jaxllm.model_cache import DEMO_MODELS, fetch_demo_model
+from jaxllm.model_files import DEMO_MODELS, fetch_demo_model
 
 
 def multihost_worker(config) -> int | None:
@@ -113,7 +113,7 @@ def _compile(args: argparse.Namespace) -> int:
     comp = config.compilation
     if comp.compilation_cache_dir is not None:  # the cache `serve` reads, as serve sets it up
         from jaxllm.compilation_cache import setup_compilation_cache
-        from jaxllm.model_cache import cache_dir
+        from jaxllm.model_files import cache_dir
 
         default = comp.compilation_cache_dir == "default"
         setup_compilation_cache(cache_dir() / "xla" if default else comp.compilation_cache_dir)

@@ -31,7 +31,7 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.errors import InputError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
-from jaxllm.model_cache import resolve_model
+from jaxllm.model_files import resolve_model
 from jaxllm.multimodal.chat import split_images
 from jaxllm.multimodal.processor import ImageProcessor
 from jaxllm.outputs import (

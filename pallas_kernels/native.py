@@ -37,7 +37,7 @@ _LINK_FLAGS = ["-shared", "-fopenmp", "-fPIC"]
 
 
 def _cache_dir() -> Path:
-    # The rule of jaxllm.model_cache.cache_dir, restated: pallas_kernels does not import jaxllm.
+    # The rule of jaxllm.model_files.cache_dir, restated: pallas_kernels does not import jaxllm.
     base = os.environ.get("JAXLLM_CACHE_DIR") or Path.home() / ".cache" / "jaxllm"
     return Path(base) / "kernels"
 

@@ -104,7 +104,7 @@ def hf_greedy(gguf_path: Path, prompts: list[list[int]], max_new_tokens: int):
 
 def main(argv: list[str]) -> int:
     from jaxllm.loaders.gguf import load_gguf_tokenizer
-    from jaxllm.model_cache import cache_dir, fetch_demo_model
+    from jaxllm.model_files import cache_dir, fetch_demo_model
 
     for name in argv or list(DEMOS):
         demo = DEMOS[name]

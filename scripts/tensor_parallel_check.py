@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     params = [greedy] * (len(prompts) - 1) + [penalized]
     from jaxllm.config import CacheConfig
     from jaxllm.loaders import load_config
-    from jaxllm.model_cache import resolve_model
+    from jaxllm.model_files import resolve_model
     from jaxllm.worker.kv_groups import engine_kv_groups
 
     config = load_config(resolve_model(args.model))

@@ -93,7 +93,7 @@ class LoRARegistry:
 def lora_registry(engine, config, base_name: str) -> LoRARegistry | None:
     """The adapters of a server whose engine serves LoRA, with `--lora-modules` read and
     checked (a ValueError naming the entry fails the start); None without LoRA."""
-    from jaxllm.model_cache import resolve_model
+    from jaxllm.model_files import resolve_model
 
     lora = engine.config.lora
     if not lora.enable_lora:

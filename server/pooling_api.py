@@ -26,8 +26,8 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.errors import EngineDeadError, InputError, RequestFailedError
 from jaxllm.engine.messages import AddPooling
+from jaxllm.errors import EngineDeadError, InputError, RequestFailedError
 from jaxllm.pooling_params import PoolingParams
 from server import pooling_protocol as protocol
 from server.protocol import APIError, UsageInfo, _id

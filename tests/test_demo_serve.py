@@ -8,7 +8,7 @@ import openai
 import pytest
 from test_server_e2e import _start_server, _stop_server
 
-from jaxllm.model_cache import DEMO_MODELS
+from jaxllm.model_files import DEMO_MODELS
 
 pytestmark = pytest.mark.demo_model
 

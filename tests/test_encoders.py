@@ -160,7 +160,7 @@ def test_all_minilm_l6_v2_gives_sentence_transformers_embeddings():
     checkpoint's own pooling (mean, normalized) and max_seq_length (256), equal to the model
     on torch pooled as sentence-transformers pools it (cosine at least 0.99999, unit norms)."""
     from jaxllm import LLM
-    from jaxllm.model_cache import resolve_model
+    from jaxllm.model_files import resolve_model
 
     path = resolve_model("all-minilm-l6-v2")
     assert read_pooler_config(path) == PoolerConfig("MEAN", normalize=True)

@@ -196,7 +196,7 @@ def test_torch_free_tokenizer_equals_transformers_on_demo_model():
     from transformers import AutoTokenizer
 
     from jaxllm.loaders.gguf import _tokenizer_from_metadata
-    from jaxllm.model_cache import fetch_demo_model
+    from jaxllm.model_files import fetch_demo_model
 
     path = fetch_demo_model("smollm2-135m")
     _assert_same_tokenizer(

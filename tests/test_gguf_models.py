@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.gguf import _tokenizer_from_metadata, gguf_hf_config, iter_gguf
 from jaxllm.loaders.gguf_file import GGUFFile
-from jaxllm.model_cache import demo_model_path
+from jaxllm.model_files import demo_model_path
 
 from gguf_writer import SPM_SPECIALS, Q, llama3_rope_factors, write_gguf
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.model_cache import fetch_demo_model
+from jaxllm.model_files import fetch_demo_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import parity_reference  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxllm.model_cache import resolve_model
+from jaxllm.model_files import resolve_model
 from tests.test_fuzz import ANYTHING, FUZZ_SETTINGS, TEXT, _field, body_bytes
 from tests.test_server_e2e import running_server
 

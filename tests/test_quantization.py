@@ -243,7 +243,7 @@ def test_int4_importance_refits_groups_to_the_weighted_error():
 
 @pytest.fixture(scope="module")
 def smollm2_path():
-    from jaxllm.model_cache import fetch_demo_model
+    from jaxllm.model_files import fetch_demo_model
 
     return fetch_demo_model("smollm2-135m")
 

@@ -27,7 +27,7 @@ from jaxllm.aot.targets import Target
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
 from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
-from jaxllm.model_cache import resolve_model
+from jaxllm.model_files import resolve_model
 from jaxllm.quantization import FORMATS
 from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
 from jaxllm.worker import (

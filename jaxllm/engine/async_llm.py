@@ -31,7 +31,7 @@ from jaxllm.engine.step_data import FinishReason
 from jaxllm.errors import EngineDeadError, RequestFailedError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
-from jaxllm.model_cache import resolve_model
+from jaxllm.model_files import resolve_model
 from jaxllm.multimodal.processor import ImageProcessor
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams

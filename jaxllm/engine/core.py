@@ -136,7 +136,7 @@ class EngineCore:
         from jaxllm.engine.host_blocks import HostBlockPool
         from jaxllm.engine.kv_cache_manager import KVCacheManager
         from jaxllm.loaders import load_model
-        from jaxllm.model_cache import cache_dir
+        from jaxllm.model_files import cache_dir
         from jaxllm.sharding import make_mesh
         from jaxllm.worker import DeviceMemory, ModelRunner, plan_engine, preallocate_gpu_memory
 
@@ -538,7 +538,7 @@ def _load_vision(config: EngineConfig, mesh):
     """An image-text checkpoint's vision encoder (None for a text model)."""
     from jaxllm.config import resolve_dtype
     from jaxllm.loaders.vision import load_vision_encoder, vision_config
-    from jaxllm.model_cache import resolve_model
+    from jaxllm.model_files import resolve_model
 
     path = resolve_model(config.load.model)
     vision = vision_config(path, config.multimodal.mm_processor_kwargs)

@@ -82,7 +82,7 @@ class PoolingEngineCore:
         program (unless `skip_warmup`). `max_model_len` defaults to the checkpoint's
         sentence-transformers `max_seq_length`, else to the encoder's positions."""
         from jaxllm.loaders.encoder import load_encoder
-        from jaxllm.model_cache import resolve_model
+        from jaxllm.model_files import resolve_model
 
         path = resolve_model(config.load.model)
         if config.parallel.tensor_parallel_size not in (None, 1) or config.parallel.multihost:

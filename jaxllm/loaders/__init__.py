@@ -24,7 +24,7 @@ from jaxllm.loaders import quantized_hf
 from jaxllm.loaders.dummy import LOAD_FORMATS, dummy_state
 from jaxllm.loaders.loaded import LoadedModel
 from jaxllm.loaders.weights import build_state
-from jaxllm.model_cache import cache_dir, resolve_model
+from jaxllm.model_files import cache_dir, resolve_model
 from jaxllm.models import get_model_class
 from jaxllm.sharding import param_shardings, shard_config
 from pallas_kernels import quant_matmul_cpu

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxllm.loaders import load_model
 from jaxllm.loaders.orbax import save, source_hf_config
-from jaxllm.model_cache import resolve_model
+from jaxllm.model_files import resolve_model
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype=jnp.float32) -> Path:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jaxllm.classifier import ClassifierHead, read_classifier
 from jaxllm.config import CacheConfig, EngineConfig, ModelConfig
 from jaxllm.loaders.encoder import is_encoder
-from jaxllm.model_cache import resolve_model
+from jaxllm.model_files import resolve_model
 from jaxllm.pooling import (
     DECODER_CLASSIFIER_POOLER,
     DECODER_POOLER,
