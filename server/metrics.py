@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxllm.engine.step_data import FinishReason
+from jaxllm.engine.core_outputs import FinishReason
 
 if TYPE_CHECKING:
     from jaxllm.engine.async_llm import AsyncLLM

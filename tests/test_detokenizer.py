@@ -78,8 +78,8 @@ def test_skip_special_tokens(tok):
 def _stream(tok, ids: list[int], params, finish_at: int | None = None):
     """Feeds `ids` one update at a time through an OutputProcessor, as the engine core would
     (the last one finishing by length); returns the texts of the snapshots and the final."""
+    from jaxllm.engine.core_outputs import FinishReason, RequestUpdate
     from jaxllm.engine.output_processor import OutputProcessor
-    from jaxllm.engine.step_data import FinishReason, RequestUpdate
 
     proc = OutputProcessor(tok)
     proc.add_request("r", 0, [5, 6], params)
@@ -140,8 +140,8 @@ def test_a_snapshot_does_not_change_as_the_request_goes_on(tok):
     """Found by benchmarks/soak.py: a snapshot shared its logprobs list with the live request,
     so a stream read late saw more logprob entries than token ids (a 500 mid-stream)."""
     from jaxllm import SamplingParams
+    from jaxllm.engine.core_outputs import RequestUpdate, TokenLogprobs
     from jaxllm.engine.output_processor import OutputProcessor
-    from jaxllm.engine.step_data import RequestUpdate, TokenLogprobs
 
     proc = OutputProcessor(tok)
     proc.add_request("r", 0, [5, 6], SamplingParams(logprobs=1, max_tokens=None))

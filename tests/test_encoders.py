@@ -250,8 +250,8 @@ def test_a_failed_pooling_step_fails_its_requests_and_the_engine_goes_on(tmp_pat
     """A step that raises fails the requests it held (finish reason error, through CoreLoop as
     for generation); the waiting ones run in the next step."""
     from jaxllm import LLM
+    from jaxllm.engine.core_outputs import FinishReason
     from jaxllm.engine.messages import AddPooling
-    from jaxllm.engine.step_data import FinishReason
     from jaxllm.pooling_params import PoolingParams
 
     path, _ = _checkpoint(tmp_path, "bert")

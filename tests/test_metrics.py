@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm.config import CacheConfig
+from jaxllm.engine.core_outputs import SpecDecodingStats, Stats, StepEvents
 from jaxllm.engine.iteration_stats import IterationStats, RequestTimes
-from jaxllm.engine.step_data import SpecDecodingStats, Stats, StepEvents
 from server.metrics import Metrics, build_1_2_5_buckets
 
 # vLLM V1's metrics (docs.vllm.ai, "Production Metrics", and the PrometheusStatLogger it is

@@ -17,8 +17,8 @@ import pytest
 from test_server_protocol import chat, completion
 
 from jaxllm.config import CacheConfig
+from jaxllm.engine.core_outputs import Stats
 from jaxllm.engine.input_processor import InputProcessor
-from jaxllm.engine.step_data import Stats
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.structured_outputs import StructuredOutputsParams
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request

@@ -276,7 +276,7 @@ def test_distribution_equals_the_targets(tiny_model_dir, plain, n, request):
 
 
 def test_metrics_under_vllm_names():
-    from jaxllm.engine.step_data import SpecDecodingStats, Stats
+    from jaxllm.engine.core_outputs import SpecDecodingStats, Stats
     from server.metrics import Metrics
     from tests.test_metrics import fake_engine
 

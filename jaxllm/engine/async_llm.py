@@ -23,11 +23,11 @@ from typing import Any
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.core_outputs import FinishReason
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
 from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Sleep, Stats, WakeUp
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.step_data import FinishReason
 from jaxllm.errors import EngineDeadError, RequestFailedError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxllm.classifier import ClassifierHead
 from jaxllm.config import EngineConfig, ModelConfig
+from jaxllm.engine.core_outputs import RequestUpdate, Stats, StepEvents
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
 from jaxllm.multimodal.processor import check_mm_items
 from jaxllm.pooling import (
     PooledState,

@@ -21,6 +21,7 @@ import zmq
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
+from jaxllm.engine.core_outputs import FinishReason, RequestUpdate, StepEvents
 from jaxllm.engine.messages import (
     Abort,
     AddPooling,
@@ -35,7 +36,6 @@ from jaxllm.engine.messages import (
 )
 from jaxllm.engine.pooling_core import PoolingEngineCore
 from jaxllm.engine.request import Request
-from jaxllm.engine.step_data import FinishReason, RequestUpdate, StepEvents
 
 logger = logging.getLogger("jaxllm.engine.core")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jaxllm.engine.step_data import FinishReason, StepEvents
+from jaxllm.engine.core_outputs import FinishReason, StepEvents
 
 
 @dataclasses.dataclass(slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from jaxllm.engine.step_data import RequestUpdate, Stats, StepEvents
+from jaxllm.engine.core_outputs import RequestUpdate, Stats, StepEvents
 from jaxllm.lora import LoRARequest
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.step_data import FinishReason, RequestUpdate
+from jaxllm.engine.core_outputs import FinishReason, RequestUpdate
 from jaxllm.outputs import CompletionOutput, Logprob
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import TokenLogprobs

@@ -19,9 +19,9 @@ import time
 
 from jaxllm.classifier import ClassifierHead, read_classifier
 from jaxllm.config import EngineConfig, resolve_dtype
+from jaxllm.engine.core_outputs import FinishReason, RequestUpdate, Stats, StepEvents
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
-from jaxllm.engine.step_data import FinishReason, RequestUpdate, Stats, StepEvents
 from jaxllm.pooling import (
     ENCODER_CLASSIFIER_POOLER,
     PoolerConfig,

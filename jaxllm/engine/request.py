@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxllm.engine.step_data import FinishReason
+from jaxllm.engine.core_outputs import FinishReason
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxllm.config import SchedulerConfig
+from jaxllm.engine.core_outputs import FinishReason, RequestUpdate, SpecDecodingStats
 from jaxllm.engine.kv_cache_manager import CacheHit, KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.step_data import FinishReason, RequestUpdate, SpecDecodingStats
 from jaxllm.worker import (
     GrammarBitmask,
     NewRequestData,

@@ -1,6 +1,6 @@
 """The data of one step between the scheduler and the worker: the batch the scheduler hands
 the model runner (`SchedulerOutput`), and what the runner computed (`RunnerOutput`). What the
-engine core reports to its front ends is `jaxllm.engine.step_data`.
+engine core reports to its front ends is `jaxllm.engine.core_outputs`.
 
 A leaf module, imported by the scheduler, the worker, the engine core and the multi-host
 channel (each message is a msgspec struct, so it crosses a socket as msgpack); it imports
