@@ -727,7 +727,7 @@ def test_encoder_cache_blocks_for_images_of_any_size():
             at, items = 0, []
             for k in picks:
                 at += int(rng.integers(0, 3))
-                items.append(MultiModalItem(pool[k].hash, at, pool[k].length, pool[k].pixels))
+                items.append(MultiModalItem(pool[k].hash, at, pool[k].length, pool[k].values))
                 at += pool[k].length
             live[f"r{step}"] = types.SimpleNamespace(request_id=f"r{step}", mm_items=items)
         for request in live.values():

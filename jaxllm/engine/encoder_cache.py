@@ -157,7 +157,7 @@ class EncoderCache:
                 self.free_blocks.extend(reversed(self.blocks_of.pop(victim)))
             blocks = [self.free_blocks.pop() for _ in range(need)]
             self.blocks_of[h] = blocks
-            self.step_inputs.append(EncoderInput(blocks, item.pixels, item.embeds))
+            self.step_inputs.append(EncoderInput(blocks, item.values, item.embeds))
             self.step_budget -= item.length
         self.holders.setdefault(h, set()).add(rid)
 

@@ -330,9 +330,9 @@ def check_mm_items(
             raise ValueError(
                 "multi_modal_data: image embeddings are not enabled (enable_mm_embeds)"
             )
-        shape = item.pixels.shape
+        shape = item.values.shape
         p = vision.embeds_tokens(shape) if item.embeds else vision.tokens_of(shape)
-        if p is None or len(item.pixels.data) != 4 * int(np.prod(shape)):
+        if p is None or len(item.values.data) != 4 * int(np.prod(shape)):
             what = "embeddings" if item.embeds else "pixels"
             raise ValueError(
                 f"multi_modal_data: {what} of shape {shape} do not fit the model "

@@ -143,7 +143,7 @@ class MMEncoder(Feature):
         groups: list[list] = [[]]
         sizes = [0]
         for item in inputs:
-            array = item.pixels.array()
+            array = item.values.array()
             n = size_of(array.shape)
             if sizes[-1] + n > buckets[-1]:
                 groups.append([])

@@ -24,15 +24,16 @@ import numpy as np
 from jaxllm.sampling_params import SamplingParams
 
 
-class PixelArray(msgspec.Struct, array_like=True):
-    """One image's pixels as its model's image processor made them (float32, C-order), as
-    raw bytes: an array crosses the sockets without pickle."""
+class FloatArray(msgspec.Struct, array_like=True):
+    """A float32 array (C-order) as raw bytes, so it crosses the sockets without pickle: an
+    image's pixels as its model's image processor made them, or a prompt's image
+    embeddings."""
 
     data: bytes
     shape: list[int]
 
     @classmethod
-    def of(cls, array: np.ndarray) -> PixelArray:
+    def of(cls, array: np.ndarray) -> FloatArray:
         array = np.ascontiguousarray(array, np.float32)
         return cls(array.tobytes(), list(array.shape))
 
@@ -41,21 +42,21 @@ class PixelArray(msgspec.Struct, array_like=True):
 
 
 class MultiModalItem(msgspec.Struct, array_like=True):
-    """An image of a prompt: its pixels (or, `embeds`, its embeddings: the encoder's rows
-    themselves), their hash (which keys the encoder's cache and the prefix cache's blocks over
+    """An image of a prompt: its values, the pixels (or, `embeds`, its embeddings: the
+    encoder's rows themselves), their hash (which keys the encoder's cache and the prefix cache's blocks over
     its placeholders), and the placeholder tokens it fills."""
 
-    hash: str  # hex SHA-256 of the pixels and their shape
+    hash: str  # hex SHA-256 of the values and their shape
     offset: int  # the prompt position of its first placeholder token
     length: int  # its placeholder tokens: the rows the encoder makes of it
-    pixels: PixelArray
-    embeds: bool = False  # `pixels` are the rows [..., decoder width], not encoded
+    values: FloatArray  # the pixels, or with `embeds` the embeddings
+    embeds: bool = False  # `values` are the rows [..., decoder width], not encoded
 
     @classmethod
     def of(
-        cls, pixels: np.ndarray, offset: int, length: int, *, embeds: bool = False
+        cls, values: np.ndarray, offset: int, length: int, *, embeds: bool = False
     ) -> MultiModalItem:
-        array = PixelArray.of(pixels)
+        array = FloatArray.of(values)
         digest = hashlib.sha256(repr((array.shape, embeds)).encode())
         digest.update(array.data)
         return cls(digest.hexdigest(), offset, length, array, embeds)
@@ -64,7 +65,7 @@ class MultiModalItem(msgspec.Struct, array_like=True):
     def grid(self) -> tuple[int, int, int] | None:
         """The image's tokens as a (frames, rows, columns) grid, for a model whose pixel
         arrays are laid out so ([t, h, w, patch data], Qwen2.5-VL); None for others."""
-        shape = self.pixels.shape
+        shape = self.values.shape
         return (shape[0], shape[1], shape[2]) if len(shape) == 4 else None
 
 
@@ -72,7 +73,7 @@ class EncoderInput(msgspec.Struct, array_like=True):
     """An image the step encodes first, into its blocks of the encoder cache on the device."""
 
     blocks: list[int]
-    pixels: PixelArray
+    values: FloatArray  # its pixels, or with `embeds` its embeddings
     embeds: bool = False  # the rows themselves: written, not encoded
 
 
