@@ -1,6 +1,7 @@
 """Model families, one module each, registered by their Hugging Face architecture names
-(`base.Family`: features, config quirks, tensor names, GGUF format). To add a family the
-shared decoder already covers, write its module and import it here."""
+(`base.Family`: features, config quirks, tensor names, GGUF format), and the parsing of a
+Hugging Face config.json through them (`hf_config`). To add a family the shared decoder
+already covers, write its module and import it here."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """What a model family is: the few facts that set one architecture apart from the Llama
 decoder every family runs on (`jaxllm.models`), in one record per Hugging Face architecture.
 
-A family module (`llama.py`, `qwen.py`, `gemma.py`, `mixtral.py`) registers its records:
-the `ModelConfig` features it turns on, how its Hugging Face config differs (older configs
-that name no layer types, keys read differently), its tensor names where they differ from
-Llama's, and how llama.cpp's converter wrote it to GGUF. Nothing here imports the rest of
-the library: `ModelConfig.from_hf_config` and the loaders read these records.
+A family module (`llama.py`, `qwen.py`, `gemma.py`, `mixtral.py`, `llava.py`) registers its
+records: the `ModelConfig` features it turns on, how its Hugging Face config differs (older
+configs that name no layer types, keys read differently), its tensor names where they differ
+from Llama's, and how llama.cpp's converter wrote it to GGUF. Nothing here imports the rest of
+the library: `hf_config.py` beside it reads a config.json through these records (for
+`ModelConfig.from_hf_config`), and the loaders read them for tensor names.
 """
 
 from __future__ import annotations
