@@ -21,7 +21,7 @@ _HOMES = {
     "pick_shape": "jaxllm.worker.buckets",
     "check_draft_config": "jaxllm.worker.spec_decode.draft_model",
     "lora_slot_bytes": "jaxllm.worker.lora_slots",
-    "DeviceMemory": "jaxllm.worker.plan",
+    "DeviceMemory": "jaxllm.worker.kv_sizing",
     "device_page_bytes": "jaxllm.worker.kv_sizing",
     "engine_bytes": "jaxllm.worker.kv_sizing",
     "gpu_pool_fraction": "jaxllm.worker.kv_sizing",
@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
     from jaxllm.worker.kv_groups import KVCacheGroups, engine_kv_groups
     from jaxllm.worker.kv_sizing import (
+        DeviceMemory,
         device_page_bytes,
         engine_bytes,
         gpu_pool_fraction,
@@ -99,7 +100,6 @@ if TYPE_CHECKING:
     from jaxllm.worker.mm_encoder import encoder_cache_bytes
     from jaxllm.worker.model_runner import InflightStep, ModelRunner
     from jaxllm.worker.plan import (
-        DeviceMemory,
         EnginePlan,
         NoRoom,
         encoder_plan,

@@ -14,6 +14,7 @@ pool can hold for one sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -165,28 +166,36 @@ def device_memory_limit(device: jax.Device) -> tuple[int, int] | None:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
-def kv_budget_bytes(cache: CacheConfig, device: jax.Device | None = None) -> int:
-    """Bytes the KV cache may take on one device: what `memory_utilization` of `device` (the
-    first local one by default: on a multi-host slice, each host's own) leaves after what is
-    already on it (the weights), or `cpu_kv_cache_gib` on CPU."""
-    device = device or jax.local_devices()[0]
-    limit = device_memory_limit(device)
-    if limit is None:
-        if device.platform != "cpu":
-            raise ValueError(
-                f"the {device.device_kind} ({device.platform}) reports no memory limit to size "
-                "the KV cache from; give the pool's size with num_pages "
-                "(--num-gpu-blocks-override)"
-            )
-        return int(cache.cpu_kv_cache_gib * 2**30)
-    bytes_limit, in_use = limit
-    free = engine_bytes(device.platform, bytes_limit, cache.memory_utilization) - in_use
-    if free <= 0:
-        raise ValueError(
-            f"no device memory is left for the KV cache at memory_utilization="
-            f"{cache.memory_utilization}; raise it or use a smaller model"
-        )
-    return int(free)
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """What one device offers the engine's arrays."""
+
+    usable: int | None
+    """Bytes the engine's arrays (weights, KV cache and the other consumers) may take of one
+    device (`kv_sizing.engine_bytes`); None on the CPU, where JAX reports no limit and the KV
+    cache gets `cpu_kv_cache_gib` after the other consumers (not the weights)."""
+    weights: int = 0
+    """Bytes the weights take of it: in use once loaded (`serve`), or as the target lays the
+    abstract ones out (`jaxllm compile`); 0 on the CPU."""
+
+    @classmethod
+    def of(cls, cache: CacheConfig, device: jax.Device) -> DeviceMemory:
+        """A local device's memory with the weights loaded: its limit and what is in use."""
+        limit = device_memory_limit(device)
+        if limit is None:
+            if device.platform != "cpu":
+                raise ValueError(
+                    f"the {device.device_kind} ({device.platform}) reports no memory limit to "
+                    "size the KV cache from; give the pool's size with num_pages "
+                    "(--num-gpu-blocks-override)"
+                )
+            return cls(None)
+        bytes_limit, in_use = limit
+        return cls(engine_bytes(device.platform, bytes_limit, cache.memory_utilization), in_use)
+
+    def offered(self, cache: CacheConfig) -> int:
+        """What the engine's arrays may take: `usable`, or on the CPU `cpu_kv_cache_gib`."""
+        return int(cache.cpu_kv_cache_gib * 2**30) if self.usable is None else self.usable
 
 
 def plan_kv_cache(
@@ -207,7 +216,8 @@ def plan_kv_cache(
     (speculative decoding) keeps a cache of the same pages: each page costs both.
     `page_bytes`: one page's bytes on one device, both caches included (default: the logical
     bytes, see `device_page_bytes`); `budget_bytes`: the bytes the pool may take on one device
-    (default: `kv_budget_bytes`). `kv_groups`: how the layers share the pages (default: one
+    (default: what `memory_utilization` of the first local device leaves after what is on it,
+    or `cpu_kv_cache_gib` on the CPU). `kv_groups`: how the layers share the pages (default: one
     group of every layer); a sliding group holds at most its window and a step's
     `max_num_batched_tokens` of a sequence."""
     groups = kv_groups or KVCacheGroups.single(config.num_layers)
@@ -227,7 +237,10 @@ def plan_kv_cache(
     if cache.num_pages is not None:
         num_pages = cache.num_pages
     else:
-        budget = kv_budget_bytes(cache) if budget_bytes is None else budget_bytes
+        if budget_bytes is None:
+            memory = DeviceMemory.of(cache, jax.local_devices()[0])
+            budget_bytes = memory.offered(cache) - memory.weights
+        budget = budget_bytes
         num_pages = budget // page_bytes
 
     def pages(length: int) -> int:

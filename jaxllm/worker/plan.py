@@ -35,9 +35,8 @@ from jaxllm.pooling import (
 from jaxllm.sharding import kv_cache_placement
 from jaxllm.worker.kv_groups import KVCacheGroups, engine_kv_groups
 from jaxllm.worker.kv_sizing import (
-    device_memory_limit,
+    DeviceMemory,
     device_page_bytes,
-    engine_bytes,
     plan_kv_cache,
     resolve_kv_cache_dtype,
 )
@@ -54,34 +53,6 @@ logger = logging.getLogger(__name__)
 class NoRoom(ValueError):
     """The device's memory, at these settings, holds no pool that fits a sequence (or not one
     of max_model_len); the message names the setting. `jaxllm compile` adds what would fit."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceMemory:
-    """What one device offers the engine's arrays."""
-
-    usable: int | None
-    """Bytes the engine's arrays (weights, KV cache and the other consumers) may take of one
-    device (`kv_sizing.engine_bytes`); None on the CPU, where JAX reports no limit and the KV
-    cache gets `cpu_kv_cache_gib` after the other consumers (not the weights)."""
-    weights: int = 0
-    """Bytes the weights take of it: in use once loaded (`serve`), or as the target lays the
-    abstract ones out (`jaxllm compile`); 0 on the CPU."""
-
-    @classmethod
-    def of(cls, cache: CacheConfig, device: jax.Device) -> DeviceMemory:
-        """A local device's memory with the weights loaded: its limit and what is in use."""
-        limit = device_memory_limit(device)
-        if limit is None:
-            if device.platform != "cpu":
-                raise ValueError(
-                    f"the {device.device_kind} ({device.platform}) reports no memory limit to "
-                    "size the KV cache from; give the pool's size with num_pages "
-                    "(--num-gpu-blocks-override)"
-                )
-            return cls(None)
-        bytes_limit, in_use = limit
-        return cls(engine_bytes(device.platform, bytes_limit, cache.memory_utilization), in_use)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +215,7 @@ def plan_engine(
     budget = None
     if cache.num_pages is None:
         cpu = memory.usable is None  # a fixed pool (the weights are not counted there)
-        offered = int(cache.cpu_kv_cache_gib * 2**30) if cpu else memory.usable
+        offered = memory.offered(cache)
         budget = offered - sum(consumers.values())
         if budget < 2 * page_bytes:
             taken = ", ".join(f"{k} {_gib(v)}" for k, v in consumers.items() if v) or "nothing"
