@@ -180,10 +180,12 @@ class DeviceMemory:
 
     @classmethod
     def of(cls, cache: CacheConfig, device: jax.Device) -> DeviceMemory:
-        """A local device's memory with the weights loaded: its limit and what is in use."""
+        """A local device's memory with the weights loaded: its limit and what is in use. A
+        device other than the CPU that reports no limit is refused unless the pool's size is
+        given (`num_pages`)."""
         limit = device_memory_limit(device)
         if limit is None:
-            if device.platform != "cpu":
+            if device.platform != "cpu" and cache.num_pages is None:
                 raise ValueError(
                     f"the {device.device_kind} ({device.platform}) reports no memory limit to "
                     "size the KV cache from; give the pool's size with num_pages "

@@ -69,7 +69,8 @@ class EnginePlan:
     """Bytes per device of everything that takes device memory, by name: the consumers sized
     before the pool ("weights", "lora slots", "encoder cache") and then "kv cache"."""
     budget_bytes: int | None
-    """What the KV pool could take on one device; None where num_pages was given."""
+    """What the KV pool could take on one device (the pool is all of it unless num_pages was
+    given); None for a device that reports no memory, whose num_pages was given."""
     num_host_blocks: int = 0
     """Blocks of the prefix cache's host tier (`kv_offloading_size`); 0: none."""
     encoder_cache: tuple[int, int] = (0, 0)
@@ -212,22 +213,26 @@ def plan_engine(
         page_bytes += device_page_bytes(draft_config, cache.page_size, kv_dtype, placement, tp)
     encoder = (0, 0) if vision is None else encoder_plan(vision, config)
     consumers = _consumers(config, model_config, memory, dtype, encoder, vision)
-    budget = None
-    if cache.num_pages is None:
-        cpu = memory.usable is None  # a fixed pool (the weights are not counted there)
-        offered = memory.offered(cache)
-        budget = offered - sum(consumers.values())
-        if budget < 2 * page_bytes:
-            taken = ", ".join(f"{k} {_gib(v)}" for k, v in consumers.items() if v) or "nothing"
-            setting = (
-                f"cpu_kv_cache_gib={cache.cpu_kv_cache_gib}"
-                if cpu
-                else f"memory_utilization={cache.memory_utilization}"
-            )
-            raise NoRoom(
-                f"no device memory is left for the KV cache at {setting}: {taken} of the "
-                f"{_gib(offered)} it offers; raise it or use a smaller model"
-            )
+    # What the pool could take: reported with num_pages too (where the memory is known).
+    cpu = memory.usable is None  # a fixed pool (the weights are not counted there)
+    offered = memory.offered(cache)
+    budget = None if cpu and platform != "cpu" else offered - sum(consumers.values())
+    if cache.num_pages is None and budget is None:
+        raise NoRoom(
+            f"the {device.device_kind} ({platform}) reports no memory limit to size the KV "
+            "cache from; give the pool's size with num_pages (--num-gpu-blocks-override)"
+        )
+    if cache.num_pages is None and budget < 2 * page_bytes:
+        taken = ", ".join(f"{k} {_gib(v)}" for k, v in consumers.items() if v) or "nothing"
+        setting = (
+            f"cpu_kv_cache_gib={cache.cpu_kv_cache_gib}"
+            if cpu
+            else f"memory_utilization={cache.memory_utilization}"
+        )
+        raise NoRoom(
+            f"no device memory is left for the KV cache at {setting}: {taken} of the "
+            f"{_gib(offered)} it offers; raise it or use a smaller model"
+        )
     try:
         num_pages, max_model_len = plan_kv_cache(
             model_config,
