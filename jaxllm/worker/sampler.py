@@ -23,18 +23,18 @@ would also cancel the overlap of async scheduling; a GPU program of the sampler 
 `conditional` and no `while`).
 
 The random draw is exact and sorts nothing of the vocabulary's size. Each random row's
-candidates are its top `NUM_CANDIDATES` scaled logits (`lax.top_k`, in order). Top-k, top-p
-(on the distribution renormalised to what min-p and top-k keep) and min-p are cut-offs along
-that sorted list,
-and one uniform number per row picks a token by inverse CDF over what is kept. A row whose kept
-set provably lies inside its candidates (top-k <= NUM_CANDIDATES, or the top-p prefix or the
-min-p cut ends inside them) is done there. Any other row (plain temperature sampling, or a top-k
-larger than the candidates) takes the full-vocabulary path, also exact: threshold cut-offs
-found by bisection (`_filter`; each only when such a row asks for it, so plain temperature
-sampling bisects nothing) and a two-level inverse CDF (which block of the vocabulary, then
-which token of it), again one uniform number per row. The path before this one drew V Gumbel
-numbers per row and ran two 32-step bisections over [R, V] for every random batch (3.5 ms for
-one row of V = 49152 on a 2-core CPU).
+candidates are its top `NUM_CANDIDATES` scaled logits (`lax.top_k`, in order). Top-k, top-p (on
+the distribution renormalised to what min-p and top-k keep) and min-p are cut-offs along that
+sorted list, each a threshold on the values (`_cut`: a next cut-off is its threshold and one
+call), and one uniform number per row picks a token by inverse CDF over what is kept. A row
+whose kept set provably lies inside its candidates (top-k <= NUM_CANDIDATES, or the top-p
+prefix or the min-p cut ends inside them) is done there. Any other row (plain temperature
+sampling, or a top-k larger than the candidates) takes the full-vocabulary path, also exact:
+threshold cut-offs found by bisection (`_filter`; each only when such a row asks for it, so
+plain temperature sampling bisects nothing) and a two-level inverse CDF (which block of the
+vocabulary, then which token of it), again one uniform number per row. The path before this one
+drew V Gumbel numbers per row and ran two 32-step bisections over [R, V] for every random batch
+(3.5 ms for one row of V = 49152 on a 2-core CPU).
 
 Penalties need, per request, which tokens its prompt and output hold: they arrive as the
 request's whole token sequence (`history_ids`, padded to max_model_len, the longest a sequence
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -211,8 +212,34 @@ def _filter(x: jax.Array, s: SamplingInputs, variant: SamplerVariant = ALL) -> j
     return _when(variant, jnp.any(top_p < 1.0), top_p_cut, lambda x: x, x)
 
 
+class _Kept(NamedTuple):
+    """What a row keeps of its candidates (sorted, descending) after the cut-offs so far: those
+    of value at least `floor`. Every cut-off keeps a value and all above it, so their
+    composition is one threshold, the largest of theirs; each narrows it with `_cut`."""
+
+    floor: jax.Array  # f32[R]  the least value kept (-inf: every candidate)
+    inside: jax.Array  # bool[R]  nothing past the candidates is kept: the row is covered
+    whole: jax.Array  # bool[R]  the set kept over the whole vocabulary is x >= floor
+
+
+def _cut(kept: _Kept, on: jax.Array, at: jax.Array, exact, outside: jax.Array) -> _Kept:
+    """`kept` narrowed, on the rows where `on`, to the values >= `at` (a cut-off's threshold:
+    ties with it stay in). `exact`: where `at` is the cut-off's threshold over the whole
+    vocabulary. Elsewhere it is left undone on the candidates, and the set kept over the
+    vocabulary is no longer known; so where a row is already `inside`, a cut-off must be
+    exact or keep every candidate kept (a top-k past them, a top-p the kept mass never
+    reaches). `outside`: f32[R], the largest value past the candidates (-inf if none)."""
+    hit = on & exact
+    return _Kept(
+        floor=jnp.where(hit, jnp.maximum(kept.floor, at), kept.floor),
+        inside=kept.inside | (hit & (outside < at)),
+        whole=kept.whole & (exact | ~on),
+    )
+
+
 def _candidate_cut(x: jax.Array, s: SamplingInputs):
-    """The top-k / top-p / min-p cut-offs along each row's sorted candidates.
+    """The min-p, top-k and top-p cut-offs along each row's sorted candidates, one `_cut`
+    each, in `_filter`'s order.
 
     x: f32[R, V] scaled logits. Returns (vals f32[R, W] sorted descending, ids i32[R, W], keep
     bool[R, W], covered bool[R]), W = NUM_CANDIDATES + 1 (or V if smaller): where `covered`,
@@ -224,48 +251,43 @@ def _candidate_cut(x: jax.Array, s: SamplingInputs):
     XLA's CPU backend runs a top-k as its fast TopK call only when the sort it stands for has
     a single slice as its user; `vals[:, c]` beside `vals[:, :c]` made it sort all of V (10 ms
     for one row of V = 49152, 500 ms for 64, instead of 0.1 and 8)."""
-    vocab = x.shape[-1]
+    num_reqs, vocab = x.shape
     c = min(NUM_CANDIDATES, vocab)
     vals, ids = jax.lax.top_k(x, min(c + 1, vocab))
     pos = jnp.arange(vals.shape[-1])[None, :]
     candidate = pos < c
-    outside = jnp.min(vals, axis=-1) if vocab > c else jnp.full(x.shape[:1], -jnp.inf)
-    # min-p: probability at least min_p times the top one's (the top one is a candidate).
+    outside = jnp.min(vals, axis=-1) if vocab > c else jnp.full((num_reqs,), -jnp.inf)
+    kept = _Kept(
+        floor=jnp.full((num_reqs,), -jnp.inf),
+        inside=jnp.full((num_reqs,), vocab <= c),  # a small vocabulary is all candidates
+        whole=jnp.ones((num_reqs,), jnp.bool_),
+    )
+    # Min-p: probability at least min_p times the top one's (the top one is a candidate).
     mth = vals.max(axis=-1) + jnp.log(jnp.maximum(s.min_p, 1e-30))
-    in_min = (s.min_p[:, None] <= 0) | (vals >= mth[:, None])
-    excl_min = (s.min_p > 0) & (outside < mth)
+    kept = _cut(kept, s.min_p > 0, mth, True, outside)
+    # Top-k: the values >= the k-th largest of what min-p kept, the larger of the k-th
+    # candidate and min-p's threshold; past the candidates (k > C) it keeps every candidate.
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)  # [R]
-    k_inside = k <= c
-    # Top-k keeps values >= the k-th largest of what min-p kept, ties included (min-p keeps a
-    # prefix of the sorted list, so that is the k-th candidate, if min-p kept it). Right on
-    # the candidates for any k: past C, every candidate is in.
     kth = jnp.take_along_axis(vals, jnp.clip(k - 1, 0, c - 1)[:, None], axis=-1)[:, 0]
-    in_k = candidate & (~k_inside[:, None] | (vals >= kth[:, None]))
-    excl_k = k_inside & (outside < kth)
-    pre = in_min & in_k
-    excl_pre = excl_min | excl_k  # no token outside the candidates survives min-p and top-k
+    kept = _cut(kept, k < vocab, kth, k <= c, outside)
     # Top-p on the distribution renormalised to what min-p and top-k kept: the smallest prefix
     # of the sorted list reaching top_p, ties with its last token included. Its normaliser is
-    # known when that set lies among the candidates, or top-k is off (min-p's set over all V).
-    norm_known = (k == vocab) | excl_pre
-    min_set = (s.min_p[:, None] <= 0) | (x >= mth[:, None])
+    # the kept candidates' where nothing else is kept, else that of x >= floor over all V
+    # where that is the kept set; the cut is exact where the prefix ends among the candidates.
+    pre = candidate & (vals >= kept.floor[:, None])
     log_norm = jnp.where(
-        excl_pre,
+        kept.inside,
         jax.nn.logsumexp(jnp.where(pre, vals, -jnp.inf), axis=-1),
-        jax.nn.logsumexp(jnp.where(min_set, x, -jnp.inf), axis=-1),
+        jax.nn.logsumexp(jnp.where(x >= kept.floor[:, None], x, -jnp.inf), axis=-1),
     )
     probs = jnp.where(pre, jnp.exp(vals - log_norm[:, None]), 0.0)
     cum = jnp.cumsum(probs, axis=-1)
-    top_p = s.top_p[:, None]
-    in_p = (top_p >= 1.0) | ((cum - probs) < top_p)
-    last = jnp.max(jnp.where(pre & in_p, pos, 0), axis=-1)
+    last = jnp.max(jnp.where(pre & ((cum - probs) < s.top_p[:, None]), pos, 0), axis=-1)
     v_last = jnp.take_along_axis(vals, last[:, None], axis=-1)[:, 0]
-    in_p = in_p | (vals >= v_last[:, None])
-    p_on = s.top_p < 1.0
-    excl_p = p_on & norm_known & (cum.max(axis=-1) >= s.top_p) & (outside < v_last)
-    keep = pre & in_p
-    covered = (excl_pre | excl_p) & (~p_on | norm_known)
-    return vals, ids, keep, covered
+    reached = (kept.inside | kept.whole) & (cum.max(axis=-1) >= s.top_p)
+    kept = _cut(kept, s.top_p < 1.0, v_last, reached, outside)
+    keep = candidate & (vals >= kept.floor[:, None])
+    return vals, ids, keep, kept.inside
 
 
 def _draw_candidates(vals, ids, keep, u):
@@ -308,8 +330,9 @@ def _random_draw(logits: jax.Array, s: SamplingInputs, variant: SamplerVariant) 
         vals, ids, keep, covered = _candidate_cut(x, s)
         return _draw_candidates(vals, ids, keep, u).astype(jnp.int32), covered
 
-    # A row without top-k, top-p or min-p is never covered by its candidates: a batch of such
-    # rows skips the top_k.
+    # A row without top-k, top-p or min-p takes the full path, so a batch of such rows skips
+    # the top_k (its candidates cover it only in a vocabulary of at most NUM_CANDIDATES, and
+    # they run only beside a row with a cut-off: its draw would depend on the batch).
     cut = (s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0)
     num_reqs = x.shape[0]
     drawn, covered = _when(
@@ -318,7 +341,7 @@ def _random_draw(logits: jax.Array, s: SamplingInputs, variant: SamplerVariant) 
         candidates,
         lambda: (jnp.zeros((num_reqs,), jnp.int32), jnp.zeros((num_reqs,), jnp.bool_)),
     )
-    uncovered = random & ~covered
+    uncovered = random & ~(covered & cut)
     # Only the uncovered rows' cut-offs matter on the full path: the others' are turned off,
     # so a batch whose uncovered rows sample at plain temperature skips the bisections.
     full_s = dataclasses.replace(
