@@ -118,7 +118,7 @@ def test_encoder_runner_pools_each_sequence_as_alone_with_no_compilation_after_w
     """Sequences of 1 to 40 tokens packed into the bucketed programs give each one's pooled
     vector encoded alone; warmup compiles every shape and nothing compiles after it."""
     from jaxllm.worker import EncoderRunner
-    from jaxllm.worker.pooling_runner import make_encoder_buckets
+    from jaxllm.worker.encoder_runner import make_encoder_buckets
 
     path, _ = _checkpoint(tmp_path, "bert")
     encoder = load_encoder(path)

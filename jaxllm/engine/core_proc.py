@@ -22,6 +22,7 @@ import zmq
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.core_outputs import FinishReason, RequestUpdate, StepEvents
+from jaxllm.engine.encoder_core import EncoderEngineCore
 from jaxllm.engine.messages import (
     Abort,
     AddPooling,
@@ -34,7 +35,6 @@ from jaxllm.engine.messages import (
     encoder,
     input_decoder,
 )
-from jaxllm.engine.pooling_core import PoolingEngineCore
 from jaxllm.engine.request import Request
 
 logger = logging.getLogger("jaxllm.engine.core")
@@ -42,14 +42,14 @@ logger = logging.getLogger("jaxllm.engine.core")
 _IDLE_POLL_MS = 200
 
 
-def build_engine_core(config: EngineConfig) -> EngineCore | PoolingEngineCore:
+def build_engine_core(config: EngineConfig) -> EngineCore | EncoderEngineCore:
     """The engine core the checkpoint asks for: the encoder's pooling core for an encoder
     (its config says it is one, as vLLM detects a pooling model), the decoder's core
     otherwise (which serves pooling too, under `--runner`: see `LoadConfig.runner`). Loads
     the weights and compiles every program."""
     from jaxllm.worker import serving_kind
 
-    core = PoolingEngineCore if serving_kind(config) == "encoder" else EngineCore
+    core = EncoderEngineCore if serving_kind(config) == "encoder" else EngineCore
     return core.from_config(config)
 
 
@@ -121,7 +121,7 @@ class CoreLoop:
     clients), leaves the engine serving the waiting ones, and keeps the exception in
     `step_error` until the next step."""
 
-    def __init__(self, engine: EngineCore | PoolingEngineCore):
+    def __init__(self, engine: EngineCore | EncoderEngineCore):
         self.engine = engine
         self.step_error: BaseException | None = None
         self._refused: list[RequestUpdate] = []

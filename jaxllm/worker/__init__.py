@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 _HOMES = {
     "ModelRunner": "jaxllm.worker.model_runner",
-    "EncoderRunner": "jaxllm.worker.pooling_runner",
+    "EncoderRunner": "jaxllm.worker.encoder_runner",
     "InflightStep": "jaxllm.worker.model_runner",
     "CompiledProgram": "jaxllm.worker.compiler",
     "cache_copy_ops": "jaxllm.worker.compiler",
@@ -87,6 +87,7 @@ __all__ = [
 if TYPE_CHECKING:
     from jaxllm.worker.buckets import make_buckets, pick_shape
     from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
+    from jaxllm.worker.encoder_runner import EncoderRunner
     from jaxllm.worker.kv_groups import KVCacheGroups, engine_kv_groups
     from jaxllm.worker.kv_sizing import (
         DeviceMemory,
@@ -106,7 +107,6 @@ if TYPE_CHECKING:
         plan_engine,
         serving_kind,
     )
-    from jaxllm.worker.pooling_runner import EncoderRunner
     from jaxllm.worker.spec_decode.draft_model import check_draft_config
     from jaxllm.worker.step_data import (
         EncoderInput,

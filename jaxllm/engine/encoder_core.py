@@ -46,7 +46,7 @@ class _Waiting:
     token_type_ids: list[int] | None = None
 
 
-class PoolingEngineCore:
+class EncoderEngineCore:
     def __init__(
         self,
         runner: EncoderRunner,
@@ -77,7 +77,7 @@ class PoolingEngineCore:
         self.warmup_seconds: float | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> PoolingEngineCore:
+    def from_config(cls, config: EngineConfig) -> EncoderEngineCore:
         """Loads the encoder and its pooling (from the checkpoint), and compiles every
         program (unless `skip_warmup`). `max_model_len` defaults to the checkpoint's
         sentence-transformers `max_seq_length`, else to the encoder's positions."""
