@@ -24,8 +24,9 @@ from pallas_kernels import KVCache
 @dataclasses.dataclass(frozen=True)
 class ModelCache:
     """The state a model keeps on the devices between steps. Step programs take it donated
-    and return it updated in place (the compiler checks each of its arrays, see
-    `jaxllm.worker.compiler`).
+    and return it updated in place: warmup checks that each step program's output aliases
+    all of its bytes, and that no instruction copies the KV cache's arrays (see
+    `jaxllm.worker.compiler`; a new kind of state adds its arrays' shapes to that search).
 
     `kv`: the paged KV cache of every attention layer slot, [slots, num_pages, K, page_size,
     2H] (a `KVCache`: an 8-bit cache with its scales; a plain float array is taken as one)."""
