@@ -29,17 +29,15 @@ from jaxllm.loaders import load_config, quantized_hf
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_files import resolve_model
 from jaxllm.quantization import FORMATS
-from jaxllm.sharding import kv_cache_placement, make_mesh, param_shardings
+from jaxllm.sharding import make_mesh, param_shardings
 from jaxllm.worker import (
     DeviceMemory,
     EnginePlan,
     ModelRunner,
     NoRoom,
-    device_page_bytes,
     engine_bytes,
-    engine_kv_groups,
+    page_layout,
     plan_engine,
-    resolve_kv_cache_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -149,7 +147,7 @@ def compile_engine(
         weights.append(abstract_model(spec.model, dtype, comp, mesh, devices[0], None, memory))
     if any(w.weight_device_bytes is None for w in weights):
         logical = sum(w.weight_bytes for w in weights)
-        page_bytes = _page_bytes(config, model.config, weights, platform, mesh, devices[0])
+        page_bytes = _page_bytes(config, model.config, weights, mesh, devices[0])
         raise DoesNotFit(
             f"{config.load.model} does not fit {target.name}: its weights take "
             f"{_gib(logical)} per device, "
@@ -171,7 +169,7 @@ def compile_engine(
             vision=None if vision is None else vision.model.config,
         )
     except NoRoom as e:
-        page_bytes = _page_bytes(config, model.config, weights, platform, mesh, devices[0])
+        page_bytes = _page_bytes(config, model.config, weights, mesh, devices[0])
         raise DoesNotFit(
             f"{config.load.model} does not fit {target.name}: {e}. "
             + fit_advice(config, target, dtype, weight_device_bytes, page_bytes)
@@ -194,19 +192,13 @@ def compile_engine(
     )
 
 
-def _page_bytes(config, model_config, weights, platform, mesh, device) -> int:
+def _page_bytes(config, model_config, weights, mesh, device) -> int:
     """One page's bytes on one device, for the advice of a model that does not fit (where no
-    plan could be made)."""
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.load.dtype, platform)
-    placement = kv_cache_placement(mesh, kv_dtype, device)
+    plan could be made), as the plan counts them."""
     tp = config.parallel.tensor_parallel_size or (1 if mesh is None else mesh.size)
-    slots = engine_kv_groups(model_config, config.cache, draft=len(weights) > 1).num_slots
-    return device_page_bytes(
-        model_config, config.cache.page_size, kv_dtype, placement, tp, slots
-    ) + sum(
-        device_page_bytes(w.config, config.cache.page_size, kv_dtype, placement, tp)
-        for w in weights[1:]
-    )
+    config = config.replace(tensor_parallel_size=tp)
+    draft = weights[1].config if len(weights) > 1 else None
+    return page_layout(config, model_config, draft, mesh, device)[2]
 
 
 def abstract_model(

@@ -32,6 +32,7 @@ _HOMES = {
     "EnginePlan": "jaxllm.worker.plan",
     "NoRoom": "jaxllm.worker.plan",
     "encoder_plan": "jaxllm.worker.plan",
+    "page_layout": "jaxllm.worker.plan",
     "plan_engine": "jaxllm.worker.plan",
     "serving_kind": "jaxllm.worker.plan",
     "encoder_cache_bytes": "jaxllm.worker.mm_encoder",
@@ -79,6 +80,7 @@ __all__ = [
     "lora_slot_bytes",
     "encoder_plan",
     "make_buckets",
+    "page_layout",
     "pick_shape",
     "plan_engine",
     "serving_kind",
@@ -104,6 +106,7 @@ if TYPE_CHECKING:
         EnginePlan,
         NoRoom,
         encoder_plan,
+        page_layout,
         plan_engine,
         serving_kind,
     )

@@ -179,6 +179,29 @@ def _consumers(
     }
 
 
+def page_layout(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    draft_config: ModelConfig | None,
+    mesh: Mesh | None,
+    device: jax.Device,
+) -> tuple[jnp.dtype, KVCacheGroups, int]:
+    """(the KV cache's dtype, its layer groups, one page's bytes on one device with the draft
+    model's cache included) of an engine of `config` (tensor_parallel_size resolved) on
+    `device`'s platform, or `mesh`."""
+    cache, platform = config.cache, device.platform
+    tp = config.parallel.tensor_parallel_size or 1
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, config.load.dtype, platform)
+    placement = kv_cache_placement(mesh, kv_dtype, device)
+    groups = engine_kv_groups(model_config, cache, draft=draft_config is not None)
+    page_bytes = device_page_bytes(
+        model_config, cache.page_size, kv_dtype, placement, tp, groups.num_slots
+    )
+    if draft_config is not None:
+        page_bytes += device_page_bytes(draft_config, cache.page_size, kv_dtype, placement, tp)
+    return kv_dtype, groups, page_bytes
+
+
 def plan_engine(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -203,14 +226,7 @@ def plan_engine(
     config = config.replace(tensor_parallel_size=tp)
     cache = config.cache
     pooler, head = _pooler(config)
-    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, config.load.dtype, platform)
-    placement = kv_cache_placement(mesh, kv_dtype, device)
-    groups = engine_kv_groups(model_config, cache, draft=draft_config is not None)
-    page_bytes = device_page_bytes(
-        model_config, cache.page_size, kv_dtype, placement, tp, groups.num_slots
-    )
-    if draft_config is not None:
-        page_bytes += device_page_bytes(draft_config, cache.page_size, kv_dtype, placement, tp)
+    kv_dtype, groups, page_bytes = page_layout(config, model_config, draft_config, mesh, device)
     encoder = (0, 0) if vision is None else encoder_plan(vision, config)
     consumers = _consumers(config, model_config, memory, dtype, encoder, vision)
     # What the pool could take: reported with num_pages too (where the memory is known).
