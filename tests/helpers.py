@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models import AttentionMetadata, ModelCache
+from jaxllm.models import AttentionMetadata, ModelCache, StepExtras
+from jaxllm.models.linear_attention import LinearState
 from jaxllm.testing import write_tiny_tokenizer
 from pallas_kernels import KVCache, get_kv_cache_shape
 from pallas_kernels.kv_cache import quantize_kv_cache
@@ -35,7 +37,12 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     )
     ids = jnp.asarray(token_ids, jnp.int32)
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
-    hidden, _ = model(ids, positions, ModelCache(kv=cache), meta)
+    linear, extras = None, None
+    if config.linear_attention is not None:  # a hybrid: one request's recurrent state
+        shapes = LinearState.shapes(config, 1, jnp.float32)
+        linear = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        extras = StepExtras(state_slots=jnp.zeros((1,), jnp.int32))
+    hidden, _ = model(ids, positions, ModelCache(kv=cache, linear=linear), meta, extras)
     return np.asarray(model.compute_logits(hidden))
 
 
@@ -240,13 +247,54 @@ FAMILIES = {
 }
 
 
+# The hybrid linear-attention families (Gated DeltaNet layers between gated attention ones):
+# tests/test_hybrid_models.py. Two key heads of 16 and four value heads of 8 (each key head
+# serves two value heads), a convolution of 4, partial RoPE (a quarter of head_dim 32).
+LINEAR = "linear_attention"
+_HYBRID_COMMON = dict(
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    layer_types=[LINEAR, FULL, LINEAR, FULL],
+)
+_HYBRID_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=40,
+    shared_expert_intermediate_size=48,
+)
+HYBRIDS = {
+    "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _HYBRID_COMMON),
+    "qwen3.5-moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(_HYBRID_COMMON, **_HYBRID_MOE),
+    ),
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        # A dense layer among the MoE ones, and three linear layers in a row.
+        dict(
+            _HYBRID_COMMON,
+            **_HYBRID_MOE,
+            mlp_only_layers=[2],
+            norm_topk_prob=False,
+            layer_types=[LINEAR, LINEAR, LINEAR, FULL],
+        ),
+    ),
+}
+
+
 def write_family_checkpoint(case: str, path, **overrides) -> object:
     """Writes a tiny random checkpoint of `FAMILIES[case]` (and a tokenizer) to `path`;
     returns the transformers model."""
     import torch
     import transformers
 
-    config_name, model_name, extra = FAMILIES[case]
+    config_name, model_name, extra = FAMILIES.get(case) or HYBRIDS[case]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**{**FAMILY_COMMON, **extra, **overrides})
     model = getattr(transformers, model_name)(config).eval()

@@ -34,7 +34,14 @@ def test_the_pool_gets_what_the_other_consumers_leave(tiny_model_dir):
     lora = _plan(
         tiny_model_dir, cpu_kv_cache_gib=gib, max_model_len=256, enable_lora=True, max_lora_rank=8
     )
-    assert set(plain.memory) == {"weights", "lora slots", "encoder cache", "kv cache"}
+    assert set(plain.memory) == {
+        "weights",
+        "lora slots",
+        "encoder cache",
+        "recurrent state",
+        "kv cache",
+    }
+    assert plain.memory["recurrent state"] == 0  # no linear-attention layers
     assert plain.memory["lora slots"] == 0 and lora.memory["lora slots"] > 0
     budget = int(gib * 2**30)
     assert plain.num_pages == budget // plain.page_bytes

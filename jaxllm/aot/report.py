@@ -69,9 +69,9 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
         quantized,
     )
     q_bytes = shape[0] * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-    layers = cfg.num_layers
+    layers = len(cfg.attention_layers)  # a hybrid's linear layers read no KV
     # Each layer reads the keys its window sees (a sliding layer at most its window).
-    seen = [min(context, cfg.layer_window(i) or context) for i in range(layers)]
+    seen = [min(context, cfg.layer_window(i) or context) for i in cfg.attention_layers]
     kv_read = batch * sum(seen) * _kv_bytes_per_token(engine) / layers
     attention_flops = 4 * cfg.head_dim * heads * batch * sum(seen)
     weights = engine.weights[0]
@@ -130,7 +130,7 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
     batches = sorted({min(b, cfg.scheduler.max_num_seqs) for b in batches})
     # The pool's tokens at every layer's cost (a hybrid model's pages hold one layer group:
     # a sequence's sliding layers take less, see `jaxllm.worker.kv_groups`).
-    groups, num_layers = runner.kv_groups, engine.model_config.num_layers
+    groups, num_layers = runner.kv_groups, len(engine.model_config.attention_layers)
     capacity = runner.num_pages * runner.page_size * groups.num_slots // num_layers
     predictions = [
         predict_decode(engine, b, max(1, min(context, cfg.scheduler.max_model_len, capacity // b)))

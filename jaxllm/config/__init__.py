@@ -44,7 +44,7 @@ from jaxllm.config.kernels import (
     kernel_choices,
     using_kernels,
 )
-from jaxllm.config.model import ModelConfig
+from jaxllm.config.model import LinearAttention, ModelConfig
 from jaxllm.families.hf_config import RopeScaling
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "EngineConfig",
     "LoRAConfig",
     "LoadConfig",
+    "LinearAttention",
     "ModelConfig",
     "MultiModalConfig",
     "ParallelConfig",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxllm.families import FULL_ATTENTION, SLIDING_ATTENTION
-from jaxllm.families.hf_config import RopeScaling, model_config_fields
+from jaxllm.families import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from jaxllm.families.hf_config import LinearAttention, RopeScaling, model_config_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,16 @@ class ModelConfig:
     `mlp_only_layers` and `decoder_sparse_step`)."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_output_gate: bool = False
+    """The query projection also yields a per-channel gate; the attention output is
+    multiplied by its sigmoid before the output projection (Qwen3-Next, Qwen3.5)."""
+    partial_rotary_factor: float = 1.0
+    """RoPE turns the first `head_dim * factor` channels of each head; the rest pass."""
+    linear_attention: LinearAttention | None = None
+    """The shape of the "linear_attention" layers of a hybrid model; None without them."""
+    shared_expert_intermediate_size: int = 0
+    """A mixture of experts' shared expert, added to the routed ones through a sigmoid gate
+    (Qwen3-Next, Qwen3.5-MoE); 0: none."""
     kv_head_replicas: int = 1
     """Each checkpoint kv head is repeated this many times (tensor parallelism over more
     devices than kv heads, see `sharding.shard_config`); num_kv_heads counts the copies."""
@@ -118,9 +128,19 @@ class ModelConfig:
                 f"model config: layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_layers} layers"
             )
-        bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION}
         if bad:
             raise ValueError(f"model config: unsupported layer_types {sorted(bad)}")
+        if (LINEAR_ATTENTION in self.layer_types) != (self.linear_attention is not None):
+            raise ValueError(
+                "model config: linear_attention layers need their shape (linear_num_key_heads, "
+                "linear_key_head_dim, ...) and the shape needs such layers"
+            )
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(
+                f"model config: partial_rotary_factor {self.partial_rotary_factor} must give an "
+                f"even number of rotated channels in (0, head_dim]"
+            )
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
                 f"model config: hidden_act must be silu or gelu_pytorch_tanh, got "
@@ -141,6 +161,25 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION:
             return None
         return self.sliding_window
+
+    def layer_is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer: a recurrent state per request, no KV cache."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged cache."""
+        return tuple(i for i in range(self.num_layers) if not self.layer_is_linear(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state per request instead."""
+        return tuple(i for i in range(self.num_layers) if self.layer_is_linear(i))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that RoPE turns."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_uses_local_rope(self, layer: int) -> bool:
         return self.rope_local_theta is not None and self.layer_window(layer) is not None

@@ -17,6 +17,7 @@ from typing import Any
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"  # a Gated DeltaNet layer (Qwen3-Next, Qwen3.5)
 
 
 def every_layer_slides(config: dict, num_layers: int) -> list[bool]:

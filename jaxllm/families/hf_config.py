@@ -5,7 +5,8 @@ way, and an image-text architecture is read as its text decoder (`text_of`). GGU
 arrives here too, written as the same keys (`jaxllm.loaders.gguf`).
 
 `ModelConfig.from_hf_config` builds the config from these fields. `RopeScaling`, HF's
-`rope_scaling` record, is read here with them; like the records, this module imports nothing
+`rope_scaling` record, and `LinearAttention` (a hybrid's linear layers, whose fields a family
+reads) are read here with them; like the records, this module imports nothing
 of the library beyond this package.
 """
 
@@ -20,6 +21,37 @@ from jaxllm.families import (
     SLIDING_ATTENTION,
     text_family_of,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers' shape (Qwen3-Next, Qwen3.5: the layers `layer_types` marks
+    "linear_attention"): a causal depthwise convolution over the concatenated q, k and v,
+    then the gated delta rule with one [value heads, key dim, value dim] state per request."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    fused_projections: bool = False
+    """Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, interleaved per key head; Qwen3.5 has
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `in_proj_a`."""
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q and k (key heads x key dim) and v."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    def state_bytes(self) -> int:
+        """One request's state in one layer, in float32: the convolution's last
+        `conv_kernel - 1` inputs and the delta rule's matrix per value head."""
+        conv = (self.conv_kernel - 1) * self.conv_dim
+        return 4 * (conv + self.num_value_heads * self.key_head_dim * self.value_head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +160,18 @@ def model_config_fields(config: dict[str, Any] | Any) -> dict[str, Any]:
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     factors = config.get("rope_freq_factors")
+    if isinstance(features.get("linear_attention"), dict):
+        features["linear_attention"] = LinearAttention(**features["linear_attention"])
+    partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    features.setdefault("partial_rotary_factor", float(partial))
+    rotary_dim = int(head_dim * features["partial_rotary_factor"])
     mrope = (config.get("rope_scaling") or rope or {}).get("mrope_section")
-    if mrope is not None and 2 * sum(mrope) != head_dim:
-        raise ValueError(f"mrope_section {mrope} must sum to head_dim / 2 ({head_dim // 2})")
+    if "mrope_section" in features:  # the family's word (a text decoder served without it)
+        mrope = features.pop("mrope_section")
+    if mrope is not None and 2 * sum(mrope) != rotary_dim:
+        raise ValueError(
+            f"mrope_section {mrope} must sum to the rotary dim / 2 ({rotary_dim // 2})"
+        )
     return dict(
         architecture=arch,
         vocab_size=config["vocab_size"],

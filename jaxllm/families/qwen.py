@@ -1,5 +1,8 @@
-"""Qwen2/2.5, Qwen3 and Qwen3-MoE, and Qwen2-VL and Qwen2.5-VL (a Qwen2 decoder with M-RoPE
-positions after its vision tower, `jaxllm.models.qwen_vision`)."""
+"""Qwen2/2.5, Qwen3 and Qwen3-MoE, Qwen2-VL and Qwen2.5-VL (a Qwen2 decoder with M-RoPE
+positions after its vision tower, `jaxllm.models.qwen_vision`), and the hybrids Qwen3-Next and
+Qwen3.5 (dense and MoE): Gated DeltaNet layers (`jaxllm.models.linear_attention`) between
+gated full-attention layers, (1 + w) norms, partial RoPE, a shared expert beside the routed
+ones."""
 
 from __future__ import annotations
 
@@ -25,6 +28,39 @@ def _qwen3_moe_routing(config: dict) -> dict:
     return {}
 
 
+def _hybrid(fused: bool, *, renormalize: bool | None = None):
+    """The hybrids' own keys: the linear layers' shape, the shared expert, the routing."""
+
+    def read(config: dict) -> dict:
+        linear = dict(  # `hf_config.LinearAttention`'s fields
+            num_key_heads=config["linear_num_key_heads"],
+            num_value_heads=config["linear_num_value_heads"],
+            key_head_dim=config["linear_key_head_dim"],
+            value_head_dim=config["linear_value_head_dim"],
+            conv_kernel=config["linear_conv_kernel_dim"],
+            fused_projections=fused,
+        )
+        out = {
+            "linear_attention": linear,
+            "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
+            # Served as text: M-RoPE's three position components are equal for text tokens,
+            # which makes its interleaved sections plain RoPE.
+            "mrope_section": None,
+        }
+        if renormalize is not None:
+            out["moe_renormalize"] = renormalize
+        elif "norm_topk_prob" in config:
+            out["moe_renormalize"] = bool(config["norm_topk_prob"])
+        if not config.get("num_experts"):
+            out["shared_expert_intermediate_size"] = 0
+        return out
+
+    return read
+
+
+# (1 + w) norms stored as w, an output gate on the query projection, QK-norm.
+_HYBRID = {"qk_norm": True, "norm_offset": 1.0, "attention_output_gate": True}
+
 register(
     Family(
         "Qwen2ForCausalLM",
@@ -40,6 +76,11 @@ register(
     ),
     Family("Qwen2VLForConditionalGeneration", text_of="Qwen2ForCausalLM"),
     Family("Qwen2_5_VLForConditionalGeneration", text_of="Qwen2ForCausalLM"),
+    Family("Qwen3NextForCausalLM", _HYBRID, read_config=_hybrid(True)),
+    Family("Qwen3_5ForCausalLM", _HYBRID, read_config=_hybrid(False)),
+    Family("Qwen3_5MoeForCausalLM", _HYBRID, read_config=_hybrid(False, renormalize=True)),
+    Family("Qwen3_5ForConditionalGeneration", text_of="Qwen3_5ForCausalLM"),
+    Family("Qwen3_5MoeForConditionalGeneration", text_of="Qwen3_5MoeForCausalLM"),
     Family(
         "Qwen3MoeForCausalLM",
         {"qk_norm": True, "moe_renormalize": False},

@@ -65,23 +65,66 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
             "post_feedforward_layernorm",
         )
     }
-    return rules | {
-        "self_attn.q_norm.weight": (("self_attn", "q_norm", "weight"), same),
-        "self_attn.k_norm.weight": (("self_attn", "k_norm", "weight"), same),
-        "self_attn.q_proj.weight": (("self_attn", "q_proj"), lambda w: w.T),
-        "self_attn.k_proj.weight": (("self_attn", "k_proj"), lambda w: kv(w.T, d, k, h)),
-        "self_attn.v_proj.weight": (("self_attn", "v_proj"), lambda w: kv(w.T, d, k, h)),
-        "self_attn.o_proj.weight": (("self_attn", "o_proj"), lambda w: w.T),
-        "self_attn.q_proj.bias": (("self_attn", "q_bias"), same),
-        "self_attn.k_proj.bias": (("self_attn", "k_bias"), lambda w: kv(w, k, h)),
-        "self_attn.v_proj.bias": (("self_attn", "v_bias"), lambda w: kv(w, k, h)),
-        "self_attn.o_proj.bias": (("self_attn", "o_bias"), same),
-        "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w: w.T),
-        "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w: w.T),
-        "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w: w.T),
-        # Mixture of experts: the router, and (below) each expert's slice of [E, ...] weights.
-        "mlp.gate.weight": (("mlp", "router"), lambda w: w.T),
+    return (
+        rules
+        | {
+            "self_attn.q_norm.weight": (("self_attn", "q_norm", "weight"), same),
+            "self_attn.k_norm.weight": (("self_attn", "k_norm", "weight"), same),
+            "self_attn.q_proj.weight": (("self_attn", "q_proj"), lambda w: w.T),
+            "self_attn.k_proj.weight": (("self_attn", "k_proj"), lambda w: kv(w.T, d, k, h)),
+            "self_attn.v_proj.weight": (("self_attn", "v_proj"), lambda w: kv(w.T, d, k, h)),
+            "self_attn.o_proj.weight": (("self_attn", "o_proj"), lambda w: w.T),
+            "self_attn.q_proj.bias": (("self_attn", "q_bias"), same),
+            "self_attn.k_proj.bias": (("self_attn", "k_bias"), lambda w: kv(w, k, h)),
+            "self_attn.v_proj.bias": (("self_attn", "v_bias"), lambda w: kv(w, k, h)),
+            "self_attn.o_proj.bias": (("self_attn", "o_bias"), same),
+            "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w: w.T),
+            "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w: w.T),
+            "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w: w.T),
+            # Mixture of experts: the router, and (below) each expert's slice of [E, ...] weights.
+            "mlp.gate.weight": (("mlp", "router"), lambda w: w.T),
+            "mlp.shared_expert_gate.weight": (("mlp", "shared_expert_gate"), lambda w: w.T),
+            **{
+                f"mlp.shared_expert.{proj}.weight": (("mlp", "shared_expert", proj), lambda w: w.T)
+                for proj in ("gate_proj", "up_proj", "down_proj")
+            },
+        }
+        | (_linear_attention_rules(c) if c.linear_attention else {})
+    )
+
+
+def _linear_attention_rules(c: ModelConfig) -> dict:
+    """A Gated DeltaNet layer's tensors (`jaxllm.models.linear_attention`). Qwen3-Next's fused
+    projections interleave q, k, v and z (and b, a) per key head: their columns are reordered
+    into [q | k | v | z] and [b | a], each heads-major."""
+    la = c.linear_attention
+    r = la.num_value_heads // la.num_key_heads
+    same = lambda w: w  # noqa: E731
+
+    def by_key_head(w: np.ndarray, widths: list[int]) -> np.ndarray:
+        """[D, key heads * sum(widths)] (each key head's parts side by side) -> the parts'
+        columns in turn, each heads-major."""
+        d = w.shape[0]
+        per_head = w.reshape(d, la.num_key_heads, sum(widths))
+        parts = np.split(per_head, np.cumsum(widths)[:-1], axis=-1)
+        return np.concatenate([p.reshape(d, -1) for p in parts], axis=-1)
+
+    qkvz = [la.key_head_dim, la.key_head_dim, r * la.value_head_dim, r * la.value_head_dim]
+    prefix = "linear_attn."
+    rules = {
+        "in_proj_qkvz.weight": (("in_proj_qkvz",), lambda w: by_key_head(w.T, qkvz)),
+        "in_proj_ba.weight": (("in_proj_ba",), lambda w: by_key_head(w.T, [r, r])),
+        "in_proj_qkv.weight": (("in_proj_qkv",), lambda w: w.T),
+        "in_proj_z.weight": (("in_proj_z",), lambda w: w.T),
+        "in_proj_b.weight": (("in_proj_b",), lambda w: w.T),
+        "in_proj_a.weight": (("in_proj_a",), lambda w: w.T),
+        "conv1d.weight": (("conv1d",), lambda w: w[:, 0, :].T),  # [C, 1, K] -> [K, C]
+        "dt_bias": (("dt_bias",), same),
+        "A_log": (("A_log",), same),
+        "norm.weight": (("norm_weight",), same),
+        "out_proj.weight": (("out_proj",), lambda w: w.T),
     }
+    return {prefix + k: (("linear_attn", *path), f) for k, (path, f) in rules.items()}
 
 
 # An expert's projection -> our stacked weight (Qwen3-MoE's names; a family with names of its

@@ -1,5 +1,6 @@
 """The one decoder every supported family runs on (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2,
-Gemma 2/3, Mixtral, Qwen3-MoE): a module whose `ModelConfig` switches cover the differences
+Gemma 2/3, Mixtral, Qwen3-MoE, and the hybrids Qwen3-Next and Qwen3.5, whose linear layers
+are `linear_attention.GatedDeltaNet`): a module whose `ModelConfig` switches cover the differences
 (GQA ratio, qkv bias, QK-norm, sandwich norms, Gemma's (1 + w) norms and scaled embeddings,
 GELU, tied head, RoPE scaling and per-layer RoPE bases, per-layer sliding windows, soft-capping,
 mixture-of-experts MLPs).
@@ -39,10 +40,11 @@ from jaxllm.models.layers import (
     param,
     rope_inv_freq,
 )
+from jaxllm.models.linear_attention import GatedDeltaNet
 from jaxllm.models.moe import MoE
 from jaxllm.models.state import ModelCache, StepExtras
 from jaxllm.quantization import QArray, qmatmul, take_rows
-from pallas_kernels import KVCache, as_kv_cache
+from pallas_kernels import as_kv_cache
 
 
 class DecoderLayer(nnx.Module):
@@ -61,7 +63,15 @@ class DecoderLayer(nnx.Module):
             )
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, layer, dtype=dtype, mesh=mesh, rngs=rngs)
+        # The token mixer: attention over the paged KV cache, or (a hybrid's linear layers)
+        # a Gated DeltaNet over its recurrent state.
+        if config.layer_is_linear(layer):
+            ordinal = config.linear_layers.index(layer)
+            self.linear_attn = GatedDeltaNet(config, ordinal, dtype=dtype, rngs=rngs)
+            self.self_attn = None
+        else:
+            self.self_attn = Attention(config, layer, dtype=dtype, mesh=mesh, rngs=rngs)
+            self.linear_attn = None
         # Llama: post_attention_layernorm is the norm before the MLP. Sandwich (Gemma): it
         # normalises the attention output, and two more norms wrap the MLP.
         self.post_attention_layernorm = norm()
@@ -75,20 +85,27 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(config, dtype=dtype, rngs=rngs)
         self.local_rope = config.layer_uses_local_rope(layer)
 
-    def __call__(self, x, ropes: tuple[Rope, Rope], kv_cache, layer: int, meta, lora=None):
+    def __call__(
+        self, x, ropes: tuple[Rope, Rope], cache: ModelCache, layer: int, meta, lora, slots
+    ) -> tuple[jax.Array, ModelCache]:
+        """`slots`: each request's state slot (for a linear layer)."""
         rope = ropes[1] if self.local_rope else ropes[0]
-        attn_out, kv_cache = self.self_attn(
-            self.input_layernorm(x), rope, kv_cache, layer, meta, lora
-        )
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            attn_out, linear = self.linear_attn(h, cache.linear, meta, slots)
+            cache = dataclasses.replace(cache, linear=linear)
+        else:
+            attn_out, kv = self.self_attn(h, rope, cache.kv, layer, meta, lora)
+            cache = dataclasses.replace(cache, kv=kv)
         # Adapters of a mixture of experts' MLPs are not served (`jaxllm.lora`).
         dense = lora is not None and not isinstance(self.mlp, MoE)
         mlp = functools.partial(self.mlp, lora=lora) if dense else self.mlp
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn_out)
             mlp_out = mlp(self.pre_feedforward_layernorm(x))
-            return x + self.post_feedforward_layernorm(mlp_out), kv_cache
+            return x + self.post_feedforward_layernorm(mlp_out), cache
         x = x + attn_out
-        return x + mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + mlp(self.post_attention_layernorm(x)), cache
 
 
 class DecoderForCausalLM(nnx.Module):
@@ -119,7 +136,7 @@ class DecoderForCausalLM(nnx.Module):
             config.hidden_size, config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
         )
         # Static (part of the graph definition, not parameters): tuples, not arrays.
-        h = config.head_dim
+        h = config.rotary_dim
         global_freq = rope_inv_freq(
             h, config.rope_theta, config.rope_scaling, config.rope_freq_factors
         )
@@ -150,11 +167,10 @@ class DecoderForCausalLM(nnx.Module):
         written. `extras`: the served features' inputs (adapters, image embeddings)."""
         extras = extras or StepExtras()
         with using_kernels(self.compilation):
-            kv = as_kv_cache(cache.kv)
-            hidden, kv = self._forward(input_ids, positions, kv, meta, extras)
-            return hidden, dataclasses.replace(cache, kv=kv)
+            cache = dataclasses.replace(cache, kv=as_kv_cache(cache.kv))
+            return self._forward(input_ids, positions, cache, meta, extras)
 
-    def _forward(self, input_ids, positions, kv_cache: KVCache, meta, extras: StepExtras):
+    def _forward(self, input_ids, positions, cache: ModelCache, meta, extras: StepExtras):
         table = self.embed_tokens.get_value()
         x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
         if self.embed_scale is not None:
@@ -172,10 +188,11 @@ class DecoderForCausalLM(nnx.Module):
             else Rope.at(positions, self.inv_freq[1], self.mrope_section)
         )
         loras = extras.layer_loras() or [None] * len(self.layers)
+        ropes = (global_rope, local_rope)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, kv_cache = layer(x, (global_rope, local_rope), kv_cache, i, meta, loras[i])
-        return self.norm(x), kv_cache
+                x, cache = layer(x, ropes, cache, i, meta, loras[i], extras.state_slots)
+        return self.norm(x), cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         with using_kernels(self.compilation):

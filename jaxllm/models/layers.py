@@ -144,9 +144,13 @@ class Rope:
 
 
 def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
-    """Rotary embedding in the "rotate half" layout of Hugging Face Llama. x: [T, heads, H]."""
+    """Rotary embedding in the "rotate half" layout of Hugging Face Llama. x: [T, heads, H];
+    with partial RoPE (`rope` narrower than H) only the first channels turn."""
     cos, sin = rope.cos[:, None, :].astype(x.dtype), rope.sin[:, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :dim], rope), x[..., dim:]], axis=-1)
+    half = dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
@@ -235,7 +239,7 @@ class AttentionMetadata:
     attend_to: jax.Array | None = None
     # Static: per model layer, (its group, its slot in the cache's leading axis); None: one
     # group whose slot i is layer i.
-    layer_slots: tuple[tuple[int, int], ...] | None = dataclasses.field(
+    layer_slots: tuple[tuple[int, int] | None, ...] | None = dataclasses.field(
         default=None, metadata=dict(static=True)
     )
 
@@ -258,7 +262,11 @@ class Attention(nnx.Module):
         # Matrices, heads-major on their head side (column h * H + i is head h's i): a 3-D
         # [D, N, H] weight reshaped to 2-D inside the step made XLA:TPU relayout (and widen)
         # it at every step, 5x its bytes. Splitting N * H over devices keeps whole heads.
-        self.q_proj = param(rngs, (d, n * h), ("embed", "q_heads"), dtype)
+        # With an output gate, each head's columns are its query's H and then its gate's H
+        # (as Qwen3-Next's checkpoints have them).
+        self.gated = config.attention_output_gate
+        q_width = n * h * (2 if self.gated else 1)
+        self.q_proj = param(rngs, (d, q_width), ("embed", "q_heads"), dtype)
         self.k_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype)
         self.v_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype)
         self.o_proj = param(rngs, (n * h, d), ("q_heads", "embed"), dtype)
@@ -300,6 +308,9 @@ class Attention(nnx.Module):
             k = k + self.k_bias.get_value()
             v = v + self.v_bias.get_value()
         num_tokens, h = x.shape[0], self.head_dim
+        gate = None
+        if self.gated:
+            q, gate = jnp.split(q.reshape(num_tokens, self.num_heads, 2 * h), 2, axis=-1)
         q = q.reshape(num_tokens, self.num_heads, h)  # [T, N, H]
         k = k.reshape(num_tokens, self.num_kv_heads, h)  # [T, K, H]
         v = v.reshape(num_tokens, self.num_kv_heads, h)
@@ -308,6 +319,10 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
         out = out.reshape(out.shape[0], -1)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.reshape(out.shape).astype(jnp.float32)).astype(
+                out.dtype
+            )
         projected = linear(out, self.o_proj.get_value())
         out = projected if lora is None else lora.add("o_proj", out, projected)
         if self.o_bias is not None:
@@ -362,8 +377,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
-        d, f = config.hidden_size, config.intermediate_size
+    def __init__(
+        self, config: ModelConfig, *, dtype, rngs: nnx.Rngs | None, width: int | None = None
+    ):
+        """`width`: the MLP's F when not the config's (a mixture of experts' shared expert)."""
+        d, f = config.hidden_size, width or config.intermediate_size
         self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), dtype)
         self.up_proj = param(rngs, (d, f), ("embed", "mlp"), dtype)
         self.down_proj = param(rngs, (f, d), ("mlp", "embed"), dtype)

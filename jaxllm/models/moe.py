@@ -1,4 +1,4 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE): top-k routing, experts as grouped matmuls, expert
+"""Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): top-k routing, experts as grouped matmuls, expert
 weights sharded over the mesh.
 
 Routing is data: each token's k (expert, weight) pairs are sorted by expert, and the experts
@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.layers import ACTIVATIONS, matmul, param
+from jaxllm.models.layers import ACTIVATIONS, MLP, linear, matmul, param
 from jaxllm.sharding import spec_for
 
 
@@ -40,6 +40,13 @@ class MoE(nnx.Module):
         self.renormalize = config.moe_renormalize
         self.act = ACTIVATIONS[config.hidden_act]
         self.mesh = mesh
+        # A shared expert every token goes through, scaled by a sigmoid gate of its own.
+        if config.shared_expert_intermediate_size:
+            width = config.shared_expert_intermediate_size
+            self.shared_expert = MLP(config, dtype=dtype, rngs=rngs, width=width)
+            self.shared_expert_gate = param(rngs, (d, 1), ("embed", None), dtype)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights f32[T, k], expert ids i32[T, k]): the router logits in x's dtype (as
@@ -53,6 +60,14 @@ class MoE(nnx.Module):
         return weights, experts.astype(jnp.int32)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        routed = self._routed(x)
+        if self.shared_expert is None:
+            return routed
+        gate = linear(x, self.shared_expert_gate.get_value())  # [T, 1]
+        shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * self.shared_expert(x)
+        return routed + shared
+
+    def _routed(self, x: jax.Array) -> jax.Array:
         weights, experts = self.route(x)
         w = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
         run = functools.partial(_experts, act=self.act)

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from jaxllm.models.linear_attention import LinearState
 from jaxllm.models.lora import LayerLoRA, layer_loras
 from pallas_kernels import KVCache
 
@@ -32,6 +33,9 @@ class ModelCache:
     2H] (a `KVCache`: an 8-bit cache with its scales; a plain float array is taken as one)."""
 
     kv: KVCache | jax.Array
+    linear: LinearState | None = None
+    """A hybrid model's linear layers' recurrent state per request slot
+    (`jaxllm.models.linear_attention`); None for a model without such layers."""
 
     def arrays(self) -> list:
         """Every array of the cache (what a failed step may have deleted, what sleep frees)."""
@@ -58,6 +62,8 @@ class StepExtras:
     """The encoder cache's rows [N, D] (an image-text model, `jaxllm.worker.mm_encoder`)."""
     mm_rows: jax.Array | None = None
     """i32[T]: each image placeholder's row of `mm_pool` (-1: a text token)."""
+    state_slots: jax.Array | None = None
+    """i32[R]: each request's slot of the model cache's `linear` state (a hybrid model)."""
 
     def merged(self, other: StepExtras) -> StepExtras:
         """These extras with `other`'s fields that are set."""

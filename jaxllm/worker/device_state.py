@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import Mesh
 import pallas_kernels
 from jaxllm import sharding
 from jaxllm.models import ModelCache
+from jaxllm.models.linear_attention import LinearState
 from pallas_kernels import KVCache, is_quantized_dtype, zeros_kv_cache
 from pallas_kernels.kv_cache import abstract_kv_cache
 
@@ -33,10 +35,12 @@ class DeviceState:
         cache_shape: tuple[int, ...],
         cache_dtype: jnp.dtype,
         max_num_seqs: int,
+        linear: LinearState | None = None,
     ):
         """`first_param`: one of the model's parameters (abstract ones make an abstract state,
         on their devices); `mesh`: the tensor-parallel mesh the model was loaded onto (the KV
-        cache is split over its kv heads the same way), None for one device."""
+        cache is split over its kv heads the same way), None for one device. `linear`: a hybrid
+        model's recurrent state (its arrays' `jax.ShapeDtypeStruct`s), replicated."""
         self.mesh = mesh
         self.abstract = isinstance(first_param, jax.ShapeDtypeStruct)
         # Where host inputs go: the default device (the target's, for an abstract state), or
@@ -46,7 +50,7 @@ class DeviceState:
             self.replicated = first_param.sharding
         self.max_num_seqs = max_num_seqs
         self._zeros_programs: dict = {}
-        self.cache = self.zeros_model_cache(cache_shape, cache_dtype)
+        self.cache = self.zeros_model_cache(cache_shape, cache_dtype, linear)
         self.kv_cache_lost = False  # set when a failed step took a cache with it
         # The token each batch row sampled last, kept on the device: the next step's decode
         # input for that row when it was scheduled before this step's output came back.
@@ -125,14 +129,29 @@ class DeviceState:
             )
         return make()
 
-    def zeros_model_cache(self, kv_shape, kv_dtype) -> ModelCache:
-        """A zero model cache of a KV cache of `kv_shape` and `kv_dtype` (see `zeros_cache`).
-        The one place a model cache is made: a new kind of state is made here too."""
-        return ModelCache(kv=self.zeros_cache(kv_shape, kv_dtype))
+    def zeros_model_cache(self, kv_shape, kv_dtype, linear: LinearState | None = None):
+        """A zero model cache of a KV cache of `kv_shape` and `kv_dtype` (see `zeros_cache`)
+        and, for a hybrid model, a zero recurrent state of `linear`'s shapes. The one place a
+        model cache is made: a new kind of state is made here too."""
+        if linear is not None:
+            linear = jax.tree.map(self._zeros, linear)
+        return ModelCache(kv=self.zeros_cache(kv_shape, kv_dtype), linear=linear)
+
+    def _zeros(self, shape: jax.ShapeDtypeStruct) -> jax.Array | jax.ShapeDtypeStruct:
+        """A zero array placed as host inputs are (replicated under a mesh)."""
+        if self.abstract:
+            return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self.replicated)
+        make = functools.partial(jnp.zeros, shape.shape, shape.dtype)
+        if self.replicated is None:
+            return make()
+        return jax.jit(make, out_shardings=self.replicated)()  # made on the devices
 
     def _spec(self, cache: ModelCache) -> tuple:
         """What `zeros_model_cache` needs to make `cache` anew."""
-        return cache.kv.shape, cache.kv.dtype
+        linear = None
+        if cache.linear is not None:
+            linear = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cache.linear)
+        return cache.kv.shape, cache.kv.dtype, linear
 
     def renewed(self, cache: ModelCache) -> ModelCache:
         """`cache`, or a zero one in its place when a failed step deleted one of its arrays."""

@@ -46,30 +46,35 @@ class KVCacheGroups:
         return max(len(layers) for layers in self.layers)
 
     @property
-    def layer_slots(self) -> tuple[tuple[int, int], ...]:
-        """Per model layer, (its group, its slot in the cache)."""
+    def layer_slots(self) -> tuple[tuple[int, int] | None, ...] | None:
+        """Per model layer, (its group, its slot in the cache); None for a layer without KV
+        (a hybrid's linear layers). None when that is one group whose slot i is layer i."""
         where = {
             layer: (g, j) for g, layers in enumerate(self.layers) for j, layer in enumerate(layers)
         }
-        return tuple(where[i] for i in range(len(where)))
+        if self.layers == (tuple(range(len(where))),):
+            return None
+        return tuple(where.get(i) for i in range(max(where) + 1))
 
     @classmethod
-    def single(cls, num_layers: int, window: int | None = None) -> KVCacheGroups:
-        """One group of every layer (slot i is layer i)."""
-        return cls((window,), (tuple(range(num_layers)),))
+    def single(cls, layers: int | tuple[int, ...], window: int | None = None) -> KVCacheGroups:
+        """One group of these layers (or of the first `layers`), in order."""
+        layers = tuple(range(layers)) if isinstance(layers, int) else tuple(layers)
+        return cls((window,), (layers,))
 
 
 def kv_cache_groups(config: ModelConfig, *, hybrid: bool = True) -> KVCacheGroups:
     """The groups `config`'s layers share the cache in (see the module doc): one per window
     kind of `group size` layers, full attention first; without `hybrid`, a model with more
     than one window kind is one full group."""
-    windows = [config.layer_window(i) for i in range(config.num_layers)]
-    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    attention = config.attention_layers  # a hybrid's linear layers keep no KV
+    windows = {i: config.layer_window(i) for i in attention}
+    kinds = sorted(set(windows.values()), key=lambda w: -1 if w is None else w)
     if len(kinds) == 1:
-        return KVCacheGroups.single(config.num_layers, kinds[0])
+        return KVCacheGroups.single(attention, kinds[0])
     if not hybrid:
-        return KVCacheGroups.single(config.num_layers)
-    by_kind = {w: [i for i, wi in enumerate(windows) if wi == w] for w in kinds}
+        return KVCacheGroups.single(attention)
+    by_kind = {w: [i for i, wi in windows.items() if wi == w] for w in kinds}
     size = min(len(layers) for layers in by_kind.values())
     group_windows, group_layers = [], []
     for w in kinds:
@@ -84,5 +89,5 @@ def engine_kv_groups(config: ModelConfig, cache: CacheConfig, *, draft: bool) ->
     """The groups an engine serves `config` with: `kv_cache_groups` unless turned off; one full
     group with a draft model, which shares the target's block tables for its own layers."""
     if draft:
-        return KVCacheGroups.single(config.num_layers)
+        return KVCacheGroups.single(config.attention_layers)
     return kv_cache_groups(config, hybrid=not cache.disable_hybrid_kv_cache_manager)

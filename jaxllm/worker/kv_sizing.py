@@ -60,10 +60,10 @@ def bytes_per_page(
     platform: str | None = None,
     num_slots: int | None = None,
 ) -> int:
-    """Logical bytes of one page of `num_slots` layers (default: every layer; a hybrid model's
-    groups, `KVCacheGroups.num_slots`), an 8-bit cache's scales included, with the heads as
+    """Logical bytes of one page of `num_slots` layers (default: every attention layer; a
+    model with layer groups: `KVCacheGroups.num_slots`), an 8-bit cache's scales included, with the heads as
     wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
-    heads = (num_slots or config.num_layers) * 2 * config.num_kv_heads
+    heads = (num_slots or len(config.attention_layers)) * 2 * config.num_kv_heads
     head_dim = config.head_dim if platform is None else cache_head_dim(config.head_dim, platform)
     return heads * page_size * kv_bytes_per_token_head(head_dim, dtype)
 
@@ -81,7 +81,7 @@ def device_page_bytes(
     (tiles pad its minor dimensions); elsewhere the logical bytes split over `num_devices`.
     `sharding`: the cache's (a `KVCache` of shardings, see
     `jaxllm.sharding.kv_cache_sharding`), or a single device's sharding."""
-    num_slots = num_slots or config.num_layers
+    num_slots = num_slots or len(config.attention_layers)
     if sharding is None:
         return -(-bytes_per_page(config, page_size, dtype, None, num_slots) // num_devices)
     if not isinstance(sharding, tuple):  # one sharding for the data and the scales
@@ -222,7 +222,7 @@ def plan_kv_cache(
     or `cpu_kv_cache_gib` on the CPU). `kv_groups`: how the layers share the pages (default: one
     group of every layer); a sliding group holds at most its window and a step's
     `max_num_batched_tokens` of a sequence."""
-    groups = kv_groups or KVCacheGroups.single(config.num_layers)
+    groups = kv_groups or KVCacheGroups.single(config.attention_layers)
     if max_model_len is not None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")

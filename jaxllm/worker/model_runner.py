@@ -42,6 +42,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig, using_kernels
 from jaxllm.models import ModelCache, StepExtras
+from jaxllm.models.linear_attention import LinearState
 from jaxllm.models.vision import VisionEncoder
 from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
@@ -126,7 +127,13 @@ class ModelRunner:
             config.head_dim,
             platform,
         )
-        self.device = DeviceState(self.params[0], mesh, cache_shape, plan.kv_dtype, max_num_seqs)
+        linear = None
+        if config.linear_attention is not None:  # a state slot per batch row
+            dtype = model.embed_tokens.get_value().dtype
+            linear = LinearState.shapes(config, max_num_seqs, dtype)
+        self.device = DeviceState(
+            self.params[0], mesh, cache_shape, plan.kv_dtype, max_num_seqs, linear
+        )
         self.compiler = Compiler(self.device)
         pages_per_seq = -(-max_model_len // page_size)  # the block table's width
         self.input_batch = ib = InputBatch(
@@ -156,7 +163,8 @@ class ModelRunner:
             pages_per_seq,
             k,
             lora=self.lora is not None,
-            layer_slots=None if kv_groups.num_groups == 1 else kv_groups.layer_slots,
+            layer_slots=kv_groups.layer_slots,
+            state=config.linear_attention is not None,
             mm=vision is not None,
             mm_block=1 if vision is None else vision.config.block_tokens,
             mm_attend=vision is not None and vision.config.bidirectional,

@@ -24,6 +24,7 @@ from jaxllm.classifier import ClassifierHead, read_classifier
 from jaxllm.config import CacheConfig, EngineConfig, ModelConfig
 from jaxllm.loaders.encoder import is_encoder
 from jaxllm.model_files import resolve_model
+from jaxllm.models.linear_attention import state_bytes_per_slot
 from jaxllm.pooling import (
     DECODER_CLASSIFIER_POOLER,
     DECODER_POOLER,
@@ -67,7 +68,8 @@ class EnginePlan:
     """One page of every layer slot on one device (the draft model's cache included)."""
     memory: dict[str, int]
     """Bytes per device of everything that takes device memory, by name: the consumers sized
-    before the pool ("weights", "lora slots", "encoder cache") and then "kv cache"."""
+    before the pool ("weights", "lora slots", "encoder cache", "recurrent state") and then
+    "kv cache"."""
     budget_bytes: int | None
     """What the KV pool could take on one device (the pool is all of it unless num_pages was
     given); None for a device that reports no memory, whose num_pages was given."""
@@ -172,11 +174,38 @@ def _consumers(
     device memory is one entry here."""
     tp = config.parallel.tensor_parallel_size or 1
     itemsize = jnp.dtype(dtype).itemsize
+    state = 0
+    if model_config.linear_attention is not None:  # a slot per request (the batch's rows)
+        slots = config.scheduler.max_num_seqs
+        state = slots * state_bytes_per_slot(model_config, dtype)
     return {
         "weights": memory.weights,
         "lora slots": lora_slot_bytes(model_config, config.lora, itemsize, tp),
         "encoder cache": 0 if vision is None else encoder_cache_bytes(vision, encoder[0], dtype),
+        "recurrent state": state,
     }
+
+
+def _hybrid_rules(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """A hybrid model's (linear-attention layers beside attention) limits: a request's state
+    exists only for the tokens it computed itself, so a prefix served from the cache (or the
+    host tier) would start from a state that is not there: prefix caching is turned off (and
+    recomputed instead, as vLLM did before its "align" mode); speculative decoding, whose
+    rejected tokens would need the state rolled back, is refused by name."""
+    if model_config.linear_attention is None:
+        return config
+    if config.speculative.method:
+        raise ValueError(
+            f"speculative_config: {model_config.architecture} has linear-attention layers, "
+            "whose state cannot be rolled back to the last accepted token yet"
+        )
+    if config.cache.enable_prefix_caching:
+        logger.info(
+            "%s has linear-attention layers: prefix caching is off (prefixes are recomputed)",
+            model_config.architecture,
+        )
+        config = config.replace(enable_prefix_caching=False, kv_offloading_size=0.0)
+    return config
 
 
 def page_layout(
@@ -223,7 +252,7 @@ def plan_engine(
     device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
     platform = device.platform
     tp = config.parallel.tensor_parallel_size or (1 if mesh is None else mesh.size)
-    config = config.replace(tensor_parallel_size=tp)
+    config = _hybrid_rules(config.replace(tensor_parallel_size=tp), model_config)
     cache = config.cache
     pooler, head = _pooler(config)
     kv_dtype, groups, page_bytes = page_layout(config, model_config, draft_config, mesh, device)

@@ -55,7 +55,8 @@ class StepInputs:
     lora: bool = False  # each token's LoRA slot is an input (LoRA served)
     # Per model layer, (its group, its cache slot) (`KVCacheGroups.layer_slots`); None: one
     # group, slot i is layer i.
-    layer_slots: tuple[tuple[int, int], ...] | None = None
+    layer_slots: tuple[tuple[int, int] | None, ...] | None = None
+    state: bool = False  # each request's recurrent-state slot is an input (a hybrid model)
     mm: bool = False  # image placeholders read the encoder cache (an image-text model)
     mm_block: int = 1  # the encoder cache's rows per block
     # An image's tokens attend to each other (Gemma 3): `AttentionMetadata.attend_to`.
@@ -101,6 +102,7 @@ class StepInputs:
             extras=StepExtras(
                 lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
                 mm_rows=_ints(t_pad, fill=-1) if self.mm else None,
+                state_slots=_ints(r_pad) if self.state else None,
             ),
         )
 
@@ -151,6 +153,8 @@ class StepInputs:
         extras = batch.extras
         if extras.lora_slots is not None:
             extras.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
+        if extras.state_slots is not None:  # a request's state lives at its batch row
+            extras.state_slots[:num_reqs] = rows
         if extras.mm_rows is not None:
             bt = self.mm_block
             for i, s in enumerate(out.requests):

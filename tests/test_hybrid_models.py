@@ -1,0 +1,188 @@
+"""The hybrid linear-attention families (Qwen3.5 dense and MoE, Qwen3-Next) against Hugging
+Face transformers (torch, float32), on tiny random checkpoints written by transformers itself:
+the Gated DeltaNet recurrence over ragged batches, prefill logits, and greedy tokens through the
+engine (chunked, batched, preempted, served again), with the recurrent state in the engine's
+memory plan and no state or page left behind."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import EngineConfig
+from jaxllm.loaders import load_model
+from jaxllm.loaders.hf import load_hf_config
+from jaxllm.models.layers import AttentionMetadata
+from jaxllm.models.linear_attention import _Rows, gated_delta_rule, state_bytes_per_slot
+from jaxllm.worker.kv_sizing import DeviceMemory
+from jaxllm.worker.plan import plan_engine
+
+from helpers import HYBRIDS, VOCAB, prefill_logits, write_family_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def hybrid(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, write_family_checkpoint(request.param, path)
+
+
+def test_delta_rule_matches_transformers_over_a_ragged_batch():
+    """Requests of 5, 1 (a decode row) and 9 tokens in one batch, two carrying a state from
+    earlier steps and one fresh, and padding after them: each request's outputs and final
+    state equal transformers' recurrence run on it alone."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
+
+    rng = np.random.default_rng(0)
+    lens, carried = [5, 1, 9], [True, True, False]
+    heads, dk, dv, pad = 4, 16, 8, 4
+    t = sum(lens) + pad
+    q, k = (rng.normal(size=(t, heads, dk)).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(t, heads, dv)).astype(np.float32)
+    decay = -np.abs(rng.normal(size=(t, heads))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.normal(size=(t, heads))))).astype(np.float32)
+    initial = rng.normal(size=(len(lens) + 1, heads, dk, dv)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens), [sum(lens)]]).astype(np.int32)  # + a padding row
+    seq_lens = np.array([n + 7 * c for n, c in zip(lens, carried, strict=True)] + [0], np.int32)
+    meta = AttentionMetadata(
+        slot_mapping=jnp.zeros((1, t), jnp.int32),
+        seq_lens=jnp.asarray(seq_lens),
+        block_tables=jnp.zeros((1, len(lens) + 1, 1), jnp.int32),
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.array([len(lens)], jnp.int32),
+    )
+    out, final = gated_delta_rule(
+        *(jnp.asarray(x) for x in (q, k, v, decay, beta, initial)), _Rows.of(meta, t)
+    )
+    out, final = np.asarray(out), np.asarray(final)
+    for r, c in enumerate(carried):
+        span = slice(cu[r], cu[r + 1])
+        expected, state = ref.torch_recurrent_gated_delta_rule(
+            *(torch.from_numpy(x[span][None]) for x in (q, k, v, decay, beta)),
+            initial_state=torch.from_numpy(initial[r][None]) if c else None,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        np.testing.assert_allclose(out[span], expected[0].numpy(), atol=2e-5)
+        np.testing.assert_allclose(final[r], state[0].numpy(), atol=2e-5)
+    assert not out[sum(lens) :].any()  # padding tokens give nothing
+
+
+def test_logits_match_transformers(hybrid):
+    case, path, hf_model = hybrid
+    loaded = load_model(path, dtype=jnp.float32, load_tokenizer=False)
+    assert loaded.config.architecture == HYBRIDS[case][1]
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=45).tolist()
+    ours = prefill_logits(loaded.model, loaded.config, ids)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float().numpy()
+    diff = np.abs(ours - ref).max()
+    print(f"{case}: max abs logit diff {diff:.2e} (logit scale {np.abs(ref).max():.2f})")
+    assert diff < 1e-4, diff
+
+
+def _expected(hf_model, prompts, n):
+    """n greedy tokens per prompt, end-of-sequence included (as `ignore_eos` samples it:
+    `generate`'s `min_new_tokens` would mask it instead), each from a full forward pass."""
+    out = []
+    for ids in prompts:
+        ids = list(ids)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[-n:])
+    return out
+
+
+def _assert_idle(llm: LLM) -> None:
+    """No request or page is held, and a state slot (a batch row) only by a request that
+    finished in the last step: the runner drops those rows at the next step that runs, before
+    it adds that step's new ones."""
+    kv = llm.kv_cache_manager
+    kv.check_invariants()
+    assert not llm.engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_pages
+    assert set(llm.runner.input_batch.row_of) <= set(llm.engine.scheduler._finished_ids)
+
+
+def test_greedy_tokens_match_transformers(hybrid):
+    """24 greedy tokens each for prompts shorter and longer than a step's 16-token budget
+    (chunked: the state carried across chunks), batched and alone, then again (a prefix that
+    the cache would hold is recomputed: the state of a cached prefix is not kept)."""
+    case, path, hf_model = hybrid
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (7, 40, 29)]
+    expected = _expected(hf_model, prompts, 24)
+    llm = LLM(
+        path,
+        dtype="float32",
+        page_size=8,
+        num_pages=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=256,
+    )
+    assert not llm.config.cache.enable_prefix_caching
+    compiled = llm.runner.num_compilations
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    inputs = [{"prompt_token_ids": ids} for ids in prompts]
+    batched = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
+    alone = [llm.generate(i, params, use_tqdm=False)[0].outputs[0].token_ids for i in inputs]
+    again = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
+    assert batched == expected, case
+    assert alone == expected, case
+    assert again == expected, case
+    assert llm.runner.num_compilations == compiled  # warmup compiled every program
+    _assert_idle(llm)
+
+
+def test_preempted_requests_recompute_their_state(tmp_path):
+    """Pages too few for four growing requests: the newest are preempted, their rows (and
+    state slots) handed to others, and recomputed from a zero state: the tokens are
+    unchanged."""
+    hf_model = write_family_checkpoint("qwen3.5", tmp_path)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (30, 25, 33, 20)]
+    expected = _expected(hf_model, prompts, 32)
+    llm = LLM(
+        tmp_path,
+        dtype="float32",
+        page_size=8,
+        num_pages=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        skip_warmup=True,
+    )
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in out] == expected
+    _assert_idle(llm)
+
+
+def test_the_plan_counts_the_state_and_refuses_what_it_cannot_serve(tmp_path):
+    """The recurrent state (a slot per request) is an entry of the memory plan, taken out of
+    the KV pool; only the attention layers have KV pages; prefix caching is off; speculative
+    decoding is refused by name."""
+    write_family_checkpoint("qwen3-next", tmp_path)
+    model_config = load_hf_config(tmp_path)
+    gib = 2**-8
+    config = EngineConfig.create(
+        str(tmp_path), max_num_seqs=8, max_num_batched_tokens=64, cpu_kv_cache_gib=gib
+    )
+    plan = plan_engine(config, model_config, DeviceMemory(None), dtype=jnp.float32)
+    la = model_config.linear_attention
+    per_layer = 4 * ((la.conv_kernel - 1) * la.conv_dim + 4 * 16 * 8)
+    assert state_bytes_per_slot(model_config, jnp.float32) == 3 * per_layer
+    assert plan.memory["recurrent state"] == 8 * 3 * per_layer
+    assert plan.kv_groups.layers == ((3,),)  # the one attention layer
+    assert plan.num_pages == (int(gib * 2**30) - plan.memory["recurrent state"]) // plan.page_bytes
+    assert not plan.config.cache.enable_prefix_caching
+    spec = config.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config.*linear-attention"):
+        plan_engine(spec, model_config, DeviceMemory(None), dtype=jnp.float32)
