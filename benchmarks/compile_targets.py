@@ -46,6 +46,9 @@ RUNS = {
     "llava-7b-h100": ("llava-1.5-7b", "h100", {}),
     # The hub's image processor bound (12,845,056 pixels: 16,384 tokens an image).
     "qwen2.5-vl-7b-v6e-1": ("qwen2.5-vl-7b", "v6e-1", {}),
+    # A hybrid: 48 Gated DeltaNet layers (a recurrent state per request) and 16 attention ones.
+    "qwen3.5-27b-h100": ("qwen3.5-27b", "h100", {}),
+    "qwen3.5-27b-v6e-4": ("qwen3.5-27b", "v6e-4", {}),
 }
 
 # Published figures of the TPU peers for the same model and chip (their measurements).

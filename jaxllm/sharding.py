@@ -8,6 +8,9 @@ Every parameter declares logical axes where it is created (`layers.param(..., ax
 - the embedding and the output head are split on the vocabulary;
 - mixture-of-experts weights `[E, D, F]` are split on the expert axis (expert parallelism), or
   on each expert's MLP width when the mesh does not divide E (moe.py);
+- a Gated DeltaNet layer's channels are split by key head group (each device runs the
+  recurrence of its own heads, with their share of the state), its output projection is
+  row-parallel;
 - norms (and anything else) are replicated.
 An axis whose length the mesh axis does not divide stays replicated (a 403-token toy
 vocabulary, say); when two axes of one array map to the same mesh axis, the first that
@@ -44,6 +47,7 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "expert": "model",
     "expert_mlp": "model",
+    "linear_heads": "model",  # a Gated DeltaNet layer's channels, by key head group
 }
 
 
@@ -130,6 +134,12 @@ def shard_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
     if tp == 1:
         return config
     n, k = config.num_heads, config.num_kv_heads
+    la = config.linear_attention
+    if la is not None and la.num_key_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the model's {la.num_key_heads} "
+            f"linear-attention key heads (linear_num_key_heads); use a divisor of it"
+        )
     if n % tp:
         raise ValueError(
             f"tensor_parallel_size {tp} does not divide the model's {n} query heads; use a "

@@ -19,7 +19,13 @@ from jaxllm.models.linear_attention import _Rows, gated_delta_rule, state_bytes_
 from jaxllm.worker.kv_sizing import DeviceMemory
 from jaxllm.worker.plan import plan_engine
 
-from helpers import HYBRIDS, VOCAB, prefill_logits, write_family_checkpoint
+from helpers import (
+    HYBRIDS,
+    VOCAB,
+    prefill_logits,
+    tensor_parallel_report,
+    write_family_checkpoint,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -186,3 +192,20 @@ def test_the_plan_counts_the_state_and_refuses_what_it_cannot_serve(tmp_path):
     spec = config.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="speculative_config.*linear-attention"):
         plan_engine(spec, model_config, DeviceMemory(None), dtype=jnp.float32)
+
+
+def test_tensor_parallel_splits_the_linear_heads(tmp_path):
+    """1 and 2 fake CPU devices: each device runs the recurrence of its own key heads (and
+    holds their state); the same greedy tokens, nothing compiled after warmup, half the
+    weights per device. A size that does not divide the linear key heads is refused by
+    name."""
+    from jaxllm.sharding import shard_config
+
+    write_family_checkpoint("qwen3-next", tmp_path / "ckpt")
+    rows = tensor_parallel_report(tmp_path / "ckpt", "1,2", tmp_path)
+    assert [r["same_tokens_as_first"] for r in rows] == [True, True]
+    assert [r["compiled_after_warmup"] for r in rows] == [0, 0]
+    assert rows[1]["param_bytes_per_device"] < 0.51 * rows[0]["param_bytes"]
+    config = load_hf_config(tmp_path / "ckpt")  # 2 linear key heads, 2 kv heads
+    with pytest.raises(ValueError, match="linear_num_key_heads"):
+        shard_config(config, 4)

@@ -22,6 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxllm.aot.engine import CompiledEngine
+from jaxllm.models.linear_attention import state_bytes_per_slot
 from jaxllm.worker import pick_shape
 from pallas_kernels.kv_cache import attention_cost
 
@@ -73,6 +74,9 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     # Each layer reads the keys its window sees (a sliding layer at most its window).
     seen = [min(context, cfg.layer_window(i) or context) for i in cfg.attention_layers]
     kv_read = batch * sum(seen) * _kv_bytes_per_token(engine) / layers
+    if cfg.linear_attention is not None:  # each request's state read and written back
+        state = state_bytes_per_slot(cfg, dtype) // engine.tensor_parallel_size
+        kv_read += 2 * batch * state
     attention_flops = 4 * cfg.head_dim * heads * batch * sum(seen)
     weights = engine.weights[0]
     if forward.bytes_accessed is None or head.bytes_accessed is None:
@@ -123,7 +127,19 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
     cfg, target = engine.config, engine.target
     programs = runner.programs
     temp = max(programs, key=lambda p: p.temp_bytes)
-    total = engine.weight_device_bytes + engine.kv_cache_device_bytes + temp.temp_bytes
+    # The plan's other consumers of device memory (LoRA slots, the encoder cache, a hybrid's
+    # recurrent state), by name.
+    others = {
+        name: n
+        for name, n in engine.plan.memory.items()
+        if n and name not in ("weights", "kv cache")
+    }
+    total = (
+        engine.weight_device_bytes
+        + engine.kv_cache_device_bytes
+        + sum(others.values())
+        + temp.temp_bytes
+    )
     usable = target.limit_bytes(cfg.cache.memory_utilization)
     forward = [p for p in programs if p.updates_cache]
     copies = runner.cache_copies()
@@ -161,6 +177,7 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
             "num_pages": runner.num_pages,
             "kv_cache_tokens": capacity,
             "kv_cache_groups": {"windows": list(groups.windows), "slots": groups.num_slots},
+            "other_bytes": others,
             "max_temp_bytes": temp.temp_bytes,
             "max_temp_program": f"{temp.name} {temp.shape}",
             "total_bytes": total,
@@ -224,6 +241,7 @@ def render(data: dict[str, Any]) -> str:
         f"{m['kv_cache_tokens']:,} tokens of every layer "
         f"({m['kv_cache_bytes'] / max(m['kv_cache_tokens'], 1) / 1024:.1f} KiB per token)"
         + _groups_line(m.get("kv_cache_groups")),
+        *(f"  {name:<12} {_g(n):>12}" for name, n in m.get("other_bytes", {}).items()),
         f"  temporaries  {_g(m['max_temp_bytes']):>12}  (the most of one program: "
         f"{m['max_temp_program']})",
         f"  total        {_g(m['total_bytes']):>12}  "

@@ -42,6 +42,7 @@ def _hybrid(fused: bool, *, renormalize: bool | None = None):
         )
         out = {
             "linear_attention": linear,
+            "attention_output_gate": bool(config.get("attn_output_gate", True)),
             "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
             # Served as text: M-RoPE's three position components are equal for text tokens,
             # which makes its interleaved sections plain RoPE.

@@ -94,37 +94,38 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
 
 
 def _linear_attention_rules(c: ModelConfig) -> dict:
-    """A Gated DeltaNet layer's tensors (`jaxllm.models.linear_attention`). Qwen3-Next's fused
-    projections interleave q, k, v and z (and b, a) per key head: their columns are reordered
-    into [q | k | v | z] and [b | a], each heads-major."""
+    """A Gated DeltaNet layer's tensors (`jaxllm.models.linear_attention`), its channels by key
+    head group: Qwen3-Next's fused projections are laid out so already; Qwen3.5's
+    `in_proj_qkv` and every convolution have [q | k | v] heads-major, reordered into it."""
     la = c.linear_attention
     r = la.num_value_heads // la.num_key_heads
+    widths = [la.key_head_dim * la.num_key_heads] * 2 + [la.value_dim]
+    per_group = [la.key_head_dim, la.key_head_dim, r * la.value_head_dim]
     same = lambda w: w  # noqa: E731
 
-    def by_key_head(w: np.ndarray, widths: list[int]) -> np.ndarray:
-        """[D, key heads * sum(widths)] (each key head's parts side by side) -> the parts'
-        columns in turn, each heads-major."""
-        d = w.shape[0]
-        per_head = w.reshape(d, la.num_key_heads, sum(widths))
-        parts = np.split(per_head, np.cumsum(widths)[:-1], axis=-1)
-        return np.concatenate([p.reshape(d, -1) for p in parts], axis=-1)
+    def by_group(w: np.ndarray) -> np.ndarray:
+        """[..., q | k | v] -> [..., per key head g: q_g k_g v_g]."""
+        parts = np.split(w, np.cumsum(widths)[:-1], axis=-1)
+        lead = w.shape[:-1]
+        heads = [
+            p.reshape(*lead, la.num_key_heads, n) for p, n in zip(parts, per_group, strict=True)
+        ]
+        return np.concatenate(heads, axis=-1).reshape(*lead, -1)
 
-    qkvz = [la.key_head_dim, la.key_head_dim, r * la.value_head_dim, r * la.value_head_dim]
-    prefix = "linear_attn."
     rules = {
-        "in_proj_qkvz.weight": (("in_proj_qkvz",), lambda w: by_key_head(w.T, qkvz)),
-        "in_proj_ba.weight": (("in_proj_ba",), lambda w: by_key_head(w.T, [r, r])),
-        "in_proj_qkv.weight": (("in_proj_qkv",), lambda w: w.T),
+        "in_proj_qkvz.weight": (("in_proj_qkvz",), lambda w: w.T),
+        "in_proj_ba.weight": (("in_proj_ba",), lambda w: w.T),
+        "in_proj_qkv.weight": (("in_proj_qkv",), lambda w: by_group(w.T)),
         "in_proj_z.weight": (("in_proj_z",), lambda w: w.T),
         "in_proj_b.weight": (("in_proj_b",), lambda w: w.T),
         "in_proj_a.weight": (("in_proj_a",), lambda w: w.T),
-        "conv1d.weight": (("conv1d",), lambda w: w[:, 0, :].T),  # [C, 1, K] -> [K, C]
+        "conv1d.weight": (("conv1d",), lambda w: by_group(w[:, 0, :].T)),  # [C, 1, K] -> [K, C]
         "dt_bias": (("dt_bias",), same),
         "A_log": (("A_log",), same),
         "norm.weight": (("norm_weight",), same),
         "out_proj.weight": (("out_proj",), lambda w: w.T),
     }
-    return {prefix + k: (("linear_attn", *path), f) for k, (path, f) in rules.items()}
+    return {f"linear_attn.{k}": (("linear_attn", *path), f) for k, (path, f) in rules.items()}
 
 
 # An expert's projection -> our stacked weight (Qwen3-MoE's names; a family with names of its

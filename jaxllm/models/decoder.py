@@ -67,7 +67,7 @@ class DecoderLayer(nnx.Module):
         # a Gated DeltaNet over its recurrent state.
         if config.layer_is_linear(layer):
             ordinal = config.linear_layers.index(layer)
-            self.linear_attn = GatedDeltaNet(config, ordinal, dtype=dtype, rngs=rngs)
+            self.linear_attn = GatedDeltaNet(config, ordinal, dtype=dtype, mesh=mesh, rngs=rngs)
             self.self_attn = None
         else:
             self.self_attn = Attention(config, layer, dtype=dtype, mesh=mesh, rngs=rngs)

@@ -24,10 +24,12 @@ the faster one on accelerators and is not written yet.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import AttentionMetadata, linear, param
@@ -55,6 +57,12 @@ class LinearState:
                 jnp.float32,
             ),
         )
+
+    @staticmethod
+    def specs() -> LinearState:
+        """Its PartitionSpecs under tensor parallelism: the channels and the value heads
+        split over "model" as the layers' weights are (each device holds its heads' state)."""
+        return LinearState(P(None, None, None, "model"), P(None, None, "model"))
 
 
 def state_bytes_per_slot(config: ModelConfig, dtype) -> int:
@@ -94,45 +102,47 @@ class _Rows:
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, config: ModelConfig, ordinal: int, *, dtype, rngs: nnx.Rngs | None):
+    """One Gated DeltaNet layer. Its channels are laid out by key head ("group-major"): key
+    head g's q, k, v (its value heads) and z are side by side, as Qwen3-Next's fused
+    projections are (the loader reorders Qwen3.5's split ones and every convolution into it).
+    So a split of the channels over devices gives each device whole key heads with their
+    value heads: under tensor parallelism each device runs the layer on its own heads, with
+    its share of the state, and one sum after the output projection (`__call__`)."""
+
+    def __init__(
+        self, config: ModelConfig, ordinal: int, *, dtype, mesh=None, rngs: nnx.Rngs | None
+    ):
         """`ordinal`: this layer's index among the model's linear layers (its row of the
-        state)."""
+        state). `mesh`: tensor parallelism over its "model" axis (heads split); None for one
+        device."""
         la = config.linear_attention
-        d = config.hidden_size
+        d, nv = config.hidden_size, la.num_value_heads
         self.shape = la
         self.ordinal = ordinal
-        key_dim = la.num_key_heads * la.key_head_dim
-        # Columns in the order [q, k, v, z] and [b, a], each heads-major (the loader
-        # reorders Qwen3-Next's per-key-head interleaving into it).
+        self.mesh = mesh
+        heads = ("embed", "linear_heads")  # column-parallel by key head group
         if la.fused_projections:
-            self.in_proj_qkvz = param(rngs, (d, la.conv_dim + la.value_dim), ("embed", None), dtype)
-            self.in_proj_ba = param(rngs, (d, 2 * la.num_value_heads), ("embed", None), dtype)
+            self.in_proj_qkvz = param(rngs, (d, la.conv_dim + la.value_dim), heads, dtype)
+            self.in_proj_ba = param(rngs, (d, 2 * nv), heads, dtype)
         else:
-            self.in_proj_qkv = param(rngs, (d, la.conv_dim), ("embed", None), dtype)
-            self.in_proj_z = param(rngs, (d, la.value_dim), ("embed", None), dtype)
-            self.in_proj_b = param(rngs, (d, la.num_value_heads), ("embed", None), dtype)
-            self.in_proj_a = param(rngs, (d, la.num_value_heads), ("embed", None), dtype)
-        self.conv1d = param(rngs, (la.conv_kernel, la.conv_dim), (None, None), dtype)
-        self.dt_bias = nnx.Param(jnp.ones((la.num_value_heads,), dtype), axes=(None,))
-        self.A_log = nnx.Param(jnp.zeros((la.num_value_heads,), dtype), axes=(None,))
+            self.in_proj_qkv = param(rngs, (d, la.conv_dim), heads, dtype)
+            self.in_proj_z = param(rngs, (d, la.value_dim), heads, dtype)
+            self.in_proj_b = param(rngs, (d, nv), heads, dtype)
+            self.in_proj_a = param(rngs, (d, nv), heads, dtype)
+        self.conv1d = param(rngs, (la.conv_kernel, la.conv_dim), (None, "linear_heads"), dtype)
+        self.dt_bias = nnx.Param(jnp.ones((nv,), dtype), axes=("linear_heads",))
+        self.A_log = nnx.Param(jnp.zeros((nv,), dtype), axes=("linear_heads",))
         self.norm_weight = nnx.Param(jnp.ones((la.value_head_dim,), dtype), axes=(None,))
-        self.out_proj = param(rngs, (la.value_dim, d), (None, "embed"), dtype)
+        self.out_proj = param(rngs, (la.value_dim, d), ("linear_heads", "embed"), dtype)
         self.eps = config.rms_norm_eps
-        self.key_dim = key_dim
 
-    def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """(mixed q|k|v [T, C], z [T, Hv * Dv], b [T, Hv], a [T, Hv])."""
-        la = self.shape
-        if la.fused_projections:
-            qkvz = linear(x, self.in_proj_qkvz.get_value())
-            ba = linear(x, self.in_proj_ba.get_value())
-            mixed, z = jnp.split(qkvz, [la.conv_dim], axis=-1)
-            b, a = jnp.split(ba, 2, axis=-1)
-            return mixed, z, b, a
-        return tuple(
-            linear(x, w.get_value())
-            for w in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        )
+    def _weights(self) -> dict[str, jax.Array]:
+        names = ["conv1d", "dt_bias", "A_log", "norm_weight", "out_proj"]
+        if self.shape.fused_projections:
+            names += ["in_proj_qkvz", "in_proj_ba"]
+        else:
+            names += ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+        return {name: getattr(self, name).get_value() for name in names}
 
     def __call__(
         self,
@@ -141,40 +151,80 @@ class GatedDeltaNet(nnx.Module):
         meta: AttentionMetadata,
         slots: jax.Array,  # i32[R]: each request's state slot
     ) -> tuple[jax.Array, LinearState]:
-        la = self.shape
-        num_tokens = x.shape[0]
-        rows = _Rows.of(meta, num_tokens)
-        mixed, z, b, a = self._project(x)
-        conv_state = state.conv[self.ordinal]  # [S, K - 1, C]
-        mixed, new_conv = _causal_conv(mixed, conv_state, self.conv1d.get_value(), rows, slots)
-        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
-        r = la.num_value_heads // la.num_key_heads
-        q = jnp.repeat(q.reshape(num_tokens, la.num_key_heads, la.key_head_dim), r, axis=1)
-        k = jnp.repeat(k.reshape(num_tokens, la.num_key_heads, la.key_head_dim), r, axis=1)
-        v = v.reshape(num_tokens, la.num_value_heads, la.value_head_dim)
-        beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype)  # rounded as HF does
-        decay = -jnp.exp(self.A_log.get_value().astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias.get_value().astype(jnp.float32)
+        weights = self._weights()
+        run = functools.partial(_mix, ordinal=self.ordinal, shape=self.shape, eps=self.eps)
+        if self.mesh is None:
+            return run(x, state, weights, meta, slots)
+        from jaxllm.sharding import spec_for
+
+        specs = {
+            name: spec_for(getattr(self, name).get_metadata()["axes"], w.shape, self.mesh)
+            for name, w in weights.items()
+        }
+
+        def local(x, state, weights, meta, slots):
+            out, state = run(x, state, weights, meta, slots)
+            return jax.lax.psum(out.astype(jnp.float32), "model").astype(x.dtype), state
+
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(P(), LinearState.specs(), specs, P(), P()),
+            out_specs=(P(), LinearState.specs()),
+            check_vma=False,
+        )(x, state, weights, meta, slots)
+
+
+def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
+    """The layer on the heads whose weights `w` holds (all of them, or one device's share):
+    (its output [T, D], a partial sum under tensor parallelism; the state updated)."""
+    la = shape
+    num_tokens = x.shape[0]
+    rows = _Rows.of(meta, num_tokens)
+    r = la.num_value_heads // la.num_key_heads
+    dk, dv = la.key_head_dim, la.value_head_dim
+    group = 2 * dk + r * dv  # one key head's q, k and v channels
+    groups = w["conv1d"].shape[1] // group  # the key heads held here
+    if la.fused_projections:
+        qkvz = linear(x, w["in_proj_qkvz"]).reshape(num_tokens, groups, group + r * dv)
+        mixed, z = qkvz[..., :group], qkvz[..., group:]
+        ba = linear(x, w["in_proj_ba"]).reshape(num_tokens, groups, 2 * r)
+        b, a = ba[..., :r].reshape(num_tokens, -1), ba[..., r:].reshape(num_tokens, -1)
+        mixed = mixed.reshape(num_tokens, -1)
+    else:
+        mixed, z, b, a = (
+            linear(x, w[name]) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         )
-        initial = state.recurrent[self.ordinal][slots]  # [R, Hv, Dk, Dv]
-        out, final = gated_delta_rule(q, k, v, decay, beta, initial, rows)
-        out = out.astype(x.dtype)
-        # The gated RMSNorm per value head: normalise, scale, then times silu(z) in float32.
-        z = z.reshape(num_tokens, la.num_value_heads, la.value_head_dim)
-        of = out.astype(jnp.float32)
-        of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)
-        normed = self.norm_weight.get_value() * of.astype(x.dtype)
-        gated = (normed * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
-        out = linear(gated.reshape(num_tokens, -1), self.out_proj.get_value())
-        # Padding rows write nowhere (their slot index is out of range and dropped).
-        num_slots = conv_state.shape[0]
-        live = jnp.arange(slots.shape[0]) < meta.num_seqs[0]
-        where = jnp.where(live, slots, num_slots)
-        state = LinearState(
-            state.conv.at[self.ordinal, where].set(new_conv.astype(state.conv.dtype), mode="drop"),
-            state.recurrent.at[self.ordinal, where].set(final, mode="drop"),
-        )
-        return out, state
+    conv_state = state.conv[ordinal]  # [S, K - 1, C]
+    mixed, new_conv = _causal_conv(mixed, conv_state, w["conv1d"], rows, slots)
+    mixed = mixed.reshape(num_tokens, groups, group)
+    # Each key head serves r consecutive value heads (g * r + j), as transformers repeats it.
+    q = jnp.repeat(mixed[..., :dk], r, axis=1)  # [T, Hv, Dk]
+    k = jnp.repeat(mixed[..., dk : 2 * dk], r, axis=1)
+    v = mixed[..., 2 * dk :].reshape(num_tokens, groups * r, dv)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype)  # rounded as HF does
+    decay = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32)
+    )
+    initial = state.recurrent[ordinal][slots]  # [R, Hv, Dk, Dv]
+    out, final = gated_delta_rule(q, k, v, decay, beta, initial, rows)
+    out = out.astype(x.dtype)
+    # The gated RMSNorm per value head: normalise, scale, then times silu(z) in float32.
+    z = z.reshape(num_tokens, groups * r, dv)
+    of = out.astype(jnp.float32)
+    of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
+    normed = w["norm_weight"] * of.astype(x.dtype)
+    gated = (normed * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+    out = linear(gated.reshape(num_tokens, -1), w["out_proj"])
+    # Padding rows write nowhere (their slot index is out of range and dropped).
+    num_slots = conv_state.shape[0]
+    live = jnp.arange(slots.shape[0]) < meta.num_seqs[0]
+    where = jnp.where(live, slots, num_slots)
+    state = LinearState(
+        state.conv.at[ordinal, where].set(new_conv.astype(state.conv.dtype), mode="drop"),
+        state.recurrent.at[ordinal, where].set(final, mode="drop"),
+    )
+    return out, state
 
 
 def _causal_conv(mixed, conv_state, weight, rows: _Rows, slots):

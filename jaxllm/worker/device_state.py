@@ -134,17 +134,24 @@ class DeviceState:
         and, for a hybrid model, a zero recurrent state of `linear`'s shapes. The one place a
         model cache is made: a new kind of state is made here too."""
         if linear is not None:
-            linear = jax.tree.map(self._zeros, linear)
+            linear = jax.tree.map(self._zeros, linear, LinearState.specs())
         return ModelCache(kv=self.zeros_cache(kv_shape, kv_dtype), linear=linear)
 
-    def _zeros(self, shape: jax.ShapeDtypeStruct) -> jax.Array | jax.ShapeDtypeStruct:
-        """A zero array placed as host inputs are (replicated under a mesh)."""
+    def _zeros(self, shape: jax.ShapeDtypeStruct, spec) -> jax.Array | jax.ShapeDtypeStruct:
+        """A zero array made on its devices: split as `spec` says under a mesh."""
+        where = self.replicated
+        if self.mesh is not None:
+            where = jax.sharding.NamedSharding(self.mesh, spec)
         if self.abstract:
-            return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self.replicated)
-        make = functools.partial(jnp.zeros, shape.shape, shape.dtype)
-        if self.replicated is None:
-            return make()
-        return jax.jit(make, out_shardings=self.replicated)()  # made on the devices
+            return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where)
+        if where is None:
+            return jnp.zeros(shape.shape, shape.dtype)
+        key = (shape.shape, jnp.dtype(shape.dtype), where)
+        make = self._zeros_programs.get(key)
+        if make is None:  # one program per shape, kept: remaking the state compiles nothing
+            zeros = functools.partial(jnp.zeros, shape.shape, shape.dtype)
+            make = self._zeros_programs[key] = jax.jit(zeros, out_shardings=where)
+        return make()
 
     def _spec(self, cache: ModelCache) -> tuple:
         """What `zeros_model_cache` needs to make `cache` anew."""

@@ -177,7 +177,7 @@ def _consumers(
     state = 0
     if model_config.linear_attention is not None:  # a slot per request (the batch's rows)
         slots = config.scheduler.max_num_seqs
-        state = slots * state_bytes_per_slot(model_config, dtype)
+        state = -(-slots * state_bytes_per_slot(model_config, dtype) // tp)  # heads split
     return {
         "weights": memory.weights,
         "lora slots": lora_slot_bytes(model_config, config.lora, itemsize, tp),
