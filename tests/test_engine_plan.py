@@ -111,5 +111,8 @@ def test_cache_and_extras_are_pytrees_the_forward_pass_takes_whole():
         "lora_slots",
         "mm_pool",
         "mm_rows",
+        "state_slots",
     ]
     assert len(jax.tree.leaves(StepExtras())) == 0
+    # A hybrid model's recurrent state is one more field of the same cache value.
+    assert [f.name for f in dataclasses.fields(ModelCache)] == ["kv", "linear"]
