@@ -254,34 +254,56 @@ def _causal_conv(mixed, conv_state, weight, rows: _Rows, slots):
     return out, new_state
 
 
+def _update(s, q_t, k_t, v_t, g_t, b_t):
+    """One token's step of the delta rule on its state s [..., Hv, Dk, Dv]: (the new state,
+    the output [..., Hv, Dv])."""
+    s = s * jnp.exp(g_t)[..., None, None]
+    memory = jnp.einsum("...hkv,...hk->...hv", s, k_t)
+    delta = (v_t - memory) * b_t[..., None]
+    s = s + k_t[..., :, None] * delta[..., None, :]
+    return s, jnp.einsum("...hkv,...hk->...hv", s, q_t)
+
+
 def gated_delta_rule(q, k, v, decay, beta, initial, rows: _Rows):
-    """The gated delta rule over a ragged batch, token by token (the reference form).
+    """The gated delta rule over a ragged batch (the reference form, in pure JAX).
 
     q, k [T, Hv, Dk]; v [T, Hv, Dv]; decay, beta f32[T, Hv]; initial f32[R, Hv, Dk, Dv] (each
     request's state before the step; a fresh request's is taken as zero). Returns (o f32[T,
     Hv, Dv], each request's state after its last token f32[R, Hv, Dk, Dv]; a request with no
-    token keeps its initial state)."""
+    token keeps its initial state).
+
+    Every request's first token is one batched update over all requests (a decode step is
+    only that); the chunks' further tokens then go one at a time, in a loop that runs as many
+    times as there are such tokens in the step (none in a decode step)."""
     q = _l2norm(q.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
     k = _l2norm(k.astype(jnp.float32))
     v = v.astype(jnp.float32)
     initial = jnp.where(rows.fresh[:, None, None, None], 0.0, initial)
-    last = rows.valid & (rows.index == rows.q_lens[rows.request] - 1)
+    num_tokens = q.shape[0]
+    # Each request's first token, all at once (a request without tokens reads a token it
+    # does not own: its state is kept below).
+    first = jnp.minimum(rows.starts, num_tokens - 1)
+    after_first, o_first = _update(initial, q[first], k[first], v[first], decay[first], beta[first])
+    has_token = rows.q_lens > 0
+    final = jnp.where(has_token[:, None, None, None], after_first, initial)
+    out = jnp.zeros(v.shape, jnp.float32)
+    out = out.at[jnp.where(has_token, first, num_tokens)].set(o_first, mode="drop")
+    # The rest, in order: the tokens past their request's first, moved to the front.
+    rest = rows.valid & (rows.index > 0)
+    order = jnp.argsort(~rest, stable=True)
+    num_rest = jnp.sum(rest)
 
-    def step(carry, xs):
-        s, final = carry
-        q_t, k_t, v_t, g_t, b_t, req, first, valid, is_last = xs
-        s = jnp.where(first, initial[req], s)
-        s = s * jnp.exp(g_t)[:, None, None]
-        memory = jnp.einsum("hkv,hk->hv", s, k_t)
-        delta = (v_t - memory) * b_t[:, None]
-        s = s + k_t[:, :, None] * delta[:, None, :]
-        o_t = jnp.einsum("hkv,hk->hv", s, q_t)
-        final = final.at[req].set(jnp.where(is_last, s, final[req]))
-        return (s, final), jnp.where(valid, o_t, 0.0)
+    def body(i, carry):
+        s, final, out = carry
+        t = order[i]
+        r = rows.request[t]
+        s = jnp.where(rows.index[t] == 1, final[r], s)  # its first token's state
+        s, o_t = _update(s, q[t], k[t], v[t], decay[t], beta[t])
+        out = jax.lax.dynamic_update_index_in_dim(out, o_t, t, 0)
+        final = jax.lax.dynamic_update_index_in_dim(final, s, r, 0)
+        return s, final, out
 
-    first = rows.index == 0
-    xs = (q, k, v, decay, beta, rows.request, first, rows.valid, last)
-    (_, final), out = jax.lax.scan(step, (initial[0], initial), xs)
+    _, final, out = jax.lax.fori_loop(0, num_rest, body, (final[0], final, out))
     return out, final
 
 
