@@ -15,10 +15,11 @@ slot (`StepExtras.state_slots`, i32[R], a slot per running request that the runn
 taken as zero when its chunk starts at position 0 (a new or recomputed request: no reset is
 needed on admission or preemption), carried through its tokens and written back to the slot.
 
-This is the reference form, in pure JAX: one `lax.scan` over the step's tokens, each token one
-rank-1 update of its request's state. Its work is the recurrence's (T x heads x key x value)
-and it runs on every backend; the chunked (parallel-within-chunk) form for long prefills is
-the faster one on accelerators and is not written yet.
+This is the reference form, in pure JAX, on every backend (`gated_delta_rule`): every request's
+first token of the step in one batched update (a decode step is nothing more), then the
+chunks' further tokens one by one. Its work is the recurrence's (tokens x heads x key x value);
+the chunked (parallel-within-chunk) form for long prefills, and a Pallas kernel of it, would
+be faster on accelerators and are not written yet.
 """
 
 from __future__ import annotations
