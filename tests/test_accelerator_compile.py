@@ -252,13 +252,15 @@ def _tiny_config(
     gemma: bool = False,
     llava: bool = False,
     qwen_vl: str | None = None,
+    hybrid: bool = False,
 ) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
     Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups); with
     `llava`, behind a vision tower: LLaVA's (CLIP) for the Llama layout, Gemma 3's (SigLIP,
     pooled to 16 tokens that attend to each other) for Gemma's; `qwen_vl` "2.5": Qwen2.5-VL's
     windowed tower (images of up to 16 tokens) before a Qwen2 decoder with M-RoPE, "2":
-    Qwen2-VL's."""
+    Qwen2-VL's; `hybrid`: Qwen3-Next's layout in 4 layers (3 Gated DeltaNet, 1 gated
+    attention; experts with a shared one)."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -274,6 +276,22 @@ def _tiny_config(
     }
     if moe:
         config |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    if hybrid:
+        config |= {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "partial_rotary_factor": 0.25,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+        }
     if gemma:
         sliding, full = "sliding_attention", "full_attention"
         config |= {
@@ -380,6 +398,10 @@ ENGINES = [
     pytest.param("v5e-4", "qwen-vl", dict(enable_mm_embeds=True), id="v5e-4-qwen-vl"),
     pytest.param("h100", "qwen-vl", dict(quantization="int8"), id="h100-qwen-vl"),
     pytest.param("v6e-1", "qwen2-vl", {}, id="v6e-1-qwen2-vl"),
+    # A hybrid (Qwen3-Next): the recurrent state in the donated cache beside the KV pages,
+    # its heads split over 2 devices.
+    # (Not yet on a GPU: the recurrence's loop over a prefill's tokens is a `while`.)
+    pytest.param("v5e-4", "hybrid", dict(tensor_parallel_size=2), id="v5e-4-hybrid"),
 ]  # fmt: skip
 
 
@@ -400,6 +422,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         gemma=model.startswith("gemma"),
         llava=model in ("llava", "gemma3-vl"),
         qwen_vl={"qwen-vl": "2.5", "qwen2-vl": "2"}.get(model),
+        hybrid=model == "hybrid",
     )
     settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
     config = EngineConfig.create(path, **settings)

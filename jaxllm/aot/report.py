@@ -206,6 +206,7 @@ def summary(engine: CompiledEngine, *, context: int, batches: tuple[int, ...] = 
         "kv_cache_programs": len(forward),
         "kv_cache_copies": [f"{p.name} {p.shape}" for p in copies],
         "kv_scales_copies": [f"{p.name} {p.shape}" for p in forward if p.scales_copy_ops],
+        "state_copies": [f"{p.name} {p.shape}" for p in forward if p.state_copy_ops],
         "decode_prediction": {
             "note": "predicted from the compiler's cost analysis (or, where it gives none, "
             "the weights' and the KV cache's bytes) and the chip's published peaks; not a "
@@ -261,6 +262,11 @@ def render(data: dict[str, Any]) -> str:
         + (
             f"; the 8-bit cache's scales copied in {', '.join(data['kv_scales_copies'])}"
             if data.get("kv_scales_copies")
+            else ""
+        )
+        + (
+            f"; the recurrent state copied in {', '.join(data['state_copies'])}"
+            if data.get("state_copies")
             else ""
         ),
         "",

@@ -27,7 +27,8 @@ class ModelCache:
     """The state a model keeps on the devices between steps. Step programs take it donated
     and return it updated in place: warmup checks that each step program's output aliases
     all of its bytes, and that no instruction copies the KV cache's arrays (see
-    `jaxllm.worker.compiler`; a new kind of state adds its arrays' shapes to that search).
+    `jaxllm.worker.compiler`; copies of the recurrent state are searched for and reported by
+    `jaxllm compile`).
 
     `kv`: the paged KV cache of every attention layer slot, [slots, num_pages, K, page_size,
     2H] (a `KVCache`: an 8-bit cache with its scales; a plain float array is taken as one)."""

@@ -82,6 +82,7 @@ class CompiledProgram:
     cache_bytes: int = 0  # per device, of the KV cache it updates (the draft model's, or not)
     cache_copy_ops: tuple[str, ...] = ()  # its instructions that copy the cache, if any
     scales_copy_ops: tuple[str, ...] = ()  # those that copy an 8-bit cache's scales
+    state_copy_ops: tuple[str, ...] = ()  # those that copy a hybrid's recurrent state (reported)
     # Read from the compiled program where it matters (a GPU's; `jaxllm compile`), else None
     # (see `launches`): its `conditional` and `while` instructions (on a GPU each stops the
     # host until the device is done), and the kernels it launches.
@@ -129,7 +130,9 @@ class CompiledProgram:
         """Whether a step program writes the donated KV cache in place, from what its compiler
         says: its output aliases the cache, and no instruction of the compiled program makes a
         new array of the cache's shape, its data's or an 8-bit cache's scales' (see
-        `cache_copy_ops`)."""
+        `cache_copy_ops`). A hybrid's recurrent state's copies (`state_copy_ops`) are reported
+        by `jaxllm compile`, not refused: the one-request programs still copy the
+        convolution's state on the CPU and TPUs."""
         copies = self.cache_copy_ops or self.scales_copy_ops
         return self.alias_bytes >= self.cache_bytes and not copies
 
@@ -212,6 +215,7 @@ class Compiler:
                 ),
                 cache_copy_ops=_cache_copy_ops(compiled, cache),
                 scales_copy_ops=_cache_copy_ops(compiled, cache, "scales"),
+                state_copy_ops=_cache_copy_ops(compiled, cache, "linear"),
             )
         with self._lock:
             self.programs.append(program)
@@ -256,19 +260,24 @@ class Compiler:
 
 def _cache_copy_ops(compiled, cache, array: str = "data") -> tuple[str, ...]:
     """The instructions of a compiled step program that copy the KV cache's `array` ("data", or
-    the 8-bit cache's "scales"). XLA has copied the data when a one-token write became a
+    the 8-bit cache's "scales"; "linear": a hybrid's recurrent state's arrays). XLA has copied the data when a one-token write became a
     dynamic-update-slice (see `write_kv`), when it widened a float8 cache for the scatter, and
     when the TPU kernel wanted another tiling of the cache than the one it was given. A copy
     needs temporaries of the array's size, so only a program that has that many is read (the
     temporaries alone would also count a small cache's neighbours: an MoE layer's transposed
     expert weights outweigh a 64-page one)."""
-    x = getattr(as_kv_cache(cache.kv), array)
-    if x is None:
+    if array == "linear":  # a hybrid's recurrent state: its arrays
+        arrays = [] if cache.linear is None else jax.tree.leaves(cache.linear)
+    else:
+        arrays = [getattr(as_kv_cache(cache.kv), array)]
+    arrays = [x for x in arrays if x is not None]
+    if not arrays:
         return ()
-    shape = x.sharding.shard_shape(x.shape)
-    if compiled.memory_analysis().temp_size_in_bytes < np.prod(shape) * x.dtype.itemsize:
+    shapes = [x.sharding.shard_shape(x.shape) for x in arrays]
+    smallest = min(np.prod(s) * x.dtype.itemsize for s, x in zip(shapes, arrays, strict=True))
+    if compiled.memory_analysis().temp_size_in_bytes < smallest:
         return ()
-    return cache_copy_ops(compiled.as_text(), [shape])
+    return cache_copy_ops(compiled.as_text(), shapes)
 
 
 def cache_copy_ops(hlo_text: str, shapes: list[tuple[int, ...]]) -> tuple[str, ...]:
