@@ -91,6 +91,24 @@ def test_logits_match_transformers(hybrid):
     assert diff < 1e-4, diff
 
 
+def test_bfloat16_error_is_no_worse_than_transformers(hybrid):
+    """In bfloat16 (the convolution's state too) our logits stray from the float32 truth no
+    more than transformers' own bfloat16 run does (twice its error, plus slack)."""
+    import copy
+
+    case, path, hf_model = hybrid
+    loaded = load_model(path, dtype=jnp.bfloat16, load_tokenizer=False)
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=53).tolist()
+    ours = prefill_logits(loaded.model, loaded.config, ids)
+    with torch.no_grad():
+        truth = hf_model(torch.tensor([ids])).logits[0].float().numpy()
+        theirs = copy.deepcopy(hf_model).to(torch.bfloat16)(torch.tensor([ids]))
+    ours_err = np.abs(ours - truth).max()
+    theirs_err = np.abs(theirs.logits[0].float().numpy() - truth).max()
+    print(f"{case} bfloat16: max abs error ours {ours_err:.3g}, transformers {theirs_err:.3g}")
+    assert ours_err <= 2 * theirs_err + 1e-2, (ours_err, theirs_err)
+
+
 def _expected(hf_model, prompts, n):
     """n greedy tokens per prompt, end-of-sequence included (as `ignore_eos` samples it:
     `generate`'s `min_new_tokens` would mask it instead), each from a full forward pass."""
