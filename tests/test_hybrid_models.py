@@ -227,3 +227,38 @@ def test_tensor_parallel_splits_the_linear_heads(tmp_path):
     config = load_hf_config(tmp_path / "ckpt")  # 2 linear key heads, 2 kv heads
     with pytest.raises(ValueError, match="linear_num_key_heads"):
         shard_config(config, 4)
+
+
+def test_image_text_checkpoint_serves_its_text_decoder(tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (as Qwen3.5 is published: the decoder
+    under `model.language_model.`, a vision tower, and `mtp.*` layers) serves its text
+    decoder, skipping the rest: the greedy tokens of transformers' model."""
+    from safetensors.numpy import load_file, save_file
+
+    from helpers import FAMILY_COMMON, write_tiny_tokenizer
+
+    text = {**FAMILY_COMMON, **HYBRIDS["qwen3.5"][2]}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    hf_model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.02))
+    hf_model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["mtp.fc.weight"] = np.zeros((64, 128), np.float32)  # a speculative head
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    write_tiny_tokenizer(tmp_path, vocab_size=VOCAB)
+    prompt = np.random.default_rng(3).integers(3, VOCAB, 21).tolist()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(hf_model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    llm = LLM(tmp_path, dtype="float32", max_model_len=128, max_num_seqs=2, skip_warmup=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ids[len(prompt) :]

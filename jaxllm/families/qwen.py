@@ -62,6 +62,13 @@ def _hybrid(fused: bool, *, renormalize: bool | None = None):
 # (1 + w) norms stored as w, an output gate on the query projection, QK-norm.
 _HYBRID = {"qk_norm": True, "norm_offset": 1.0, "attention_output_gate": True}
 
+
+def _without_mtp(name: str) -> str | None:
+    """The checkpoints' multi-token-prediction layers (`mtp.*`, a speculative head) are not
+    served yet: skipped."""
+    return None if name.startswith("mtp.") else name
+
+
 register(
     Family(
         "Qwen2ForCausalLM",
@@ -77,9 +84,14 @@ register(
     ),
     Family("Qwen2VLForConditionalGeneration", text_of="Qwen2ForCausalLM"),
     Family("Qwen2_5_VLForConditionalGeneration", text_of="Qwen2ForCausalLM"),
-    Family("Qwen3NextForCausalLM", _HYBRID, read_config=_hybrid(True)),
-    Family("Qwen3_5ForCausalLM", _HYBRID, read_config=_hybrid(False)),
-    Family("Qwen3_5MoeForCausalLM", _HYBRID, read_config=_hybrid(False, renormalize=True)),
+    Family("Qwen3NextForCausalLM", _HYBRID, read_config=_hybrid(True), tensor_name=_without_mtp),
+    Family("Qwen3_5ForCausalLM", _HYBRID, read_config=_hybrid(False), tensor_name=_without_mtp),
+    Family(
+        "Qwen3_5MoeForCausalLM",
+        _HYBRID,
+        read_config=_hybrid(False, renormalize=True),
+        tensor_name=_without_mtp,
+    ),
     Family("Qwen3_5ForConditionalGeneration", text_of="Qwen3_5ForCausalLM"),
     Family("Qwen3_5MoeForConditionalGeneration", text_of="Qwen3_5MoeForCausalLM"),
     Family(
