@@ -6,8 +6,8 @@ arrives here too, written as the same keys (`jaxllm.loaders.gguf`).
 
 `ModelConfig.from_hf_config` builds the config from these fields. `RopeScaling`, HF's
 `rope_scaling` record, and `LinearAttention` (a hybrid's linear layers, whose fields a family
-reads) are read here with them; like the records, this module imports nothing
-of the library beyond this package.
+reads) are read here with them; like the records, this module imports nothing of the library
+beyond this package.
 """
 
 from __future__ import annotations
@@ -46,12 +46,6 @@ class LinearAttention:
     @property
     def value_dim(self) -> int:
         return self.num_value_heads * self.value_head_dim
-
-    def state_bytes(self) -> int:
-        """One request's state in one layer, in float32: the convolution's last
-        `conv_kernel - 1` inputs and the delta rule's matrix per value head."""
-        conv = (self.conv_kernel - 1) * self.conv_dim
-        return 4 * (conv + self.num_value_heads * self.key_head_dim * self.value_head_dim)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,10 +40,11 @@ def _hybrid(fused: bool, *, renormalize: bool | None = None):
             conv_kernel=config["linear_conv_kernel_dim"],
             fused_projections=fused,
         )
+        shared = config.get("shared_expert_intermediate_size") if config.get("num_experts") else 0
         out = {
             "linear_attention": linear,
             "attention_output_gate": bool(config.get("attn_output_gate", True)),
-            "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size") or 0,
+            "shared_expert_intermediate_size": shared or 0,
             # Served as text: M-RoPE's three position components are equal for text tokens,
             # which makes its interleaved sections plain RoPE.
             "mrope_section": None,
@@ -52,15 +53,13 @@ def _hybrid(fused: bool, *, renormalize: bool | None = None):
             out["moe_renormalize"] = renormalize
         elif "norm_topk_prob" in config:
             out["moe_renormalize"] = bool(config["norm_topk_prob"])
-        if not config.get("num_experts"):
-            out["shared_expert_intermediate_size"] = 0
         return out
 
     return read
 
 
-# (1 + w) norms stored as w, an output gate on the query projection, QK-norm.
-_HYBRID = {"qk_norm": True, "norm_offset": 1.0, "attention_output_gate": True}
+# (1 + w) norms stored as w, QK-norm (the output gate is read with the rest, `_hybrid`).
+_HYBRID = {"qk_norm": True, "norm_offset": 1.0}
 
 
 def _without_mtp(name: str) -> str | None:

@@ -1,9 +1,9 @@
 """The one decoder every supported family runs on (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2,
 Gemma 2/3, Mixtral, Qwen3-MoE, and the hybrids Qwen3-Next and Qwen3.5, whose linear layers
-are `linear_attention.GatedDeltaNet`): a module whose `ModelConfig` switches cover the differences
-(GQA ratio, qkv bias, QK-norm, sandwich norms, Gemma's (1 + w) norms and scaled embeddings,
-GELU, tied head, RoPE scaling and per-layer RoPE bases, per-layer sliding windows, soft-capping,
-mixture-of-experts MLPs).
+are `linear_attention.GatedDeltaNet`): a module whose `ModelConfig` switches cover the
+differences (GQA ratio, qkv bias, QK-norm, sandwich norms, Gemma's (1 + w) norms and scaled
+embeddings, GELU, tied head, RoPE scaling and per-layer RoPE bases, partial RoPE, per-layer
+sliding windows, soft-capping, an attention output gate, mixture-of-experts MLPs).
 
 The forward pass takes the flattened tokens of every scheduled request and the paged KV cache,
 writes the new keys and values into the cache, and returns the final hidden states plus the

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import AttentionMetadata, linear, param
+from jaxllm.sharding import spec_for
 
 
 @jax.tree_util.register_dataclass
@@ -156,8 +157,6 @@ class GatedDeltaNet(nnx.Module):
         run = functools.partial(_mix, ordinal=self.ordinal, shape=self.shape, eps=self.eps)
         if self.mesh is None:
             return run(x, state, weights, meta, slots)
-        from jaxllm.sharding import spec_for
-
         specs = {
             name: spec_for(getattr(self, name).get_metadata()["axes"], w.shape, self.mesh)
             for name, w in weights.items()

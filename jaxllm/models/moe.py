@@ -1,5 +1,6 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): top-k routing, experts as grouped matmuls, expert
-weights sharded over the mesh.
+"""Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): top-k routing, experts
+as grouped matmuls, expert weights sharded over the mesh, and a shared expert where the family
+has one.
 
 Routing is data: each token's k (expert, weight) pairs are sorted by expert, and the experts
 run as three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, whose group sizes are

@@ -260,8 +260,8 @@ class Compiler:
 
 def _cache_copy_ops(compiled, cache, array: str = "data") -> tuple[str, ...]:
     """The instructions of a compiled step program that copy the KV cache's `array` ("data", or
-    the 8-bit cache's "scales"; "linear": a hybrid's recurrent state's arrays). XLA has copied the data when a one-token write became a
-    dynamic-update-slice (see `write_kv`), when it widened a float8 cache for the scatter, and
+    the 8-bit cache's "scales"; "linear": a hybrid's recurrent state's arrays). XLA has copied
+    the data when a one-token write became a dynamic-update-slice (see `write_kv`), when it widened a float8 cache for the scatter, and
     when the TPU kernel wanted another tiling of the cache than the one it was given. A copy
     needs temporaries of the array's size, so only a program that has that many is read (the
     temporaries alone would also count a small cache's neighbours: an MoE layer's transposed

@@ -40,7 +40,8 @@ class DeviceState:
         """`first_param`: one of the model's parameters (abstract ones make an abstract state,
         on their devices); `mesh`: the tensor-parallel mesh the model was loaded onto (the KV
         cache is split over its kv heads the same way), None for one device. `linear`: a hybrid
-        model's recurrent state (its arrays' `jax.ShapeDtypeStruct`s), replicated."""
+        model's recurrent state (its arrays' `jax.ShapeDtypeStruct`s), split over the mesh as
+        `LinearState.specs` says."""
         self.mesh = mesh
         self.abstract = isinstance(first_param, jax.ShapeDtypeStruct)
         # Where host inputs go: the default device (the target's, for an abstract state), or

@@ -61,8 +61,8 @@ def bytes_per_page(
     num_slots: int | None = None,
 ) -> int:
     """Logical bytes of one page of `num_slots` layers (default: every attention layer; a
-    model with layer groups: `KVCacheGroups.num_slots`), an 8-bit cache's scales included, with the heads as
-    wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
+    model with layer groups: `KVCacheGroups.num_slots`), an 8-bit cache's scales included,
+    with the heads as wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
     heads = (num_slots or len(config.attention_layers)) * 2 * config.num_kv_heads
     head_dim = config.head_dim if platform is None else cache_head_dim(config.head_dim, platform)
     return heads * page_size * kv_bytes_per_token_head(head_dim, dtype)
