@@ -37,9 +37,19 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], 
     return nnx.Param(scale * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
 
 
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x normalised over its last axis in float32, scaled by (offset + weight): offset 0 (Llama)
+    casts back to x's dtype before the scale, as transformers does; offset 1 (Gemma, whose
+    weights start at zero) scales in float32 and casts last."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * xf.astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis, scaled by (offset + weight): offset 0 for Llama, 1 for
-    Gemma (whose weights start at zero)."""
+    """RMSNorm over the last axis, scaled by (offset + weight) (`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float, *, offset: float = 0.0, axis: str = "embed", dtype):
         self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype), axes=(axis,))
@@ -47,13 +57,7 @@ class RMSNorm(nnx.Module):
         self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            # Gemma scales in float32 and casts last; Llama casts back before the scale.
-            scale = self.offset + self.weight.get_value().astype(jnp.float32)
-            return (xf * scale).astype(x.dtype)
-        return self.weight.get_value() * xf.astype(x.dtype)
+        return rms_norm(x, self.weight.get_value(), self.eps, self.offset)
 
 
 class LayerNorm(nnx.Module):

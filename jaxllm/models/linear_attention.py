@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.layers import AttentionMetadata, linear, param
+from jaxllm.models.layers import AttentionMetadata, linear, param, rms_norm
 from jaxllm.sharding import spec_for
 
 
@@ -211,9 +211,7 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
     out = out.astype(x.dtype)
     # The gated RMSNorm per value head: normalise, scale, then times silu(z) in float32.
     z = z.reshape(num_tokens, groups * r, dv)
-    of = out.astype(jnp.float32)
-    of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
-    normed = w["norm_weight"] * of.astype(x.dtype)
+    normed = rms_norm(out, w["norm_weight"], eps)
     gated = (normed * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
     out = linear(gated.reshape(num_tokens, -1), w["out_proj"])
     # Padding rows write nowhere (their slot index is out of range and dropped).
