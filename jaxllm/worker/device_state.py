@@ -121,14 +121,21 @@ class DeviceState:
         out = sharding.kv_cache_sharding(self.mesh, is_quantized_dtype(dtype))
         if self.abstract:
             return abstract_kv_cache(shape, dtype, out)
-        key = (tuple(shape), jnp.dtype(dtype))
-        make = self._zeros_programs.get(key)
-        if make is None:  # one program per cache shape, kept: remaking a cache compiles nothing
-            shards = self.mesh.shape["model"]
-            make = self._zeros_programs[key] = jax.jit(
-                lambda: zeros_kv_cache(shape, dtype, self.platform, shards), out_shardings=out
-            )
-        return make()
+        shards = self.mesh.shape["model"]
+        return self._made_on_devices(
+            ("kv", tuple(shape), jnp.dtype(dtype)),
+            lambda: zeros_kv_cache(shape, dtype, self.platform, shards),
+            out,
+        )
+
+    def _made_on_devices(self, key, make, out):
+        """`make()` run as a program whose result is placed as `out` says (made where it
+        lives, never whole on one device); one program per `key`, kept: remaking a cache
+        compiles nothing."""
+        program = self._zeros_programs.get(key)
+        if program is None:
+            program = self._zeros_programs[key] = jax.jit(make, out_shardings=out)
+        return program()
 
     def zeros_model_cache(self, kv_shape, kv_dtype, linear: LinearState | None = None):
         """A zero model cache of a KV cache of `kv_shape` and `kv_dtype` (see `zeros_cache`)
@@ -147,12 +154,8 @@ class DeviceState:
             return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where)
         if where is None:
             return jnp.zeros(shape.shape, shape.dtype)
-        key = (shape.shape, jnp.dtype(shape.dtype), where)
-        make = self._zeros_programs.get(key)
-        if make is None:  # one program per shape, kept: remaking the state compiles nothing
-            zeros = functools.partial(jnp.zeros, shape.shape, shape.dtype)
-            make = self._zeros_programs[key] = jax.jit(zeros, out_shardings=where)
-        return make()
+        zeros = functools.partial(jnp.zeros, shape.shape, shape.dtype)
+        return self._made_on_devices((shape.shape, jnp.dtype(shape.dtype), where), zeros, where)
 
     def _spec(self, cache: ModelCache) -> tuple:
         """What `zeros_model_cache` needs to make `cache` anew."""
