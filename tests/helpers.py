@@ -46,6 +46,24 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     return np.asarray(model.compute_logits(hidden))
 
 
+def bfloat16_errors(path, hf_model, ids: list[int]) -> tuple[float, float]:
+    """(ours, transformers') largest logit error in bfloat16 against transformers' float32
+    logits of `ids`: our loader and forward pass in bfloat16, and `hf_model` cast to it."""
+    import copy
+
+    import torch
+
+    from jaxllm.loaders import load_model
+
+    loaded = load_model(path, dtype=jnp.bfloat16, load_tokenizer=False)
+    ours = prefill_logits(loaded.model, loaded.config, ids)
+    with torch.no_grad():
+        truth = hf_model(torch.tensor([ids])).logits[0].float().numpy()
+        hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+        theirs = hf_bf16(torch.tensor([ids])).logits[0].float().numpy()
+    return float(np.abs(ours - truth).max()), float(np.abs(theirs - truth).max())
+
+
 def quantize_case_cache(cache: np.ndarray, dtype) -> KVCache:
     """`make_case`'s NaN-filled float cache as an 8-bit `KVCache` of `dtype`: the written
     tokens quantized as `write_kv` does, every unused slot's scales NaN (and, for fp8, its

@@ -22,6 +22,7 @@ from jaxllm.worker.plan import plan_engine
 from helpers import (
     HYBRIDS,
     VOCAB,
+    bfloat16_errors,
     prefill_logits,
     tensor_parallel_report,
     write_family_checkpoint,
@@ -94,17 +95,9 @@ def test_logits_match_transformers(hybrid):
 def test_bfloat16_error_is_no_worse_than_transformers(hybrid):
     """In bfloat16 (the convolution's state too) our logits stray from the float32 truth no
     more than transformers' own bfloat16 run does (twice its error, plus slack)."""
-    import copy
-
     case, path, hf_model = hybrid
-    loaded = load_model(path, dtype=jnp.bfloat16, load_tokenizer=False)
     ids = np.random.default_rng(2).integers(3, VOCAB, size=53).tolist()
-    ours = prefill_logits(loaded.model, loaded.config, ids)
-    with torch.no_grad():
-        truth = hf_model(torch.tensor([ids])).logits[0].float().numpy()
-        theirs = copy.deepcopy(hf_model).to(torch.bfloat16)(torch.tensor([ids]))
-    ours_err = np.abs(ours - truth).max()
-    theirs_err = np.abs(theirs.logits[0].float().numpy() - truth).max()
+    ours_err, theirs_err = bfloat16_errors(path, hf_model, ids)
     print(f"{case} bfloat16: max abs error ours {ours_err:.3g}, transformers {theirs_err:.3g}")
     assert ours_err <= 2 * theirs_err + 1e-2, (ours_err, theirs_err)
 
@@ -254,11 +247,8 @@ def test_image_text_checkpoint_serves_its_text_decoder(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     write_tiny_tokenizer(tmp_path, vocab_size=VOCAB)
     prompt = np.random.default_rng(3).integers(3, VOCAB, 21).tolist()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            ids.append(int(hf_model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    expected = _expected(hf_model, [prompt], 12)[0]
     llm = LLM(tmp_path, dtype="float32", max_model_len=128, max_num_seqs=2, skip_warmup=True)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    assert out[0].outputs[0].token_ids == ids[len(prompt) :]
+    assert out[0].outputs[0].token_ids == expected

@@ -8,8 +8,6 @@ the window boundary and a second run served from the prefix cache.
 
 from __future__ import annotations
 
-import copy
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from helpers import (
     FAMILY_COMMON,
     VOCAB,
     WINDOW,
+    bfloat16_errors,
     prefill_logits,
     tensor_parallel_report,
     write_family_checkpoint,
@@ -54,14 +53,8 @@ def test_bfloat16_error_is_no_worse_than_transformers(family):
     """In bfloat16 our logits stray from the float32 truth no more than transformers' own
     bfloat16 run does (twice its error, plus slack for a different summation order)."""
     case, path, hf_model = family
-    loaded = load_model(path, dtype=jnp.bfloat16, load_tokenizer=False)
     ids = np.random.default_rng(2).integers(3, VOCAB, size=2 * WINDOW + 5).tolist()
-    ours = prefill_logits(loaded.model, loaded.config, ids)
-    with torch.no_grad():
-        truth = hf_model(torch.tensor([ids])).logits[0].float().numpy()
-        hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
-        theirs = hf_bf16(torch.tensor([ids])).logits[0].float().numpy()
-    ours_err, theirs_err = np.abs(ours - truth).max(), np.abs(theirs - truth).max()
+    ours_err, theirs_err = bfloat16_errors(path, hf_model, ids)
     print(f"{case} bfloat16: max abs error ours {ours_err:.3g}, transformers {theirs_err:.3g}")
     assert ours_err <= 2 * theirs_err + 1e-2, (ours_err, theirs_err)
 
