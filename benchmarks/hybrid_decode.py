@@ -1,20 +1,24 @@
 """A hybrid linear-attention model on this machine: decode throughput at batch 1 and 32, and the
-time to first token of a returning conversation, beside a pure-attention model of the same
-width and depth, in one run.
+time to first token of a returning conversation (from a saved state, and recomputed), beside
+a pure-attention model of the same width and depth, in one run.
 
     .venv/bin/python benchmarks/hybrid_decode.py [--layers 8] [--hidden 512] [--json PATH]
 
 Both models are random, written by transformers (torch needed, as for the tests): a Qwen3.5
 (three Gated DeltaNet layers to one gated attention layer) and a Qwen3 with the same hidden
-size, layers, heads, MLP and vocabulary. Per model:
+size, layers, heads, MLP and vocabulary. The hybrid runs twice: with its prefix cache's saved
+states (`mamba_cache_mode` align, the default) and without (none: prefixes recomputed). Per
+model:
 
     decode_tok_s[b]   output tokens per second of b requests decoding 64 tokens each after
                       a 64-token prompt (greedy, ignore_eos), after a warm-up run
-    ttft_first_ms     a 1,024-token conversation's first token, served cold
-    ttft_return_ms    the same conversation plus 16 new tokens, sent again: the attention
-                      model serves the 1,024 from its prefix cache; the hybrid recomputes
-                      them (a request's state is kept only for tokens it computed itself:
-                      prefix caching is off for hybrids, see `jaxllm.worker.plan`)
+    ttft_first_ms     a 1,024-token conversation's first token, served cold (it answers 16
+                      tokens)
+    ttft_return_ms    the conversation back with its answer and 16 new tokens: the first
+                      token, its prefix served from the prefix cache up to the last full page
+                      computed (token 1,024; the hybrid's linear layers from the state saved
+                      there) or recomputed
+    hit_tokens        the returning conversation's tokens served from the cache
     state_bytes_per_request, kv_bytes_per_token   the memory each keeps
 
 Every figure is the median of 3 runs on this machine; run both models in one invocation so
@@ -94,8 +98,8 @@ def _median_seconds(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure(path: Path, batches: list[int]) -> dict:
-    llm = LLM(path, dtype="float32", max_num_seqs=max(batches), max_model_len=2048)
+def measure(path: Path, batches: list[int], **engine) -> dict:
+    llm = LLM(path, dtype="float32", max_num_seqs=max(batches), max_model_len=2048, **engine)
     rng = np.random.default_rng(0)
     decode = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     out: dict = {"decode_tok_s": {}}
@@ -105,19 +109,25 @@ def measure(path: Path, batches: list[int]) -> dict:
         seconds = _median_seconds(lambda p=prompts: llm.generate(p, decode, use_tqdm=False))
         out["decode_tok_s"][b] = b * 64 / seconds
     one = SamplingParams(temperature=0, max_tokens=1)
+    answer = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     conversation = rng.integers(3, VOCAB, 1024).tolist()
-    first, returning = [], []
+    first, returning, hits = [], [], []
+    kv = llm.kv_cache_manager
     for i in range(3):  # a new conversation each time, so that the first run is cold
         conv = [(t + i) % (VOCAB - 3) + 3 for t in conversation]
         start = time.perf_counter()
         llm.generate({"prompt_token_ids": conv}, one, use_tqdm=False)
         first.append(time.perf_counter() - start)
-        more = conv + rng.integers(3, VOCAB, 16).tolist()
+        said = llm.generate({"prompt_token_ids": conv}, answer, use_tqdm=False)
+        more = conv + list(said[0].outputs[0].token_ids) + rng.integers(3, VOCAB, 16).tolist()
+        before = kv.prefix_cache_hits
         start = time.perf_counter()
         llm.generate({"prompt_token_ids": more}, one, use_tqdm=False)
         returning.append(time.perf_counter() - start)
+        hits.append(kv.prefix_cache_hits - before)
     out["ttft_first_ms"] = 1e3 * statistics.median(first)
     out["ttft_return_ms"] = 1e3 * statistics.median(returning)
+    out["hit_tokens"] = statistics.median(hits)
     out["prefix_caching"] = llm.config.cache.enable_prefix_caching
     config = llm.runner.config
     linear = config.linear_attention is not None
@@ -137,16 +147,22 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_models(Path(tmp), args.layers, args.hidden)
-        results = {name: measure(path, args.batches) for name, path in paths.items()}
+        hybrid, attention = paths.values()
+        runs = {
+            "qwen3.5 (hybrid, saved states)": (hybrid, {}),
+            "qwen3.5 (hybrid, recompute)": (hybrid, {"mamba_cache_mode": "none"}),
+            "qwen3 (attention)": (attention, {}),
+        }
+        results = {name: measure(path, args.batches, **kw) for name, (path, kw) in runs.items()}
     head = " ".join(f"b={b} tok/s".rjust(12) for b in args.batches)
     print(
-        f"{'model':<20} {head}  TTFT cold ms  TTFT return ms  prefix cache  state B/req  KV B/token"
+        f"{'model':<31} {head}  TTFT cold ms  TTFT return ms  hit tokens  state B/req  KV B/token"
     )
     for name, r in results.items():
         cells = " ".join(f"{r['decode_tok_s'][b]:12.1f}" for b in args.batches)
         print(
-            f"{name:<20} {cells}  {r['ttft_first_ms']:12.1f}  {r['ttft_return_ms']:14.1f}"
-            f"  {'on' if r['prefix_caching'] else 'off':>12}  {r['state_bytes_per_request']:>11,}"
+            f"{name:<31} {cells}  {r['ttft_first_ms']:12.1f}  {r['ttft_return_ms']:14.1f}"
+            f"  {r['hit_tokens']:>10}  {r['state_bytes_per_request']:>11,}"
             f"  {r['kv_bytes_per_token']:>10,}"
         )
     data = {"layers": args.layers, "hidden": args.hidden, "results": results}

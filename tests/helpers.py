@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxllm.models import AttentionMetadata, ModelCache, StepExtras
-from jaxllm.models.linear_attention import LinearState
+from jaxllm.models.linear_attention import LinearState, StateSlots
 from jaxllm.testing import write_tiny_tokenizer
 from pallas_kernels import KVCache, get_kv_cache_shape
 from pallas_kernels.kv_cache import quantize_kv_cache
@@ -41,7 +41,8 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     if config.linear_attention is not None:  # a hybrid: one request's recurrent state
         shapes = LinearState.shapes(config, 1, jnp.float32)
         linear = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        extras = StepExtras(state_slots=jnp.zeros((1,), jnp.int32))
+        zero, none = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32)  # slot 1: dropped
+        extras = StepExtras(state_slots=StateSlots(read=zero, write=zero, save=none))
     hidden, _ = model(ids, positions, ModelCache(kv=cache, linear=linear), meta, extras)
     return np.asarray(model.compute_logits(hidden))
 

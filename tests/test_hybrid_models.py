@@ -128,8 +128,9 @@ def _assert_idle(llm: LLM) -> None:
 
 def test_greedy_tokens_match_transformers(hybrid):
     """24 greedy tokens each for prompts shorter and longer than a step's 16-token budget
-    (chunked: the state carried across chunks), batched and alone, then again (a prefix that
-    the cache would hold is recomputed: the state of a cached prefix is not kept)."""
+    (chunked: the state carried across chunks), batched and alone with an empty prefix cache,
+    then again from the prefix cache: the attention pages and the linear layers' state saved
+    at the prompts' page boundaries."""
     case, path, hf_model = hybrid
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (7, 40, 29)]
@@ -142,18 +143,71 @@ def test_greedy_tokens_match_transformers(hybrid):
         max_num_seqs=4,
         max_num_batched_tokens=16,
         max_model_len=256,
+        num_state_snapshots=12,  # room for every prompt's saves beside the decodes'
     )
-    assert not llm.config.cache.enable_prefix_caching
+    kv = llm.kv_cache_manager
+    assert llm.config.cache.enable_prefix_caching and kv.snapshots.num_slots == 12
     compiled = llm.runner.num_compilations
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     inputs = [{"prompt_token_ids": ids} for ids in prompts]
+    alone = []
+    for i in inputs:
+        assert llm.reset_prefix_cache()
+        alone.append(llm.generate(i, params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert llm.reset_prefix_cache()
     batched = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
-    alone = [llm.generate(i, params, use_tqdm=False)[0].outputs[0].token_ids for i in inputs]
+    assert kv.prefix_cache_hits == 0
+    hits, saved_hits = kv.prefix_cache_hits, kv.snapshots.num_hits
     again = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
     assert batched == expected, case
     assert alone == expected, case
     assert again == expected, case
+    # Served from saved states: the 40-token prompt from 32 tokens, the 29-token one from 24.
+    assert kv.prefix_cache_hits - hits == 32 + 24
+    assert kv.snapshots.num_hits - saved_hits == 2
     assert llm.runner.num_compilations == compiled  # warmup compiled every program
+    _assert_idle(llm)
+
+
+def test_a_returning_conversation_starts_from_its_saved_state(tmp_path):
+    """A conversation returns with its answer and a new turn: it starts from the state saved
+    where its decode last reached a page boundary (each such save replacing the one before),
+    and its tokens are transformers'. A prefix whose state was evicted is recomputed."""
+    hf_model = write_family_checkpoint("qwen3.5", tmp_path)
+    rng = np.random.default_rng(4)
+    first = rng.integers(3, VOCAB, size=21).tolist()
+    llm = LLM(
+        tmp_path,
+        dtype="float32",
+        page_size=8,
+        num_pages=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        num_state_snapshots=3,
+        skip_warmup=True,
+    )
+    kv = llm.kv_cache_manager
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    answer = llm.generate({"prompt_token_ids": first}, params, use_tqdm=False)
+    answer = answer[0].outputs[0].token_ids
+    # Its 41 tokens computed up to 40: saved at 16 (the prompt's first chunk ends there) and
+    # 40 (its last decode boundary: the saves at 24 and 32 were replaced).
+    assert not kv.snapshots.pending and len(kv.snapshots.cached) == 2
+    turn = first + answer + rng.integers(3, VOCAB, size=6).tolist()
+    expected = _expected(hf_model, [turn], 12)
+    hits = kv.prefix_cache_hits
+    out = llm.generate({"prompt_token_ids": turn}, params, use_tqdm=False)
+    assert kv.prefix_cache_hits - hits == 40
+    assert out[0].outputs[0].token_ids[:12] == expected[0]
+    # Evicted: three other prompts' saves take the slots; the conversation is recomputed.
+    for n in (17, 18, 19):
+        other = {"prompt_token_ids": rng.integers(3, VOCAB, size=n).tolist()}
+        llm.generate(other, params, use_tqdm=False)
+    hits = kv.prefix_cache_hits
+    out = llm.generate({"prompt_token_ids": turn}, params, use_tqdm=False)
+    assert kv.prefix_cache_hits == hits
+    assert out[0].outputs[0].token_ids[:12] == expected[0]
     _assert_idle(llm)
 
 
@@ -183,26 +237,42 @@ def test_preempted_requests_recompute_their_state(tmp_path):
 
 
 def test_the_plan_counts_the_state_and_refuses_what_it_cannot_serve(tmp_path):
-    """The recurrent state (a slot per request) is an entry of the memory plan, taken out of
-    the KV pool; only the attention layers have KV pages; prefix caching is off; speculative
-    decoding is refused by name."""
+    """The recurrent state (a slot per request) and the prefix cache's saved states are
+    entries of the memory plan, taken out of the KV pool; only the attention layers have KV
+    pages; without saved states prefix caching is off; the host tier and speculative decoding
+    are refused by name."""
     write_family_checkpoint("qwen3-next", tmp_path)
     model_config = load_hf_config(tmp_path)
     gib = 2**-8
     config = EngineConfig.create(
         str(tmp_path), max_num_seqs=8, max_num_batched_tokens=64, cpu_kv_cache_gib=gib
     )
-    plan = plan_engine(config, model_config, DeviceMemory(None), dtype=jnp.float32)
+
+    def plan(config):
+        return plan_engine(config, model_config, DeviceMemory(None), dtype=jnp.float32)
+
     la = model_config.linear_attention
     per_layer = 4 * ((la.conv_kernel - 1) * la.conv_dim + 4 * 16 * 8)
-    assert state_bytes_per_slot(model_config, jnp.float32) == 3 * per_layer
-    assert plan.memory["recurrent state"] == 8 * 3 * per_layer
-    assert plan.kv_groups.layers == ((3,),)  # the one attention layer
-    assert plan.num_pages == (int(gib * 2**30) - plan.memory["recurrent state"]) // plan.page_bytes
-    assert not plan.config.cache.enable_prefix_caching
+    slot = 3 * per_layer
+    assert state_bytes_per_slot(model_config, jnp.float32) == slot
+    full = plan(config)
+    assert full.memory["recurrent state"] == 8 * slot
+    assert full.memory["saved states"] == 8 * slot  # max_num_seqs of them: they fit
+    assert full.kv_groups.layers == ((3,),)  # the one attention layer
+    assert full.num_pages == (int(gib * 2**30) - 16 * slot) // full.page_bytes
+    assert full.config.cache.enable_prefix_caching and full.num_state_snapshots == 8
+    # A quarter of what is left after the running state, when that holds fewer.
+    small = plan(config.replace(cpu_kv_cache_gib=(8 * slot + 4 * 5 * slot) / 2**30))
+    assert small.num_state_snapshots == 5
+    for off in ({"mamba_cache_mode": "none"}, {"num_state_snapshots": 0}):
+        p = plan(config.replace(**off))
+        assert not p.config.cache.enable_prefix_caching, off
+        assert p.memory["saved states"] == 0 and p.num_state_snapshots == 0
+    with pytest.raises(ValueError, match="kv_offloading_size.*linear-attention"):
+        plan(config.replace(kv_offloading_size=1.0))
     spec = config.replace(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="speculative_config.*linear-attention"):
-        plan_engine(spec, model_config, DeviceMemory(None), dtype=jnp.float32)
+        plan(spec)
 
 
 def test_tensor_parallel_splits_the_linear_heads(tmp_path):

@@ -136,9 +136,21 @@ class CacheConfig:
     default a model that mixes sliding-window and full-attention layers (Gemma 2/3) keeps
     only the window's blocks in its sliding layers, for more sequences in the same memory
     (see `jaxllm.worker.kv_groups`)."""
+    mamba_cache_mode: str = option("align", choices=("align", "none"))
+    """Prefix caching for a hybrid model's linear-attention layers (vLLM's flag), whose state
+    is one matrix per request, not pages: align saves a request's state where a step's chunk
+    starts at a page boundary (prompts are chunked to end on one), and a cached prefix is
+    served only up to a boundary whose state was saved (`jaxllm.engine.state_snapshots`);
+    none turns prefix caching off for such models (prefixes are recomputed)."""
+    num_state_snapshots: int | None = None
+    """Saved states a hybrid model's prefix cache keeps (each one request's state of every
+    linear layer); default: max_num_seqs, or what a quarter of the memory left for the cache
+    holds, if less. 0 turns prefix caching off for such models."""
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -32,6 +32,7 @@ from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.state_snapshots import StateSnapshots
 from jaxllm.multimodal.processor import check_mm_items
 from jaxllm.pooling import (
     PooledState,
@@ -207,6 +208,9 @@ class EngineCore:
             windows=runner.kv_groups.windows,
             enable_prefix_caching=cache.enable_prefix_caching,
             host=HostBlockPool(plan.num_host_blocks) if plan.num_host_blocks else None,
+            snapshots=(
+                StateSnapshots(plan.num_state_snapshots) if plan.num_state_snapshots else None
+            ),
         )
         lookahead = runner.num_speculative_tokens if draft is not None else 0
         scheduler = Scheduler(

@@ -24,6 +24,10 @@ With a host tier (`HostBlockPool`, `--kv-offloading-size`), an evicted cached bl
 host memory under its key, and a lookup goes on past the device's hits into the host's: those
 blocks get fresh device blocks, keyed at once, which the step copies back before it runs. The
 copies each step needs are taken with `take_transfers` into the scheduler's output.
+
+A hybrid model's linear-attention layers keep a state per request instead of pages: with
+saved states (`StateSnapshots`) a hit is cut to the longest prefix whose state was saved too,
+and the hit says which saved state the request starts from (`CacheHit.state`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 
 from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.request import Request
+from jaxllm.engine.state_snapshots import StateSnapshots
 
 NULL_BLOCK = -1
 """A table entry with no block: in a sliding group, a block behind the window (freed, or never
@@ -83,8 +88,10 @@ class KVCacheManager:
         windows: tuple[int | None, ...] = (None,),
         enable_prefix_caching: bool = True,
         host: HostBlockPool | None = None,
+        snapshots: StateSnapshots | None = None,
     ):
-        """`windows`: per layer group (`KVCacheGroups.windows`), its sliding window or None."""
+        """`windows`: per layer group (`KVCacheGroups.windows`), its sliding window or None.
+        `snapshots`: a hybrid model's saved states (with prefix caching)."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
@@ -104,6 +111,7 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found (on the device or in the host tier)
         self.host = host
+        self.snapshots = snapshots
         # This step's copies: (device block, host slot) stores, (host slot, device block) loads.
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
@@ -159,12 +167,16 @@ class KVCacheManager:
         sliding = [g for g, w in enumerate(self.windows) if w is not None]
         # Each sliding group: the blocks the window after the hit sees, found; shrink the hit
         # until every group agrees (a hit that suits one group may not suit another).
+        # With saved states, the hit must also end where a state was saved.
         runs = {g: _runs([self._found((g, h)) for h in hashes[:n]]) for g in sliding}
+        snapshots = self.snapshots
         while True:
             m = n
             for g in sliding:
                 while m and runs[g][m - 1] < m - self._first_visible_block(g, m * self.page_size):
                     m -= 1
+            while snapshots is not None and m and snapshots.find(hashes[m - 1]) is None:
+                m -= 1
             if m == n:
                 break
             n = m
@@ -177,7 +189,8 @@ class KVCacheManager:
                     for i, h in enumerate(hashes[:n])
                 ]
                 for g in range(self.num_groups)
-            ]
+            ],
+            None if snapshots is None else snapshots.find(hashes[n - 1]),
         )
         return hit, n * self.page_size
 
@@ -217,6 +230,28 @@ class KVCacheManager:
                 # stays a plain block and returns to the pool uncached.
         self._num_cached_blocks[rid] = end
 
+    def save_state(self, request: Request, end: int) -> int:
+        """The snapshot slot that gets the request's state after a chunk ending at `end` (see
+        `state_snapshots`): one when the chunk ends at a page boundary whose state is not
+        saved already (as far as the host knows the tokens yet); -1: none."""
+        snapshots, page = self.snapshots, self.page_size
+        if snapshots is None or end % page or request.pooled is not None:
+            return -1  # (pooled prompts are never looked up)
+        hashes = self._block_hashes(request)
+        if len(hashes) >= end // page and snapshots.find(hashes[end // page - 1]) is not None:
+            return -1
+        slot = snapshots.take(request.request_id, end)
+        return -1 if slot is None else slot
+
+    def commit_state(self, request: Request, slot: int) -> None:
+        """The step that saved the request's state into `slot` has run: keyed by its prefix."""
+        boundary = self.snapshots.pending.get(request.request_id, {}).get(slot)
+        if boundary is None:
+            return  # released since (the request was preempted)
+        key = self._block_hashes(request)[boundary // self.page_size - 1]
+        decoding = boundary > request.num_prompt_tokens
+        self.snapshots.commit(request.request_id, slot, key, decoding=decoding)
+
     def reset_prefix_cache(self, *, host: bool = True) -> bool:
         """Forgets every cached prefix, in the host tier too unless `host` is off (sleep:
         the device's cache is dropped, the host's copies stay right). Only possible while no
@@ -227,6 +262,8 @@ class KVCacheManager:
         self.block_keys = [None] * self.num_pages
         if self.host is not None and host:
             self.host.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         return True
 
     # ---- allocation ------------------------------------------------------------------
@@ -270,6 +307,8 @@ class KVCacheManager:
             return False
         if located is not None:
             tables = self.block_tables[rid] = self._take_hit(rid, entries, located)
+            if hit is not None and hit.state is not None:
+                self.snapshots.use(hit.state)
             self._first_live[rid] = [
                 next((i for i, b in enumerate(t) if b != NULL_BLOCK), len(t)) for t in tables
             ]
@@ -392,10 +431,14 @@ class KVCacheManager:
                         self._release(table[i])
         self._num_cached_blocks.pop(rid, None)
         self._first_live.pop(rid, None)
+        if self.snapshots is not None:
+            self.snapshots.release(rid)
 
     def forget(self, request: Request) -> None:
         """Drops the per-request memos once the request is gone for good."""
         self._hashes.pop(request.request_id, None)
+        if self.snapshots is not None:
+            self.snapshots.forget(request.request_id)
 
     def get_block_table(self, request_id: str) -> list[list[int]]:
         """The request's table per group (`NULL_BLOCK` where a sliding group holds none)."""
@@ -426,16 +469,21 @@ class KVCacheManager:
         for key, block in self.cached.items():
             assert self.block_keys[block] == key, f"block {block}: cache map disagrees"
         assert sum(k is not None for k in self.block_keys) == len(self.cached), "stray block key"
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()
+            assert set(self.snapshots.pending) <= set(self.block_tables), "a gone request saves"
 
 
 class CacheHit:
     """A prefix-cache hit, from `get_computed_blocks` to `allocate_slots`: per group, per block
-    of the prefix, its key, or None where a sliding group needs no block."""
+    of the prefix, its key, or None where a sliding group needs no block; and with saved
+    states, the snapshot slot of the state after the prefix."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "state")
 
-    def __init__(self, entries: list[list[Key | None]]):
+    def __init__(self, entries: list[list[Key | None]], state: int | None = None):
         self.entries = entries
+        self.state = state
 
 
 def _runs(found: list[bool]) -> list[int]:

@@ -15,7 +15,9 @@ proposes. After the step, `num_computed_tokens` is rolled back to the tokens acc
 next step rewrites the rejected positions; the prefix cache keys only accepted tokens.
 
 A new request first looks up its longest cached prefix (see `KVCacheManager`): a hit simply
-starts it with `num_computed_tokens > 0`.
+starts it with `num_computed_tokens > 0`. A hybrid model's hit also needs the linear layers'
+state saved after the prefix (`jaxllm.engine.state_snapshots`): its prompts' chunks are cut
+to end at page boundaries, where the state is saved.
 
 When the KV pool has no block for a running request, the newest running request is preempted:
 its blocks are freed, and it goes back to the front of the waiting queue to be recomputed from
@@ -172,6 +174,7 @@ class Scheduler:
         admitted: list[Request] = []  # entering the batch: the runner gets their full data
         preempted: list[str] = []
         spans: dict[Request, list[tuple[int, int, int]]] = {}  # images the grants reach
+        state_from: dict[Request, int] = {}  # admitted from a saved state: its snapshot slot
 
         # Running requests first, oldest first. When blocks run out, a victim is preempted:
         # the newest running request not yet granted this step ("fcfs"), or the lowest-priority,
@@ -186,7 +189,7 @@ class Scheduler:
             n = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
             if n == 0:
                 continue  # a pooling request whose last chunk is in flight
-            n = self._cut_for_images(request, request.num_computed_tokens, min(n, budget))
+            n = self._chunk(request, request.num_computed_tokens, min(n, budget))
             if n == 0:
                 continue  # its chunk starts at an image this step cannot encode
             spec = self._drafts(request, n, budget)
@@ -222,16 +225,12 @@ class Scheduler:
                 if request.owes_prompt_logprobs or request.pooled is not None
                 else self.kv.get_computed_blocks(request)
             )
-            n = self._cut_for_images(
-                request, num_cached, min(request.num_tokens - num_cached, budget)
-            )
+            n = self._chunk(request, num_cached, min(request.num_tokens - num_cached, budget))
             request.num_computed_tokens = num_cached
             allocated = n > 0 and self._allocate(request, n, hit)
             while not allocated and n and (victim := self._displaceable(request)) is not None:
                 budget += self._preempt(victim, granted, preempted)
-                n = self._cut_for_images(
-                    request, num_cached, min(request.num_tokens - num_cached, budget)
-                )
+                n = self._chunk(request, num_cached, min(request.num_tokens - num_cached, budget))
                 allocated = n > 0 and self._allocate(request, n, hit)
             if not allocated:
                 request.num_computed_tokens = 0
@@ -249,6 +248,8 @@ class Scheduler:
             granted[request] = n
             budget -= n
             self._take_images(request, n, spans)
+            if hit is not None and hit.state is not None:
+                state_from[request] = hit.state
 
         # Ids the runner must drop wait for a step that runs (an empty one is not sent).
         self._preempted_ids += preempted
@@ -275,7 +276,13 @@ class Scheduler:
         out = SchedulerOutput(
             new_requests=new_requests,
             requests=[
-                self._scheduled(request, n, drafts.get(request, []), spans.get(request, []))
+                self._scheduled(
+                    request,
+                    n,
+                    drafts.get(request, []),
+                    spans.get(request, []),
+                    state_from.get(request, -1),
+                )
                 for request, n in granted.items()
             ],
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
@@ -294,6 +301,28 @@ class Scheduler:
         for request in sampling:
             request.num_pending_tokens += 1  # the token this step samples
         return out
+
+    def _chunk(self, request: Request, start: int, n: int) -> int:
+        """The grant of at most `n` tokens from `start`: cut before an image the step cannot
+        encode, and for a hybrid model's saved states, at a page boundary."""
+        return self._align_for_state(request, start, self._cut_for_images(request, start, n))
+
+    def _align_for_state(self, request: Request, start: int, n: int) -> int:
+        """With saved states (a hybrid model), a chunk of a prompt (or of a recomputed
+        sequence) ends at a page boundary unless it ends the sequence, and never runs past
+        the sequence's last boundary before its end, where the state is saved (vLLM's
+        block-aligned split). That boundary is where a hit on the same prompt ends (a hit
+        leaves a token to compute): a prompt of whole pages is saved a page before its end
+        too. A chunk shorter than a page is left as it is."""
+        if self.kv.snapshots is None or request.pooled is not None or n <= 1:
+            return n
+        page, end, total = self.kv.page_size, start + n, request.num_tokens
+        last = (total - 1) // page * page
+        if start < last < end:
+            return last - start
+        if end < total and end // page * page > start:
+            return end // page * page - start
+        return n
 
     def _cut_for_images(self, request: Request, start: int, n: int) -> int:
         """A grant of `n` tokens from `start`, stopped before an image it reaches that this
@@ -436,7 +465,12 @@ class Scheduler:
         )
 
     def _scheduled(
-        self, request: Request, n: int, drafts: list[int], spans: list[tuple[int, int, list[int]]]
+        self,
+        request: Request,
+        n: int,
+        drafts: list[int],
+        spans: list[tuple[int, int, list[int]]],
+        state_from: int,
     ) -> ScheduledRequest:
         tables = self.kv.get_block_table(request.request_id)
         if len(tables[0]) == request.num_blocks_sent:  # most decodes: no new block
@@ -457,6 +491,8 @@ class Scheduler:
             spec_token_ids=drafts,
             pool=request.pooled is not None,
             mm_spans=spans,
+            state_from=state_from,
+            state_save=self.kv.save_state(request, start + n),
         )
 
     @staticmethod
@@ -481,6 +517,8 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted while the step ran
             request.num_inflight_tokens -= s.num_scheduled_tokens
+            if s.state_save >= 0:  # the state it saved is there now
+                self.kv.commit_state(request, s.state_save)
             if request.pooled is not None:
                 update = self._pooled_chunk(request, output.pooled.get(rid))
                 if update is not None:

@@ -88,7 +88,7 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self, x, ropes: tuple[Rope, Rope], cache: ModelCache, layer: int, meta, lora, slots
     ) -> tuple[jax.Array, ModelCache]:
-        """`slots`: each request's state slot (for a linear layer)."""
+        """`slots`: each request's state slots (`StateSlots`, for a linear layer)."""
         rope = ropes[1] if self.local_rope else ropes[0]
         h = self.input_layernorm(x)
         if self.linear_attn is not None:

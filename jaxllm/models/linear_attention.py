@@ -10,10 +10,13 @@ state per request (`LinearState`, a field of the model's donated cache):
   g = -exp(A_log) * softplus(a + dt_bias) per value head.
 
 A step's tokens are a ragged batch (`AttentionMetadata.cu_q_lens`): a request's tokens are
-contiguous, its prefill chunk or its one decode token. Each request's state is read from its
-slot (`StepExtras.state_slots`, i32[R], a slot per running request that the runner assigns),
-taken as zero when its chunk starts at position 0 (a new or recomputed request: no reset is
-needed on admission or preemption), carried through its tokens and written back to the slot.
+contiguous, its prefill chunk or its one decode token. Each request's state is read from a
+slot (`StepExtras.state_slots`, a `StateSlots`: its own slot, the batch row the runner gives
+it, or a saved state that a prefix-cache hit starts from), taken as zero when its chunk
+starts at position 0 (a new or recomputed request: no reset is needed on admission or
+preemption), carried through its tokens and written back to its own slot, and also, when the
+scheduler asks, to a snapshot slot (the prefix cache's saved states:
+`jaxllm.engine.state_snapshots`).
 
 This is the reference form, in pure JAX, on every backend (`gated_delta_rule`): every request's
 first token of the step in one batched update (a decode step is nothing more), then the
@@ -65,6 +68,19 @@ class LinearState:
         """Its PartitionSpecs under tensor parallelism: the channels and the value heads
         split over "model" as the layers' weights are (each device holds its heads' state)."""
         return LinearState(P(None, None, None, "model"), P(None, None, "model"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateSlots:
+    """Per request of a step, i32[R] each, the slots of `LinearState` it uses: `read`, where
+    its state before the step is (its own slot, or a saved state it starts from); `write`,
+    its own slot, where its state after the step goes; `save`, a snapshot slot that gets that
+    state too (out of range: none). Padding requests' are out of range (dropped)."""
+
+    read: jax.Array
+    write: jax.Array
+    save: jax.Array
 
 
 def state_bytes_per_slot(config: ModelConfig, dtype) -> int:
@@ -151,7 +167,7 @@ class GatedDeltaNet(nnx.Module):
         x: jax.Array,  # [T, D]
         state: LinearState,
         meta: AttentionMetadata,
-        slots: jax.Array,  # i32[R]: each request's state slot
+        slots: StateSlots,
     ) -> tuple[jax.Array, LinearState]:
         weights = self._weights()
         run = functools.partial(_mix, ordinal=self.ordinal, shape=self.shape, eps=self.eps)
@@ -195,8 +211,8 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
         mixed, z, b, a = (
             linear(x, w[name]) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         )
-    conv_state = state.conv[ordinal]  # [S, K - 1, C]
-    mixed, new_conv = _causal_conv(mixed, conv_state, w["conv1d"], rows, slots)
+    prior = state.conv[ordinal][slots.read]  # [R, K - 1, C]
+    mixed, new_conv = _causal_conv(mixed, prior, w["conv1d"], rows)
     mixed = mixed.reshape(num_tokens, groups, group)
     # Each key head serves r consecutive value heads (g * r + j), as transformers repeats it.
     q = jnp.repeat(mixed[..., :dk], r, axis=1)  # [T, Hv, Dk]
@@ -206,7 +222,7 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
     decay = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32)
     )
-    initial = state.recurrent[ordinal][slots]  # [R, Hv, Dk, Dv]
+    initial = state.recurrent[ordinal][slots.read]  # [R, Hv, Dk, Dv]
     out, final = gated_delta_rule(q, k, v, decay, beta, initial, rows)
     out = out.astype(x.dtype)
     # The gated RMSNorm per value head: normalise, scale, then times silu(z) in float32.
@@ -214,24 +230,31 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
     normed = rms_norm(out, w["norm_weight"], eps)
     gated = (normed * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
     out = linear(gated.reshape(num_tokens, -1), w["out_proj"])
-    # Padding rows write nowhere (their slot index is out of range and dropped).
-    num_slots = conv_state.shape[0]
-    live = jnp.arange(slots.shape[0]) < meta.num_seqs[0]
-    where = jnp.where(live, slots, num_slots)
+    # Each request's state after the step to its slot and its save slot; padding requests
+    # write nowhere (an out-of-range slot is dropped).
+    num_slots = state.conv.shape[1]
+    live = jnp.arange(slots.write.shape[0]) < meta.num_seqs[0]
+    where = jnp.where(live, slots.write, num_slots)
+    saves = jnp.where(live, slots.save, num_slots)
     state = LinearState(
-        state.conv.at[ordinal, where].set(new_conv.astype(state.conv.dtype), mode="drop"),
-        state.recurrent.at[ordinal, where].set(final, mode="drop"),
+        _put(state.conv, ordinal, jnp.concatenate([where, saves]), new_conv),
+        _put(state.recurrent, ordinal, jnp.concatenate([where, saves]), final),
     )
     return out, state
 
 
-def _causal_conv(mixed, conv_state, weight, rows: _Rows, slots):
+def _put(array, ordinal, slots, new):
+    """`array`'s row `ordinal` with each request's `new` state at its two `slots`."""
+    values = jnp.concatenate([new, new]).astype(array.dtype)
+    return array.at[ordinal, slots].set(values, mode="drop")
+
+
+def _causal_conv(mixed, prior, weight, rows: _Rows):
     """The depthwise causal convolution of each request's chunk, continued from its state,
-    with silu; and each request's new state (its last K - 1 inputs). mixed [T, C], conv_state
-    [S, K - 1, C], weight [K, C] (tap K - 1 is the current token)."""
+    with silu; and each request's new state (its last K - 1 inputs). mixed [T, C], prior
+    [R, K - 1, C] (each request's state), weight [K, C] (tap K - 1 is the current token)."""
     kernel = weight.shape[0]
     num_tokens = mixed.shape[0]
-    prior = conv_state[slots]  # [R, K - 1, C]
     prior = jnp.where(rows.fresh[:, None, None], 0, prior).astype(mixed.dtype)
     t = jnp.arange(num_tokens)
     acc = jnp.zeros(mixed.shape, jnp.float32)

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxllm.models.linear_attention import LinearState
+from jaxllm.models.linear_attention import LinearState, StateSlots
 from jaxllm.models.lora import LayerLoRA, layer_loras
 from pallas_kernels import KVCache
 
@@ -63,8 +63,9 @@ class StepExtras:
     """The encoder cache's rows [N, D] (an image-text model, `jaxllm.worker.mm_encoder`)."""
     mm_rows: jax.Array | None = None
     """i32[T]: each image placeholder's row of `mm_pool` (-1: a text token)."""
-    state_slots: jax.Array | None = None
-    """i32[R]: each request's slot of the model cache's `linear` state (a hybrid model)."""
+    state_slots: StateSlots | None = None
+    """Each request's slots of the model cache's `linear` state (a hybrid model): where its
+    state is read, written and saved."""
 
     def merged(self, other: StepExtras) -> StepExtras:
         """These extras with `other`'s fields that are set."""

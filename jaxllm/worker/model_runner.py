@@ -128,9 +128,10 @@ class ModelRunner:
             platform,
         )
         linear = None
-        if config.linear_attention is not None:  # a state slot per batch row
+        if config.linear_attention is not None:  # a slot per batch row, then saved states
             dtype = model.embed_tokens.get_value().dtype
-            linear = LinearState.shapes(config, max_num_seqs, dtype)
+            slots = max_num_seqs + plan.num_state_snapshots
+            linear = LinearState.shapes(config, slots, dtype)
         self.device = DeviceState(
             self.params[0], mesh, cache_shape, plan.kv_dtype, max_num_seqs, linear
         )
@@ -165,6 +166,7 @@ class ModelRunner:
             lora=self.lora is not None,
             layer_slots=kv_groups.layer_slots,
             state=config.linear_attention is not None,
+            num_state_snapshots=plan.num_state_snapshots,
             mm=vision is not None,
             mm_block=1 if vision is None else vision.config.block_tokens,
             mm_attend=vision is not None and vision.config.bidirectional,

@@ -68,8 +68,8 @@ class EnginePlan:
     """One page of every layer slot on one device (the draft model's cache included)."""
     memory: dict[str, int]
     """Bytes per device of everything that takes device memory, by name: the consumers sized
-    before the pool ("weights", "lora slots", "encoder cache", "recurrent state") and then
-    "kv cache"."""
+    before the pool ("weights", "lora slots", "encoder cache", "recurrent state", "saved
+    states") and then "kv cache"."""
     budget_bytes: int | None
     """What the KV pool could take on one device (the pool is all of it unless num_pages was
     given); None for a device that reports no memory, whose num_pages was given."""
@@ -97,6 +97,12 @@ class EnginePlan:
     @property
     def pooling(self) -> bool:
         return self.pooler is not None
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """A hybrid model's saved states for its prefix cache (0: none)."""
+        cache = self.config.cache
+        return (cache.num_state_snapshots or 0) if cache.enable_prefix_caching else 0
 
 
 def serving_kind(config: EngineConfig) -> str:
@@ -176,8 +182,7 @@ def _consumers(
     itemsize = jnp.dtype(dtype).itemsize
     state = 0
     if model_config.linear_attention is not None:  # a slot per request (the batch's rows)
-        slots = config.scheduler.max_num_seqs
-        state = -(-slots * state_bytes_per_slot(model_config, dtype) // tp)  # heads split
+        state = config.scheduler.max_num_seqs * _state_slot_bytes(model_config, dtype, tp)
     return {
         "weights": memory.weights,
         "lora slots": lora_slot_bytes(model_config, config.lora, itemsize, tp),
@@ -186,12 +191,16 @@ def _consumers(
     }
 
 
+def _state_slot_bytes(model_config: ModelConfig, dtype: jnp.dtype, tp: int) -> int:
+    """One request's linear-attention state on one device (the heads split over tp)."""
+    return -(-state_bytes_per_slot(model_config, dtype) // tp)
+
+
 def _hybrid_rules(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
-    """A hybrid model's (linear-attention layers beside attention) limits: a request's state
-    exists only for the tokens it computed itself, so a prefix served from the cache (or the
-    host tier) would start from a state that is not there: prefix caching is turned off (and
-    recomputed instead, as vLLM did before its "align" mode); speculative decoding, whose
-    rejected tokens would need the state rolled back, is refused by name."""
+    """A hybrid model's (linear-attention layers beside attention) limits: its prefix cache
+    needs saved states (`mamba_cache_mode` align, sized in `_saved_states`), or is off; the
+    host tier, which would need them too, is refused by name, as is speculative decoding,
+    whose rejected tokens would need the state rolled back."""
     if model_config.linear_attention is None:
         return config
     if config.speculative.method:
@@ -199,13 +208,39 @@ def _hybrid_rules(config: EngineConfig, model_config: ModelConfig) -> EngineConf
             f"speculative_config: {model_config.architecture} has linear-attention layers, "
             "whose state cannot be rolled back to the last accepted token yet"
         )
-    if config.cache.enable_prefix_caching:
+    if config.cache.kv_offloading_size:
+        raise ValueError(
+            f"kv_offloading_size: {model_config.architecture} has linear-attention layers, "
+            "whose saved states the host tier does not keep yet"
+        )
+    cache = config.cache
+    if cache.enable_prefix_caching and (
+        cache.mamba_cache_mode == "none" or cache.num_state_snapshots == 0
+    ):
         logger.info(
-            "%s has linear-attention layers: prefix caching is off (prefixes are recomputed)",
+            "%s has linear-attention layers and no saved states: prefix caching is off "
+            "(prefixes are recomputed)",
             model_config.architecture,
         )
-        config = config.replace(enable_prefix_caching=False, kv_offloading_size=0.0)
+        config = config.replace(enable_prefix_caching=False)
     return config
+
+
+def _saved_states(
+    config: EngineConfig, model_config: ModelConfig, slot_bytes: int, budget: int | None
+) -> int:
+    """How many saved states a hybrid model's prefix cache keeps: `num_state_snapshots`, or
+    max_num_seqs (one per request the batch can hold), or what a quarter of `budget` (the
+    memory left for the cache, per device) holds, if less."""
+    cache = config.cache
+    if model_config.linear_attention is None or not cache.enable_prefix_caching:
+        return 0
+    if cache.num_state_snapshots is not None:
+        return cache.num_state_snapshots
+    slots = config.scheduler.max_num_seqs
+    if budget is not None:
+        slots = min(slots, max(budget, 0) // 4 // slot_bytes)
+    return slots
 
 
 def page_layout(
@@ -262,6 +297,17 @@ def plan_engine(
     cpu = memory.usable is None  # a fixed pool (the weights are not counted there)
     offered = memory.offered(cache)
     budget = None if cpu and platform != "cpu" else offered - sum(consumers.values())
+    if model_config.linear_attention is not None:  # saved states: before the pool too
+        slot_bytes = _state_slot_bytes(model_config, dtype, tp)
+        snapshots = _saved_states(config, model_config, slot_bytes, budget)
+        if snapshots == 0 and cache.enable_prefix_caching:
+            logger.info("no room for saved states: prefix caching is off")
+            config = config.replace(enable_prefix_caching=False)
+        config = config.replace(num_state_snapshots=snapshots)
+        cache = config.cache
+        consumers["saved states"] = snapshots * slot_bytes
+        if budget is not None:
+            budget -= consumers["saved states"]
     if cache.num_pages is None and budget is None:
         raise NoRoom(
             f"the {device.device_kind} ({platform}) reports no memory limit to size the KV "

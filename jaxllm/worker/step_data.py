@@ -110,6 +110,11 @@ class ScheduledRequest(msgspec.Struct):
     # Images whose placeholders the chunk computes: (first placeholder position, placeholders,
     # the image's blocks of the encoder cache), read in place of those tokens' embeddings.
     mm_spans: list[tuple[int, int, list[int]]] = msgspec.field(default_factory=list)
+    # A hybrid model's saved states (`jaxllm.engine.state_snapshots`): the snapshot slot whose
+    # state the chunk starts from (a prefix-cache hit), and the one that gets the state after
+    # it (it ends at a page boundary); -1: none.
+    state_from: int = -1
+    state_save: int = -1
 
 
 class GrammarBitmask(msgspec.Struct):

@@ -16,6 +16,7 @@ import itertools
 import numpy as np
 
 from jaxllm.models import AttentionMetadata, StepExtras
+from jaxllm.models.linear_attention import StateSlots
 from jaxllm.worker.buckets import logit_rows, pick_shape
 from jaxllm.worker.input_batch import InputBatch
 from jaxllm.worker.packing import Layout, Template
@@ -56,7 +57,10 @@ class StepInputs:
     # Per model layer, (its group, its cache slot) (`KVCacheGroups.layer_slots`); None: one
     # group, slot i is layer i.
     layer_slots: tuple[tuple[int, int] | None, ...] | None = None
-    state: bool = False  # each request's recurrent-state slot is an input (a hybrid model)
+    # A hybrid model: each request's recurrent-state slots are inputs (`StateSlots`), its
+    # batch row and, after the rows, this many snapshot slots of saved states.
+    state: bool = False
+    num_state_snapshots: int = 0
     mm: bool = False  # image placeholders read the encoder cache (an image-text model)
     mm_block: int = 1  # the encoder cache's rows per block
     # An image's tokens attend to each other (Gemma 3): `AttentionMetadata.attend_to`.
@@ -102,9 +106,13 @@ class StepInputs:
             extras=StepExtras(
                 lora_slots=_ints(t_pad, fill=-1) if self.lora else None,
                 mm_rows=_ints(t_pad, fill=-1) if self.mm else None,
-                state_slots=_ints(r_pad) if self.state else None,
+                state_slots=self._padding_state_slots(r_pad) if self.state else None,
             ),
         )
+
+    def _padding_state_slots(self, r_pad: int) -> StateSlots:
+        dropped = len(self.input_batch.token_ids) + self.num_state_snapshots
+        return StateSlots(_ints(r_pad), _ints(r_pad, fill=dropped), _ints(r_pad, fill=dropped))
 
     def padding_verify(self, n: int) -> VerifyInputs:
         return padding_verify(n, dropped_row=len(self.input_batch.token_ids))
@@ -153,8 +161,8 @@ class StepInputs:
         extras = batch.extras
         if extras.lora_slots is not None:
             extras.lora_slots[:num_tokens] = ib.lora_slot[token_rows]
-        if extras.state_slots is not None:  # a request's state lives at its batch row
-            extras.state_slots[:num_reqs] = rows
+        if extras.state_slots is not None:
+            self._fill_state_slots(extras.state_slots, out, rows)
         if extras.mm_rows is not None:
             bt = self.mm_block
             for i, s in enumerate(out.requests):
@@ -215,6 +223,24 @@ class StepInputs:
             first_row,
             num_drafts,
         )
+
+    def _fill_state_slots(self, slots: StateSlots, out: SchedulerOutput, rows: np.ndarray) -> None:
+        """A request's state lives at its batch row; it is read from a saved state (a
+        snapshot slot, after the rows) when its chunk starts from one, and saved to one
+        when the scheduler says so."""
+        n, base = len(out.requests), len(self.input_batch.token_ids)
+        read, save = (
+            np.fromiter(
+                itertools.chain.from_iterable((s.state_from, s.state_save) for s in out.requests),
+                np.int32,
+                2 * n,
+            )
+            .reshape(n, 2)
+            .T
+        )
+        slots.write[:n] = rows
+        slots.read[:n] = np.where(read >= 0, base + read, rows)
+        slots.save[:n] = np.where(save >= 0, base + save, base + self.num_state_snapshots)
 
 
 def _ints(*shape: int, fill: int = 0) -> np.ndarray:
