@@ -41,8 +41,8 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     if config.linear_attention is not None:  # a hybrid: one request's recurrent state
         shapes = LinearState.shapes(config, 1, jnp.float32)
         linear = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        zero, none = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32)  # slot 1: dropped
-        extras = StepExtras(state_slots=StateSlots(read=zero, write=zero, save=none))
+        zero = jnp.zeros((1,), jnp.int32)
+        extras = StepExtras(state_slots=StateSlots(read=zero, write=zero))
     hidden, _ = model(ids, positions, ModelCache(kv=cache, linear=linear), meta, extras)
     return np.asarray(model.compute_logits(hidden))
 

@@ -43,19 +43,26 @@ def _step(scheduler: Scheduler, *, token: int = 7):
 
 
 def test_the_pool_keys_a_save_only_once_its_step_ran_and_reuses_the_oldest():
+    """A save is found once its step ran; its slot is held until the request's next chunk
+    (which reads its state from there) is scheduled; then slots go least recently used
+    first."""
     pool = StateSnapshots(2)
     a = pool.take("r", 8)
     assert pool.find(b"a") is None and pool.num_pending == 1  # in flight: not found
     pool.commit("r", a, b"a", decoding=False)
-    assert pool.find(b"a") == a
+    assert pool.find(b"a") == a and a not in pool.free  # r's state is still there
+    assert pool.leave("r") == a and a in pool.free
+    assert pool.leave("r") == -1  # its state is back in its own slot
     b = pool.take("r", 16)
+    assert pool.leave("r") == b and b not in pool.free  # read before its save was committed
     pool.commit("r", b, b"b", decoding=False)
+    assert b in pool.free
     pool.use(a)  # a hit: `a` is now the most recently used
     c = pool.take("s", 4)
     assert c == b and pool.find(b"b") is None and pool.find(b"a") == a
     pool.release("s")  # preempted before its step's output: nothing keyed
     pool.commit("s", c, b"c", decoding=False)
-    assert pool.find(b"c") is None
+    assert pool.find(b"c") is None and c in pool.free
     pool.check_invariants()
     with pytest.raises(ValueError, match="num_state_snapshots"):
         StateSnapshots(0)
@@ -63,18 +70,24 @@ def test_the_pool_keys_a_save_only_once_its_step_ran_and_reuses_the_oldest():
 
 def test_a_decodes_saves_replace_each_other_and_equal_states_are_kept_once():
     pool = StateSnapshots(4)
-    prompt = pool.take("r", 8)
-    pool.commit("r", prompt, b"p", decoding=False)
-    first = pool.take("r", 12)
-    pool.commit("r", first, b"d1", decoding=True)
-    second = pool.take("r", 16)
-    pool.commit("r", second, b"d2", decoding=True)
+
+    def save(rid, boundary, key, decoding):
+        slot = pool.take(rid, boundary)
+        pool.commit(rid, slot, key, decoding=decoding)
+        assert pool.leave(rid) == slot
+        return slot
+
+    prompt = save("r", 8, b"p", False)
+    first = save("r", 12, b"d1", True)
+    second = save("r", 16, b"d2", True)
     assert pool.find(b"d1") is None and pool.find(b"d2") == second
     assert pool.find(b"p") == prompt  # the prompt's save stays
     assert next(iter(pool.free)) == first  # the replaced slot is reused first
-    dup = pool.take("s", 8)
-    pool.commit("s", dup, b"p", decoding=False)  # computed twice: kept once
+    dup = save("s", 8, b"p", False)  # computed twice: kept once
     assert pool.find(b"p") == prompt and pool.keys[dup] is None
+    held = pool.take("t", 4)
+    pool.release("t")  # finished with its last save committed or not: nothing held
+    assert held in pool.free
     pool.clear()
     assert not pool.cached
     pool.check_invariants()
@@ -96,6 +109,7 @@ def test_hits_end_where_a_state_was_saved():
     slot = kv.save_state(first, 4)
     assert kv.save_state(first, 6) == -1  # not a boundary
     kv.commit_state(first, slot)
+    assert kv.state_source(first) == slot  # its next chunk reads it
     hit, n = kv.get_computed_blocks(again)
     assert n == 4 and hit.state == slot
     assert kv.save_state(first, 4) == -1  # saved already
@@ -111,13 +125,17 @@ def test_prompt_chunks_end_at_page_boundaries_whose_next_chunk_saves():
     s = _scheduler(8, budget=10)
     first = _request("a", list(range(1, 24)), max_tokens=6)
     s.add_request(first)
-    chunks, saves = [], []
+    chunks, saves, slots = [], [], []
     while s.has_unfinished_requests():
         out = _step(s)
         for r in out.requests:
             chunks.append((r.num_computed_tokens, r.num_scheduled_tokens))
+            slots.append((r.state_from, r.state_save))
             if r.state_save >= 0:
                 saves.append(r.num_computed_tokens + r.num_scheduled_tokens)
+    # A chunk that saves writes its state to the save slot; the next one reads it there.
+    for (_, saved), (read, _) in zip(slots, slots[1:], strict=False):
+        assert read == saved
     assert chunks[:4] == [(0, 8), (8, 8), (16, 4), (20, 3)]
     assert chunks[4:] == [(p, 1) for p in range(23, 28)]  # decodes: 23 + 6 tokens, last unfed
     assert saves == [8, 16, 20, 24, 28]

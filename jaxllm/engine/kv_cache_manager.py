@@ -243,6 +243,11 @@ class KVCacheManager:
         slot = snapshots.take(request.request_id, end)
         return -1 if slot is None else slot
 
+    def state_source(self, request: Request) -> int:
+        """The snapshot slot the request's next chunk reads its state from because its last
+        chunk saved it there; -1: its own slot."""
+        return -1 if self.snapshots is None else self.snapshots.leave(request.request_id)
+
     def commit_state(self, request: Request, slot: int) -> None:
         """The step that saved the request's state into `slot` has run: keyed by its prefix."""
         boundary = self.snapshots.pending.get(request.request_id, {}).get(slot)
@@ -471,7 +476,8 @@ class KVCacheManager:
         assert sum(k is not None for k in self.block_keys) == len(self.cached), "stray block key"
         if self.snapshots is not None:
             self.snapshots.check_invariants()
-            assert set(self.snapshots.pending) <= set(self.block_tables), "a gone request saves"
+            saving = set(self.snapshots.pending) | set(self.snapshots.standing)
+            assert saving <= set(self.block_tables), "a gone request holds a saved state"
 
 
 class CacheHit:

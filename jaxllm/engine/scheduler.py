@@ -491,7 +491,7 @@ class Scheduler:
             spec_token_ids=drafts,
             pool=request.pooled is not None,
             mm_spans=spans,
-            state_from=state_from,
+            state_from=state_from if state_from >= 0 else self.kv.state_source(request),
             state_save=self.kv.save_state(request, start + n),
         )
 

@@ -14,9 +14,9 @@ contiguous, its prefill chunk or its one decode token. Each request's state is r
 slot (`StepExtras.state_slots`, a `StateSlots`: its own slot, the batch row the runner gives
 it, or a saved state that a prefix-cache hit starts from), taken as zero when its chunk
 starts at position 0 (a new or recomputed request: no reset is needed on admission or
-preemption), carried through its tokens and written back to its own slot, and also, when the
-scheduler asks, to a snapshot slot (the prefix cache's saved states:
-`jaxllm.engine.state_snapshots`).
+preemption), carried through its tokens and written to a slot: its own, or a snapshot slot
+when the scheduler saves it there (the prefix cache's saved states, whose next step reads it
+back from there: `jaxllm.engine.state_snapshots`).
 
 This is the reference form, in pure JAX, on every backend (`gated_delta_rule`): every request's
 first token of the step in one batched update (a decode step is nothing more), then the
@@ -74,13 +74,13 @@ class LinearState:
 @dataclasses.dataclass(frozen=True)
 class StateSlots:
     """Per request of a step, i32[R] each, the slots of `LinearState` it uses: `read`, where
-    its state before the step is (its own slot, or a saved state it starts from); `write`,
-    its own slot, where its state after the step goes; `save`, a snapshot slot that gets that
-    state too (out of range: none). Padding requests' are out of range (dropped)."""
+    its state before the step is (its own slot, or a saved state: one a prefix-cache hit
+    starts from, or its own last save); `write`, where its state after the step goes (its own
+    slot, or a snapshot slot that saves it). Padding requests' `write` is out of range
+    (dropped)."""
 
     read: jax.Array
     write: jax.Array
-    save: jax.Array
 
 
 def state_bytes_per_slot(config: ModelConfig, dtype) -> int:
@@ -230,23 +230,17 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
     normed = rms_norm(out, w["norm_weight"], eps)
     gated = (normed * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
     out = linear(gated.reshape(num_tokens, -1), w["out_proj"])
-    # Each request's state after the step to its slot and its save slot; padding requests
+    # Each request's state after the step to its slot (one scatter of R rows: one of 2R, a
+    # row and a save slot each, made XLA:GPU copy the convolution's state); padding requests
     # write nowhere (an out-of-range slot is dropped).
     num_slots = state.conv.shape[1]
     live = jnp.arange(slots.write.shape[0]) < meta.num_seqs[0]
     where = jnp.where(live, slots.write, num_slots)
-    saves = jnp.where(live, slots.save, num_slots)
     state = LinearState(
-        _put(state.conv, ordinal, jnp.concatenate([where, saves]), new_conv),
-        _put(state.recurrent, ordinal, jnp.concatenate([where, saves]), final),
+        state.conv.at[ordinal, where].set(new_conv.astype(state.conv.dtype), mode="drop"),
+        state.recurrent.at[ordinal, where].set(final, mode="drop"),
     )
     return out, state
-
-
-def _put(array, ordinal, slots, new):
-    """`array`'s row `ordinal` with each request's `new` state at its two `slots`."""
-    values = jnp.concatenate([new, new]).astype(array.dtype)
-    return array.at[ordinal, slots].set(values, mode="drop")
 
 
 def _causal_conv(mixed, prior, weight, rows: _Rows):

@@ -111,8 +111,9 @@ class ScheduledRequest(msgspec.Struct):
     # the image's blocks of the encoder cache), read in place of those tokens' embeddings.
     mm_spans: list[tuple[int, int, list[int]]] = msgspec.field(default_factory=list)
     # A hybrid model's saved states (`jaxllm.engine.state_snapshots`): the snapshot slot whose
-    # state the chunk starts from (a prefix-cache hit), and the one that gets the state after
-    # it (it ends at a page boundary); -1: none.
+    # state the chunk starts from (a prefix-cache hit, or the request's own last save), and
+    # the one its state after the chunk goes to instead of its row (the chunk ends at a page
+    # boundary); -1: none.
     state_from: int = -1
     state_save: int = -1
 

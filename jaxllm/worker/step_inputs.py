@@ -112,7 +112,7 @@ class StepInputs:
 
     def _padding_state_slots(self, r_pad: int) -> StateSlots:
         dropped = len(self.input_batch.token_ids) + self.num_state_snapshots
-        return StateSlots(_ints(r_pad), _ints(r_pad, fill=dropped), _ints(r_pad, fill=dropped))
+        return StateSlots(_ints(r_pad), _ints(r_pad, fill=dropped))
 
     def padding_verify(self, n: int) -> VerifyInputs:
         return padding_verify(n, dropped_row=len(self.input_batch.token_ids))
@@ -226,8 +226,8 @@ class StepInputs:
 
     def _fill_state_slots(self, slots: StateSlots, out: SchedulerOutput, rows: np.ndarray) -> None:
         """A request's state lives at its batch row; it is read from a saved state (a
-        snapshot slot, after the rows) when its chunk starts from one, and saved to one
-        when the scheduler says so."""
+        snapshot slot, after the rows) when its chunk starts from one, and written to one
+        instead of the row when the scheduler saves it."""
         n, base = len(out.requests), len(self.input_batch.token_ids)
         read, save = (
             np.fromiter(
@@ -238,9 +238,8 @@ class StepInputs:
             .reshape(n, 2)
             .T
         )
-        slots.write[:n] = rows
         slots.read[:n] = np.where(read >= 0, base + read, rows)
-        slots.save[:n] = np.where(save >= 0, base + save, base + self.num_state_snapshots)
+        slots.write[:n] = np.where(save >= 0, base + save, rows)
 
 
 def _ints(*shape: int, fill: int = 0) -> np.ndarray:
