@@ -139,7 +139,7 @@ class CacheConfig:
     mamba_cache_mode: str = option("align", choices=("align", "none"))
     """Prefix caching for a hybrid model's linear-attention layers (vLLM's flag), whose state
     is one matrix per request, not pages: align saves a request's state where a step's chunk
-    starts at a page boundary (prompts are chunked to end on one), and a cached prefix is
+    ends at a page boundary (prompts are chunked to end on one), and a cached prefix is
     served only up to a boundary whose state was saved (`jaxllm.engine.state_snapshots`);
     none turns prefix caching off for such models (prefixes are recomputed)."""
     num_state_snapshots: int | None = None

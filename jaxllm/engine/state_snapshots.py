@@ -111,7 +111,7 @@ class StateSnapshots:
     def release(self, request_id: str) -> None:
         """The request left the batch (finished, aborted or preempted): its pending slots go
         back, first in line and unkeyed (the saves still in flight land in no slot anyone
-        reads)."""
+        reads); the slot it held after a committed save goes back keyed (still findable)."""
         pending = self.pending.pop(request_id, {})
         for slot in pending:
             self.free[slot] = None

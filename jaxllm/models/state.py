@@ -65,7 +65,7 @@ class StepExtras:
     """i32[T]: each image placeholder's row of `mm_pool` (-1: a text token)."""
     state_slots: StateSlots | None = None
     """Each request's slots of the model cache's `linear` state (a hybrid model): where its
-    state is read, written and saved."""
+    state is read and where it is written (its row, or a saved-state slot)."""
 
     def merged(self, other: StepExtras) -> StepExtras:
         """These extras with `other`'s fields that are set."""
