@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_attention_cpu
+from pallas_kernels.gated_delta_rule import GDN_BACKENDS, gated_delta_rule
 from pallas_kernels.kv_cache import (
     QUANTIZED_KV_DTYPES,
     KVCache,
@@ -290,6 +291,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "ATTENTION_OPERANDS",
     "BACKENDS",
+    "GDN_BACKENDS",
     "QUANTIZED_KV_DTYPES",
     "BlockSizes",
     "KVCache",
@@ -298,6 +300,7 @@ __all__ = [
     "check_operands",
     "compute_capability",
     "current_device",
+    "gated_delta_rule",
     "current_device_kind",
     "current_platform",
     "get_block_sizes",

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig
 from jaxllm.loaders import load_model
 from jaxllm.loaders.hf import load_hf_config
 from jaxllm.models.layers import AttentionMetadata
-from jaxllm.models.linear_attention import _Rows, gated_delta_rule, state_bytes_per_slot
+from jaxllm.models.linear_attention import gated_delta_rule, state_bytes_per_slot
 from jaxllm.worker.kv_sizing import DeviceMemory
 from jaxllm.worker.plan import plan_engine
 
@@ -38,14 +39,17 @@ def hybrid(request, tmp_path_factory):
     return request.param, path, write_family_checkpoint(request.param, path)
 
 
-def test_delta_rule_matches_transformers_over_a_ragged_batch():
-    """Requests of 5, 1 (a decode row) and 9 tokens in one batch, two carrying a state from
-    earlier steps and one fresh, and padding after them: each request's outputs and final
-    state equal transformers' recurrence run on it alone."""
+@pytest.mark.parametrize("backend", pallas_kernels.GDN_BACKENDS)
+def test_delta_rule_matches_transformers_over_a_ragged_batch(backend):
+    """Requests of 5, 1 (a decode row), 9 and 150 tokens (three chunks of the chunked forms,
+    the last one partial) in one batch, two carrying a state from earlier steps and two
+    fresh, and padding after them: each request's outputs and final state equal
+    transformers' recurrence run on it alone, in every form of the recurrence (the GPU
+    kernel interpreted here)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
 
     rng = np.random.default_rng(0)
-    lens, carried = [5, 1, 9], [True, True, False]
+    lens, carried = [5, 1, 9, 150], [True, True, False, False]
     heads, dk, dv, pad = 4, 16, 8, 4
     t = sum(lens) + pad
     q, k = (rng.normal(size=(t, heads, dk)).astype(np.float32) for _ in range(2))
@@ -63,7 +67,7 @@ def test_delta_rule_matches_transformers_over_a_ragged_batch():
         num_seqs=jnp.array([len(lens)], jnp.int32),
     )
     out, final = gated_delta_rule(
-        *(jnp.asarray(x) for x in (q, k, v, decay, beta, initial)), _Rows.of(meta, t)
+        *(jnp.asarray(x) for x in (q, k, v, decay, beta, initial)), meta, backend=backend
     )
     out, final = np.asarray(out), np.asarray(final)
     for r, c in enumerate(carried):

@@ -18,11 +18,10 @@ preemption), carried through its tokens and written to a slot: its own, or a sna
 when the scheduler saves it there (the prefix cache's saved states, whose next step reads it
 back from there: `jaxllm.engine.state_snapshots`).
 
-This is the reference form, in pure JAX, on every backend (`gated_delta_rule`): every request's
-first token of the step in one batched update (a decode step is nothing more), then the
-chunks' further tokens one by one. Its work is the recurrence's (tokens x heads x key x value);
-the chunked (parallel-within-chunk) form for long prefills, and a Pallas kernel of it, would
-be faster on accelerators and are not written yet.
+The recurrence is `pallas_kernels.gated_delta_rule`: the chunked (parallel-within-chunk) form
+in XLA on the CPU and the TPU, a Pallas kernel of the same algebra on NVIDIA GPUs, and the
+token-by-token reference beside them (`delta_rule_backend`). The convolution is a few gathers
+and adds here, on every backend.
 """
 
 from __future__ import annotations
@@ -35,9 +34,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from jaxllm.config import ModelConfig
+from jaxllm.config.kernels import kernel_choices
 from jaxllm.models.layers import AttentionMetadata, linear, param, rms_norm
 from jaxllm.sharding import spec_for
+from pallas_kernels.target import current_platform
 
 
 @jax.tree_util.register_dataclass
@@ -92,11 +94,10 @@ def state_bytes_per_slot(config: ModelConfig, dtype) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Rows:
     """Where each of a step's tokens sits: its request, its index in the request's chunk, and
-    the per-request facts the recurrence needs."""
+    the per-request facts the convolution needs."""
 
     request: jax.Array  # i32[T]
     index: jax.Array  # i32[T]: 0 for a request's first token of the step
-    valid: jax.Array  # bool[T]: not padding
     starts: jax.Array  # i32[R]: each request's first token in the step
     q_lens: jax.Array  # i32[R]
     fresh: jax.Array  # bool[R]: the chunk starts at position 0 (a zero state)
@@ -106,13 +107,12 @@ class _Rows:
         cu = meta.cu_q_lens
         num_reqs = cu.shape[0] - 1
         t = jnp.arange(num_tokens, dtype=jnp.int32)
-        request = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+        request = jnp.searchsorted(cu[1:], t, side="right", method="compare_all").astype(jnp.int32)
         request = jnp.minimum(request, num_reqs - 1)
         q_lens = cu[1:] - cu[:-1]
         return cls(
             request=request,
             index=t - cu[request],
-            valid=t < cu[meta.num_seqs[0]],
             starts=cu[:-1],
             q_lens=q_lens,
             fresh=meta.seq_lens == q_lens,
@@ -223,7 +223,7 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
         a.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32)
     )
     initial = state.recurrent[ordinal][slots.read]  # [R, Hv, Dk, Dv]
-    out, final = gated_delta_rule(q, k, v, decay, beta, initial, rows)
+    out, final = gated_delta_rule(q, k, v, decay, beta, initial, meta)
     out = out.astype(x.dtype)
     # The gated RMSNorm per value head: normalise, scale, then times silu(z) in float32.
     z = z.reshape(num_tokens, groups * r, dv)
@@ -269,57 +269,38 @@ def _causal_conv(mixed, prior, weight, rows: _Rows):
     return out, new_state
 
 
-def _update(s, q_t, k_t, v_t, g_t, b_t):
-    """One token's step of the delta rule on its state s [..., Hv, Dk, Dv]: (the new state,
-    the output [..., Hv, Dv])."""
-    s = s * jnp.exp(g_t)[..., None, None]
-    memory = jnp.einsum("...hkv,...hk->...hv", s, k_t)
-    delta = (v_t - memory) * b_t[..., None]
-    s = s + k_t[..., :, None] * delta[..., None, :]
-    return s, jnp.einsum("...hkv,...hk->...hv", s, q_t)
+def gated_delta_rule(q, k, v, decay, beta, initial, meta: AttentionMetadata, *, backend=None):
+    """The gated delta rule over a step's ragged batch: q, k [T, Hv, Dk]; v [T, Hv, Dv]; decay,
+    beta f32[T, Hv]; initial f32[R, Hv, Dk, Dv] (each request's state before the step; a fresh
+    request's, one whose chunk starts at position 0, is taken as zero). Returns (o f32[T, Hv,
+    Dv], each request's state after its last token f32[R, Hv, Dk, Dv]; a request with no token
+    keeps its initial state).
 
-
-def gated_delta_rule(q, k, v, decay, beta, initial, rows: _Rows):
-    """The gated delta rule over a ragged batch (the reference form, in pure JAX).
-
-    q, k [T, Hv, Dk]; v [T, Hv, Dv]; decay, beta f32[T, Hv]; initial f32[R, Hv, Dk, Dv] (each
-    request's state before the step; a fresh request's is taken as zero). Returns (o f32[T,
-    Hv, Dv], each request's state after its last token f32[R, Hv, Dk, Dv]; a request with no
-    token keeps its initial state).
-
-    Every request's first token is one batched update over all requests (a decode step is
-    only that); the chunks' further tokens then go one at a time, in a loop that runs as many
-    times as there are such tokens in the step (none in a decode step)."""
+    q and k are L2-normalised here and q scaled by Dk ** -0.5, as transformers does inside its
+    kernels; the recurrence itself is `pallas_kernels.gated_delta_rule` in the form `backend`
+    names (default: `delta_rule_backend()`)."""
     q = _l2norm(q.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
     k = _l2norm(k.astype(jnp.float32))
-    v = v.astype(jnp.float32)
-    initial = jnp.where(rows.fresh[:, None, None, None], 0.0, initial)
-    num_tokens = q.shape[0]
-    # Each request's first token, all at once (a request without tokens reads a token it
-    # does not own: its state is kept below).
-    first = jnp.minimum(rows.starts, num_tokens - 1)
-    after_first, o_first = _update(initial, q[first], k[first], v[first], decay[first], beta[first])
-    has_token = rows.q_lens > 0
-    final = jnp.where(has_token[:, None, None, None], after_first, initial)
-    out = jnp.zeros(v.shape, jnp.float32)
-    out = out.at[jnp.where(has_token, first, num_tokens)].set(o_first, mode="drop")
-    # The rest, in order: the tokens past their request's first, moved to the front.
-    rest = rows.valid & (rows.index > 0)
-    order = jnp.argsort(~rest, stable=True)
-    num_rest = jnp.sum(rest)
+    fresh = meta.seq_lens == meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
+    initial = jnp.where(fresh[:, None, None, None], 0.0, initial)
+    return pallas_kernels.gated_delta_rule(
+        q, k, v, decay, beta, initial, meta.cu_q_lens, meta.num_seqs,
+        backend=backend or delta_rule_backend(),
+    )  # fmt: skip
 
-    def body(i, carry):
-        s, final, out = carry
-        t = order[i]
-        r = rows.request[t]
-        s = jnp.where(rows.index[t] == 1, final[r], s)  # its first token's state
-        s, o_t = _update(s, q[t], k[t], v[t], decay[t], beta[t])
-        out = jax.lax.dynamic_update_index_in_dim(out, o_t, t, 0)
-        final = jax.lax.dynamic_update_index_in_dim(final, s, r, 0)
-        return s, final, out
 
-    _, final, out = jax.lax.fori_loop(0, num_rest, body, (final[0], final, out))
-    return out, final
+def delta_rule_backend() -> str:
+    """The recurrence's form for the step being traced: on a GPU the Pallas (Triton) kernel,
+    whose chunk loop runs inside the kernel (XLA's `while` over a device-side trip count
+    would copy its predicate to the host every iteration); elsewhere the chunked XLA form.
+    The engine's attention backend steers it for checking: "reference" takes the token-by-token
+    reference, "pallas_gpu" the GPU kernel (interpreted off a GPU)."""
+    chosen = kernel_choices().attention_backend
+    if chosen == "reference":
+        return "reference"
+    if chosen == "pallas_gpu" or current_platform() == "gpu":
+        return "pallas_gpu"
+    return "chunked"
 
 
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
