@@ -108,6 +108,59 @@ KERNEL_CASES = [
 KERNEL_IDS = [f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}-{jnp.dtype(c[5]).name}" for c in KERNEL_CASES]
 
 
+def _compile_delta_rule(target: str, backend: str, num_tokens: int, max_reqs: int):
+    """The gated delta rule in `backend`'s form compiled for `target` at Qwen3.5-27B's linear
+    layers on one device (48 value heads of key and value dim 128)."""
+    from pallas_kernels import gated_delta_rule
+
+    device = _target(target).devices()[0]
+    sh = jax.sharding.SingleDeviceSharding(device)
+    heads, dim = 48, 128
+
+    def arg(*shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    args = (
+        *(arg(num_tokens, heads, dim) for _ in range(3)),
+        *(arg(num_tokens, heads) for _ in range(2)),
+        arg(max_reqs, heads, dim, dim),
+        arg(max_reqs + 1, dtype=jnp.int32),
+        arg(1, dtype=jnp.int32),
+    )
+    fn = functools.partial(gated_delta_rule, backend=backend, interpret=False)
+    with pallas_kernels.target_platform(device.platform, device):
+        traced = jax.jit(fn).trace(*args)
+        return traced.lower(
+            lowering_platforms=(pallas_kernels.lowering_platform(device),)
+        ).compile()
+
+
+@gpu_only
+def test_delta_rule_kernel_compiles_for_an_h100():
+    """Triton compiles the GPU kernel of the gated delta rule at Qwen3.5-27B's shapes for a
+    prefill-heavy and a decode step; the step's recurrence is that one kernel (no `while` or
+    `conditional` left to XLA, each of which would stop the host), and its temporaries hold
+    no more than the padded inputs and outputs (no copy of the state beyond them)."""
+    from jaxllm.worker.compiler import launches
+
+    for num_tokens, max_reqs in ((2048, 16), (64, 64)):
+        compiled = _compile_delta_rule("h100", "pallas_gpu", num_tokens, max_reqs)
+        syncs, _ = launches(compiled.as_text())
+        assert syncs == 0, compiled.as_text()
+        state = max_reqs * 48 * 128 * 128 * 4
+        tokens = (num_tokens + 64) * 48 * (3 * 128 + 2) * 4
+        assert compiled.memory_analysis().temp_size_in_bytes <= 2 * (state + tokens)
+
+
+@tpu_only
+def test_chunked_delta_rule_compiles_for_a_tpu():
+    """XLA:TPU compiles the chunked form of the gated delta rule (the TPU's form: its loop runs
+    per chunk of 64 prefill tokens) at Qwen3.5-27B's shapes, within the chip's memory."""
+    compiled = _compile_delta_rule("v6e-1", "chunked", 2048, 16)
+    state = 16 * 48 * 128 * 128 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes <= 4 * state + 2048 * 48 * 128 * 4 * 8
+
+
 @tpu_only
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 def test_tpu_kernel_reads_the_cache_in_place(case):
