@@ -26,14 +26,16 @@ tokens are contiguous, a prefill chunk or one decode token. Each request starts 
 
   Decode rows (and every request's first token) go through the batched one-token update as in
   the reference; the loop then runs once per chunk of C prefill tokens instead of per token.
-  It is the form for the CPU and the TPU (where a device-side trip count costs nothing).
+  It is the form for the CPU and the TPU (where a device-side trip count costs nothing). T is
+  forward substitution on 16-row diagonal blocks, merged in pairs (`_blocked_inverse`).
 - "pallas_gpu": the same chunk algebra in a Pallas kernel for NVIDIA GPUs (Triton lowering),
   grid (request, value head, value block): each program walks its request's chunks in order
   with its [key dim, value block] share of the state in registers; a decode row takes the
-  one-token update instead. No loop is left to XLA, so no step syncs with the host. (T)'s
-  inverse is forward substitution (stable where the Neumann series is not: keys at nearby
-  positions can be nearly parallel).
+  one-token update instead. No loop is left to XLA, so no step syncs with the host. T is
+  forward substitution over the whole chunk (Triton cannot slice a block out of a value).
 
+Both chunked forms invert by substitution, stable where the Neumann series (I - A + A^2 ...) is
+not: keys at nearby positions can be nearly parallel, and A's powers then grow binomially.
 A TPU Pallas (Mosaic) form is not written: the chunked XLA form serves TPUs.
 
 All three take q and k already normalised and scaled, and float32 inputs; the model's layer
@@ -139,11 +141,10 @@ def _reference_rest(q, k, v, g, beta, final, out, starts, q_lens):
 
 
 def _unit_lower_inverse(a):
-    """(I + a)^-1 for a strictly lower-triangular a [C, C], by forward substitution, row by row: row i of the
-    inverse is e_i - a_i (its rows before i). Elementwise ops and sums only: Triton has no
-    triangular solve, and XLA's (`solve_triangular`) hung XLA:CPU inside the chunk loop (a
-    `while`; jax 0.10.2, 2 cores). Stable where the Neumann series (I - a + a^2 ...) is not:
-    keys at nearby positions can be nearly parallel, and its powers then grow binomially."""
+    """(I + a)^-1 for a strictly lower-triangular a [C, C], by forward substitution, row by
+    row: row i of the inverse is e_i - a_i (its rows before i). Elementwise ops and sums only:
+    Triton has no triangular solve (and XLA's, `solve_triangular`, hung XLA:CPU inside the
+    chunk loop, a `while`: jax 0.10.2, 2 cores)."""
     c = a.shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     inverse = (rows == jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)).astype(a.dtype)
@@ -156,11 +157,11 @@ def _unit_lower_inverse(a):
     return jax.lax.fori_loop(1, c, body, inverse)
 
 
-def _chunk_algebra(s, q, k, v, g, b, *, dot):
+def _chunk_algebra(s, q, k, v, g, b, *, dot, invert):
     """One chunk of one head: s [Dk, Dv] the state entering it; q, k [C, Dk]; v [C, Dv]; g, b
     [C] (rows past the chunk's tokens all zero: no decay, no write). (o [C, Dv], the state
-    after it.) `dot(x, y, trans_a, trans_b)` is the one thing the XLA and the kernel forms
-    do differently."""
+    after it.) `dot(x, y, trans_a, trans_b)` and `invert(a)` = (I + a)^-1 for a strictly
+    lower-triangular a are what the XLA and the kernel forms do differently."""
     c = g.shape[0]
     i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -168,7 +169,7 @@ def _chunk_algebra(s, q, k, v, g, b, *, dot):
     decay = jnp.exp(jnp.where(j <= i, big_g[:, None] - big_g[None, :], _NEG))
     a = jnp.where(j < i, b[:, None] * dot(k, k, False, True) * decay, 0.0)
     scale = jnp.exp(big_g)
-    inverse = _unit_lower_inverse(a)  # T
+    inverse = invert(a)  # T
     w_k = dot(inverse, k * (b * scale)[:, None], False, False)  # [C, Dk]
     w_v = dot(inverse, v * b[:, None], False, False)  # [C, Dv]
     u = w_v - dot(w_k, s, False, False)  # [C, Dv]
@@ -179,6 +180,31 @@ def _chunk_algebra(s, q, k, v, g, b, *, dot):
     total = jnp.sum(jnp.where(jnp.arange(c) == c - 1, big_g, 0.0))
     s = jnp.exp(total) * s + dot(k * jnp.exp(total - big_g)[:, None], u, True, False)
     return o, s
+
+
+def _blocked_inverse(a, base: int = 16):
+    """(I + a)^-1 as `_unit_lower_inverse` computes it, in fewer sequential steps (XLA's loops
+    cost per trip on a CPU, and a chunk's 63 trips cost more than its matmuls there): forward
+    substitution on the diagonal blocks of `base` rows, then pairs of blocks merged,
+    [[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]], until the block is whole. Every
+    step is the exact inverse of a smaller block: as stable as forward substitution."""
+    c = a.shape[0]
+    diagonal = jnp.stack([a[i : i + base, i : i + base] for i in range(0, c, base)])
+    # One loop of base - 1 trips for all blocks (unrolled, it ran 1.1-1.5x faster on a 2-core
+    # CPU and compiled the hybrid tests' programs 1.4x slower).
+    blocks = list(jax.vmap(_unit_lower_inverse)(diagonal))
+    size = base
+    while len(blocks) > 1:
+        merged = []
+        for pair in range(0, len(blocks), 2):
+            upper, lower = blocks[pair], blocks[pair + 1]
+            rows, cols = (pair + 1) * size, pair * size
+            off = a[rows : rows + size, cols : cols + size]
+            corner = -_xla_dot(_xla_dot(lower, off, False, False), upper, False, False)
+            top = jnp.concatenate([upper, jnp.zeros_like(upper)], axis=1)
+            merged.append(jnp.concatenate([top, jnp.concatenate([corner, lower], 1)], axis=0))
+        blocks, size = merged, 2 * size
+    return blocks[0]
 
 
 def _xla_dot(x, y, trans_a, trans_b):
@@ -197,7 +223,7 @@ def _chunked_rest(q, k, v, g, beta, final, out, starts, q_lens, chunk):
     g, beta = (jnp.pad(x, pad[:2]) for x in (g, beta))
     out = jnp.pad(out, pad)
     algebra = jax.vmap(
-        functools.partial(_chunk_algebra, dot=_xla_dot),
+        functools.partial(_chunk_algebra, dot=_xla_dot, invert=_blocked_inverse),
         in_axes=(0, 1, 1, 1, 1, 1),
         out_axes=(1, 0),
     )
@@ -276,7 +302,9 @@ def _gpu_kernel(
                 return jnp.where(ok.reshape((chunk,) + (1,) * (x.ndim - 1)), x, 0.0)
 
             q, k, v = rows(q_ref, slice(None)), rows(k_ref, slice(None)), rows(v_ref, cols)
-            o, s = _chunk_algebra(s, q, k, v, rows(g_ref), rows(b_ref), dot=_triton_dot)
+            o, s = _chunk_algebra(
+                s, q, k, v, rows(g_ref), rows(b_ref), dot=_triton_dot, invert=_unit_lower_inverse
+            )
             pltriton.store(o_ref.at[pl.ds(begin, chunk), h, cols], o, mask=ok[:, None])
             return s
 

@@ -52,6 +52,13 @@ stage qmatmul-tests "${T_QTESTS:-60}" "$py" -m pytest -q -p no:cacheprovider -m 
 stage hybrid-tests "${T_HYBRID:-150}" env JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest \
     -q -p no:cacheprovider tests/test_hybrid_kv.py tests/test_model_families.py \
     -k "gemma and (greedy or logits)" -rfE --durations=5
+# Hybrid linear attention: the gated delta rule's GPU kernel (native here) against the float64
+# recurrence and transformers, then its forms timed at Qwen3.5-27B's per-device shapes.
+stage gdn-tests "${T_GDN:-120}" "$py" -m pytest -q -p no:cacheprovider \
+    tests/test_gated_delta_rule.py tests/test_hybrid_models.py -k "delta_rule or greedy" -rfE \
+    --durations=5
+stage gdn-bench "${T_GDN_BENCH:-60}" "$py" benchmarks/kernels/gated_delta_rule.py --heads 48 \
+    --json "$out/gated-delta-rule.json"
 stage attention-bench "${T_BENCH:-60}" "$py" benchmarks/kernels/ragged_attention.py --check \
     --batch 1,8,64,256 --context 1024,8192 --iters 20 --json "$out/attention.json"
 stage tune "${T_TUNE:-100}" "$py" benchmarks/kernels/tune_attention.py --threads 12 \

@@ -240,6 +240,39 @@ def test_preempted_requests_recompute_their_state(tmp_path):
     _assert_idle(llm)
 
 
+def test_an_8bit_kv_cache_holds_the_attention_layers(tmp_path):
+    """`kv_cache_dtype` int8: the attention layers' pages are 8-bit with their scales, the
+    linear layers' state stays float32; a mixed batch gives each request the tokens it gets
+    alone, with the prefix cache's saved states too, and those tokens are transformers' (the
+    8-bit error is far below the tiny model's logit gaps for these prompts)."""
+    hf_model = write_family_checkpoint("qwen3.5", tmp_path)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (9, 37, 24)]
+    expected = _expected(hf_model, prompts, 8)
+    llm = LLM(
+        tmp_path,
+        dtype="float32",
+        kv_cache_dtype="int8",
+        page_size=8,
+        num_pages=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        skip_warmup=True,
+    )
+    assert llm.runner.kv_cache.scales is not None
+    assert llm.runner.device.cache.linear.recurrent.dtype == jnp.float32
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    batched = [o.outputs[0].token_ids for o in batched]
+    alone = [
+        llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+        for p in prompts
+    ]
+    assert batched == alone == expected
+    _assert_idle(llm)
+
+
 def test_the_plan_counts_the_state_and_refuses_what_it_cannot_serve(tmp_path):
     """The recurrent state (a slot per request) and the prefix cache's saved states are
     entries of the memory plan, taken out of the KV pool; only the attention layers have KV

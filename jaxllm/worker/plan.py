@@ -177,7 +177,8 @@ def _consumers(
     vision: VisionConfig | QwenVisionConfig | None,
 ) -> dict[str, int]:
     """Bytes per device of what is sized before the KV pool, by name. A new consumer of
-    device memory is one entry here."""
+    device memory is one entry here. (A hybrid's "saved states" are sized after these, from
+    what they leave: `_saved_states`.)"""
     tp = config.parallel.tensor_parallel_size or 1
     itemsize = jnp.dtype(dtype).itemsize
     state = 0
@@ -226,14 +227,12 @@ def _hybrid_rules(config: EngineConfig, model_config: ModelConfig) -> EngineConf
     return config
 
 
-def _saved_states(
-    config: EngineConfig, model_config: ModelConfig, slot_bytes: int, budget: int | None
-) -> int:
+def _saved_states(config: EngineConfig, slot_bytes: int, budget: int | None) -> int:
     """How many saved states a hybrid model's prefix cache keeps: `num_state_snapshots`, or
     max_num_seqs (one per request the batch can hold), or what a quarter of `budget` (the
     memory left for the cache, per device) holds, if less."""
     cache = config.cache
-    if model_config.linear_attention is None or not cache.enable_prefix_caching:
+    if not cache.enable_prefix_caching:
         return 0
     if cache.num_state_snapshots is not None:
         return cache.num_state_snapshots
@@ -299,7 +298,7 @@ def plan_engine(
     budget = None if cpu and platform != "cpu" else offered - sum(consumers.values())
     if model_config.linear_attention is not None:  # saved states: before the pool too
         slot_bytes = _state_slot_bytes(model_config, dtype, tp)
-        snapshots = _saved_states(config, model_config, slot_bytes, budget)
+        snapshots = _saved_states(config, slot_bytes, budget)
         if snapshots == 0 and cache.enable_prefix_caching:
             logger.info("no room for saved states: prefix caching is off")
             config = config.replace(enable_prefix_caching=False)

@@ -3,7 +3,7 @@ mix (prefill chunks beside decode rows) and a decode batch, through the token-by
 reference and the chunked form (the Pallas GPU kernel is timed only on a GPU: interpreted, it
 measures the interpreter).
 
-    .venv/bin/python benchmarks/gated_delta_rule.py [--heads 16] [--dim 128] [--json PATH]
+    .venv/bin/python benchmarks/kernels/gated_delta_rule.py [--heads 16] [--dim 128] [--json PATH]
 
 Shapes: `heads` value heads of key and value dim `dim` (Qwen3.5's are 128; the 27B has 48
 heads, 16 per device under 4-way tensor parallelism). Per case and form: the median wall time of
