@@ -51,6 +51,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.quant_matmul_gpu import MIN_DOT
+from pallas_kernels.target import current_platform
+
 GDN_BACKENDS = ("reference", "chunked", "pallas_gpu")
 CHUNK = 64  # tokens per chunk, as flash-linear-attention's kernels take them
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -118,9 +121,9 @@ def _reference_rest(q, k, v, g, beta, final, out, starts, q_lens):
     """The tokens past each request's first, one at a time, in order."""
     num_tokens = q.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    cu = jnp.concatenate([starts, (starts[-1] + q_lens[-1])[None]])
+    ends = starts + q_lens
     request = jnp.minimum(
-        jnp.searchsorted(cu[1:], t, side="right", method="compare_all"), starts.shape[0] - 1
+        jnp.searchsorted(ends, t, side="right", method="compare_all"), starts.shape[0] - 1
     )
     index = t - starts[request]
     rest = (index > 0) & (index < q_lens[request])
@@ -253,10 +256,6 @@ def _chunked_rest(q, k, v, g, beta, final, out, starts, q_lens, chunk):
     return out[:num_tokens], final
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
 def _triton_dot(x, y, trans_a, trans_b):
     return pltriton.dot(x, y, trans_a=trans_a, trans_b=trans_b, allow_tf32=False)
 
@@ -317,13 +316,11 @@ def _pallas_gpu(q, k, v, g, beta, initial, starts, q_lens, chunk, interpret):
     """The Triton kernel's call: dimensions padded to powers of two (zeros change nothing: a
     zero key or query channel adds nothing to a dot, a zero value channel stays zero), the
     tokens by one chunk (a request's last chunk may read past the batch)."""
-    from pallas_kernels.target import current_platform
-
     if interpret is None:
         interpret = current_platform() != "gpu"
     num_tokens, num_heads, dk = q.shape
     dv = v.shape[-1]
-    dk_p, dv_p = _pow2(dk), _pow2(dv)
+    dk_p, dv_p = (max(pl.next_power_of_2(d), MIN_DOT) for d in (dk, dv))
     block_v = min(dv_p, 64)
 
     def pad(x, *dims):

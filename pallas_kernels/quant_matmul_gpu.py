@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 
 FORMATS = ("int8", "int4", "fp8")
 _INT4_BLOCK = 32  # elements per packed block: bytes j of a block hold elements j and j + 16
-_MIN_DOT = 16  # Triton's dot wants at least 16 along every axis
+MIN_DOT = 16  # Triton's dot wants at least 16 along every axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class QuantMatmulBlocks:
 def _largest_divisor(n: int, limit: int) -> int | None:
     """The largest power of two in [16, limit] dividing n, or None."""
     size = limit
-    while size >= _MIN_DOT:
+    while size >= MIN_DOT:
         if n % size == 0:
             return size
         size //= 2
@@ -79,8 +79,8 @@ def default_blocks(num_tokens: int, num_out: int, code_cols: int) -> QuantMatmul
     counts take 64-row, 64-column tiles, each code chunk then serving more rows. Untuned: the
     GPU session (issue 19) measures them with `benchmarks/kernels/quant_matmul.py`.
     """
-    rows = min(max(pl.next_power_of_2(num_tokens), _MIN_DOT), 64)
-    cols = _largest_divisor(num_out, 32 if num_tokens <= _MIN_DOT else 64)
+    rows = min(max(pl.next_power_of_2(num_tokens), MIN_DOT), 64)
+    cols = _largest_divisor(num_out, 32 if num_tokens <= MIN_DOT else 64)
     depth = _largest_divisor(code_cols, 128)
     if cols is None or depth is None:
         return None
@@ -154,8 +154,8 @@ def quant_matmul_gpu(
         raise ValueError(f"no tiling of x {x.shape} by {fmt} codes {q.shape}")
     for name in ("rows", "cols", "depth"):
         size = getattr(blocks, name)
-        if size < _MIN_DOT or size & (size - 1):
-            raise ValueError(f"blocks.{name} must be a power of two >= {_MIN_DOT}, got {size}")
+        if size < MIN_DOT or size & (size - 1):
+            raise ValueError(f"blocks.{name} must be a power of two >= {MIN_DOT}, got {size}")
     if num_out % blocks.cols or code_cols % blocks.depth:
         raise ValueError(f"{blocks} does not tile {fmt} codes {q.shape}")
     group_size = num_in // scale.shape[1]

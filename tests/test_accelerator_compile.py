@@ -45,6 +45,14 @@ def _target(name: str):
     return parse_target(name)
 
 
+def _compile_for(device, fn, *args):
+    """`fn` on `args` (abstract, on `device`) compiled by `device`'s real compiler, its kernels
+    traced for that platform."""
+    platforms = (pallas_kernels.lowering_platform(device),)
+    with pallas_kernels.target_platform(device.platform, device):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).compile()
+
+
 def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype,
                     *, num_tokens=64, max_reqs=8, pages_per_seq=64, num_pages=2048,
                     block_sizes=None):  # fmt: skip
@@ -71,10 +79,7 @@ def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, d
         interpret=False,
     )
     args = (q, cache, i32(), i32(max_reqs), i32(max_reqs, pages_per_seq), i32(max_reqs + 1))
-    with pallas_kernels.target_platform(device.platform, device):
-        traced = jax.jit(fn).trace(*args, i32(1))
-        platforms = (pallas_kernels.lowering_platform(device),)
-        compiled = traced.lower(lowering_platforms=platforms).compile()
+    compiled = _compile_for(device, fn, *args, i32(1))
     nbytes = sum(
         int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in cache if a is not None
     )
@@ -128,11 +133,7 @@ def _compile_delta_rule(target: str, backend: str, num_tokens: int, max_reqs: in
         arg(1, dtype=jnp.int32),
     )
     fn = functools.partial(gated_delta_rule, backend=backend, interpret=False)
-    with pallas_kernels.target_platform(device.platform, device):
-        traced = jax.jit(fn).trace(*args)
-        return traced.lower(
-            lowering_platforms=(pallas_kernels.lowering_platform(device),)
-        ).compile()
+    return _compile_for(device, fn, *args)
 
 
 @gpu_only

@@ -17,6 +17,8 @@ from pallas_kernels import GDN_BACKENDS, gated_delta_rule
 # with no token this step; then a padding request, and padding tokens.
 LENS = [130, 1, 64, 0]
 PAD_TOKENS = 5
+CU_Q_LENS = np.concatenate([[0], np.cumsum(LENS), [sum(LENS)]]).astype(np.int32)
+NUM_SEQS = np.array([len(LENS)], np.int32)
 
 
 def _l2(x):
@@ -42,7 +44,7 @@ def _inputs(case: str, heads: int = 2, dk: int = 32, dv: int = 16, seed: int = 0
 
 
 def _float64_truth(q, k, v, g, b, initial):
-    cu = np.concatenate([[0], np.cumsum(LENS)])
+    cu = CU_Q_LENS
     out, final = np.zeros(v.shape), initial.copy()
     for r in range(len(LENS)):
         s = initial[r].copy()
@@ -63,7 +65,7 @@ def _transformers_chunked_errors(q, k, v, g, b, initial) -> tuple[float, float]:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
 
     want, want_final = _float64_truth(q, k, v, g, b, initial)
-    cu = np.concatenate([[0], np.cumsum(LENS)])
+    cu = CU_Q_LENS
     worst = worst_state = 0.0
     for r in range(len(LENS)):
         span = slice(cu[r], cu[r + 1])
@@ -84,12 +86,8 @@ def _transformers_chunked_errors(q, k, v, g, b, initial) -> tuple[float, float]:
 @pytest.mark.parametrize("backend", GDN_BACKENDS)
 def test_every_form_equals_the_float64_recurrence(backend, case):
     inputs = _inputs(case)
-    cu = np.concatenate([[0], np.cumsum(LENS), [sum(LENS)]]).astype(np.int32)
     out, final = gated_delta_rule(
-        *(x.astype(np.float32) for x in inputs),
-        cu,
-        np.array([len(LENS)], np.int32),
-        backend=backend,
+        *(x.astype(np.float32) for x in inputs), CU_Q_LENS, NUM_SEQS, backend=backend
     )
     out, final = np.asarray(out), np.asarray(final)
     want_out, want_final = _float64_truth(*inputs)
@@ -110,13 +108,11 @@ def test_every_form_equals_the_float64_recurrence(backend, case):
 @pytest.mark.parametrize("chunk", [8, 48])
 def test_chunk_must_be_a_power_of_two_of_at_least_16(chunk):
     inputs = [x.astype(np.float32) for x in _inputs("random")]
-    cu = np.concatenate([[0], np.cumsum(LENS), [sum(LENS)]]).astype(np.int32)
     with pytest.raises(ValueError, match="chunk"):
-        gated_delta_rule(*inputs, cu, np.array([4]), backend="chunked", chunk=chunk)
+        gated_delta_rule(*inputs, CU_Q_LENS, NUM_SEQS, backend="chunked", chunk=chunk)
 
 
 def test_an_unknown_form_is_refused_by_name():
     inputs = [x.astype(np.float32) for x in _inputs("random")]
-    cu = np.concatenate([[0], np.cumsum(LENS), [sum(LENS)]]).astype(np.int32)
     with pytest.raises(ValueError, match="backend must be one of"):
-        gated_delta_rule(*inputs, cu, np.array([4]), backend="fla")
+        gated_delta_rule(*inputs, CU_Q_LENS, NUM_SEQS, backend="fla")

@@ -109,14 +109,19 @@ class _Rows:
         t = jnp.arange(num_tokens, dtype=jnp.int32)
         request = jnp.searchsorted(cu[1:], t, side="right", method="compare_all").astype(jnp.int32)
         request = jnp.minimum(request, num_reqs - 1)
-        q_lens = cu[1:] - cu[:-1]
         return cls(
             request=request,
             index=t - cu[request],
             starts=cu[:-1],
-            q_lens=q_lens,
-            fresh=meta.seq_lens == q_lens,
+            q_lens=cu[1:] - cu[:-1],
+            fresh=_fresh(meta),
         )
+
+
+def _fresh(meta: AttentionMetadata) -> jax.Array:
+    """bool[R]: each request's chunk starts at position 0 (its state is zero: a new or
+    recomputed request)."""
+    return meta.seq_lens == meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
 
 
 class GatedDeltaNet(nnx.Module):
@@ -281,8 +286,7 @@ def gated_delta_rule(q, k, v, decay, beta, initial, meta: AttentionMetadata, *, 
     names (default: `delta_rule_backend()`)."""
     q = _l2norm(q.astype(jnp.float32)) * (q.shape[-1] ** -0.5)
     k = _l2norm(k.astype(jnp.float32))
-    fresh = meta.seq_lens == meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]
-    initial = jnp.where(fresh[:, None, None, None], 0.0, initial)
+    initial = jnp.where(_fresh(meta)[:, None, None, None], 0.0, initial)
     return pallas_kernels.gated_delta_rule(
         q, k, v, decay, beta, initial, meta.cu_q_lens, meta.num_seqs,
         backend=backend or delta_rule_backend(),
