@@ -26,19 +26,23 @@ tokens are contiguous, a prefill chunk or one decode token. Each request starts 
 
   Decode rows (and every request's first token) go through the batched one-token update as in
   the reference; the loop then runs once per chunk of C prefill tokens instead of per token.
-  It is the form for the CPU and the TPU (where a device-side trip count costs nothing). T is
-  forward substitution on 16-row diagonal blocks, merged in pairs (`_blocked_inverse`).
+  It is the form for the CPU (and for a TPU whose attention backend is "xla": XLA:TPU runs
+  the loop on the device, its trip count costing nothing). T is forward substitution on 16-row diagonal blocks, merged in pairs (`_blocked_inverse`).
 - "pallas_gpu": the same chunk algebra in a Pallas kernel for NVIDIA GPUs (Triton lowering),
   grid (request, value head, value block): each program walks its request's chunks in order
   with its [key dim, value block] share of the state in registers; a decode row takes the
   one-token update instead. No loop is left to XLA, so no step syncs with the host. T is
   forward substitution over the whole chunk (Triton cannot slice a block out of a value).
+- "pallas_tpu": the chunk algebra in a Mosaic kernel for TPUs (`gated_delta_rule_tpu.py`),
+  after the batched one-token update as the chunked form: one program per value head walks
+  the step's chunks with the head's state in VMEM, its rows fetched by DMA straight from the
+  token-major inputs, double-buffered. T is blocked inversion by doubling, on whole matrices.
 
-Both chunked forms invert by substitution, stable where the Neumann series (I - A + A^2 ...) is
-not: keys at nearby positions can be nearly parallel, and A's powers then grow binomially.
-A TPU Pallas (Mosaic) form is not written: the chunked XLA form serves TPUs.
+The chunked forms invert by substitution or by exact block inverses, stable where the Neumann
+series (I - A + A^2 ...) is not: keys at nearby positions can be nearly parallel, and A's
+powers then grow binomially.
 
-All three take q and k already normalised and scaled, and float32 inputs; the model's layer
+All four take q and k already normalised and scaled, and float32 inputs; the model's layer
 (`jaxllm.models.linear_attention`) does that and zeroes the state of fresh requests.
 """
 
@@ -54,7 +58,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.quant_matmul_gpu import MIN_DOT
 from pallas_kernels.target import current_platform
 
-GDN_BACKENDS = ("reference", "chunked", "pallas_gpu")
+GDN_BACKENDS = ("reference", "chunked", "pallas_gpu", "pallas_tpu")
 CHUNK = 64  # tokens per chunk, as flash-linear-attention's kernels take them
 _HIGHEST = jax.lax.Precision.HIGHEST
 _NEG = -1e30  # exp of it is 0; not -inf, which Triton's exp of a difference could turn to NaN
@@ -91,6 +95,14 @@ def gated_delta_rule(
     o_first, final = _first_tokens(q, k, v, g, beta, initial, starts, q_lens)
     if backend == "reference":
         return _reference_rest(q, k, v, g, beta, final, o_first, starts, q_lens)
+    if backend == "pallas_tpu":
+        from pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_rest
+
+        if interpret is None:
+            interpret = current_platform() != "tpu"
+        return gated_delta_rule_rest(
+            q, k, v, g, beta, final, o_first, starts, q_lens, chunk=chunk, interpret=interpret
+        )
     return _chunked_rest(q, k, v, g, beta, final, o_first, starts, q_lens, chunk)
 
 
@@ -160,28 +172,34 @@ def _unit_lower_inverse(a):
     return jax.lax.fori_loop(1, c, body, inverse)
 
 
-def _chunk_algebra(s, q, k, v, g, b, *, dot, invert):
+def chunk_algebra(s, q, k, v, g, b, *, dot, invert):
     """One chunk of one head: s [Dk, Dv] the state entering it; q, k [C, Dk]; v [C, Dv]; g, b
-    [C] (rows past the chunk's tokens all zero: no decay, no write). (o [C, Dv], the state
-    after it.) `dot(x, y, trans_a, trans_b)` and `invert(a)` = (I + a)^-1 for a strictly
-    lower-triangular a are what the XLA and the kernel forms do differently."""
+    [C, 1] columns (rows past the chunk's tokens all zero: no decay, no write). (o [C, Dv], the
+    state after it.) `dot(x, y, trans_a, trans_b)` and `invert(a)` = (I + a)^-1 for a strictly
+    lower-triangular a are what the XLA and the kernel forms do differently. Two-dimensional
+    throughout (columns [C, 1], rows [1, C]): Mosaic has no cheap way between a vector's lanes
+    and its sublanes."""
     c = g.shape[0]
     i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    big_g = jnp.sum(jnp.where(j <= i, g[None, :], 0.0), axis=1)  # cumulative log-decay
-    decay = jnp.exp(jnp.where(j <= i, big_g[:, None] - big_g[None, :], _NEG))
-    a = jnp.where(j < i, b[:, None] * dot(k, k, False, True) * decay, 0.0)
+    # The cumulative log-decay as a row, then the same numbers as a column (the diagonal: a sum
+    # of one entry and zeros is exact), so exp(G_i - G_i) is exactly 1.
+    g_row = jnp.sum(jnp.where(i <= j, g, 0.0), axis=0, keepdims=True)  # [1, C]
+    big_g = jnp.sum(jnp.where(i == j, g_row, 0.0), axis=1, keepdims=True)  # [C, 1]
+    decay = jnp.exp(jnp.where(j <= i, big_g - g_row, _NEG))
+    a = jnp.where(j < i, b * dot(k, k, False, True) * decay, 0.0)
     scale = jnp.exp(big_g)
     inverse = invert(a)  # T
-    w_k = dot(inverse, k * (b * scale)[:, None], False, False)  # [C, Dk]
-    w_v = dot(inverse, v * b[:, None], False, False)  # [C, Dv]
+    w_k = dot(inverse, k * (b * scale), False, False)  # [C, Dk]
+    w_v = dot(inverse, v * b, False, False)  # [C, Dv]
     u = w_v - dot(w_k, s, False, False)  # [C, Dv]
     scores = jnp.where(j <= i, dot(q, k, False, True) * decay, 0.0)
-    o = scale[:, None] * dot(q, s, False, False) + dot(scores, u, False, False)
+    o = scale * dot(q, s, False, False) + dot(scores, u, False, False)
     # The chunk's whole log-decay as the cumulative sum's last entry, not a sum of its own: the
     # last token's exp(total - G) must be exactly 1 (two roundings of a long sum differ).
-    total = jnp.sum(jnp.where(jnp.arange(c) == c - 1, big_g, 0.0))
-    s = jnp.exp(total) * s + dot(k * jnp.exp(total - big_g)[:, None], u, True, False)
+    last = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) == c - 1
+    total = jnp.sum(jnp.where(last, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
+    s = jnp.exp(total) * s + dot(k * jnp.exp(total - big_g), u, True, False)
     return o, s
 
 
@@ -223,10 +241,10 @@ def _chunked_rest(q, k, v, g, beta, final, out, starts, q_lens, chunk):
     cu_chunks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per_request)])
     pad = ((0, chunk),) + ((0, 0),) * (q.ndim - 1)
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    g, beta = (jnp.pad(x, pad[:2]) for x in (g, beta))
+    g, beta = (jnp.pad(x, pad[:2])[..., None] for x in (g, beta))  # columns per head
     out = jnp.pad(out, pad)
     algebra = jax.vmap(
-        functools.partial(_chunk_algebra, dot=_xla_dot, invert=_blocked_inverse),
+        functools.partial(chunk_algebra, dot=_xla_dot, invert=_blocked_inverse),
         in_axes=(0, 1, 1, 1, 1, 1),
         out_axes=(1, 0),
     )
@@ -301,9 +319,8 @@ def _gpu_kernel(
                 return jnp.where(ok.reshape((chunk,) + (1,) * (x.ndim - 1)), x, 0.0)
 
             q, k, v = rows(q_ref, slice(None)), rows(k_ref, slice(None)), rows(v_ref, cols)
-            o, s = _chunk_algebra(
-                s, q, k, v, rows(g_ref), rows(b_ref), dot=_triton_dot, invert=_unit_lower_inverse
-            )
+            g, b = rows(g_ref)[:, None], rows(b_ref)[:, None]
+            o, s = chunk_algebra(s, q, k, v, g, b, dot=_triton_dot, invert=_unit_lower_inverse)
             pltriton.store(o_ref.at[pl.ds(begin, chunk), h, cols], o, mask=ok[:, None])
             return s
 

@@ -45,12 +45,13 @@ def _target(name: str):
     return parse_target(name)
 
 
-def _compile_for(device, fn, *args):
+def _compile_for(device, fn, *args, donate=()):
     """`fn` on `args` (abstract, on `device`) compiled by `device`'s real compiler, its kernels
-    traced for that platform."""
+    traced for that platform, the arguments at `donate` donated."""
     platforms = (pallas_kernels.lowering_platform(device),)
     with pallas_kernels.target_platform(device.platform, device):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).compile()
+        traced = jax.jit(fn, donate_argnums=donate).trace(*args)
+        return traced.lower(lowering_platforms=platforms).compile()
 
 
 def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype,
@@ -113,14 +114,15 @@ KERNEL_CASES = [
 KERNEL_IDS = [f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}-{jnp.dtype(c[5]).name}" for c in KERNEL_CASES]
 
 
-def _compile_delta_rule(target: str, backend: str, num_tokens: int, max_reqs: int):
+def _compile_delta_rule(target: str, backend: str, num_tokens: int, max_reqs: int, heads=48):
     """The gated delta rule in `backend`'s form compiled for `target` at Qwen3.5-27B's linear
-    layers on one device (48 value heads of key and value dim 128)."""
+    layers on one device (48 value heads of key and value dim 128), the state donated (as the
+    engine's step donates its cache)."""
     from pallas_kernels import gated_delta_rule
 
     device = _target(target).devices()[0]
     sh = jax.sharding.SingleDeviceSharding(device)
-    heads, dim = 48, 128
+    dim = 128
 
     def arg(*shape, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
@@ -133,7 +135,7 @@ def _compile_delta_rule(target: str, backend: str, num_tokens: int, max_reqs: in
         arg(1, dtype=jnp.int32),
     )
     fn = functools.partial(gated_delta_rule, backend=backend, interpret=False)
-    return _compile_for(device, fn, *args)
+    return _compile_for(device, fn, *args, donate=(5,))
 
 
 @gpu_only
@@ -154,9 +156,29 @@ def test_delta_rule_kernel_compiles_for_an_h100():
 
 
 @tpu_only
+@pytest.mark.parametrize("target", ["v5e-1", "v6e-1"])
+def test_delta_rule_kernel_compiles_for_a_tpu(target):
+    """Mosaic compiles the TPU kernel of the gated delta rule at Qwen3.5-27B's shapes (all 48
+    heads on one chip, and the 12 of a 4-way split) for a prefill-heavy step, a decode step
+    and a ragged one; the state is updated in place (aliased: no copy of it), and the
+    temporaries hold no more than the inputs padded by a chunk. (States larger than the
+    chip's 128 MiB of VMEM, as an engine's are: XLA stages a smaller one through VMEM, which
+    costs a temporary of its size in HBM.)"""
+    for num_tokens, max_reqs, heads in ((2048, 64, 48), (64, 256, 12), (37, 256, 12)):
+        compiled = _compile_delta_rule(target, "pallas_tpu", num_tokens, max_reqs, heads)
+        assert "gated_delta_rule_tpu" in compiled.as_text()
+        memory = compiled.memory_analysis()
+        state = max_reqs * heads * 128 * 128 * 4
+        assert memory.alias_size_in_bytes >= state
+        tokens = (num_tokens + 64) * heads * 3 * 128 * 4
+        assert memory.temp_size_in_bytes <= tokens + state // 64
+
+
+@tpu_only
 def test_chunked_delta_rule_compiles_for_a_tpu():
-    """XLA:TPU compiles the chunked form of the gated delta rule (the TPU's form: its loop runs
-    per chunk of 64 prefill tokens) at Qwen3.5-27B's shapes, within the chip's memory."""
+    """XLA:TPU compiles the chunked form of the gated delta rule (a TPU engine's form when its
+    attention backend is "xla": the loop runs per chunk of 64 prefill tokens) at Qwen3.5-27B's
+    shapes, within the chip's memory."""
     compiled = _compile_delta_rule("v6e-1", "chunked", 2048, 16)
     state = 16 * 48 * 128 * 128 * 4
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * state + 2048 * 48 * 128 * 4 * 8

@@ -1,5 +1,5 @@
-"""The gated delta rule's three forms (`pallas_kernels.gated_delta_rule`: the token-by-token
-reference, the chunked XLA form, the GPU kernel interpreted here) against the recurrence run in
+"""The gated delta rule's four forms (`pallas_kernels.gated_delta_rule`: the token-by-token
+reference, the chunked XLA form, the GPU and the TPU kernels interpreted here) against the recurrence run in
 float64 by numpy, over ragged batches, in the cases that break a careless chunked form: keys
 at nearby positions nearly parallel with full writes and no decay (the chunk's triangular
 inverse has large entries), and a decay strong enough that a chunk's cumulative log-decay
@@ -116,3 +116,83 @@ def test_an_unknown_form_is_refused_by_name():
     inputs = [x.astype(np.float32) for x in _inputs("random")]
     with pytest.raises(ValueError, match="backend must be one of"):
         gated_delta_rule(*inputs, CU_Q_LENS, NUM_SEQS, backend="fla")
+
+
+def test_the_tpu_kernels_inverse_by_doubling_is_exact_where_neumann_is_not():
+    """(I + A)^-1 by doubling (the TPU kernel's) for a chunk of nearly parallel keys with full
+    writes, whose inverse has entries in the tens of thousands, and a random one: as close to
+    numpy's float64 inverse as float32 forward substitution is."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.gated_delta_rule import _unit_lower_inverse
+    from pallas_kernels.gated_delta_rule_tpu import doubling_inverse
+
+    rng = np.random.default_rng(3)
+    c = 64
+    k = _l2(rng.normal(size=(1, 32)) + 0.01 * rng.normal(size=(c, 32)))
+    for a in (np.tril(k @ k.T, -1), np.tril(rng.normal(size=(c, c)) * 0.3, -1)):
+        want = np.linalg.inv(np.eye(c) + a)
+        got = np.asarray(doubling_inverse(jnp.asarray(a, jnp.float32)), np.float64)
+        substitution = np.asarray(_unit_lower_inverse(jnp.asarray(a, jnp.float32)), np.float64)
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= max(2 * np.abs(substitution - want).max(), 1e-6 * scale)
+        assert np.array_equal(np.triu(got, 1), np.zeros((c, c)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tpu_kernels_work_items_cover_every_prefill_token_once(seed):
+    """Random ragged batches (decode rows, prefills of any length, empty and padding requests):
+    the TPU kernel's work items are each request's tokens past its first, in order, in chunks,
+    first and last marked, never more than the bound its scalar memory is sized by."""
+    from pallas_kernels.gated_delta_rule_tpu import _FIRST, _LAST, max_work_items, work_items
+
+    rng = np.random.default_rng(seed)
+    chunk, num_reqs, num_tokens = 16, 12, 96
+    lens = rng.choice([0, 1, 1, 2, 17, 33], size=num_reqs)
+    while lens.sum() > num_tokens:
+        lens[rng.integers(num_reqs)] //= 2
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+    count, req, begin, size, flags = (
+        np.asarray(x) for x in work_items(starts, lens.astype(np.int32), num_tokens, chunk)
+    )
+    assert len(req) == max_work_items(num_tokens, num_reqs, chunk)
+    n = int(count[0])
+    covered = [t for i in range(n) for t in range(begin[i], begin[i] + size[i])]
+    want = [t for r in range(num_reqs) for t in range(starts[r] + 1, starts[r] + lens[r])]
+    assert covered == want
+    assert (size[:n] >= 1).all() and (size[:n] <= chunk).all() and not size[n:].any()
+    for r in set(req[:n]):
+        mine = np.flatnonzero(req[:n] == r)
+        assert flags[mine[0]] & _FIRST and flags[mine[-1]] & _LAST
+        assert not any(flags[i] & _FIRST for i in mine[1:])
+        assert not any(flags[i] & _LAST for i in mine[:-1])
+    assert not flags[n:].any()
+
+
+def test_the_tpu_kernel_under_the_tpu_simulator():
+    """The TPU kernel's DMAs and semaphores (double-buffered fetches, output writes that
+    overlap the next item's rows, states loaded and stored) under Pallas' TPU simulator, with
+    race detection on and uninitialized memory filled with NaN: no race, no NaN, the truth."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from jax.experimental.pallas import tpu as pltpu
+
+    inputs = _inputs("random")
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    out, final = gated_delta_rule(
+        *(x.astype(np.float32) for x in inputs),
+        CU_Q_LENS,
+        NUM_SEQS,
+        backend="pallas_tpu",
+        interpret=params,
+        chunk=16,  # many items: both buffer slots, requests of several items
+    )
+    out, final = np.asarray(out), np.asarray(final)
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found, "the simulator found a data race"
+    want_out, want_final = _float64_truth(*inputs)
+    n = sum(LENS)
+    assert not np.isnan(out).any() and not np.isnan(final).any()
+    assert not out[n:].any()
+    np.testing.assert_allclose(out[:n], want_out[:n], atol=1e-5)
+    np.testing.assert_allclose(final[: len(LENS)], want_final[: len(LENS)], atol=1e-5)
+    np.testing.assert_array_equal(final[3:], inputs[-1][3:].astype(np.float32))

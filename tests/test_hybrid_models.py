@@ -215,6 +215,37 @@ def test_a_returning_conversation_starts_from_its_saved_state(tmp_path):
     _assert_idle(llm)
 
 
+def test_the_tpu_kernels_serve_a_hybrid(tmp_path):
+    """The TPU's programs, interpreted on this CPU: the Mosaic kernels of attention and of the
+    delta rule (`attention_backend="pallas"` is the TPU's kernels here) give transformers'
+    greedy tokens, for prompts chunked across steps and batched."""
+    from jaxllm.config.kernels import CompilationConfig, using_kernels
+    from jaxllm.models.linear_attention import delta_rule_backend
+
+    with using_kernels(CompilationConfig(attention_backend="pallas")):
+        assert delta_rule_backend() == "pallas_tpu"
+    hf_model = write_family_checkpoint("qwen3.5", tmp_path)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (40, 7)]
+    expected = _expected(hf_model, prompts, 8)
+    llm = LLM(
+        tmp_path,
+        dtype="float32",
+        page_size=8,
+        num_pages=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        attention_backend="pallas",
+        enable_prefix_caching=False,
+        skip_warmup=True,
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == expected
+    _assert_idle(llm)
+
+
 def test_preempted_requests_recompute_their_state(tmp_path):
     """Pages too few for four growing requests: the newest are preempted, their rows (and
     state slots) handed to others, and recomputed from a zero state: the tokens are

@@ -55,7 +55,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
-    forms = ["reference", "chunked"] + (["pallas_gpu"] if jax.default_backend() == "gpu" else [])
+    kernel = {"gpu": ["pallas_gpu"], "tpu": ["pallas_tpu"]}.get(jax.default_backend(), [])
+    forms = ["reference", "chunked", *kernel]
     cases = {
         "prefill 1 x 2048": [2048],
         "mixed 2 x 512 + 32 decodes": [512, 512] + [1] * 32,

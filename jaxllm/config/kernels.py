@@ -29,9 +29,10 @@ class CompilationConfig:
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS)
     """auto: the platform's kernel (on CPU the native `cpu` kernel, or `xla` where no C++
     compiler builds it); pallas: the platform's Pallas kernel (interpreted on CPU, for
-    checking); or a backend by name. Hybrid models' gated delta rule follows it where it
-    names one of its forms (reference; pallas_gpu, interpreted off a GPU) and otherwise takes
-    the platform's (`jaxllm.models.linear_attention.delta_rule_backend`)."""
+    checking); or a backend by name. Hybrid models' gated delta rule follows it: the
+    reference for reference, the TPU's or GPU's Pallas kernel where it resolves to one
+    (interpreted off its platform), the chunked XLA form otherwise; always the GPU kernel on
+    a GPU (`jaxllm.models.linear_attention.delta_rule_backend`)."""
     quant_matmul_backend: str = option("auto", choices=QUANT_MATMUL_BACKENDS)
     """The matmul of quantized weights: auto is the native kernel on CPU and XLA's
     dequantization fused into the dot on TPU and GPU; xla those XLA ops everywhere; pallas the

@@ -19,9 +19,9 @@ when the scheduler saves it there (the prefix cache's saved states, whose next s
 back from there: `jaxllm.engine.state_snapshots`).
 
 The recurrence is `pallas_kernels.gated_delta_rule`: the chunked (parallel-within-chunk) form
-in XLA on the CPU and the TPU, a Pallas kernel of the same algebra on NVIDIA GPUs, and the
-token-by-token reference beside them (`delta_rule_backend`). The convolution is a few gathers
-and adds here, on every backend.
+in XLA on the CPU, a Pallas kernel of the same algebra on TPUs (Mosaic) and NVIDIA GPUs
+(Triton), and the token-by-token reference beside them (`delta_rule_backend`). The
+convolution is a few gathers and adds here, on every backend.
 """
 
 from __future__ import annotations
@@ -294,17 +294,20 @@ def gated_delta_rule(q, k, v, decay, beta, initial, meta: AttentionMetadata, *, 
 
 
 def delta_rule_backend() -> str:
-    """The recurrence's form for the step being traced: on a GPU the Pallas (Triton) kernel,
-    whose chunk loop runs inside the kernel (XLA's `while` over a device-side trip count
-    would copy its predicate to the host every iteration); elsewhere the chunked XLA form.
-    The engine's attention backend steers it for checking: "reference" takes the token-by-token
-    reference, "pallas_gpu" the GPU kernel (interpreted off a GPU)."""
+    """The recurrence's form for the step being traced, the engine's attention backend
+    resolved for the platform (`pallas_kernels.resolve_backend`): its Pallas kernel on a TPU
+    or a GPU (either one interpreted off its platform, for checking), the token-by-token
+    reference for "reference", the chunked XLA form for the rest. A GPU always takes its
+    kernel: the chunked form's `while` over a device-side trip count would copy its predicate
+    to the host every iteration there."""
     chosen = kernel_choices().attention_backend
     if chosen == "reference":
         return "reference"
-    if chosen == "pallas_gpu" or current_platform() == "gpu":
+    platform = current_platform()
+    if platform == "gpu":
         return "pallas_gpu"
-    return "chunked"
+    resolved = pallas_kernels.resolve_backend(chosen, platform)
+    return resolved if resolved in ("pallas_tpu", "pallas_gpu") else "chunked"
 
 
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
