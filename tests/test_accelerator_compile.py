@@ -475,8 +475,9 @@ ENGINES = [
     pytest.param("h100", "qwen-vl", dict(quantization="int8"), id="h100-qwen-vl"),
     pytest.param("v6e-1", "qwen2-vl", {}, id="v6e-1-qwen2-vl"),
     # A hybrid (Qwen3-Next): the recurrent state in the donated cache beside the KV pages,
-    # its heads split over 2 devices; on a GPU the recurrence is the Pallas kernel, whose
-    # chunk loop leaves no `while` to XLA (none of the GPU's programs syncs with the host).
+    # its heads split over 2 devices; the recurrence is each platform's Pallas kernel (on a
+    # GPU its chunk loop leaves no `while` to XLA: none of the GPU's programs syncs with the
+    # host).
     pytest.param("v5e-4", "hybrid", dict(tensor_parallel_size=2), id="v5e-4-hybrid"),
     pytest.param("h100", "hybrid", {}, id="h100-qwen3-next"),
 ]  # fmt: skip
@@ -521,6 +522,8 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     assert stores == ({(16,)} if settings.get("enable_mm_embeds") else set())
     assert runner.inputs.mm_attend == (model == "gemma3-vl")
     steps = [p for p in runner.programs if p.updates_cache]
+    # In place: the KV cache and a hybrid's recurrent state (XLA:TPU copied the convolution's
+    # state in every forward program while it had its taps as an axis of their own).
     assert steps and not runner.cache_copies()
     for p in steps:
         assert p.alias_bytes >= runner.kv_cache_device_bytes, p

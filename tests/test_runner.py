@@ -104,6 +104,28 @@ def test_cache_copies_are_read_from_the_compiled_program():
     assert copies and all(op.startswith("copy ") for op in copies)
 
 
+def test_a_round_trip_through_vmem_is_not_a_cache_copy():
+    """XLA:TPU's memory-space assignment staged a small state's update through VMEM (`S(1)`):
+    the async copy in and the one back into HBM are one round trip, not a second array; a
+    copy within HBM still is one (lines as the TPU compiler printed them for a hybrid's
+    convolution state)."""
+    from jaxllm.worker import cache_copy_ops
+
+    t, vmem = "bf16[3,4,1536]{2,1,0:T(4,128)(2,1)}", "bf16[3,4,1536]{2,1,0:T(4,128)(2,1)S(1)}"
+    staged = f"""ENTRY %main () -> {t} {{
+  %copy-start.1 = ({vmem}, {t}, u32[]{{:S(2)}}) copy-start(%p)
+  %copy-done.1 = {vmem} copy-done(%copy-start.1)
+  %dynamic-update-slice.16 = {vmem} dynamic-update-slice(%copy-done.1, %row, %i, %j, %k)
+  %copy-start.18 = ({t}, {vmem}, u32[]{{:S(2)}}) copy-start(%dynamic-update-slice.16)
+  ROOT %copy-done.18 = {t} copy-done(%copy-start.18)
+}}"""
+    assert cache_copy_ops(staged, [(3, 4, 1536)]) == ()
+    copied = staged.replace("ROOT %copy-done.18", "%copy-done.18").replace(
+        "\n}", f"\n  ROOT %copy.2 = {t} copy(%copy-done.18)\n}}"
+    )
+    assert cache_copy_ops(copied, [(3, 4, 1536)]) == ("copy %copy.2",)
+
+
 def test_a_cache_copy_fails_warmup(tiny_model_dir, monkeypatch):
     """A step program that would copy the KV cache stops the engine at warmup, naming it."""
     from jaxllm import LLM

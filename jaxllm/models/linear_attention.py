@@ -45,9 +45,15 @@ from pallas_kernels.target import current_platform
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LinearState:
-    """Every linear layer's state, per slot: `conv` [layers, slots, conv_kernel - 1, channels]
-    in the model's dtype (as transformers keeps it), `recurrent` [layers, slots, value heads,
-    key dim, value dim] in float32."""
+    """Every linear layer's state, per slot: `conv` [layers, slots, channels * (conv_kernel -
+    1)] in the model's dtype (as transformers keeps it), each channel's last inputs side by
+    side, and `recurrent` [layers, slots, value heads, key dim, value dim] in float32.
+
+    The convolution's state is one row per slot: with the taps as an axis of their own, 3 on
+    a TPU's tiled second-minor dimension, XLA:TPU laid the step's update out another way and
+    copied the whole state to and from it in every forward program. Channel-major, so a
+    split of the row over devices is a split of the channels, as tensor parallelism splits
+    them."""
 
     conv: jax.Array
     recurrent: jax.Array
@@ -58,7 +64,7 @@ class LinearState:
         la = config.linear_attention
         n = len(config.linear_layers)
         return cls(
-            jax.ShapeDtypeStruct((n, num_slots, la.conv_kernel - 1, la.conv_dim), dtype),
+            jax.ShapeDtypeStruct((n, num_slots, la.conv_dim * (la.conv_kernel - 1)), dtype),
             jax.ShapeDtypeStruct(
                 (n, num_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim),
                 jnp.float32,
@@ -69,7 +75,7 @@ class LinearState:
     def specs() -> LinearState:
         """Its PartitionSpecs under tensor parallelism: the channels and the value heads
         split over "model" as the layers' weights are (each device holds its heads' state)."""
-        return LinearState(P(None, None, None, "model"), P(None, None, "model"))
+        return LinearState(P(None, None, "model"), P(None, None, "model"))
 
 
 @jax.tree_util.register_dataclass
@@ -216,7 +222,7 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
         mixed, z, b, a = (
             linear(x, w[name]) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         )
-    prior = state.conv[ordinal][slots.read]  # [R, K - 1, C]
+    prior = _conv_state(state.conv, ordinal, slots.read, la.conv_kernel)  # [R, K - 1, C]
     mixed, new_conv = _causal_conv(mixed, prior, w["conv1d"], rows)
     mixed = mixed.reshape(num_tokens, groups, group)
     # Each key head serves r consecutive value heads (g * r + j), as transformers repeats it.
@@ -242,10 +248,28 @@ def _mix(x, state: LinearState, w: dict, meta, slots, *, ordinal, shape, eps):
     live = jnp.arange(slots.write.shape[0]) < meta.num_seqs[0]
     where = jnp.where(live, slots.write, num_slots)
     state = LinearState(
-        state.conv.at[ordinal, where].set(new_conv.astype(state.conv.dtype), mode="drop"),
+        state.conv.at[ordinal, where].set(_conv_rows(new_conv, state.conv.dtype), mode="drop"),
         state.recurrent.at[ordinal, where].set(final, mode="drop"),
     )
     return out, state
+
+
+def _conv_state(conv: jax.Array, ordinal: int, read: jax.Array, kernel: int) -> jax.Array:
+    """The requests' convolution states [R, K - 1, C] from their slots' rows. Read once, before
+    the step writes the array in place: XLA fused the read (with its transpose) into each of
+    its consumers, one of which (the convolution's output) the write does not wait for, and
+    then copied the whole array to keep the old rows readable, in every forward program.
+    The barrier keeps it one read on GPUs and TPUs; XLA:CPU drops barriers early, and there a
+    one-request read stays one when it is made as two rows, the second dropped."""
+    rows = conv[ordinal][jnp.concatenate([read, read]) if read.shape[0] == 1 else read]
+    rows = rows[: read.shape[0]]
+    prior = rows.reshape(rows.shape[0], -1, kernel - 1).transpose(0, 2, 1)
+    return jax.lax.optimization_barrier(prior)
+
+
+def _conv_rows(conv: jax.Array, dtype) -> jax.Array:
+    """[R, K - 1, C] -> the state's rows [R, C * (K - 1)], channel-major."""
+    return conv.transpose(0, 2, 1).reshape(conv.shape[0], -1).astype(dtype)
 
 
 def _causal_conv(mixed, prior, weight, rows: _Rows):

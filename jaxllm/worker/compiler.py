@@ -82,7 +82,7 @@ class CompiledProgram:
     cache_bytes: int = 0  # per device, of the KV cache it updates (the draft model's, or not)
     cache_copy_ops: tuple[str, ...] = ()  # its instructions that copy the cache, if any
     scales_copy_ops: tuple[str, ...] = ()  # those that copy an 8-bit cache's scales
-    state_copy_ops: tuple[str, ...] = ()  # those that copy a hybrid's recurrent state (reported)
+    state_copy_ops: tuple[str, ...] = ()  # those that copy a hybrid's recurrent state
     # Read from the compiled program where it matters (a GPU's; `jaxllm compile`), else None
     # (see `launches`): its `conditional` and `while` instructions (on a GPU each stops the
     # host until the device is done), and the kernels it launches.
@@ -130,16 +130,15 @@ class CompiledProgram:
         """Whether a step program writes the donated KV cache in place, from what its compiler
         says: its output aliases the cache, and no instruction of the compiled program makes a
         new array of the cache's shape, its data's or an 8-bit cache's scales' (see
-        `cache_copy_ops`). A hybrid's recurrent state's copies (`state_copy_ops`) are reported
-        by `jaxllm compile`, not refused: the one-request programs still copy the
-        convolution's state on the CPU and TPUs."""
-        copies = self.cache_copy_ops or self.scales_copy_ops
+        `cache_copy_ops`), nor of a hybrid's recurrent state's arrays (`state_copy_ops`: the
+        model cache is donated whole)."""
+        copies = self.cache_copy_ops or self.scales_copy_ops or self.state_copy_ops
         return self.alias_bytes >= self.cache_bytes and not copies
 
     def describe(self) -> str:
         text = f"{self.alias_bytes / 2**20:.1f} MiB aliased, {self.temp_bytes / 2**20:.1f} MiB of "
         text += "temporaries"
-        if copies := self.cache_copy_ops + self.scales_copy_ops:
+        if copies := self.cache_copy_ops + self.scales_copy_ops + self.state_copy_ops:
             text += f", copied by {', '.join(copies[:3])}"
         return text
 
@@ -148,6 +147,8 @@ class CompiledProgram:
 # name, dimensions and opcode).
 _HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) \(")
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]\S* ([\w-]+)\(")
+# An async copy between memory spaces: (its name, its source's type: the tuple's second).
+_HLO_COPY_START = re.compile(r"^\s*%(\S+) = \(\S+, (\S+), .*\) copy-start\(")
 # What makes a KV-cache-shaped array without copying the cache: the argument itself, a view of
 # it, in-place updates, and fusions whose root is one; custom calls (the kernels) alias their
 # outputs to operands or make none of the cache's shape.
@@ -241,14 +242,14 @@ class Compiler:
                 bar.update(1)
 
     def check_in_place(self) -> None:
-        """Raises if a step program copies the KV cache (an 8-bit cache's scales included)
-        instead of updating it in place: slow steps, and twice the cache's memory (a copy of
+        """Raises if a step program copies the KV cache (an 8-bit cache's scales included) or a
+        hybrid's recurrent state instead of updating it in place: slow steps, and twice the cache's memory (a copy of
         the scales alone, a 16th to a 32nd of the data, kept a v5e's full int8 pool from
         compiling)."""
         if copies := self.cache_copies():
             raise RuntimeError(
-                f"{len(copies)} step program(s) would copy the KV cache "
-                f"({self.device.cache.nbytes / 2**20:.0f} MiB) instead of updating it in place "
+                f"{len(copies)} step program(s) would copy the KV cache or a hybrid's recurrent "
+                f"state ({self.device.cache.nbytes / 2**20:.0f} MiB) instead of updating it in place "
                 f"(slow steps, and twice the cache's memory): "
                 + ", ".join(f"{p.name} {p.shape}: {p.describe()}" for p in copies)
             )
@@ -289,8 +290,13 @@ def cache_copy_ops(hlo_text: str, shapes: list[tuple[int, ...]]) -> tuple[str, .
     roots: dict[str, str] = {}  # computation -> its root's opcode
     fused: set[str] = set()  # computations that are fusions' bodies
     candidates: list[tuple[str, str, str, str]] = []  # (computation, name, opcode, called)
+    staged: set[str] = set()  # async copies out of another memory space (`S(1)`)
     computation = ""
     for line in hlo_text.splitlines():
+        if m := _HLO_COPY_START.match(line):
+            if "S(1)" in m.group(2):
+                staged.add(m.group(1))
+            continue
         if m := _HLO_COMPUTATION.match(line):
             computation = m.group(1)
             continue
@@ -303,9 +309,12 @@ def cache_copy_ops(hlo_text: str, shapes: list[tuple[int, ...]]) -> tuple[str, .
         if line.lstrip().startswith("ROOT "):
             roots[computation] = opcode
         # A result in another memory space (`S(1)`: a TPU's VMEM) is a prefetch of a cache
-        # small enough to fit there, not a second copy of it in HBM.
+        # small enough to fit there, not a second copy of it in HBM; the copy that brings it
+        # back (XLA's memory-space assignment staged a small state's update through VMEM) is
+        # the other half of the same round trip, into the donated buffer.
         in_hbm = "S(1)" not in line.split(" = ", 1)[1].split(" ", 1)[0]
-        if shape in dims and in_hbm and opcode not in _IN_PLACE | {"custom-call"}:
+        back = opcode == "copy-done" and any(f"copy-done(%{n})" in line for n in staged)
+        if shape in dims and in_hbm and not back and opcode not in _IN_PLACE | {"custom-call"}:
             candidates.append((computation, name, opcode, called.group(1) if called else ""))
     return tuple(
         f"{opcode} %{name}"
