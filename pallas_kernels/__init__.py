@@ -15,6 +15,10 @@ platform (`cpu` on CPU, or `xla` without a compiler), "pallas" the platform's Pa
 TPU kernel in interpret mode on CPU, for checking it there). Off their platform the Pallas
 kernels run only in interpret mode, which `interpret=None` turns on by itself.
 
+`gated_delta_rule` is the hybrid models' recurrence (Gated DeltaNet), over the same ragged
+batches, in four forms (`GDN_BACKENDS`): the token-by-token reference, the chunked XLA form, and
+Pallas kernels for TPUs (`gated_delta_rule_tpu.py`) and NVIDIA GPUs (in `gated_delta_rule.py`).
+
 The sliding window is data, not a compile-time constant: `ragged_paged_attention` turns
 `sliding_window` (None, an int, or an i32 scalar that may be traced) into one i32[] operand,
 0 for none, and every backend reads it at run time. So a layer scan can carry each layer's
