@@ -55,13 +55,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.delta_rule_chunk import chunk_algebra
+from pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_rest
 from pallas_kernels.quant_matmul_gpu import MIN_DOT
 from pallas_kernels.target import current_platform
 
 GDN_BACKENDS = ("reference", "chunked", "pallas_gpu", "pallas_tpu")
 CHUNK = 64  # tokens per chunk, as flash-linear-attention's kernels take them
 _HIGHEST = jax.lax.Precision.HIGHEST
-_NEG = -1e30  # exp of it is 0; not -inf, which Triton's exp of a difference could turn to NaN
 
 
 def gated_delta_rule(
@@ -96,8 +97,6 @@ def gated_delta_rule(
     if backend == "reference":
         return _reference_rest(q, k, v, g, beta, final, o_first, starts, q_lens)
     if backend == "pallas_tpu":
-        from pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_rest
-
         if interpret is None:
             interpret = current_platform() != "tpu"
         return gated_delta_rule_rest(
@@ -170,37 +169,6 @@ def _unit_lower_inverse(a):
         return inverse - jnp.where(rows == i, row[None, :], 0.0)
 
     return jax.lax.fori_loop(1, c, body, inverse)
-
-
-def chunk_algebra(s, q, k, v, g, b, *, dot, invert):
-    """One chunk of one head: s [Dk, Dv] the state entering it; q, k [C, Dk]; v [C, Dv]; g, b
-    [C, 1] columns (rows past the chunk's tokens all zero: no decay, no write). (o [C, Dv], the
-    state after it.) `dot(x, y, trans_a, trans_b)` and `invert(a)` = (I + a)^-1 for a strictly
-    lower-triangular a are what the XLA and the kernel forms do differently. Two-dimensional
-    throughout (columns [C, 1], rows [1, C]): Mosaic has no cheap way between a vector's lanes
-    and its sublanes."""
-    c = g.shape[0]
-    i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    # The cumulative log-decay as a row, then the same numbers as a column (the diagonal: a sum
-    # of one entry and zeros is exact), so exp(G_i - G_i) is exactly 1.
-    g_row = jnp.sum(jnp.where(i <= j, g, 0.0), axis=0, keepdims=True)  # [1, C]
-    big_g = jnp.sum(jnp.where(i == j, g_row, 0.0), axis=1, keepdims=True)  # [C, 1]
-    decay = jnp.exp(jnp.where(j <= i, big_g - g_row, _NEG))
-    a = jnp.where(j < i, b * dot(k, k, False, True) * decay, 0.0)
-    scale = jnp.exp(big_g)
-    inverse = invert(a)  # T
-    w_k = dot(inverse, k * (b * scale), False, False)  # [C, Dk]
-    w_v = dot(inverse, v * b, False, False)  # [C, Dv]
-    u = w_v - dot(w_k, s, False, False)  # [C, Dv]
-    scores = jnp.where(j <= i, dot(q, k, False, True) * decay, 0.0)
-    o = scale * dot(q, s, False, False) + dot(scores, u, False, False)
-    # The chunk's whole log-decay as the cumulative sum's last entry, not a sum of its own: the
-    # last token's exp(total - G) must be exactly 1 (two roundings of a long sum differ).
-    last = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) == c - 1
-    total = jnp.sum(jnp.where(last, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
-    s = jnp.exp(total) * s + dot(k * jnp.exp(total - big_g), u, True, False)
-    return o, s
 
 
 def _blocked_inverse(a, base: int = 16):

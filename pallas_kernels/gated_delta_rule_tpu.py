@@ -3,7 +3,7 @@
 The caller (`gated_delta_rule(..., backend="pallas_tpu")`) has already taken every request's
 first token in one batched one-token update (a decode step is only that). What is left are the
 prefill tokens past each request's first, cut into work items of `chunk` tokens of one request;
-this kernel runs them with the chunk algebra of `gated_delta_rule.chunk_algebra`.
+this kernel runs them with the chunk algebra of `delta_rule_chunk.chunk_algebra`.
 
 Grid: one program per value head ("parallel": a megacore chip splits the heads between its
 cores). Each walks the step's work items in order, its head's [Dk, Dv] state in VMEM, loaded
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.gated_delta_rule import chunk_algebra
+from pallas_kernels.delta_rule_chunk import chunk_algebra
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _LANES = 128
