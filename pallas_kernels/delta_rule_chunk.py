@@ -1,5 +1,6 @@
-"""One chunk of the gated delta rule in the WY form, shared by the chunked XLA form and the
-Pallas kernels (`gated_delta_rule.py`, `gated_delta_rule_tpu.py`)."""
+"""What the forms of the gated delta rule share (`gated_delta_rule.py`,
+`gated_delta_rule_tpu.py`): one chunk in the WY form, where each token of a ragged batch sits,
+and the padding of operands."""
 
 from __future__ import annotations
 
@@ -38,3 +39,20 @@ def chunk_algebra(s, q, k, v, g, b, *, dot, invert):
     total = jnp.sum(jnp.where(last, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
     s = jnp.exp(total) * s + dot(k * jnp.exp(total - big_g), u, True, False)
     return o, s
+
+
+def token_rows(starts, q_lens, num_tokens: int):
+    """Per token of a ragged batch: (its request, its index in the request's tokens, whether it
+    is past the request's first: the tokens the chunked forms' loops take)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    ends = starts + q_lens
+    request = jnp.minimum(
+        jnp.searchsorted(ends, t, side="right", method="compare_all"), starts.shape[0] - 1
+    )
+    index = t - starts[request]
+    return request, index, (index > 0) & (index < q_lens[request])
+
+
+def pad_to(x, *dims):
+    """x padded with zeros at the end of each axis to `dims`."""
+    return jnp.pad(x, [(0, d - n) for d, n in zip(dims, x.shape, strict=True)])

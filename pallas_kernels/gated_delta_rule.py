@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.delta_rule_chunk import chunk_algebra
+from pallas_kernels.delta_rule_chunk import chunk_algebra, pad_to, token_rows
 from pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_rest
 from pallas_kernels.quant_matmul_gpu import MIN_DOT
 from pallas_kernels.target import current_platform
@@ -130,14 +130,7 @@ def _first_tokens(q, k, v, g, beta, initial, starts, q_lens):
 
 def _reference_rest(q, k, v, g, beta, final, out, starts, q_lens):
     """The tokens past each request's first, one at a time, in order."""
-    num_tokens = q.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    ends = starts + q_lens
-    request = jnp.minimum(
-        jnp.searchsorted(ends, t, side="right", method="compare_all"), starts.shape[0] - 1
-    )
-    index = t - starts[request]
-    rest = (index > 0) & (index < q_lens[request])
+    request, index, rest = token_rows(starts, q_lens, q.shape[0])
     order = jnp.argsort(~rest, stable=True)
 
     def body(i, carry):
@@ -308,14 +301,11 @@ def _pallas_gpu(q, k, v, g, beta, initial, starts, q_lens, chunk, interpret):
     dk_p, dv_p = (max(pl.next_power_of_2(d), MIN_DOT) for d in (dk, dv))
     block_v = min(dv_p, 64)
 
-    def pad(x, *dims):
-        return jnp.pad(x, [(0, d - n) for d, n in zip(dims, x.shape, strict=True)])
-
     tokens = num_tokens + chunk
-    q, k = (pad(x, tokens, num_heads, dk_p) for x in (q, k))
-    v = pad(v, tokens, num_heads, dv_p)
-    g, beta = (pad(x, tokens, num_heads) for x in (g, beta))
-    s0 = pad(initial, initial.shape[0], num_heads, dk_p, dv_p)
+    q, k = (pad_to(x, tokens, num_heads, dk_p) for x in (q, k))
+    v = pad_to(v, tokens, num_heads, dv_p)
+    g, beta = (pad_to(x, tokens, num_heads) for x in (g, beta))
+    s0 = pad_to(initial, initial.shape[0], num_heads, dk_p, dv_p)
     kernel = functools.partial(_gpu_kernel, chunk=chunk, block_v=block_v)
     out, final = pl.pallas_call(
         kernel,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.delta_rule_chunk import chunk_algebra
+from pallas_kernels.delta_rule_chunk import chunk_algebra, pad_to, token_rows
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _LANES = 128
@@ -210,14 +210,11 @@ def gated_delta_rule_rest(q, k, v, g, beta, state, out, starts, q_lens, *, chunk
     dv = v.shape[-1]
     dk_p, dv_p = (-(-d // _LANES) * _LANES for d in (dk, dv))
 
-    def pad(x, *dims):
-        return jnp.pad(x, [(0, d - n) for d, n in zip(dims, x.shape, strict=True)])
-
     tokens = num_tokens + chunk  # a request's last item may read and write past the batch
-    q, k = (pad(x, tokens, num_heads, dk_p) for x in (q, k))
-    v = pad(v, tokens, num_heads, dv_p)
-    g, beta = (pad(x, tokens, num_heads) for x in (g, beta))
-    s = pad(state, state.shape[0], num_heads, dk_p, dv_p)
+    q, k = (pad_to(x, tokens, num_heads, dk_p) for x in (q, k))
+    v = pad_to(v, tokens, num_heads, dv_p)
+    g, beta = (pad_to(x, tokens, num_heads) for x in (g, beta))
+    s = pad_to(state, state.shape[0], num_heads, dk_p, dv_p)
     items = work_items(starts, q_lens, num_tokens, chunk)
     num_items = items[1].shape[0]
     hbm = pl.BlockSpec(memory_space=pl.ANY)
@@ -253,7 +250,7 @@ def gated_delta_rule_rest(q, k, v, g, beta, state, out, starts, q_lens, *, chunk
         interpret=interpret,
         name="gated_delta_rule_tpu",
     )(*items, q, k, v, g, beta, s)
-    rest = _rest_tokens(starts, q_lens, num_tokens)
+    _, _, rest = token_rows(starts, q_lens, num_tokens)
     out = jnp.where(rest[:, None, None], o[:num_tokens, :, :dv], out)
     return out, s[:, :, :dk, :dv]
 
@@ -270,13 +267,3 @@ def _cost(items: int, heads: int, dk: int, dv: int, states: int, c: int) -> dict
         transcendentals=rows * (c + 2),
         bytes_accessed=4 * (rows * (2 * dk + 2 * dv + 2) + 2 * states * heads * dk * dv),
     )
-
-
-def _rest_tokens(starts, q_lens, num_tokens: int):
-    """bool[T]: the tokens past their request's first (the kernel's)."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    ends = starts + q_lens
-    req = jnp.minimum(
-        jnp.searchsorted(ends, t, side="right", method="compare_all"), starts.shape[0] - 1
-    )
-    return (t > starts[req]) & (t < ends[req])
