@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_attention_cpu
+from pallas_kernels.attention_sinks import check_sinks
 from pallas_kernels.gated_delta_rule import GDN_BACKENDS, gated_delta_rule
 from pallas_kernels.kv_cache import (
     QUANTIZED_KV_DTYPES,
@@ -65,7 +66,7 @@ _NATIVE_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
 _MAX_WINDOW = np.iinfo(np.int32).max  # a longer static window is the same as this one
 
 # The optional operands of `ragged_paged_attention`, each with the backends whose kernels
-# honour it. A new operand (gpt-oss's attention sinks, say) is an entry here, its check in
+# honour it. A new operand (Llama 4's chunked attention, say) is an entry here, its check in
 # `ragged_paged_attention`, and the kernels that take it: a backend left out refuses it by
 # name (`check_operands`) instead of ignoring it, so a model that needs it cannot be served
 # wrong on that backend, and each kernel can learn it in its own change.
@@ -74,6 +75,7 @@ ATTENTION_OPERANDS: dict[str, frozenset[str]] = {
     "sliding_window": _EVERY_BACKEND,
     "soft_cap": _EVERY_BACKEND,
     "attend_to": _EVERY_BACKEND,
+    "sinks": _EVERY_BACKEND,
 }
 
 
@@ -149,6 +151,7 @@ def ragged_paged_attention(
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     attend_to: jax.Array | None = None,  # i32[T]
+    sinks: jax.Array | None = None,  # f32[N]
     backend: str = "reference",
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
@@ -165,8 +168,11 @@ def ragged_paged_attention(
     position q with a = attend_to[t] sees the keys up to max(q, a) (still within the window
     behind q), so the tokens of a block (an image whose tokens attend to each other, Gemma 3's)
     see each other; the keys past q it names must be this step's tokens of the same request,
-    and -1 (or anything <= q) is plain causal. `block_sizes` overrides the tuning table for the Pallas backends;
-    `interpret=None` interprets them when the platform is not theirs (e.g. on CPU).
+    and -1 (or anything <= q) is plain causal. `sinks` (gpt-oss): one logit per query head,
+    in the units of the scaled scores, added to every row's softmax denominator as a key with
+    a zero value (`attention_sinks.py`). `block_sizes` overrides the tuning table for the
+    Pallas backends; `interpret=None` interprets them when the platform is not theirs (e.g.
+    on CPU).
 
     The cache is a float array or a `KVCache`, whose 8-bit data every backend dequantizes
     as it reads (`kv_cache.py`); the output has q's dtype.
@@ -186,7 +192,8 @@ def ragged_paged_attention(
         out = ragged_paged_attention(
             padded, KVCache(kv_cache, kv_scales), layer, seq_lens, block_tables, cu_q_lens,
             num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            attend_to=attend_to, backend=backend, block_sizes=block_sizes, interpret=interpret,
+            attend_to=attend_to, sinks=sinks, backend=backend, block_sizes=block_sizes,
+            interpret=interpret,
         )  # fmt: skip
         return out[..., :head_dim]
     if num_heads % kv_cache.shape[2]:
@@ -210,6 +217,7 @@ def ragged_paged_attention(
         raise ValueError(
             f"attend_to must be i32[{num_tokens}], got {attend_to.dtype}{attend_to.shape}"
         )
+    sinks = check_sinks(sinks, num_heads)
     args = (q, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
     kwargs = dict(
         sm_scale=sm_scale,
@@ -217,11 +225,13 @@ def ragged_paged_attention(
         soft_cap=soft_cap,
         kv_scales=kv_scales,
         attend_to=attend_to,
+        sinks=sinks,
     )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_operands(
-        backend, dict(sliding_window=sliding_window, soft_cap=soft_cap, attend_to=attend_to)
+        backend,
+        dict(sliding_window=sliding_window, soft_cap=soft_cap, attend_to=attend_to, sinks=sinks),
     )
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)

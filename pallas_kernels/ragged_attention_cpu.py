@@ -50,6 +50,7 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
+    sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     out_dtype = q.dtype
     if kv_scales is not None:  # an 8-bit cache: the kernel widens it to float32 as it reads
@@ -75,6 +76,7 @@ def ragged_paged_attention_cpu(
         num_seqs.astype(i32),
         jnp.asarray(sliding_window, i32).reshape(1),
         jnp.full(1, -1, i32) if attend_to is None else attend_to.astype(i32),
+        jnp.zeros(0, jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
     )

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.attention_sinks import fold_sink
 from pallas_kernels.kv_cache import attention_cost, widen_kv
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -62,7 +63,8 @@ def _kernel(
     prog_tok_ref,  # i32[B]           first token of each query block
     q_ref,  # [K, T' * Gp, H]
     kv_ref,  # [L, num_pages, K, page_size, 2H]
-    *refs,  # with attend_to: attend_ref i32[T']; with an 8-bit cache scales_ref f32[L,
+    *refs,  # with attend_to: attend_ref i32[T']; with sinks: sinks_ref f32[K * Gp] (head
+    # k * G + g's sink at k * Gp + g); with an 8-bit cache scales_ref f32[L,
     # num_pages, 1, 2K * page_size]; then o_ref [K, T' * Gp, H], or with num_splits > 1 the
     # partial outputs: acc_ref f32[S, K, T' * Gp, H], m_ref and l_ref f32[S, K, T' * Gp]
     q_block: int,
@@ -71,6 +73,7 @@ def _kernel(
     sm_scale: float,
     soft_cap: float | None,
     attend: bool = False,
+    sinks: bool = False,
     num_splits: int = 1,
 ):
     refs = list(refs)
@@ -79,6 +82,7 @@ def _kernel(
     else:
         *refs, o_ref = refs
     attend_ref = refs.pop(0) if attend else None
+    sinks_ref = refs.pop(0) if sinks else None
     scales_ref = refs[0] if refs else None
     j, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, head_dim = kv_ref.shape[3], kv_ref.shape[4] // 2
@@ -161,7 +165,11 @@ def _kernel(
         kb_hi = jax.lax.div(kv_end + kv_tokens - 1, kv_tokens)
         here = pl.ds(tok0 * group_padded, rows)
         if num_splits == 1:
-            _, l, acc = jax.lax.fori_loop(kb_lo, kb_hi, body, init)
+            m, l, acc = jax.lax.fori_loop(kb_lo, kb_hi, body, init)
+            if sinks_ref is not None:  # one more key: score `sink`, value zero
+                g = jax.lax.rem(jnp.arange(rows, dtype=jnp.int32), group_padded)
+                l, alpha = fold_sink(m, l, pltriton.load(sinks_ref.at[h * group_padded + g]))
+                acc = alpha[:, None] * acc
             out = (acc / jnp.where(l > 0.0, l, 1.0)[:, None]).astype(o_ref.dtype)
             pltriton.store(o_ref.at[h, here, :], out, mask=row_ok[:, None])
             return
@@ -193,6 +201,7 @@ def ragged_paged_attention_gpu(
     num_splits: int = 1,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
+    sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """The Triton kernel behind `ragged_paged_attention(..., backend="pallas_gpu")`.
@@ -247,9 +256,17 @@ def ragged_paged_attention_gpu(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         attend=attend_to is not None,
+        sinks=sinks is not None,
         num_splits=num_splits,
     )
     attend = [] if attend_to is None else [jnp.pad(attend_to, (0, q_block), constant_values=-1)]
+    # Sinks per (kv head, padded group slot); with splits the wrapper folds them in instead.
+    sink_rows = None
+    if sinks is not None:
+        sink_rows = jnp.pad(sinks.reshape(num_kv_heads, group), ((0, 0), (0, group_padded - group)))
+    in_kernel_sinks = [] if sink_rows is None or num_splits > 1 else [sink_rows.reshape(-1)]
+    if num_splits > 1:
+        kernel = functools.partial(kernel, sinks=False)
     out_shape = jax.ShapeDtypeStruct(qh.shape, q.dtype)
     if num_splits > 1:
         partial = (num_splits, *qh.shape[:2])
@@ -277,10 +294,12 @@ def ragged_paged_attention_gpu(
         qh,
         kv_cache,
         *attend,
+        *in_kernel_sinks,
         *([] if kv_scales is None else [kv_scales]),
     )
     if num_splits > 1:
-        out = _combine_splits(*out).astype(q.dtype)
+        row_sinks = None if sink_rows is None else jnp.tile(sink_rows, (1, padded_tokens))
+        out = _combine_splits(*out, row_sinks).astype(q.dtype)
     out = out.reshape(num_kv_heads, padded_tokens, group_padded, head_dim)[:, :num_tokens, :group]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
     # Rows no program owns (padding tokens) were never written.
@@ -288,14 +307,19 @@ def ragged_paged_attention_gpu(
     return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
 
 
-def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+def _combine_splits(
+    acc: jax.Array, m: jax.Array, l: jax.Array, sinks: jax.Array | None = None
+) -> jax.Array:
     """The attention output from the splits' partial ones: acc f32[S, K, rows, H] unnormalized,
-    m and l f32[S, K, rows] their running maxima and sums. Rows no program wrote hold garbage
-    and are dropped by the caller."""
+    m and l f32[S, K, rows] their running maxima and sums, `sinks` f32[K, rows] each row's sink
+    logit (or None). Rows no program wrote hold garbage and are dropped by the caller."""
     top = m.max(axis=0)
     w = jnp.exp(m - top[None])  # 0 for an empty share (its max is the mask value)
     total = (w * l).sum(axis=0)
     out = (w[..., None] * acc).sum(axis=0)
+    if sinks is not None:
+        total, alpha = fold_sink(top, total, sinks)
+        out = alpha[..., None] * out
     return out / jnp.where(total > 0.0, total, 1.0)[..., None]
 
 

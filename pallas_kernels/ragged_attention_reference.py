@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention_sinks import fold_sink
 from pallas_kernels.kv_cache import KVCache, read_kv
 
 # The chunk length C: at most _CHUNK_TOKENS kv tokens (so a short context costs little even
@@ -56,6 +57,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
+    sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     cache = KVCache(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
@@ -127,6 +129,9 @@ def ragged_paged_attention_reference(
         acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckh->tkgh", p, v)
         return m_new, l, acc
 
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, carry)
+    m, l, acc = jax.lax.fori_loop(0, num_chunks, body, carry)
+    if sinks is not None:
+        l, alpha = fold_sink(m, l, sinks.reshape(num_kv_heads, group))
+        acc = alpha[..., None] * acc
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention_sinks import fold_sink
 from pallas_kernels.kv_cache import attention_cost, widen_kv
 
 # Scores outside the mask. Finite, so (masked - masked) is 0 and never NaN.
@@ -90,16 +91,20 @@ def _kernel(
     soft_cap: float | None,
     quantized: bool,
     attend_refs: tuple | None = None,
+    sinks: bool = False,
 ):
     """`attend_refs`: with `attend_to`, (work_end_ref i32[W] in SMEM: the key each work item
     sees up to, exclusive; last_ref [1, bq * G, 1] i32: the last key each of its rows sees),
-    see `_attend_kernel`. `refs`, with an 8-bit cache: scales_hbm_ref f32[L, num_pages, 1, 2K * page_size] (in
+    see `_attend_kernel`. `refs`, with `sinks`: first sink_ref f32[K, bq * G, 1] (each row's
+    head's sink logit); with an 8-bit cache: scales_hbm_ref f32[L, num_pages, 1, 2K * page_size] (in
     HBM), then always: o_ref [1, K, bq * G, H]; scratch kv_buf [2, kv_pages, K, page_size, 2H]
     (double buffer), with an 8-bit cache scale_buf f32[2, kv_pages, 1, 2K * page_size], the
     page-id chunk tbuf i32[table_chunk] (SMEM), the step counter step_ref i32[1] (SMEM: KV blocks
     computed so far, whose parity picks the buffer slot), sems (DMA semaphores [2], one per
     slot), tsem (DMA semaphore [1], the table chunk), m_ref, l_ref f32[K, rows, 1] (running max
     and sum) and acc_ref f32[K, rows, H] (running numerator)."""
+    sink_ref = refs[0] if sinks else None
+    refs = refs[1:] if sinks else refs
     if quantized:
         scales_hbm_ref, o_ref, kv_buf, scale_buf, tbuf, step_ref, sems, tsem, *acc = refs
     else:
@@ -282,8 +287,11 @@ def _kernel(
             return 0
 
         jax.lax.fori_loop(kb_lo, kb_hi, kv_body, 0)
-        l = l_ref[...]
-        o_ref[0] = (acc_ref[...] / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
+        l, out = l_ref[...], acc_ref[...]
+        if sink_ref is not None:  # one more key: score `sink`, value zero
+            l, alpha = fold_sink(m_ref[...], l, sink_ref[...])
+            out = alpha * out
+        o_ref[0] = (out / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
 
     @pl.when(jnp.logical_not(active))
     def _():
@@ -364,6 +372,7 @@ def ragged_paged_attention_tpu(
     kv_pages: int,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
+    sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # [T, N, H]
     """The Mosaic TPU kernel behind `ragged_paged_attention(..., backend="pallas_tpu")`.
@@ -425,7 +434,15 @@ def ragged_paged_attention_tpu(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         quantized=kv_scales is not None,
+        sinks=sinks is not None,
     )
+    # Each row's head's sink logit, [K, bq * G, 1] (row i * G + g: head k * G + g), whole in
+    # every grid step.
+    sink_in, sink_args = [], []
+    if sinks is not None:
+        per_row = jnp.tile(sinks.reshape(num_kv_heads, 1, group), (1, q_block, 1))
+        sink_args = [per_row.reshape(num_kv_heads, rows, 1)]
+        sink_in = [pl.BlockSpec((num_kv_heads, rows, 1), lambda w, *_: (0, 0, 0))]
     q_spec = pl.BlockSpec((1, num_kv_heads, rows, head_dim), lambda w, *_: (w, 0, 0, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     kv_buf = pltpu.VMEM((2, kv_pages, num_kv_heads, page_size, 2 * head_dim), kv_cache.dtype)
@@ -439,7 +456,7 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6 + len(attend_scalars),
             grid=(num_work,),
-            in_specs=[q_spec, *attend_in, hbm, hbm, *extra_in],
+            in_specs=[q_spec, *attend_in, hbm, hbm, *sink_in, *extra_in],
             out_specs=q_spec,
             scratch_shapes=[
                 *buffers,
@@ -472,6 +489,7 @@ def ragged_paged_attention_tpu(
         *attend_args,
         tables,
         kv_cache,
+        *sink_args,
         *extra_args,
     )
     # Back to [T, N, H]: token t is row t_row[t] of the items' [W * bq] rows.

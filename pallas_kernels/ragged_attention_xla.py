@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention_sinks import fold_sink
 from pallas_kernels.kv_cache import KVCache, read_kv
 
 # Bytes of K/V (as f32) one decode chunk may gather for all R rows, and the chunk lengths:
@@ -80,6 +81,7 @@ def ragged_paged_attention_xla(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
+    sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     """`attend_to` reaches only the prefill pass: a decode row's keys past itself would be
     other steps' (a one-token chunk's block is itself)."""
@@ -102,6 +104,13 @@ def ragged_paged_attention_xla(
 
     def in_window(kv_pos, q_pos):
         return (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
+
+    def normalized(m, l, acc):
+        """The online softmax's output, with the sinks folded in (`attention_sinks.py`)."""
+        if sinks is not None:
+            l, alpha = fold_sink(m, l, sinks.reshape(num_kv_heads, group))
+            acc = alpha[..., None] * acc
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
     def split_kv(kv, mask):
         """Gathered pages [..., C, 2K, H] -> zeroed where masked, then K and V [..., C, K, H]."""
@@ -140,8 +149,7 @@ def ragged_paged_attention_xla(
             jnp.zeros((max_reqs, num_kv_heads, group, head_dim), f32),
         )
         num_chunks = (max_dec_len + chunk - 1) // chunk
-        _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+        return normalized(*jax.lax.fori_loop(0, num_chunks, body, init))
 
     short, long = (
         _pages(_DECODE_CHUNK_BYTES, max_reqs * kh2 * head_dim * 4, n, page_size, pages_per_seq)
@@ -210,8 +218,8 @@ def ragged_paged_attention_xla(
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), f32),
     )
     num_chunks = (page_end[-1] + cpp - 1) // cpp
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, prefill_body, init)
-    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_tokens, num_heads, -1)
+    out = normalized(*jax.lax.fori_loop(0, num_chunks, prefill_body, init))
+    out = out.reshape(num_tokens, num_heads, -1)
 
     # Decode rows got nothing from the prefill pass (l = 0 there): put their own results in.
     out = out.at[dec_row].set(out_dec, mode="drop")

@@ -80,8 +80,10 @@ def quantize_case_cache(cache: np.ndarray, dtype) -> KVCache:
     return KVCache(data, jnp.asarray(scales, jnp.float32))
 
 
-def dense_attention(q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None):
-    """q: [q_len, N, H]; k, v: [kv_len, K, H]; the queries are the last q_len positions."""
+def dense_attention(q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None, sinks=None):
+    """q: [q_len, N, H]; k, v: [kv_len, K, H]; the queries are the last q_len positions.
+    `sinks` [N]: a logit per head in every softmax's denominator (gpt-oss, as transformers'
+    eager attention: one more column, dropped after the softmax)."""
     kv_len, num_kv, _ = k.shape
     group = q.shape[1] // num_kv
     k = np.repeat(k, group, axis=1)
@@ -95,8 +97,13 @@ def dense_attention(q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None
     if sliding_window is not None:
         mask &= kpos > pos - sliding_window
     s = np.where(mask[None], s, -np.inf)
+    if sinks is not None:
+        column = np.broadcast_to(np.asarray(sinks, s.dtype)[:, None, None], (*s.shape[:2], 1))
+        s = np.concatenate([s, column], axis=-1)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
     return np.einsum("nqk,knh->qnh", p, v)
 
 

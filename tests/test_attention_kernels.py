@@ -123,6 +123,24 @@ class KernelCases:
         ref = np.asarray(ragged_paged_attention(*args, **kwargs, backend="reference"))
         np.testing.assert_allclose(out[:total], ref[:total], atol=self.tol(), rtol=self.tol())
 
+    @pytest.mark.parametrize("sliding_window", [None, 40])
+    def test_attention_sinks(self, sliding_window):
+        """gpt-oss's per-head sink logits, with and without a window, float and 8-bit caches."""
+        args, (_, _, _, _, total) = _case(
+            np.random.default_rng(7), "mixed", 6, 2, 64, 16, jnp.float32
+        )
+        sinks = jnp.asarray([-3.0, 0.0, 0.5, 2.0, 6.0, -40.0], jnp.float32)
+        kwargs = dict(sm_scale=0.125, sliding_window=sliding_window, sinks=sinks)
+        for case in (
+            args,
+            (args[0], quantize_case_cache(np.asarray(args[1]), jnp.int8), *args[2:]),
+        ):
+            out = np.asarray(self.run(case, **kwargs))
+            ref = np.asarray(ragged_paged_attention(*case, **kwargs, backend="reference"))
+            assert not np.isnan(out).any()
+            np.testing.assert_allclose(out[:total], ref[:total], atol=self.tol(), rtol=self.tol())
+            assert np.all(out[total:] == 0), "padding rows must read nothing"
+
     def test_block_sizes_do_not_change_the_result(self):
         """Blocks smaller and larger than a request, one page at a time or many."""
         args, (_, _, _, _, total) = _case(
@@ -255,6 +273,11 @@ class GpuKernelCases(KernelCases):
         ref8 = np.asarray(ragged_paged_attention(*quantized, **kwargs, backend="reference"))
         out8 = np.asarray(self.run(quantized, **kwargs, block_sizes=split))
         np.testing.assert_allclose(out8[:total], ref8[:total], atol=self.tol(), rtol=self.tol())
+        # Sinks: folded into the combined splits (the splits' kernel does not see them).
+        kwargs["sinks"] = jnp.linspace(-2.0, 3.0, 6, dtype=jnp.float32)
+        ref_s = np.asarray(ragged_paged_attention(*args, **kwargs, backend="reference"))
+        out_s = np.asarray(self.run(args, **kwargs, block_sizes=split))
+        np.testing.assert_allclose(out_s[:total], ref_s[:total], atol=self.tol(), rtol=self.tol())
 
 
 class TestPallasGpuInterpret(GpuKernelCases):
@@ -298,6 +321,23 @@ def test_tpu_kernel_under_the_tpu_simulator(mix):
     ref = np.asarray(ragged_paged_attention(*args, sm_scale=0.125, backend="reference"))
     np.testing.assert_allclose(out[:total], ref[:total], atol=1e-5, rtol=1e-5)
     assert len(seqs) and np.all(out[total:] == 0)
+
+
+def test_tpu_kernel_with_sinks_under_the_tpu_simulator():
+    """The sinks' VMEM operand: no race, NaN-filled uninitialized memory never read."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    args, (_, _, _, _, total) = _case(np.random.default_rng(8), "mixed", 4, 2, 64, 16, jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    kwargs = dict(sm_scale=0.125, sliding_window=9, sinks=jnp.asarray([1.0, -2.0, 0.0, 4.0]))
+    out = ragged_paged_attention(
+        *args, **kwargs, backend="pallas_tpu", interpret=params,
+        block_sizes=BlockSizes(q_block=8, kv_pages=2),
+    )  # fmt: skip
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found, "the simulator found a data race"
+    ref = np.asarray(ragged_paged_attention(*args, **kwargs, backend="reference"))
+    np.testing.assert_allclose(np.asarray(out)[:total], ref[:total], atol=1e-5, rtol=1e-5)
 
 
 def test_tpu_kernel_with_attend_to_under_the_tpu_simulator():
@@ -356,6 +396,7 @@ def test_kernel_lowers_for_its_platform(
         sm_scale=0.125,
         sliding_window=64,
         soft_cap=30.0,
+        sinks=jnp.linspace(-1.0, 1.0, num_heads, dtype=jnp.float32),
         backend=backend,
         block_sizes=sizes,
         interpret=False,

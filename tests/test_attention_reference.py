@@ -114,6 +114,44 @@ def test_sliding_window_and_soft_cap(backend, sliding_window, soft_cap):
         np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", XLA_BACKENDS)
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_attention_sinks(backend, sliding_window):
+    """gpt-oss's sinks: a logit per head in each softmax's denominator, large and small against
+    the scores (a head that mostly attends to nothing, and one that barely notices), equal to
+    transformers' way (one more column, dropped after the softmax)."""
+    rng = np.random.default_rng(3)
+    seqs = MIXES["mixed"]
+    q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
+        rng, seqs, num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, max_reqs=8,
+        t_pad=64, dtype=jnp.float32,
+    )  # fmt: skip
+    sinks = np.array([-3.0, 0.0, 0.5, 2.0, 6.0, -40.0], np.float32)
+    out = np.asarray(
+        ragged_paged_attention(
+            jnp.asarray(q),
+            jnp.asarray(cache),
+            jnp.int32(1),
+            jnp.asarray(seq_lens),
+            jnp.asarray(bt),
+            jnp.asarray(cu),
+            jnp.asarray([len(seqs)], jnp.int32),
+            sm_scale=0.125,
+            sliding_window=sliding_window,
+            sinks=jnp.asarray(sinks),
+            backend=backend,
+        )  # fmt: skip
+    )
+    for r, (q_len, _) in enumerate(seqs):
+        expect = dense_attention(
+            q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.125, sliding_window, sinks=sinks
+        )
+        np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
+        plain = dense_attention(q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.125, sliding_window)
+        assert not np.allclose(expect, plain, atol=1e-3), "the sinks must change the result"
+    assert np.all(out[total:] == 0), "padding rows must read nothing"
+
+
 def test_write_kv_writes_only_its_slots():
     shape = get_kv_cache_shape(3, 4, 8, 2, 16)
     cache = jnp.zeros(shape)

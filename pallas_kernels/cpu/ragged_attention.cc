@@ -8,6 +8,8 @@
 // tokens, whose K/V are already in the cache. Rows of padding requests (r >= num_seqs) are
 // zero. The window is an operand, not an attribute, so a layer scan can pass each layer's own
 // (w >= 1: a query at position q sees keys q - w < k <= q; <= 0: no window).
+// sinks [N] (gpt-oss; a dummy [0] for none): each head's sink logit joins its softmax's
+// denominator as one more key with a zero value, folded in when a work item's rows are written.
 //
 // Why a kernel of our own: in XLA on the CPU, attention over a paged cache means gathering the
 // pages into a copy, then transposing it for batched matmuls whose "M" is the GQA group (3 for
@@ -95,6 +97,7 @@ struct Params {
   int64_t sliding_window;  // <= 0: none
   float soft_cap;          // 0: none
   const int32_t* attend_to;  // [T]: the last key each query sees past itself; null: causal
+  const float* sinks;        // [N]: each head's sink logit (gpt-oss); null: none
 };
 
 constexpr int kTile = 16;        // tokens per step of the online softmax
@@ -257,7 +260,13 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
   for (int64_t i = 0; i < item.num_rows; ++i) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t vec = i * G + g;
-      const float inv = l[vec] > 0 ? 1.0f / l[vec] : 0.0f;
+      float denom = l[vec], alpha = 1.0f;
+      if (prm.sinks != nullptr) {  // one more key, of score `sink` and value zero
+        const float sink = prm.sinks[item.kv_head * G + g], top = std::max(m[vec], sink);
+        alpha = std::exp(m[vec] - top);
+        denom = alpha * denom + std::exp(sink - top);
+      }
+      const float inv = denom > 0 ? alpha / denom : 0.0f;
       QT* dst = out + ((item.row0 + i) * s.num_heads + item.kv_head * G + g) * H;
       for (int64_t h = 0; h < H; ++h) from_float(acc[vec * H + h] * inv, &dst[h]);
     }
@@ -304,7 +313,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                 ffi::Buffer<ffi::S32> sliding_window, ffi::Buffer<ffi::S32> attend_to,
-                float sm_scale, float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+                ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions();
   auto cd = kv_cache.dimensions();
   auto bd = block_tables.dimensions();
@@ -317,8 +326,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
   // needs it: a token's block is itself).
   const bool attends = attend_to.element_count() == static_cast<size_t>(s.num_tokens) &&
                        s.num_tokens > 1;
+  // sinks: [N], or a dummy [0] for none.
+  if (sinks.element_count() != 0 && sinks.element_count() != static_cast<size_t>(s.num_heads))
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: sinks must be [num_heads]");
   Params prm{sm_scale, sliding_window.typed_data()[0], soft_cap,
-             attends ? attend_to.typed_data() : nullptr};
+             attends ? attend_to.typed_data() : nullptr,
+             sinks.element_count() != 0 ? sinks.typed_data() : nullptr};
   const int64_t lay = layer.typed_data()[0];
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], s.max_reqs);
   const int32_t* sl = seq_lens.typed_data();
@@ -387,6 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding_window
                                   .Arg<ffi::Buffer<ffi::S32>>()   // attend_to (or a dummy [1])
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks (or a dummy [0])
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::AnyBuffer>());
