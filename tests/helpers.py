@@ -265,6 +265,27 @@ FAMILIES = {
         "Qwen3MoeForCausalLM",
         dict(num_experts=6, norm_topk_prob=True, mlp_only_layers=[1], **MOE),
     ),
+    # Sinks, alternating sliding and full layers, YaRN, biased experts with a clamp tight
+    # enough to bite at these weights' scale.
+    "gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            swiglu_limit=0.3,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150_000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "qwen3-moe-sparse-step": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

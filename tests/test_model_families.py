@@ -106,6 +106,9 @@ def test_greedy_tokens_match_transformers(family):
         pytest.param("qwen3-moe", dict(num_experts=8), True, marks=pytest.mark.slow),
         # 6 experts do not split 4 ways: at 4 each expert's MLP width is split instead.
         pytest.param("mixtral", dict(num_local_experts=6), False, marks=pytest.mark.slow),
+        # gpt-oss, 6 experts: split on the expert axis at 2, on each expert's width at 4 (its
+        # expert biases split with them, its sinks with the heads).
+        pytest.param("gpt-oss", dict(num_local_experts=6), False, marks=pytest.mark.slow),
     ],
 )
 def test_moe_under_tensor_and_expert_parallelism(case, extra, expert_parallel, tmp_path):

@@ -97,6 +97,18 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     """A mixture of experts' shared expert, added to the routed ones through a sigmoid gate
     (Qwen3-Next, Qwen3.5-MoE); 0: none."""
+    attention_sinks: bool = False
+    """Each attention layer has a learned logit per query head that joins its softmax's
+    denominator (gpt-oss's `sinks`)."""
+    router_bias: bool = False
+    """The mixture of experts' router has a bias (gpt-oss)."""
+    expert_bias: bool = False
+    """Each expert's gate, up and down projections have biases (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """The experts' gate is gpt-oss's clamped SwiGLU: gate clamped to <= limit, up to
+    [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate); None: the usual
+    act(gate) * up."""
+    swiglu_alpha: float = 1.702
     kv_head_replicas: int = 1
     """Each checkpoint kv head is repeated this many times (tensor parallelism over more
     devices than kv heads, see `sharding.shard_config`); num_kv_heads counts the copies."""

@@ -5,7 +5,7 @@ already covers, write its module and import it here."""
 
 from __future__ import annotations
 
-from jaxllm.families import gemma, llama, llava, mixtral, qwen  # noqa: F401  (they register)
+from jaxllm.families import gemma, gpt_oss, llama, llava, mixtral, qwen  # noqa: F401  (register)
 from jaxllm.families.base import (
     FAMILIES,
     FULL_ATTENTION,

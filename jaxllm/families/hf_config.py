@@ -13,6 +13,7 @@ beyond this package.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jaxllm.families import (
@@ -50,18 +51,29 @@ class LinearAttention:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: "llama3" (Llama 3.1's smooth low-frequency scaling) or "linear"
-    (every frequency divided by `factor`, as Gemma 3's global layers)."""
+    """RoPE frequency scaling: "llama3" (Llama 3.1's smooth low-frequency scaling), "linear"
+    (every frequency divided by `factor`, as Gemma 3's global layers) or "yarn" (gpt-oss,
+    DeepSeek-V3: frequencies blended between interpolated and extrapolated along a ramp
+    between `beta_fast` and `beta_slow` rotations, and cos/sin scaled by `attention_factor`)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    """YaRN: the ramp's ends rounded to whole dimensions (transformers' default)."""
+    attention_factor: float = 1.0
+    """cos and sin are multiplied by this (YaRN's mscale); 1 for the other types."""
 
     @classmethod
-    def from_hf(cls, params: dict[str, Any] | None) -> RopeScaling | None:
-        """From a Hugging Face `rope_scaling` / `rope_parameters` dict; None for plain RoPE."""
+    def from_hf(
+        cls, params: dict[str, Any] | None, max_position_embeddings: int | None = None
+    ) -> RopeScaling | None:
+        """From a Hugging Face `rope_scaling` / `rope_parameters` dict; None for plain RoPE.
+        `max_position_embeddings`: the config's, YaRN's default original context."""
         if not isinstance(params, dict):
             return None
         kind = params.get("rope_type", params.get("type", "default"))
@@ -77,7 +89,42 @@ class RopeScaling:
                 high_freq_factor=float(params["high_freq_factor"]),
                 original_max_position_embeddings=int(params["original_max_position_embeddings"]),
             )
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+        if kind == "yarn":
+            return cls._yarn(params, max_position_embeddings)
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn)"
+        )
+
+    @classmethod
+    def _yarn(cls, params: dict[str, Any], max_position_embeddings: int | None) -> RopeScaling:
+        """YaRN's parameters as transformers reads them (`_compute_yarn_parameters`)."""
+        original = params.get("original_max_position_embeddings") or max_position_embeddings
+        if not original:
+            raise ValueError("rope_scaling yarn needs original_max_position_embeddings")
+        factor = params.get("factor")
+        if factor is None:
+            factor = (max_position_embeddings or original) / original
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            if params.get("mscale") and params.get("mscale_all_dim"):
+                attention_factor = mscale(factor, params["mscale"]) / mscale(
+                    factor, params["mscale_all_dim"]
+                )
+            else:
+                attention_factor = mscale(factor)
+        return cls(
+            "yarn",
+            factor=float(factor),
+            original_max_position_embeddings=int(original),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(attention_factor),
+        )
 
 
 def model_config_fields(config: dict[str, Any] | Any) -> dict[str, Any]:
@@ -121,7 +168,9 @@ def model_config_fields(config: dict[str, Any] | Any) -> dict[str, Any]:
     default_theta = features.pop("rope_theta", 10000.0)
     default_local_theta = features.pop("rope_local_theta", None)
     rope_theta = config.get("rope_theta") or rope.get("rope_theta") or default_theta
-    rope_scaling = RopeScaling.from_hf(config.get("rope_scaling") or rope)
+    rope_scaling = RopeScaling.from_hf(
+        config.get("rope_scaling") or rope, config.get("max_position_embeddings")
+    )
     rope_local_theta = config.get("rope_local_base_freq") or default_local_theta
     if local_rope is not None:
         if RopeScaling.from_hf(local_rope) is not None:

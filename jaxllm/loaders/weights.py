@@ -43,8 +43,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 @functools.cache  # one table per model, not per tensor
-def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndarray], np.ndarray]]]:
-    """Per-layer HF suffix -> (our path inside the layer, transform from the HF layout)."""
+def _rules(c: ModelConfig) -> dict[str, list[tuple[tuple[str, ...], Callable]]]:
+    """Per-layer HF suffix -> [(our path inside the layer, transform from the HF layout)]: one
+    target, or several for a tensor that holds several of our parameters (gpt-oss's fused
+    `gate_up_proj`)."""
     d, h = c.hidden_size, c.head_dim
     r = c.kv_head_replicas
     k = c.num_kv_heads // r  # the checkpoint's kv heads; each repeated r times (sharding.py)
@@ -65,7 +67,8 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
             "post_feedforward_layernorm",
         )
     }
-    return (
+    even, odd = (lambda w: w[..., 0::2]), (lambda w: w[..., 1::2])
+    table = (
         rules
         | {
             "self_attn.q_norm.weight": (("self_attn", "q_norm", "weight"), same),
@@ -88,9 +91,23 @@ def _rules(c: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable[[np.ndar
                 f"mlp.shared_expert.{proj}.weight": (("mlp", "shared_expert", proj), lambda w: w.T)
                 for proj in ("gate_proj", "up_proj", "down_proj")
             },
+            # gpt-oss: per-head sinks; a router with a bias; the experts stacked in one tensor
+            # each, input-major ([E, D, 2F], [E, F, D]), gate and up interleaved column by
+            # column, with biases.
+            "self_attn.sinks": (("self_attn", "sinks"), same),
+            "mlp.router.weight": (("mlp", "router"), lambda w: w.T),
+            "mlp.router.bias": (("mlp", "router_bias"), same),
+            "mlp.experts.gate_up_proj": [(("mlp", "gate_proj"), even), (("mlp", "up_proj"), odd)],
+            "mlp.experts.gate_up_proj_bias": [
+                (("mlp", "gate_bias"), even),
+                (("mlp", "up_bias"), odd),
+            ],
+            "mlp.experts.down_proj": (("mlp", "down_proj"), same),
+            "mlp.experts.down_proj_bias": (("mlp", "down_bias"), same),
         }
         | (_linear_attention_rules(c) if c.linear_attention else {})
     )
+    return {k: v if isinstance(v, list) else [v] for k, v in table.items()}
 
 
 def _linear_attention_rules(c: ModelConfig) -> dict:
@@ -136,10 +153,16 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weig
 Target = tuple[tuple[str | int, ...], Callable[[np.ndarray], np.ndarray], int | None]
 
 
-def hf_to_path(name: str, config: ModelConfig) -> Target | None:
-    """(our parameter path, layout transform, index) for an HF tensor name, or None to skip
-    the tensor. `index` is an expert's row of a stacked [E, ...] weight; None: the whole
-    parameter. The family renames its own tensor names to Llama's first."""
+def hf_to_path(name: str, config: ModelConfig) -> list[Target]:
+    """[(our parameter path, layout transform, index)] for an HF tensor name (several for a
+    tensor that holds several parameters), or [] to skip the tensor. `index` is an expert's
+    row of a stacked [E, ...] weight; None: the whole parameter. The family renames its own
+    tensor names to Llama's first."""
+    target = _hf_to_path(name, config)
+    return target if isinstance(target, list) else [] if target is None else [target]
+
+
+def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
     same = lambda w: w  # noqa: E731
     original, name = name, image_text_tensor_name(name)
     if name is None:
@@ -165,7 +188,7 @@ def hf_to_path(name: str, config: ModelConfig) -> Target | None:
         layer, suffix = int(m.group(1)), m.group(2)
         rule = _rules(config).get(suffix)
         if rule is not None:
-            return ("layers", layer, *rule[0]), rule[1], None
+            return [(("layers", layer, *path), f, None) for path, f in rule]
         e = _EXPERT.match(suffix)
         if e and int(e.group(1)) < config.num_experts:
             return ("layers", layer, "mlp", e.group(2)), lambda w: w.T, int(e.group(1))
@@ -356,11 +379,8 @@ def build_state(
     # device whole: {path: (host buffer, experts still missing)}.
     stacking: dict[tuple, tuple[np.ndarray, set[int]]] = {}
     np_dtype = np.dtype(jnp.dtype(dtype))
-    for name, tensor in tensors:
-        target = hf_to_path(name, config)
-        if target is None:
-            continue
-        path, transform, index = target
+    targets = ((n, t, target) for n, t in tensors for target in hf_to_path(n, config))
+    for name, tensor, (path, transform, index) in targets:
         if path not in expected:
             raise ValueError(f"tensor {name!r} has no place in the model (path {path})")
         var = expected[path]

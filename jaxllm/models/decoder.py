@@ -146,6 +146,9 @@ class DecoderForCausalLM(nnx.Module):
             else rope_inv_freq(h, config.rope_local_theta)
         )
         self.inv_freq = (tuple(global_freq.tolist()), tuple(local_freq.tolist()))
+        # YaRN's scale of cos and sin (the global RoPE's; the local one is never scaled).
+        scaling = config.rope_scaling
+        self.rope_scale = 1.0 if scaling is None else scaling.attention_factor
         self.mrope_section = config.mrope_section
         self.final_logit_softcapping = config.final_logit_softcapping
         if config.tie_word_embeddings:
@@ -181,10 +184,10 @@ class DecoderForCausalLM(nnx.Module):
             rows, index = mm_embeds
             image = rows[jnp.maximum(index, 0)].astype(x.dtype)
             x = jnp.where((index >= 0)[:, None], image, x)
-        global_rope = Rope.at(positions, self.inv_freq[0], self.mrope_section)
+        global_rope = Rope.at(positions, self.inv_freq[0], self.mrope_section, self.rope_scale)
         local_rope = (
             global_rope
-            if self.inv_freq[1] == self.inv_freq[0]
+            if self.inv_freq[1] == self.inv_freq[0] and self.rope_scale == 1.0
             else Rope.at(positions, self.inv_freq[1], self.mrope_section)
         )
         loras = extras.layer_loras() or [None] * len(self.layers)

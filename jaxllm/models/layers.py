@@ -90,8 +90,9 @@ def rope_inv_freq(
     scaling: RopeScaling | None = None,
     freq_factors: tuple[float, ...] | None = None,
 ) -> np.ndarray:
-    """Inverse frequencies f32[H // 2]: scaled as `scaling` says ("linear" or "llama3"), or
-    divided by llama.cpp's per-frequency `freq_factors`."""
+    """Inverse frequencies f32[H // 2]: scaled as `scaling` says ("linear", "llama3" or
+    "yarn"), or divided by llama.cpp's per-frequency `freq_factors`. (YaRN's scale of cos and
+    sin is `scaling.attention_factor`, applied by `Rope.at`.)"""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
     inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
     if freq_factors is not None:
@@ -105,6 +106,8 @@ def rope_inv_freq(
         return inv_freq
     if scaling.rope_type == "linear":
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -116,6 +119,29 @@ def rope_inv_freq(
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(
+    extrapolated: np.ndarray, dim: int, theta: float, scaling: RopeScaling
+) -> np.ndarray:
+    """YaRN's blend, as transformers computes it (`_compute_yarn_parameters`): frequencies that
+    turn more than `beta_fast` times over the original context keep their value, those under
+    `beta_slow` are divided by the factor, and a linear ramp over dimensions joins them."""
+
+    def correction_dim(rotations: float) -> float:
+        length = scaling.original_max_position_embeddings
+        return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolated (unscaled), 0: interpolated
+    interpolated = (extrapolated / np.float32(scaling.factor)).astype(np.float32)
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -134,9 +160,11 @@ class Rope:
         positions: jax.Array,
         inv_freq: tuple[float, ...],
         sections: tuple[int, ...] | None = None,
+        scale: float = 1.0,
     ) -> Rope:
         """`positions` i32[T], or with M-RoPE's `sections` i32[3, T]: frequency j turns with
-        the component of the section it falls in (time, row, column)."""
+        the component of the section it falls in (time, row, column). `scale` multiplies cos
+        and sin (YaRN's attention factor)."""
         if sections is not None:
             component = np.repeat(np.arange(len(sections)), sections)
             positions = positions[component].T  # [T, H // 2]
@@ -144,7 +172,9 @@ class Rope:
             positions = positions[:, None]
         freqs = positions.astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
         emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
-        return cls(jnp.cos(emb), jnp.sin(emb))
+        if scale == 1.0:
+            return cls(jnp.cos(emb), jnp.sin(emb))
+        return cls(jnp.cos(emb) * scale, jnp.sin(emb) * scale)
 
 
 def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
@@ -288,6 +318,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, config.rms_norm_eps, **kw)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: a logit per query head in each softmax's denominator (split with the heads).
+        self.sinks = param(rngs, (n,), ("q_heads",), dtype) if config.attention_sinks else None
         self.sm_scale = (config.query_pre_attn_scalar or h) ** -0.5
         self.soft_cap = config.attn_logit_softcapping
         # Static per layer: the layers are unrolled (see decoder.py), so each layer's kernel
@@ -340,6 +372,7 @@ class Attention(nnx.Module):
         group, slot = meta.where(layer)
         meta = dict(
             slot_mapping=meta.slot_mapping[group],
+            sinks=None if self.sinks is None else self.sinks.get_value().astype(jnp.float32),
             seq_lens=meta.seq_lens,
             block_tables=meta.block_tables[group],
             cu_q_lens=meta.cu_q_lens,
@@ -363,6 +396,7 @@ class Attention(nnx.Module):
                 sliding_window=self.sliding_window,
                 soft_cap=self.soft_cap,
                 attend_to=meta["attend_to"],
+                sinks=meta["sinks"],
                 backend=kernel_choices().attention_backend,
             )
             return out.astype(q.dtype), kv_cache
@@ -371,10 +405,12 @@ class Attention(nnx.Module):
             return run(q, k, v, kv_cache, slot, meta)
         heads = P(None, "model", None)
         cache = kv_cache_specs(kv_cache.quantized)
+        meta_specs = {name: P() for name in meta}
+        meta_specs["sinks"] = P("model")  # per query head, split with them
         return jax.shard_map(
             run,
             mesh=self.mesh,
-            in_specs=(heads, heads, heads, cache, P(), P()),
+            in_specs=(heads, heads, heads, cache, P(), meta_specs),
             out_specs=(heads, cache),
             check_vma=False,
         )(q, k, v, kv_cache, slot, meta)

@@ -1,6 +1,7 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): top-k routing, experts
-as grouped matmuls, expert weights sharded over the mesh, and a shared expert where the family
-has one.
+"""Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss): top-k routing,
+experts as grouped matmuls, expert weights sharded over the mesh, and a shared expert where the
+family has one; gpt-oss adds a router bias, biases on every expert projection and a clamped
+SwiGLU (`ModelConfig.swiglu_limit`).
 
 Routing is data: each token's k (expert, weight) pairs are sorted by expert, and the experts
 run as three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, whose group sizes are
@@ -34,12 +35,27 @@ class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, mesh: Mesh | None, rngs: nnx.Rngs | None):
         d, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         self.router = param(rngs, (d, e), ("embed", None), dtype)
+        self.router_bias = param(rngs, (e,), (None,), dtype) if config.router_bias else None
         self.gate_proj = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), dtype)
         self.up_proj = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), dtype)
         self.down_proj = param(rngs, (e, f, d), ("expert", "expert_mlp", "embed"), dtype)
+        if config.expert_bias:
+            # Split as the weights' outputs are; the down projection's bias is added once,
+            # outside the partial sums (replicated).
+            self.gate_bias = param(rngs, (e, f), ("expert", "expert_mlp"), dtype)
+            self.up_bias = param(rngs, (e, f), ("expert", "expert_mlp"), dtype)
+            self.down_bias = param(rngs, (e, d), (None, None), dtype)
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.moe_renormalize
-        self.act = ACTIVATIONS[config.hidden_act]
+        if config.swiglu_limit is None:
+            act = ACTIVATIONS[config.hidden_act]
+            self.glu = lambda gate, up: act(gate) * up
+        else:
+            self.glu = functools.partial(
+                clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha
+            )
         self.mesh = mesh
         # A shared expert every token goes through, scaled by a sigmoid gate of its own.
         if config.shared_expert_intermediate_size:
@@ -54,6 +70,8 @@ class MoE(nnx.Module):
         transformers rounds them), a float32 softmax over all experts, the top k, renormalised
         to sum to 1 where the family does."""
         logits = matmul(x, self.router.get_value()).astype(x.dtype)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias.get_value()
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.renormalize:
@@ -70,21 +88,32 @@ class MoE(nnx.Module):
 
     def _routed(self, x: jax.Array) -> jax.Array:
         weights, experts = self.route(x)
-        w = (self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value())
-        run = functools.partial(_experts, act=self.act)
+        out = self._experts(x, weights, experts)
+        if self.down_bias is not None:  # sum_j weight_j * bias of expert j, in float32
+            bias = self.down_bias.get_value()[experts].astype(jnp.float32)  # [T, k, D]
+            out = out + jnp.einsum("tk,tkd->td", weights, bias)
+        return out.astype(x.dtype)
+
+    def _experts(self, x, weights, experts) -> jax.Array:  # f32[T, D]
+        w = [self.gate_proj.get_value(), self.up_proj.get_value(), self.down_proj.get_value()]
+        biased = self.gate_bias is not None
+        if biased:
+            w += [self.gate_bias.get_value(), self.up_bias.get_value()]
+        run = functools.partial(_experts, glu=self.glu)
         spec = _weight_spec(self.gate_proj, self.mesh)
         if spec is None:
-            return run(x, weights, experts, *w, expert_axis_sharded=False).astype(x.dtype)
+            return run(x, weights, experts, *w, expert_axis_sharded=False)
         gate_spec, down_spec = spec, P(spec[0], spec[2], spec[1])
+        bias_specs = (P(spec[0], spec[2]),) * 2 if biased else ()
 
-        def partial_sum(x, weights, experts, gate, up, down):
-            out = run(x, weights, experts, gate, up, down, expert_axis_sharded=spec[0] is not None)
-            return jax.lax.psum(out, "model").astype(x.dtype)  # partials summed in float32
+        def partial_sum(x, weights, experts, *w):
+            out = run(x, weights, experts, *w, expert_axis_sharded=spec[0] is not None)
+            return jax.lax.psum(out, "model")  # partials summed in float32
 
         return jax.shard_map(
             partial_sum,
             mesh=self.mesh,
-            in_specs=(P(), P(), P(), gate_spec, gate_spec, down_spec),
+            in_specs=(P(), P(), P(), gate_spec, gate_spec, down_spec, *bias_specs),
             out_specs=P(),
             check_vma=False,
         )(x, weights, experts, *w)
@@ -99,10 +128,31 @@ def _weight_spec(var: nnx.Param, mesh: Mesh | None) -> P | None:
     return None if all(s is None for s in spec) else spec
 
 
-def _experts(x, weights, experts, gate, up, down, *, act, expert_axis_sharded: bool):
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def _experts(
+    x,
+    weights,
+    experts,
+    gate,
+    up,
+    down,
+    gate_bias=None,
+    up_bias=None,
+    *,
+    glu,
+    expert_axis_sharded: bool,
+):
     """f32[T, D]: sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the experts held
     here: `gate`, `up` [E', D, F'] and `down` [E', F', D] are this device's slice (E' = E / n
-    experts from index device * E', or all experts with F' = F / n). Each matmul's output is
+    experts from index device * E', or all experts with F' = F / n), `gate_bias` and `up_bias`
+    [E', F'] theirs (or None); `glu(gate, up)` is the activation. Each matmul's output is
     rounded to x's dtype, as in the dense MLP."""
     num_tokens, k = experts.shape
     num_local = gate.shape[0]
@@ -119,7 +169,11 @@ def _experts(x, weights, experts, gate, up, down, *, act, expert_axis_sharded: b
         out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
         return out.astype(x.dtype)
 
-    h = act(grouped(rows, gate)) * grouped(rows, up)
+    g, u = grouped(rows, gate), grouped(rows, up)
+    if gate_bias is not None:  # each row's expert's bias (rows held elsewhere: dropped below)
+        row_expert = jnp.minimum(group[order], num_local - 1)
+        g, u = g + gate_bias[row_expert], u + up_bias[row_expert]
+    h = glu(g, u)
     y = grouped(h.astype(down.dtype), down).astype(jnp.float32)  # [T*k, D]
     # Rows held elsewhere fall outside every group: drop them whatever ragged_dot left there.
     y = jnp.where(held[order][:, None], y * weights.reshape(-1)[order][:, None], 0.0)
