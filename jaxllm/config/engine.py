@@ -58,7 +58,17 @@ def resolve_dtype(dtype: Any, platform: str | None = None):
 
 # `jaxllm.loaders` checks a model's `quantization` against these (`jaxllm.quantization`'s
 # docstring says what each means).
-QUANTIZATIONS = ("int8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors", "float")
+QUANTIZATIONS = (
+    "int8",
+    "int4",
+    "fp8",
+    "gguf",
+    "gptq",
+    "awq",
+    "compressed-tensors",
+    "mxfp4",
+    "float",
+)
 # The KV cache's formats: the float dtypes, and pallas_kernels.QUANTIZED_KV_DTYPES (plus vLLM's
 # alias fp8_e4m3), checked against it by the same test.
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8")
@@ -83,8 +93,9 @@ class LoadConfig:
     load; gguf keeps a GGUF file's quantized tensors as they are, as none does on
     accelerators and on CPUs where the native kernel has an integer path (8-bit dot products
     or AVX2; on other CPUs none dequantizes them); gptq, awq and compressed-tensors keep a
-    checkpoint quantized by that method (as none does); float dequantizes a GGUF file's
-    tensors at load (see jaxllm/quantization.py)."""
+    checkpoint quantized by that method (as none does); mxfp4 reads gpt-oss's MXFP4 experts
+    (as none does), dequantized at load for now; float dequantizes a GGUF file's tensors at
+    load (see jaxllm/quantization.py)."""
     load_format: str = option("auto", choices=("auto", "dummy"))
     """auto reads the weights from the model; dummy makes random ones in its shapes (a
     directory with config.json alone will do), to measure speed and memory without a
