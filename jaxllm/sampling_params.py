@@ -125,7 +125,11 @@ class SamplingParams:
     reasoning_end_token_id: int | None = None
     """A reasoning model's end-of-thinking token (`</think>`): structured outputs constrain
     only the tokens after it, the thinking before it is free (a server with a reasoning
-    parser sets it)."""
+    parser sets it). Short for `reasoning_end_token_ids=[id]`."""
+    reasoning_end_token_ids: list[int] | None = None
+    """The token sequence that ends a reasoning model's thinking where one token does not
+    (gpt-oss: `<|channel|>final<|message|>`): structured outputs constrain what follows its
+    first appearance in the output."""
 
     def __post_init__(self) -> None:
         for name, bounds in RANGES.items():
@@ -170,6 +174,17 @@ class SamplingParams:
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.reasoning_end_token_id is not None:
             TOKEN_ID.check("reasoning_end_token_id", self.reasoning_end_token_id)
+            if self.reasoning_end_token_ids is None:
+                self.reasoning_end_token_ids = [self.reasoning_end_token_id]
+        if self.reasoning_end_token_ids is not None:
+            ids = self.reasoning_end_token_ids
+            if not isinstance(ids, list | tuple) or not ids:
+                raise ValueError(
+                    f"reasoning_end_token_ids must be a non-empty list of token ids, got {ids!r}"
+                )
+            for t in ids:
+                TOKEN_ID.check("reasoning_end_token_ids", t)
+            self.reasoning_end_token_ids = [int(t) for t in ids]
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

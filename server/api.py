@@ -39,6 +39,8 @@ from starlette.requests import ClientDisconnect
 
 import jaxllm
 from jaxllm.errors import InputError
+from jaxllm.loaders.hf import checkpoint_architectures
+from jaxllm.model_files import resolve_model
 from server import protocol
 from server.anthropic_api import PATH_PREFIX as ANTHROPIC_PATHS
 from server.anthropic_api import anthropic_error_body
@@ -72,6 +74,26 @@ _OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 MAX_HEADER_BYTES = 64 * 1024
 
 
+# Families whose output has a reasoning channel of its own, split off without a
+# --reasoning-parser, as vLLM always reads gpt-oss's harmony messages.
+_BUILT_IN_REASONING = {"GptOssForCausalLM": "openai_gptoss"}
+
+
+def _built_in_reasoning(engine) -> type | None:
+    """The reasoning parser the served model's family implies, or None."""
+    load = getattr(getattr(engine, "config", None), "load", None)
+    if load is None:
+        return None
+    try:
+        archs = checkpoint_architectures(resolve_model(load.model, download=False)) or []
+    except FileNotFoundError:
+        return None
+    name = next((_BUILT_IN_REASONING[a] for a in archs if a in _BUILT_IN_REASONING), None)
+    if name is not None:
+        logger.info("reading the model's reasoning with --reasoning-parser %s", name)
+    return None if name is None else REASONING_PARSERS[name]
+
+
 def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
     """`start_engine` is an async callable returning a ready `AsyncLLM`; `config` names the
     served models (`served_model_name`, which must be given here). The routes are `router`'s."""
@@ -92,6 +114,8 @@ def build_app(start_engine: Callable[[], Any], config: ServerConfig) -> FastAPI:
                 state.loras = lora_registry(state.engine, config, served_model_names[0])
                 state.metrics = Metrics(state.engine, served_model_names[0])
                 state.engine.on_step = state.metrics.observe
+                if config.reasoning_parser is None:
+                    state.reasoning_parser = _built_in_reasoning(state.engine)
                 ready = state.engine.ready
                 logger.info(
                     "engine ready: serving %s (max_model_len %d, %d KV pages of %d tokens, "

@@ -34,14 +34,16 @@ class ServerConfig:
     """Allow tool_choice "auto": the model decides whether to call tools, and
     --tool-call-parser reads its calls out of the text."""
     tool_call_parser: str | None = option(None, choices=tuple(TOOL_PARSERS))
-    """The format of the model's own tool calls, for tool_choice auto."""
+    """The format of the model's own tool calls, for tool_choice auto: hermes, llama3_json,
+    mistral, pythonic, qwen3_coder or openai (gpt-oss's harmony), vLLM's names."""
     enable_sleep_mode: bool = False
     """Serve vLLM's sleep mode endpoints: POST /sleep?level=1|2 frees the weights' (level 1:
     kept in host memory; 2: dropped, reloaded on waking) and the KV cache's device memory
     while idle, POST /wake_up brings them back (nothing compiles), GET /is_sleeping."""
     reasoning_parser: str | None = option(None, choices=tuple(REASONING_PARSERS))
-    """Split a reasoning model's thinking (<think>...</think>) off its answer, into
-    message.reasoning_content: qwen3 or deepseek_r1 (vLLM's names)."""
+    """Split a reasoning model's thinking off its answer, into message.reasoning_content:
+    qwen3 or deepseek_r1 (<think>...</think>), openai_gptoss (gpt-oss's harmony analysis
+    channel; the default for gpt-oss), vLLM's names."""
     lora_modules: tuple[str, ...] | None = None
     """LoRA adapters to serve (with --enable-lora), each name=path (a PEFT directory) or
     vLLM's JSON {"name": ..., "path": ..., "base_model_name": ...}; a request's `model` field

@@ -516,11 +516,13 @@ async def chat_generation(
         tail = eng.tokenizer.decode(ids[-16:], skip_special_tokens=False)
         opens = reasoning_parsers.prompt_opens_thinking(tail)
         reasoning = functools.partial(state.reasoning_parser, prompt_opens=opens)
+        if not state.reasoning_parser.skip_special_tokens:
+            params.skip_special_tokens = False  # the parser reads special tokens
         if params.structured_outputs is not None and not (
             reasoning_parsers.prompt_closes_thinking(tail)
         ):
             # Structured outputs (and forced tool calls) constrain the answer only.
-            params.reasoning_end_token_id = reasoning_parsers.end_token_id(eng.tokenizer)
+            params.reasoning_end_token_ids = state.reasoning_parser.end_token_ids(eng.tokenizer)
     cls = cls or ChatCompletion
     lora = state.lora_request(model)
     return cls(

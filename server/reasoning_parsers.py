@@ -17,12 +17,17 @@ The parsers (the tags are `<think>` and `</think>`):
   (a template that ends the generation prompt with `<think>`); it then reasons until
   `</think>`. Otherwise (thinking off: `chat_template_kwargs: {"enable_thinking": false}`
   closes the block inside the prompt) all of it is the answer.
+- `openai_gptoss` (gpt-oss's harmony format, `harmony.py`): the analysis channel is the
+  reasoning, the final and commentary channels the answer; a tool call's message goes to the
+  answer as written, for the `openai` tool call parser. It reads the special tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
+
+from server.harmony import MessageScanner
 
 START, END = "<think>", "</think>"
 
@@ -47,6 +52,15 @@ class ReasoningStream:
 
     # Whether an output that does not open a block itself reasons from its first character.
     reasons_unopened: ClassVar[bool] = True
+    # False: the parser reads special tokens, which the text must then keep.
+    skip_special_tokens: ClassVar[bool] = True
+
+    @classmethod
+    def end_token_ids(cls, tokenizer) -> list[int] | None:
+        """The tokens that end the thinking (what structured outputs wait for before they
+        constrain), or None where they cannot be told: `</think>` where it is one token."""
+        end = end_token_id(tokenizer)
+        return None if end is None else [end]
 
     def __init__(self, *, prompt_opens: bool = False):
         # "start": not known yet whether it thinks; "reasoning"; "content".
@@ -100,9 +114,36 @@ class Qwen3ReasoningStream(ReasoningStream):
     reasons_unopened = False
 
 
+class HarmonyReasoningStream(ReasoningStream):
+    """`openai_gptoss`: analysis is reasoning; the rest is the answer, a tool call's message
+    whole, header and end marker included (`harmony.py`)."""
+
+    skip_special_tokens = False
+    FINAL = "<|channel|>final<|message|>"  # the answer's header
+
+    @classmethod
+    def end_token_ids(cls, tokenizer) -> list[int] | None:
+        return tokenizer.encode(cls.FINAL, add_special_tokens=False) or None
+
+    def __init__(self, *, prompt_opens: bool = False):
+        self.scanner = MessageScanner()
+
+    def update(self, text: str, *, final: bool) -> ReasoningDelta:
+        out = ReasoningDelta()
+        for p in self.scanner.update(text, final=final):
+            if p.recipient is not None:  # a call: the tool call parser reads it as written
+                out.content += (p.header or "") + p.body + (p.end or "")
+            elif p.channel == "analysis":
+                out.reasoning += p.body
+            else:
+                out.content += p.body
+        return out
+
+
 REASONING_PARSERS: dict[str, type[ReasoningStream]] = {
     "deepseek_r1": DeepSeekR1ReasoningStream,
     "qwen3": Qwen3ReasoningStream,
+    "openai_gptoss": HarmonyReasoningStream,
 }
 
 

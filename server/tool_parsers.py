@@ -15,7 +15,8 @@ The streams:
   by character: a call is announced once its name string is complete, and the raw text of its
   `parameters` value streams as its arguments.
 - The parsers of `tool_choice: "auto"` (`TOOL_PARSERS`, `--tool-call-parser`), for models'
-  own formats: `hermes` and `llama3_json`. Their arguments are the call's JSON object
+  own formats: `hermes`, `llama3_json`, `mistral`, `pythonic`, `qwen3_coder` and `openai`
+  (gpt-oss's harmony messages, `harmony.py`). Their arguments are the call's JSON object
   re-serialized (`json.dumps(..., ensure_ascii=False)`, as vLLM does). Text that does not parse
   as a call stays content; when no call is found the content is the text unchanged.
 """
@@ -30,6 +31,8 @@ import re
 import string
 from collections.abc import Iterable
 from typing import Any, ClassVar
+
+from server.harmony import FUNCTIONS, MessageScanner
 
 _WHITESPACE = " \t\n\r"
 
@@ -635,8 +638,36 @@ def _mistral_id() -> str:
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
+class HarmonyToolCalls(ToolCallStream):
+    """gpt-oss's harmony format (`harmony.py`): each message to `functions.NAME` is a call,
+    its body the arguments, streamed as they come (as written: the model writes JSON);
+    other bodies are content."""
+
+    skip_special_tokens = False  # the headers are special tokens
+
+    def __init__(self) -> None:
+        self._scanner = MessageScanner()
+        self._num_calls = 0
+
+    def update(self, text: str, *, final: bool) -> Delta:
+        out = Delta()
+        for p in self._scanner.update(text, final=final):
+            if p.recipient is None or not p.recipient.startswith(FUNCTIONS):
+                out.content += p.body
+            elif p.header is not None:  # a call starts
+                name = p.recipient[len(FUNCTIONS) :]
+                out.tool_calls.append(ToolCallDelta(self._num_calls, name, p.body))
+                self._num_calls += 1
+            elif out.tool_calls and out.tool_calls[-1].index == self._num_calls - 1:
+                out.tool_calls[-1].arguments += p.body  # the call began in this update
+            elif p.body:
+                out.tool_calls.append(ToolCallDelta(self._num_calls - 1, None, p.body))
+        return out
+
+
 TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
     "hermes": HermesToolCalls,
+    "openai": HarmonyToolCalls,
     "llama3_json": Llama3JsonToolCalls,
     "mistral": MistralToolCalls,
     "pythonic": PythonicToolCalls,

@@ -11,6 +11,7 @@ import pytest
 
 from server.tool_parsers import (
     TOOL_PARSERS,
+    HarmonyToolCalls,
     HermesToolCalls,
     Llama3JsonToolCalls,
     MistralToolCalls,
@@ -172,6 +173,7 @@ def test_llama3_json_streams_each_object_once_complete():
 def test_parser_registry():
     assert TOOL_PARSERS == {
         "hermes": HermesToolCalls,
+        "openai": HarmonyToolCalls,
         "llama3_json": Llama3JsonToolCalls,
         "mistral": MistralToolCalls,
         "pythonic": PythonicToolCalls,

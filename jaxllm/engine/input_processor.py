@@ -167,8 +167,8 @@ class InputProcessor:
             )
         self.check_token_ids(params.stop_token_ids or (), "stop_token_ids")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
-        if params.reasoning_end_token_id is not None:
-            self.check_token_ids([params.reasoning_end_token_id], "reasoning_end_token_id")
+        if params.reasoning_end_token_ids is not None:
+            self.check_token_ids(params.reasoning_end_token_ids, "reasoning_end_token_ids")
 
     def tokenize(self, prompt: str | dict[str, Any], *, add_special_tokens: bool = True):
         """(text or None, checked token ids) of `LLM`'s prompt forms: a string, or a dict with

@@ -108,9 +108,9 @@ class Request:
         # next decode step (never part of all_token_ids unless accepted).
         self.spec_token_ids: list[int] = []
         # Structured outputs: the matcher its tokens must follow (set by the scheduler), live
-        # from the start, or once the thinking ended (`reasoning_end_token_id`).
+        # from the start, or once the thinking ended (`reasoning_end_token_ids`).
         self.grammar: Grammar | None = None
-        self.grammar_live = sampling_params.reasoning_end_token_id is None
+        self.grammar_live = sampling_params.reasoning_end_token_ids is None
         # A pooling request (a decoder served for pooling): its prompt is computed, pooled
         # chunk by chunk, and the request finishes with its vector; it samples nothing.
         self.pooling_params: PoolingParams | None = None

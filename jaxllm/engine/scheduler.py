@@ -567,15 +567,22 @@ class Scheduler:
 
     @staticmethod
     def _advance_grammar(request: Request, tokens: list[int]) -> bool:
-        """Feeds a constrained request's new tokens to its grammar (False: it refused them).
-        Before its reasoning end token the thinking is free: the grammar takes what follows
-        that token."""
+        """Feeds a constrained request's new tokens (already appended to its output) to its
+        grammar (False: it refused them). Until its reasoning end sequence has appeared the
+        thinking is free: the grammar takes what follows the sequence's first appearance."""
         if not request.grammar_live:
-            end = request.sampling_params.reasoning_end_token_id
-            if end not in tokens:
+            end = request.sampling_params.reasoning_end_token_ids
+            out, n = request.output_token_ids, len(end)
+            first = len(out) - len(tokens)  # where the new tokens start in the output
+            ends = [
+                i
+                for i in range(len(tokens))
+                if out[max(first + i + 1 - n, 0) : first + i + 1] == end
+            ]
+            if not ends:
                 return True
             request.grammar_live = True
-            tokens = tokens[tokens.index(end) + 1 :]
+            tokens = tokens[ends[0] + 1 :]
         return not tokens or request.grammar.accept(tokens)
 
     def _pooled_chunk(self, request: Request, chunk: PooledChunk | None) -> RequestUpdate | None:
