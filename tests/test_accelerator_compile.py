@@ -56,9 +56,10 @@ def _compile_for(device, fn, *args, donate=()):
 
 def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype,
                     *, num_tokens=64, max_reqs=8, pages_per_seq=64, num_pages=2048,
-                    block_sizes=None):  # fmt: skip
+                    block_sizes=None, sinks=False, window=100):  # fmt: skip
     """The attention kernel of `target` compiled for one call shape (two layers of cache), with
-    the tuning table's block sizes or `block_sizes`: (compiled executable, the cache's bytes)."""
+    the tuning table's block sizes or `block_sizes`, with `sinks` (one per q head) or not:
+    (compiled executable, the cache's bytes)."""
     t = _target(target)
     device = t.devices()[0]
     sh = jax.sharding.SingleDeviceSharding(device)
@@ -73,14 +74,18 @@ def _compile_kernel(target: str, num_heads, num_kv_heads, head_dim, page_size, d
     fn = functools.partial(
         ragged_paged_attention,
         sm_scale=0.1,
-        sliding_window=jnp.int32(100),
-        soft_cap=30.0,
+        sliding_window=jnp.int32(window),
+        soft_cap=None if sinks else 30.0,
         backend=backend,
         block_sizes=block_sizes,
         interpret=False,
     )
     args = (q, cache, i32(), i32(max_reqs), i32(max_reqs, pages_per_seq), i32(max_reqs + 1))
-    compiled = _compile_for(device, fn, *args, i32(1))
+    if sinks:
+        sink = jax.ShapeDtypeStruct((num_heads,), jnp.float32, sharding=sh)
+        compiled = _compile_for(device, lambda *a: fn(*a[:-1], sinks=a[-1]), *args, i32(1), sink)
+    else:
+        compiled = _compile_for(device, fn, *args, i32(1))
     nbytes = sum(
         int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in cache if a is not None
     )
@@ -182,6 +187,24 @@ def test_chunked_delta_rule_compiles_for_a_tpu():
     compiled = _compile_delta_rule("v6e-1", "chunked", 2048, 16)
     state = 16 * 48 * 128 * 128 * 4
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * state + 2048 * 48 * 128 * 4 * 8
+
+
+@pytest.mark.parametrize(
+    "target,num_heads,num_kv_heads,num_tokens",
+    [("v6e-1", 16, 2, 64), ("v6e-1", 16, 2, 512), ("h100", 64, 8, 64), ("h100", 64, 8, 512)],
+)
+def test_sinks_compile_at_gpt_oss_shapes(target, num_heads, num_kv_heads, num_tokens):
+    """gpt-oss's attention (64 q heads over 8 kv heads of 64, a 128-token window, sinks) as
+    one device holds it: a quarter of the heads on a v6e-4, all on an H100; decode-sized and
+    prefill-sized batches, the cache read in place."""
+    platform_ok = HAVE_TPU_COMPILER if target.startswith("v") else HAVE_GPU_COMPILER
+    if not platform_ok:
+        pytest.skip(WHY.format(target))
+    compiled, nbytes = _compile_kernel(
+        target, num_heads, num_kv_heads, 64, 16, jnp.bfloat16, jnp.bfloat16,
+        num_tokens=num_tokens, max_reqs=64, sinks=True, window=128,
+    )  # fmt: skip
+    _assert_no_cache_copy(compiled, nbytes)
 
 
 @tpu_only
@@ -329,6 +352,7 @@ def _tiny_config(
     llava: bool = False,
     qwen_vl: str | None = None,
     hybrid: bool = False,
+    gpt_oss: bool = False,
 ) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
     Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups); with
@@ -336,7 +360,8 @@ def _tiny_config(
     pooled to 16 tokens that attend to each other) for Gemma's; `qwen_vl` "2.5": Qwen2.5-VL's
     windowed tower (images of up to 16 tokens) before a Qwen2 decoder with M-RoPE, "2":
     Qwen2-VL's; `hybrid`: Qwen3-Next's layout in 4 layers (3 Gated DeltaNet, 1 gated
-    attention; experts with a shared one)."""
+    attention; experts with a shared one); `gpt_oss`: gpt-oss's layout in 4 layers
+    (sinks, sliding and full layers alternating, YaRN, biased experts)."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -368,6 +393,20 @@ def _tiny_config(
             "moe_intermediate_size": 64,
             "shared_expert_intermediate_size": 64,
         }
+    if gpt_oss:
+        config |= {
+            "architectures": ["GptOssForCausalLM"],
+            "num_hidden_layers": 4,
+            "sliding_window": 64,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+            "tie_word_embeddings": False,
+            "rope_scaling": {
+                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 128,
+            },
+        }  # fmt: skip
     if gemma:
         sliding, full = "sliding_attention", "full_attention"
         config |= {
@@ -480,6 +519,10 @@ ENGINES = [
     # host).
     pytest.param("v5e-4", "hybrid", dict(tensor_parallel_size=2), id="v5e-4-hybrid"),
     pytest.param("h100", "hybrid", {}, id="h100-qwen3-next"),
+    # gpt-oss: attention sinks (split with the heads), sliding and full layers in two groups,
+    # experts with biases split over the chips.
+    pytest.param("v5e-4", "gpt-oss", dict(tensor_parallel_size=4), id="v5e-4-gpt-oss"),
+    pytest.param("h100", "gpt-oss", dict(kv_cache_dtype="fp8"), marks=SLOW, id="h100-gpt-oss"),
 ]  # fmt: skip
 
 
@@ -501,6 +544,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         llava=model in ("llava", "gemma3-vl"),
         qwen_vl={"qwen-vl": "2.5", "qwen2-vl": "2"}.get(model),
         hybrid=model == "hybrid",
+        gpt_oss=model == "gpt-oss",
     )
     settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
     config = EngineConfig.create(path, **settings)
