@@ -66,7 +66,7 @@ _NATIVE_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
 _MAX_WINDOW = np.iinfo(np.int32).max  # a longer static window is the same as this one
 
 # The optional operands of `ragged_paged_attention`, each with the backends whose kernels
-# honour it. A new operand (Llama 4's chunked attention, say) is an entry here, its check in
+# honour it. A new operand (a new kind of mask, say) is an entry here, its check in
 # `ragged_paged_attention`, and the kernels that take it: a backend left out refuses it by
 # name (`check_operands`) instead of ignoring it, so a model that needs it cannot be served
 # wrong on that backend, and each kernel can learn it in its own change.
@@ -76,6 +76,7 @@ ATTENTION_OPERANDS: dict[str, frozenset[str]] = {
     "soft_cap": _EVERY_BACKEND,
     "attend_to": _EVERY_BACKEND,
     "sinks": _EVERY_BACKEND,
+    "attention_chunk": _EVERY_BACKEND,
 }
 
 
@@ -152,6 +153,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     attend_to: jax.Array | None = None,  # i32[T]
     sinks: jax.Array | None = None,  # f32[N]
+    attention_chunk: int | None = None,
     backend: str = "reference",
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
@@ -170,7 +172,9 @@ def ragged_paged_attention(
     see each other; the keys past q it names must be this step's tokens of the same request,
     and -1 (or anything <= q) is plain causal. `sinks` (gpt-oss): one logit per query head,
     in the units of the scaled scores, added to every row's softmax denominator as a key with
-    a zero value (`attention_sinks.py`). `block_sizes` overrides the tuning table for the
+    a zero value (`attention_sinks.py`). `attention_chunk` C (Llama 4's chunked local
+    attention, a static int): a query at position q sees only the keys of its own chunk of C
+    positions, k >= (q // C) * C (with the window, if any, besides). `block_sizes` overrides the tuning table for the
     Pallas backends; `interpret=None` interprets them when the platform is not theirs (e.g.
     on CPU).
 
@@ -192,8 +196,8 @@ def ragged_paged_attention(
         out = ragged_paged_attention(
             padded, KVCache(kv_cache, kv_scales), layer, seq_lens, block_tables, cu_q_lens,
             num_seqs, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            attend_to=attend_to, sinks=sinks, backend=backend, block_sizes=block_sizes,
-            interpret=interpret,
+            attend_to=attend_to, sinks=sinks, attention_chunk=attention_chunk, backend=backend,
+            block_sizes=block_sizes, interpret=interpret,
         )  # fmt: skip
         return out[..., :head_dim]
     if num_heads % kv_cache.shape[2]:
@@ -218,6 +222,12 @@ def ragged_paged_attention(
             f"attend_to must be i32[{num_tokens}], got {attend_to.dtype}{attend_to.shape}"
         )
     sinks = check_sinks(sinks, num_heads)
+    if attention_chunk is not None and (
+        not isinstance(attention_chunk, int | np.integer)
+        or isinstance(attention_chunk, bool)
+        or attention_chunk < 1
+    ):
+        raise ValueError(f"attention_chunk must be None or an int >= 1, got {attention_chunk!r}")
     args = (q, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
     kwargs = dict(
         sm_scale=sm_scale,
@@ -226,12 +236,19 @@ def ragged_paged_attention(
         kv_scales=kv_scales,
         attend_to=attend_to,
         sinks=sinks,
+        attention_chunk=None if attention_chunk is None else int(attention_chunk),
     )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_operands(
         backend,
-        dict(sliding_window=sliding_window, soft_cap=soft_cap, attend_to=attend_to, sinks=sinks),
+        dict(
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            attend_to=attend_to,
+            sinks=sinks,
+            attention_chunk=attention_chunk,
+        ),
     )
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)

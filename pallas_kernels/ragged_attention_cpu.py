@@ -51,6 +51,7 @@ def ragged_paged_attention_cpu(
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
+    attention_chunk: int | None = None,  # static  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     out_dtype = q.dtype
     if kv_scales is not None:  # an 8-bit cache: the kernel widens it to float32 as it reads
@@ -79,5 +80,6 @@ def ragged_paged_attention_cpu(
         jnp.zeros(0, jnp.float32) if sinks is None else sinks.astype(jnp.float32),
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
+        attention_chunk=np.int64(attention_chunk or 0),
     )
     return out.astype(out_dtype)

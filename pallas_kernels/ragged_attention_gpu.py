@@ -74,6 +74,7 @@ def _kernel(
     soft_cap: float | None,
     attend: bool = False,
     sinks: bool = False,
+    attention_chunk: int | None = None,
     num_splits: int = 1,
 ):
     refs = list(refs)
@@ -104,7 +105,11 @@ def _kernel(
             reach = pltriton.load(attend_ref.at[row_tok])
             row_last = jnp.minimum(jnp.maximum(row_pos, reach), seq_len - 1)
             kv_end = jnp.maximum(kv_end, jnp.where(row_ok, row_last, -1).max() + 1)
-        kv_begin = jnp.maximum(seq_len - (q_end - tok0) - window + 1, 0)
+        first_pos = seq_len - (q_end - tok0)
+        kv_begin = jnp.maximum(first_pos - window + 1, 0)
+        if attention_chunk is not None:  # the first row's chunk starts first
+            chunk = jnp.int32(attention_chunk)
+            kv_begin = jnp.maximum(kv_begin, jax.lax.div(first_pos, chunk) * chunk)
 
         q = q_ref[h, pl.ds(tok0 * group_padded, rows), :]  # [rows, H]
         offsets = jnp.arange(page_size, dtype=jnp.int32)
@@ -146,6 +151,9 @@ def _kernel(
                 s = soft_cap * jnp.tanh(s / soft_cap)
             mask = row_ok[:, None] & (kv_pos[None, :] <= row_last[:, None])
             mask &= kv_pos[None, :] > row_pos[:, None] - window
+            if attention_chunk is not None:  # each row's own chunk
+                start = jax.lax.div(row_pos, jnp.int32(attention_chunk)) * attention_chunk
+                mask &= kv_pos[None, :] >= start[:, None]
             s = jnp.where(mask, s, _MASK_VALUE)
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -202,6 +210,7 @@ def ragged_paged_attention_gpu(
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
+    attention_chunk: int | None = None,  # static  see `ragged_paged_attention`
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, H]
     """The Triton kernel behind `ragged_paged_attention(..., backend="pallas_gpu")`.
@@ -257,6 +266,7 @@ def ragged_paged_attention_gpu(
         soft_cap=soft_cap,
         attend=attend_to is not None,
         sinks=sinks is not None,
+        attention_chunk=attention_chunk,
         num_splits=num_splits,
     )
     attend = [] if attend_to is None else [jnp.pad(attend_to, (0, q_block), constant_values=-1)]

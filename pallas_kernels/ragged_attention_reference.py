@@ -58,6 +58,7 @@ def ragged_paged_attention_reference(
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
+    attention_chunk: int | None = None,  # static  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     cache = KVCache(kv_cache, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
@@ -82,7 +83,11 @@ def ragged_paged_attention_reference(
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
     def in_window(kv_pos, q_pos):
-        return (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
+        """Within the sliding window and, with `attention_chunk`, the query's chunk."""
+        seen = (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
+        if attention_chunk is not None:
+            seen &= kv_pos >= q_pos // attention_chunk * attention_chunk
+        return seen
 
     # The self part: the step's tokens, read back from the slots they were written to.
     page = block_tables[req, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]

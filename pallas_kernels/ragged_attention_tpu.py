@@ -92,6 +92,7 @@ def _kernel(
     quantized: bool,
     attend_refs: tuple | None = None,
     sinks: bool = False,
+    attention_chunk: int | None = None,
 ):
     """`attend_refs`: with `attend_to`, (work_end_ref i32[W] in SMEM: the key each work item
     sees up to, exclusive; last_ref [1, bq * G, 1] i32: the last key each of its rows sees),
@@ -129,6 +130,8 @@ def _kernel(
         if attend_refs is not None:  # rows that see this step's keys past themselves
             kv_end = jnp.maximum(kv_end, attend_refs[0][w])
         kv_begin = jnp.maximum(first_pos - window + 1, 0)
+        if attention_chunk is not None:  # the first row's chunk starts first
+            kv_begin = jnp.maximum(kv_begin, _div(first_pos, attention_chunk) * attention_chunk)
         return r, q_start, q_end, seq_len, tok0, kv_begin, kv_end
 
     def kv_block_range(w):
@@ -207,6 +210,8 @@ def _kernel(
         kv_pos = kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, kv_tokens), 1)
         row_last = row_pos if attend_refs is None else attend_refs[1][0]  # [rows, 1]
         mask = (row_tok < q_end) & (kv_pos <= row_last) & (kv_pos > row_pos - window)
+        if attention_chunk is not None:  # each row's own chunk
+            mask &= kv_pos >= _div(row_pos, attention_chunk) * attention_chunk
         # Value rows past the request's data may hold anything (stale, or never written).
         v_ok = (kb * kv_tokens + jax.lax.broadcasted_iota(jnp.int32, (kv_tokens, 1), 0)) < kv_end
         # The dtype the matmuls take: the cache's, or q's when the cache is 8-bit (int8 and
@@ -373,6 +378,7 @@ def ragged_paged_attention_tpu(
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
+    attention_chunk: int | None = None,  # static  see `ragged_paged_attention`
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # [T, N, H]
     """The Mosaic TPU kernel behind `ragged_paged_attention(..., backend="pallas_tpu")`.
@@ -435,6 +441,7 @@ def ragged_paged_attention_tpu(
         soft_cap=soft_cap,
         quantized=kv_scales is not None,
         sinks=sinks is not None,
+        attention_chunk=attention_chunk,
     )
     # Each row's head's sink logit, [K, bq * G, 1] (row i * G + g: head k * G + g), whole in
     # every grid step.

@@ -82,6 +82,7 @@ def ragged_paged_attention_xla(
     kv_scales: jax.Array | None = None,  # f32[L, num_pages, 1, 2K * page_size]  8-bit only
     attend_to: jax.Array | None = None,  # i32[T]  see `ragged_paged_attention`
     sinks: jax.Array | None = None,  # f32[N]  see `ragged_paged_attention`
+    attention_chunk: int | None = None,  # static  see `ragged_paged_attention`
 ) -> jax.Array:  # [T, N, H]
     """`attend_to` reaches only the prefill pass: a decode row's keys past itself would be
     other steps' (a one-token chunk's block is itself)."""
@@ -103,7 +104,11 @@ def ragged_paged_attention_xla(
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
     def in_window(kv_pos, q_pos):
-        return (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
+        """Within the sliding window and, with `attention_chunk`, the query's chunk."""
+        seen = (sliding_window <= 0) | (kv_pos > q_pos - sliding_window)
+        if attention_chunk is not None:
+            seen &= kv_pos >= q_pos // attention_chunk * attention_chunk
+        return seen
 
     def normalized(m, l, acc):
         """The online softmax's output, with the sinks folded in (`attention_sinks.py`)."""

@@ -80,10 +80,13 @@ def quantize_case_cache(cache: np.ndarray, dtype) -> KVCache:
     return KVCache(data, jnp.asarray(scales, jnp.float32))
 
 
-def dense_attention(q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None, sinks=None):
+def dense_attention(
+    q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None, sinks=None, chunk=None
+):
     """q: [q_len, N, H]; k, v: [kv_len, K, H]; the queries are the last q_len positions.
     `sinks` [N]: a logit per head in every softmax's denominator (gpt-oss, as transformers'
-    eager attention: one more column, dropped after the softmax)."""
+    eager attention: one more column, dropped after the softmax). `chunk`: Llama 4's chunked
+    attention, keys of the query's own chunk only."""
     kv_len, num_kv, _ = k.shape
     group = q.shape[1] // num_kv
     k = np.repeat(k, group, axis=1)
@@ -96,6 +99,8 @@ def dense_attention(q, k, v, q_len, sm_scale, sliding_window=None, soft_cap=None
     mask = kpos <= pos
     if sliding_window is not None:
         mask &= kpos > pos - sliding_window
+    if chunk is not None:
+        mask &= kpos // chunk == pos // chunk
     s = np.where(mask[None], s, -np.inf)
     if sinks is not None:
         column = np.broadcast_to(np.asarray(sinks, s.dtype)[:, None, None], (*s.shape[:2], 1))

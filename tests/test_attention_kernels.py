@@ -141,6 +141,19 @@ class KernelCases:
             np.testing.assert_allclose(out[:total], ref[:total], atol=self.tol(), rtol=self.tol())
             assert np.all(out[total:] == 0), "padding rows must read nothing"
 
+    @pytest.mark.parametrize("chunk,sliding_window", [(20, None), (37, 9)])
+    def test_chunked_attention(self, chunk, sliding_window):
+        """Llama 4's chunked attention: chunks that start inside pages and query blocks."""
+        args, (_, _, _, _, total) = _case(
+            np.random.default_rng(9), "mixed", 6, 2, 64, 16, jnp.float32
+        )
+        kwargs = dict(sm_scale=0.125, sliding_window=sliding_window, attention_chunk=chunk)
+        out = np.asarray(self.run(args, **kwargs))
+        ref = np.asarray(ragged_paged_attention(*args, **kwargs, backend="reference"))
+        assert not np.isnan(out).any()
+        np.testing.assert_allclose(out[:total], ref[:total], atol=self.tol(), rtol=self.tol())
+        assert np.all(out[total:] == 0), "padding rows must read nothing"
+
     def test_block_sizes_do_not_change_the_result(self):
         """Blocks smaller and larger than a request, one page at a time or many."""
         args, (_, _, _, _, total) = _case(
@@ -397,6 +410,7 @@ def test_kernel_lowers_for_its_platform(
         sliding_window=64,
         soft_cap=30.0,
         sinks=jnp.linspace(-1.0, 1.0, num_heads, dtype=jnp.float32),
+        attention_chunk=48,
         backend=backend,
         block_sizes=sizes,
         interpret=False,

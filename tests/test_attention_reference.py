@@ -152,6 +152,41 @@ def test_attention_sinks(backend, sliding_window):
     assert np.all(out[total:] == 0), "padding rows must read nothing"
 
 
+@pytest.mark.parametrize("backend", XLA_BACKENDS)
+@pytest.mark.parametrize("chunk,sliding_window", [(20, None), (37, 9), (1, None)])
+def test_chunked_attention(backend, chunk, sliding_window):
+    """Llama 4's chunked attention: each query sees its own chunk's keys only (with a window
+    besides, and chunks of one token: each query itself)."""
+    rng = np.random.default_rng(4)
+    seqs = MIXES["mixed"]
+    q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
+        rng, seqs, num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, max_reqs=8,
+        t_pad=64, dtype=jnp.float32,
+    )  # fmt: skip
+    out = np.asarray(
+        ragged_paged_attention(
+            jnp.asarray(q),
+            jnp.asarray(cache),
+            jnp.int32(1),
+            jnp.asarray(seq_lens),
+            jnp.asarray(bt),
+            jnp.asarray(cu),
+            jnp.asarray([len(seqs)], jnp.int32),
+            sm_scale=0.125,
+            sliding_window=sliding_window,
+            attention_chunk=chunk,
+            backend=backend,
+        )  # fmt: skip
+    )
+    for r, (q_len, _) in enumerate(seqs):
+        expect = dense_attention(
+            q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.125, sliding_window, chunk=chunk
+        )
+        np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
+    assert max(kv for _, kv in seqs) > 2 * 37, "the case must span several chunks"
+    assert np.all(out[total:] == 0), "padding rows must read nothing"
+
+
 def test_write_kv_writes_only_its_slots():
     shape = get_kv_cache_shape(3, 4, 8, 2, 16)
     cache = jnp.zeros(shape)

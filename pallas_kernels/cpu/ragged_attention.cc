@@ -10,6 +10,7 @@
 // (w >= 1: a query at position q sees keys q - w < k <= q; <= 0: no window).
 // sinks [N] (gpt-oss; a dummy [0] for none): each head's sink logit joins its softmax's
 // denominator as one more key with a zero value, folded in when a work item's rows are written.
+// attention_chunk C (an attribute; 0: none; Llama 4): a query at q sees keys k >= (q / C) * C.
 //
 // Why a kernel of our own: in XLA on the CPU, attention over a paged cache means gathering the
 // pages into a copy, then transposing it for batched matmuls whose "M" is the GQA group (3 for
@@ -98,6 +99,7 @@ struct Params {
   float soft_cap;          // 0: none
   const int32_t* attend_to;  // [T]: the last key each query sees past itself; null: causal
   const float* sinks;        // [N]: each head's sink logit (gpt-oss); null: none
+  int64_t attention_chunk;   // 0: none
 };
 
 constexpr int kTile = 16;        // tokens per step of the online softmax
@@ -140,8 +142,10 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
   }
   // Keys the item's rows may see: [lo, hi).
   const int64_t hi = std::min(last_pos + 1, seq_len);
-  const int64_t lo =
+  int64_t lo =
       prm.sliding_window > 0 ? std::max<int64_t>(0, first_pos - prm.sliding_window + 1) : 0;
+  if (prm.attention_chunk > 0)  // the first row's chunk starts first
+    lo = std::max<int64_t>(lo, first_pos / prm.attention_chunk * prm.attention_chunk);
   const int32_t* table = block_tables + item.req * s.pages_per_seq;
   const CT* rows[kTile];
   float k_scale[kTile], v_scale[kTile];
@@ -228,6 +232,8 @@ void RunItem(const Item& item, const Shape& s, const Params& prm, const QT* q, c
       // Tokens this query sees in the tile: [a, b).
       int64_t a = j0, b = std::min<int64_t>(j1, last[vec / G] + 1 - t0);
       if (prm.sliding_window > 0) a = std::max<int64_t>(a, pos - prm.sliding_window + 1 - t0);
+      if (prm.attention_chunk > 0)
+        a = std::max<int64_t>(a, pos / prm.attention_chunk * prm.attention_chunk - t0);
       if (b <= a) continue;
       float* st = &sc[vec * kTile];
       if (prm.soft_cap > 0)
@@ -313,7 +319,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                 ffi::Buffer<ffi::S32> sliding_window, ffi::Buffer<ffi::S32> attend_to,
-                ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
+                ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap,
+                int64_t attention_chunk, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions();
   auto cd = kv_cache.dimensions();
   auto bd = block_tables.dimensions();
@@ -331,7 +338,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: sinks must be [num_heads]");
   Params prm{sm_scale, sliding_window.typed_data()[0], soft_cap,
              attends ? attend_to.typed_data() : nullptr,
-             sinks.element_count() != 0 ? sinks.typed_data() : nullptr};
+             sinks.element_count() != 0 ? sinks.typed_data() : nullptr, attention_chunk};
   const int64_t lay = layer.typed_data()[0];
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], s.max_reqs);
   const int32_t* sl = seq_lens.typed_data();
@@ -403,4 +410,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmRaggedPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sinks (or a dummy [0])
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("attention_chunk")
                                   .Ret<ffi::AnyBuffer>());
