@@ -291,6 +291,23 @@ FAMILIES = {
             },
         ),
     ),
+    # Chunked layers (RoPE on adjacent pairs, L2 q/k norms) and a layer without RoPE whose
+    # queries warm up past floor_scale, MoE layers (top-1 by sigmoid, a shared expert)
+    # between dense ones.
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            intermediate_size_mlp=128,
+            attention_chunk_size=WINDOW,
+            no_rope_layer_interval=2,
+            floor_scale=8,
+            attn_scale=0.5,
+        ),
+    ),
     "qwen3-moe-sparse-step": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

@@ -109,6 +109,9 @@ def test_greedy_tokens_match_transformers(family):
         # gpt-oss, 6 experts: split on the expert axis at 2, on each expert's width at 4 (its
         # expert biases split with them, its sinks with the heads).
         pytest.param("gpt-oss", dict(num_local_experts=6), False, marks=pytest.mark.slow),
+        # Llama 4: its MoE layers (input-weighted experts, an ungated shared expert) between
+        # dense ones, 8 experts split on the expert axis.
+        pytest.param("llama4", dict(num_local_experts=8), True, marks=pytest.mark.slow),
     ],
 )
 def test_moe_under_tensor_and_expert_parallelism(case, extra, expert_parallel, tmp_path):

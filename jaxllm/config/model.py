@@ -7,7 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxllm.families import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from jaxllm.families import (
+    CHUNKED_ATTENTION,
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
+)
 from jaxllm.families.hf_config import LinearAttention, RopeScaling, model_config_fields
 
 
@@ -49,8 +54,26 @@ class ModelConfig:
     """How far the sliding-window layers look back (Mistral: all layers; Gemma: the layers
     `layer_types` marks "sliding_attention"); None for full attention everywhere."""
     layer_types: tuple[str, ...] = ()
-    """Per layer, "full_attention" or "sliding_attention"; empty: every layer slides when
-    `sliding_window` is set."""
+    """Per layer, "full_attention", "sliding_attention", "chunked_attention" (Llama 4) or
+    "linear_attention" (a hybrid's); empty: every layer slides when `sliding_window` is
+    set."""
+    attention_chunk_size: int | None = None
+    """Llama 4's chunked local attention: a query of a "chunked_attention" layer sees only the
+    keys of its own chunk of this many positions."""
+    nope_layers: tuple[int, ...] = ()
+    """Layers without RoPE (Llama 4's `no_rope_layers` zeros)."""
+    rope_interleaved: bool = False
+    """RoPE turns adjacent channel pairs (2i, 2i + 1) of each head (Llama 4), not (i, i + H/2):
+    the loader reorders q and k's channels per head so the decoder's RoPE applies (a
+    permutation of both leaves every score unchanged)."""
+    qk_l2_norm: bool = False
+    """Queries and keys of the RoPE layers normalised to unit RMS over each head, without a
+    weight, after RoPE (Llama 4's `use_qk_norm`)."""
+    attn_temperature_tuning: bool = False
+    """Queries of the layers without RoPE scaled by log1p(floor((pos + 1) / floor_scale)) *
+    attn_scale + 1 (Llama 4)."""
+    attn_scale: float = 0.1
+    floor_scale: float = 8192.0
     rope_local_theta: float | None = None
     """The RoPE base of the sliding-window layers, without scaling (Gemma 3: 10,000 while
     the global layers use 1,000,000); None: the same RoPE as every other layer."""
@@ -96,7 +119,13 @@ class ModelConfig:
     """The shape of the "linear_attention" layers of a hybrid model; None without them."""
     shared_expert_intermediate_size: int = 0
     """A mixture of experts' shared expert, added to the routed ones through a sigmoid gate
-    (Qwen3-Next, Qwen3.5-MoE); 0: none."""
+    (Qwen3-Next, Qwen3.5-MoE), or as it is (`shared_expert_gated` False: Llama 4); 0: none."""
+    shared_expert_gated: bool = True
+    router_sigmoid: bool = False
+    """Routing weights are the sigmoid of the top-k router logits (Llama 4), not a softmax."""
+    moe_weight_inputs: bool = False
+    """Each chosen expert takes its input times its routing weight, and its output is summed
+    as it is (Llama 4), rather than weighting the outputs."""
     attention_sinks: bool = False
     """Each attention layer has a learned logit per query head that joins its softmax's
     denominator (gpt-oss's `sinks`)."""
@@ -140,9 +169,15 @@ class ModelConfig:
                 f"model config: layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_layers} layers"
             )
-        bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION}
+        kinds = {FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION, CHUNKED_ATTENTION}
+        bad = set(self.layer_types) - kinds
         if bad:
             raise ValueError(f"model config: unsupported layer_types {sorted(bad)}")
+        if (CHUNKED_ATTENTION in self.layer_types) and not (self.attention_chunk_size or 0) >= 1:
+            raise ValueError(
+                "model config: chunked_attention layers need attention_chunk_size >= 1, got "
+                f"{self.attention_chunk_size}"
+            )
         if (LINEAR_ATTENTION in self.layer_types) != (self.linear_attention is not None):
             raise ValueError(
                 "model config: linear_attention layers need their shape (linear_num_key_heads, "
@@ -173,6 +208,15 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] != SLIDING_ATTENTION:
             return None
         return self.sliding_window
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of `layer` (Llama 4's chunked layers); None elsewhere."""
+        if self.layer_types and self.layer_types[layer] == CHUNKED_ATTENTION:
+            return self.attention_chunk_size
+        return None
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        return layer not in self.nope_layers
 
     def layer_is_linear(self, layer: int) -> bool:
         """A Gated DeltaNet layer: a recurrent state per request, no KV cache."""

@@ -5,8 +5,9 @@ already covers, write its module and import it here."""
 
 from __future__ import annotations
 
-from jaxllm.families import gemma, gpt_oss, llama, llava, mixtral, qwen  # noqa: F401  (register)
+from jaxllm.families import gemma, gpt_oss, llama, llama4, llava, mixtral, qwen  # noqa: F401
 from jaxllm.families.base import (
+    CHUNKED_ATTENTION,
     FAMILIES,
     FULL_ATTENTION,
     GGUF_FAMILIES,
@@ -40,6 +41,7 @@ def family_of(architecture: str) -> Family:
 
 
 __all__ = [
+    "CHUNKED_ATTENTION",
     "FAMILIES",
     "FULL_ATTENTION",
     "GGUF_FAMILIES",

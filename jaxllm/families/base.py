@@ -17,6 +17,7 @@ from typing import Any
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_attention"  # Llama 4: keys of the query's own chunk only
 LINEAR_ATTENTION = "linear_attention"  # a Gated DeltaNet layer (Qwen3-Next, Qwen3.5)
 
 
@@ -34,6 +35,8 @@ _VISION_PREFIXES = (
     "model.multi_modal_projector.",
     "visual.",  # Qwen2.5-VL's
     "model.visual.",
+    "vision_model.",  # Llama 4's
+    "model.vision_model.",
 )
 
 

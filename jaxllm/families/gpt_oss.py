@@ -6,7 +6,18 @@ tensor per projection, gate and up interleaved (`loaders.weights`)."""
 
 from __future__ import annotations
 
+import re
+
 from jaxllm.families.base import Family, register
+
+# The experts' stacked gate_up tensors (and biases) interleave gate and up column by column:
+# named for the layout the loader splits (`loaders.weights`).
+_GATE_UP = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.gate_up_proj)(_bias)?$")
+
+
+def _tensor_name(name: str) -> str:
+    m = _GATE_UP.match(name)
+    return name if m is None else f"{m.group(1)}_interleaved{m.group(2) or ''}"
 
 
 def _even_layers_slide(config: dict, num_layers: int) -> list[bool]:
@@ -34,5 +45,6 @@ register(
         },
         sliding_layers=_even_layers_slide,
         read_config=_read,
+        tensor_name=_tensor_name,
     )
 )

@@ -215,7 +215,7 @@ def model_config_fields(config: dict[str, Any] | Any) -> dict[str, Any]:
         raise ValueError(
             f"mrope_section {mrope} must sum to the rotary dim / 2 ({rotary_dim // 2})"
         )
-    return dict(
+    read = dict(
         architecture=arch,
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -249,5 +249,7 @@ def model_config_fields(config: dict[str, Any] | Any) -> dict[str, Any]:
         dense_layers=dense_layers,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        **features,
     )
+    # The family's fields (its defaults, and what it reads its own way) win over the common
+    # reading: Llama 4's MLP widths, say.
+    return {**read, **features}

@@ -23,7 +23,7 @@ from jaxllm.loaders import orbax as orbax_loader
 from jaxllm.loaders import quantized_hf
 from jaxllm.loaders.dummy import LOAD_FORMATS, dummy_state
 from jaxllm.loaders.loaded import LoadedModel
-from jaxllm.loaders.weights import build_state
+from jaxllm.loaders.weights import build_state, rope_pairs_as_halves
 from jaxllm.model_files import cache_dir, resolve_model
 from jaxllm.models import get_model_class
 from jaxllm.sharding import param_shardings, shard_config
@@ -150,6 +150,8 @@ def load_model(
             if method is not None:
                 qc = hf_config.get("quantization_config") or hf_config["compression_config"]
                 tensors = quantized_hf.group_quantized(tensors, method, qc)
+            if config.rope_interleaved:
+                tensors = rope_pairs_as_halves(tensors, config)
             generation_config = hf_loader.load_generation_config(path)
         else:
             tensors = gguf_loader.iter_gguf(path, keep_quantized=True)

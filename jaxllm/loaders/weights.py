@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +68,7 @@ def _rules(c: ModelConfig) -> dict[str, list[tuple[tuple[str, ...], Callable]]]:
         )
     }
     even, odd = (lambda w: w[..., 0::2]), (lambda w: w[..., 1::2])
+    halves = [(lambda w, i=i: np.split(w, 2, axis=-1)[i]) for i in range(2)]
     table = (
         rules
         | {
@@ -91,16 +92,24 @@ def _rules(c: ModelConfig) -> dict[str, list[tuple[tuple[str, ...], Callable]]]:
                 f"mlp.shared_expert.{proj}.weight": (("mlp", "shared_expert", proj), lambda w: w.T)
                 for proj in ("gate_proj", "up_proj", "down_proj")
             },
-            # gpt-oss: per-head sinks; a router with a bias; the experts stacked in one tensor
-            # each, input-major ([E, D, 2F], [E, F, D]), gate and up interleaved column by
-            # column, with biases.
+            # gpt-oss and Llama 4: a router named so (gpt-oss's with a bias); the experts
+            # stacked in one tensor each, input-major ([E, D, 2F], [E, F, D]), gate and up
+            # interleaved column by column (gpt-oss, with biases) or in halves (Llama 4), as
+            # the families name them; gpt-oss's per-head sinks.
             "self_attn.sinks": (("self_attn", "sinks"), same),
             "mlp.router.weight": (("mlp", "router"), lambda w: w.T),
             "mlp.router.bias": (("mlp", "router_bias"), same),
-            "mlp.experts.gate_up_proj": [(("mlp", "gate_proj"), even), (("mlp", "up_proj"), odd)],
-            "mlp.experts.gate_up_proj_bias": [
+            "mlp.experts.gate_up_proj_interleaved": [
+                (("mlp", "gate_proj"), even),
+                (("mlp", "up_proj"), odd),
+            ],
+            "mlp.experts.gate_up_proj_interleaved_bias": [
                 (("mlp", "gate_bias"), even),
                 (("mlp", "up_bias"), odd),
+            ],
+            "mlp.experts.gate_up_proj_concatenated": [
+                (("mlp", "gate_proj"), halves[0]),
+                (("mlp", "up_proj"), halves[1]),
             ],
             "mlp.experts.down_proj": (("mlp", "down_proj"), same),
             "mlp.experts.down_proj_bias": (("mlp", "down_bias"), same),
@@ -193,6 +202,30 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
         if e and int(e.group(1)) < config.num_experts:
             return ("layers", layer, "mlp", e.group(2)), lambda w: w.T, int(e.group(1))
     raise ValueError(f"unexpected tensor {original!r} in checkpoint for {config.architecture}")
+
+
+_QK_WEIGHT = re.compile(r"layers\.\d+\.self_attn\.[qk]_proj\.weight$")
+
+
+def rope_pairs_as_halves(
+    tensors: Iterable[tuple[str, np.ndarray | QArray]], config: ModelConfig
+) -> Iterator[tuple[str, np.ndarray | QArray]]:
+    """(name, tensor) pairs with each q and k projection's output channels reordered, per head,
+    from RoPE's adjacent pairs (2i, 2i + 1) to halves (i, i + H / 2), for a checkpoint whose
+    RoPE turns adjacent pairs (`ModelConfig.rope_interleaved`): the decoder's RoPE then turns
+    the same pairs, and every score is unchanged. Other tensors pass."""
+    h = config.head_dim
+
+    def reorder(w: np.ndarray) -> np.ndarray:  # [heads * H, ...] rows
+        return w.reshape(-1, h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for name, tensor in tensors:
+        if _QK_WEIGHT.search(name):
+            if isinstance(tensor, QArray):
+                tensor = tensor.map_rows(reorder)
+            else:
+                tensor = reorder(_to_numpy(tensor))
+        yield name, tensor
 
 
 def _to_numpy(x) -> np.ndarray:

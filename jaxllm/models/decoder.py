@@ -86,16 +86,25 @@ class DecoderLayer(nnx.Module):
         self.local_rope = config.layer_uses_local_rope(layer)
 
     def __call__(
-        self, x, ropes: tuple[Rope, Rope], cache: ModelCache, layer: int, meta, lora, slots
+        self,
+        x,
+        ropes: tuple[Rope, Rope],
+        cache: ModelCache,
+        layer: int,
+        meta,
+        lora,
+        slots,
+        q_scale=None,
     ) -> tuple[jax.Array, ModelCache]:
-        """`slots`: each request's state slots (`StateSlots`, for a linear layer)."""
+        """`slots`: each request's state slots (`StateSlots`, for a linear layer); `q_scale`
+        f32[T] the queries' temperature (Llama 4's layers without RoPE), or None."""
         rope = ropes[1] if self.local_rope else ropes[0]
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             attn_out, linear = self.linear_attn(h, cache.linear, meta, slots)
             cache = dataclasses.replace(cache, linear=linear)
         else:
-            attn_out, kv = self.self_attn(h, rope, cache.kv, layer, meta, lora)
+            attn_out, kv = self.self_attn(h, rope, cache.kv, layer, meta, lora, q_scale)
             cache = dataclasses.replace(cache, kv=kv)
         # Adapters of a mixture of experts' MLPs are not served (`jaxllm.lora`).
         dense = lora is not None and not isinstance(self.mlp, MoE)
@@ -192,9 +201,14 @@ class DecoderForCausalLM(nnx.Module):
         )
         loras = extras.layer_loras() or [None] * len(self.layers)
         ropes = (global_rope, local_rope)
+        q_scale = None
+        if self.config.attn_temperature_tuning:  # Llama 4: log1p(floor((p + 1) / s)) * a + 1
+            p = positions.astype(jnp.float32)
+            c = self.config
+            q_scale = jnp.log1p(jnp.floor((p + 1.0) / c.floor_scale)) * c.attn_scale + 1.0
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, cache = layer(x, ropes, cache, i, meta, loras[i], extras.state_slots)
+                x, cache = layer(x, ropes, cache, i, meta, loras[i], extras.state_slots, q_scale)
         return self.norm(x), cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]

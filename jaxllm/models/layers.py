@@ -48,6 +48,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return weight * xf.astype(x.dtype)
 
 
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x scaled to unit RMS over its last axis in float32, no weight (Llama 4's q/k norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis, scaled by (offset + weight) (`rms_norm`)."""
 
@@ -325,6 +331,12 @@ class Attention(nnx.Module):
         # Static per layer: the layers are unrolled (see decoder.py), so each layer's kernel
         # call is its own; the kernels take it as data either way.
         self.sliding_window = config.layer_window(layer)
+        self.attention_chunk = config.layer_chunk(layer)
+        # Llama 4: RoPE layers normalise q and k after it (no weight); the others have no
+        # RoPE and scale their queries by position (`q_scale`).
+        self.use_rope = config.layer_uses_rope(layer)
+        self.l2_eps = config.rms_norm_eps if config.qk_l2_norm and self.use_rope else None
+        self.temperature = config.attn_temperature_tuning and not self.use_rope
         self.mesh = mesh  # static: tensor parallelism runs the cache ops per device
 
     def __call__(
@@ -335,6 +347,7 @@ class Attention(nnx.Module):
         layer: int,  # this layer's index in the model (`meta.where` maps it into the cache)
         meta: AttentionMetadata,
         lora=None,  # this layer's adapters (`jaxllm.models.lora.LayerLoRA`), or None
+        q_scale: jax.Array | None = None,  # f32[T]: the queries' temperature (Llama 4)
     ) -> tuple[jax.Array, jax.Array]:
         q, k, v = linears(x, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)])
         if lora is not None:
@@ -352,7 +365,12 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, h)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.use_rope:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.l2_eps is not None:
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+        if self.temperature:
+            q = (q * q_scale[:, None, None]).astype(q.dtype)
         out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
         out = out.reshape(out.shape[0], -1)
         if gate is not None:
@@ -397,6 +415,7 @@ class Attention(nnx.Module):
                 soft_cap=self.soft_cap,
                 attend_to=meta["attend_to"],
                 sinks=meta["sinks"],
+                attention_chunk=self.attention_chunk,
                 backend=kernel_choices().attention_backend,
             )
             return out.astype(q.dtype), kv_cache

@@ -1,7 +1,9 @@
 """Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss): top-k routing,
 experts as grouped matmuls, expert weights sharded over the mesh, and a shared expert where the
 family has one; gpt-oss adds a router bias, biases on every expert projection and a clamped
-SwiGLU (`ModelConfig.swiglu_limit`).
+SwiGLU (`ModelConfig.swiglu_limit`); Llama 4 routes by the sigmoid of the top logits, which
+scales each chosen expert's input (`router_sigmoid`, `moe_weight_inputs`), beside an ungated
+shared expert.
 
 Routing is data: each token's k (expert, weight) pairs are sorted by expert, and the experts
 run as three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, whose group sizes are
@@ -49,6 +51,8 @@ class MoE(nnx.Module):
             self.gate_bias = self.up_bias = self.down_bias = None
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.moe_renormalize
+        self.sigmoid = config.router_sigmoid
+        self.weight_inputs = config.moe_weight_inputs
         if config.swiglu_limit is None:
             act = ACTIVATIONS[config.hidden_act]
             self.glu = lambda gate, up: act(gate) * up
@@ -61,7 +65,8 @@ class MoE(nnx.Module):
         if config.shared_expert_intermediate_size:
             width = config.shared_expert_intermediate_size
             self.shared_expert = MLP(config, dtype=dtype, rngs=rngs, width=width)
-            self.shared_expert_gate = param(rngs, (d, 1), ("embed", None), dtype)
+            gated = config.shared_expert_gated
+            self.shared_expert_gate = param(rngs, (d, 1), ("embed", None), dtype) if gated else None
         else:
             self.shared_expert = self.shared_expert_gate = None
 
@@ -72,6 +77,10 @@ class MoE(nnx.Module):
         logits = matmul(x, self.router.get_value()).astype(x.dtype)
         if self.router_bias is not None:
             logits = logits + self.router_bias.get_value()
+        if self.sigmoid:  # the top logits' sigmoids, rounded to x's dtype as transformers does
+            top, experts = jax.lax.top_k(logits, self.top_k)
+            weights = jax.nn.sigmoid(top.astype(jnp.float32)).astype(x.dtype)
+            return weights.astype(jnp.float32), experts.astype(jnp.int32)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.renormalize:
@@ -82,6 +91,8 @@ class MoE(nnx.Module):
         routed = self._routed(x)
         if self.shared_expert is None:
             return routed
+        if self.shared_expert_gate is None:
+            return routed + self.shared_expert(x)
         gate = linear(x, self.shared_expert_gate.get_value())  # [T, 1]
         shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * self.shared_expert(x)
         return routed + shared
@@ -99,7 +110,7 @@ class MoE(nnx.Module):
         biased = self.gate_bias is not None
         if biased:
             w += [self.gate_bias.get_value(), self.up_bias.get_value()]
-        run = functools.partial(_experts, glu=self.glu)
+        run = functools.partial(_experts, glu=self.glu, weight_inputs=self.weight_inputs)
         spec = _weight_spec(self.gate_proj, self.mesh)
         if spec is None:
             return run(x, weights, experts, *w, expert_axis_sharded=False)
@@ -148,12 +159,14 @@ def _experts(
     *,
     glu,
     expert_axis_sharded: bool,
+    weight_inputs: bool = False,
 ):
     """f32[T, D]: sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) over the experts held
     here: `gate`, `up` [E', D, F'] and `down` [E', F', D] are this device's slice (E' = E / n
     experts from index device * E', or all experts with F' = F / n), `gate_bias` and `up_bias`
     [E', F'] theirs (or None); `glu(gate, up)` is the activation. Each matmul's output is
-    rounded to x's dtype, as in the dense MLP."""
+    rounded to x's dtype, as in the dense MLP. `weight_inputs`: expert_j(weights[t, j] * x[t])
+    instead (Llama 4)."""
     num_tokens, k = experts.shape
     num_local = gate.shape[0]
     first = jax.lax.axis_index("model") * num_local if expert_axis_sharded else 0
@@ -163,7 +176,11 @@ def _experts(
     order = jnp.argsort(group, stable=True)
     sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
     token = order // k
-    rows = x[token].astype(gate.dtype)  # [T*k, D], grouped by expert
+    rows = x[token]  # [T*k, D], grouped by expert
+    row_weight = weights.reshape(-1)[order][:, None]
+    if weight_inputs:
+        rows, row_weight = (rows * row_weight).astype(x.dtype), 1.0
+    rows = rows.astype(gate.dtype)
 
     def grouped(lhs, rhs):
         out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
@@ -176,5 +193,5 @@ def _experts(
     h = glu(g, u)
     y = grouped(h.astype(down.dtype), down).astype(jnp.float32)  # [T*k, D]
     # Rows held elsewhere fall outside every group: drop them whatever ragged_dot left there.
-    y = jnp.where(held[order][:, None], y * weights.reshape(-1)[order][:, None], 0.0)
+    y = jnp.where(held[order][:, None], y * row_weight, 0.0)
     return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token].add(y)
