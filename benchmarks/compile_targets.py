@@ -55,6 +55,9 @@ RUNS = {
     "gpt-oss-20b-v6e-4": ("gpt-oss-20b", "v6e-4", {}),
     "gpt-oss-120b-h200": ("gpt-oss-120b", "h200", {}),
     "gpt-oss-120b-v6e-8": ("gpt-oss-120b", "v6e-8", {}),
+    # Llama 4 Scout as text: chunked attention, 16 experts with a shared one in every layer.
+    "llama-4-scout-v6e-8": ("llama-4-scout", "v6e-8", {}),
+    "llama-4-scout-h200": ("llama-4-scout", "h200", {}),
 }
 
 # Published figures of the TPU peers for the same model and chip (their measurements).

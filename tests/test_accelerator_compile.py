@@ -353,6 +353,7 @@ def _tiny_config(
     qwen_vl: str | None = None,
     hybrid: bool = False,
     gpt_oss: bool = False,
+    llama4: bool = False,
 ) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
     Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups); with
@@ -361,7 +362,8 @@ def _tiny_config(
     windowed tower (images of up to 16 tokens) before a Qwen2 decoder with M-RoPE, "2":
     Qwen2-VL's; `hybrid`: Qwen3-Next's layout in 4 layers (3 Gated DeltaNet, 1 gated
     attention; experts with a shared one); `gpt_oss`: gpt-oss's layout in 4 layers
-    (sinks, sliding and full layers alternating, YaRN, biased experts)."""
+    (sinks, sliding and full layers alternating, YaRN, biased experts); `llama4`: Llama 4's
+    in 4 layers (chunked layers and ones without RoPE, MoE layers between dense ones)."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -407,6 +409,18 @@ def _tiny_config(
                 "truncate": False, "original_max_position_embeddings": 128,
             },
         }  # fmt: skip
+    if llama4:
+        config |= {
+            "architectures": ["Llama4ForCausalLM"],
+            "num_hidden_layers": 4,
+            "attention_chunk_size": 64,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 256,
+            "tie_word_embeddings": False,
+        }
     if gemma:
         sliding, full = "sliding_attention", "full_attention"
         config |= {
@@ -523,6 +537,9 @@ ENGINES = [
     # experts with biases split over the chips.
     pytest.param("v5e-4", "gpt-oss", dict(tensor_parallel_size=4), id="v5e-4-gpt-oss"),
     pytest.param("h100", "gpt-oss", dict(kv_cache_dtype="fp8"), marks=SLOW, id="h100-gpt-oss"),
+    # Llama 4: chunked attention, layers without RoPE, sigmoid-routed experts.
+    pytest.param("h100", "llama4", {}, id="h100-llama4"),
+    pytest.param("v6e-4", "llama4", dict(tensor_parallel_size=4), marks=SLOW, id="v6e-4-llama4"),
 ]  # fmt: skip
 
 
@@ -545,6 +562,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         qwen_vl={"qwen-vl": "2.5", "qwen2-vl": "2"}.get(model),
         hybrid=model == "hybrid",
         gpt_oss=model == "gpt-oss",
+        llama4=model == "llama4",
     )
     settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
     config = EngineConfig.create(path, **settings)
