@@ -220,10 +220,12 @@ def _chat_fields(req: ResponsesRequest) -> dict[str, Any]:
             raise APIError.bad_request(
                 "text.format.type must be text, json_object or json_schema", "text.format.type"
             )
+    effort = (req.reasoning or {}).get("effort") if isinstance(req.reasoning, dict) else None
     for name, value in (
         ("max_completion_tokens", req.max_output_tokens),
         ("temperature", req.temperature),
         ("top_p", req.top_p),
+        ("reasoning_effort", effort),
     ):
         if value is not None:
             fields[name] = value
@@ -231,7 +233,11 @@ def _chat_fields(req: ResponsesRequest) -> dict[str, Any]:
 
 
 # Chat request params -> the Responses API's names, for error messages.
-_PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+_PARAMS = {
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 def to_chat_request(req: ResponsesRequest, history: list[dict]):

@@ -207,3 +207,26 @@ def test_structured_outputs_wait_for_an_end_sequence():
     assert run([[1, 7], [8], [9], [4], [7, 8, 9]]) == [4, 7, 8, 9]
     assert run([[7, 8], [1, 9], [2]]) is None  # interrupted: not the sequence
     assert run([[8, 9], [7, 8], [9, 3]]) == [3]
+
+
+def test_reasoning_effort_reaches_the_template():
+    """OpenAI's `reasoning_effort` (chat) and `reasoning.effort` (Responses) become the
+    template's `reasoning_effort` (gpt-oss's harmony system message), chat_template_kwargs
+    winning; a bad value is a 400 naming the field."""
+    from server.protocol import APIError, ChatCompletionRequest, parse_request
+    from server.responses_api import ResponsesRequest, to_chat_request
+
+    req = parse_request(ChatCompletionRequest, chat(reasoning_effort="high"))
+    assert req.template_kwargs()["reasoning_effort"] == "high"
+    both = chat(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
+    assert parse_request(ChatCompletionRequest, both).template_kwargs()["reasoning_effort"] == "low"
+    assert "reasoning_effort" not in parse_request(ChatCompletionRequest, chat()).template_kwargs()
+    with pytest.raises(APIError) as e:
+        parse_request(ChatCompletionRequest, chat(reasoning_effort="max"))
+    assert e.value.param == "reasoning_effort"
+
+    responses = ResponsesRequest(model="m", input="Hi", reasoning={"effort": "low"})
+    assert to_chat_request(responses, [])[0].reasoning_effort == "low"
+    with pytest.raises(APIError) as e:
+        to_chat_request(ResponsesRequest(model="m", input="Hi", reasoning={"effort": 3}), [])
+    assert e.value.param == "reasoning.effort"

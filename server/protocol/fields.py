@@ -182,6 +182,9 @@ class _ChatTemplateFields(_Model):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: how hard a reasoning model thinks; the template's `reasoning_effort` (gpt-oss's
+    # harmony system message) unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -229,8 +232,12 @@ class _ChatTemplateFields(_Model):
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for apply_chat_template beside the messages."""
+        effort = (
+            {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        )
         return {
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
+            **effort,
             **(self.chat_template_kwargs or {}),
         }
