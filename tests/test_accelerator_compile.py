@@ -761,6 +761,18 @@ def test_fit_advice_names_what_would_hold_the_weights(target, advice):
     assert advice in text, text
 
 
+def test_fit_advice_leaves_experts_float():
+    """A mixture of experts (Llama 4 Scout: 200.7 GiB of weights, 188 GiB of them experts):
+    int8 and int4 quantize the rest only, so on one H200 neither is offered; four are."""
+    from jaxllm.aot.engine import fit_advice
+    from jaxllm.config import EngineConfig
+
+    config = EngineConfig.create(CONFIGS / "llama-4-scout")
+    weights, experts = int(200.7 * 2**30), int(188 * 2**30)
+    text = fit_advice(config, _target("h200"), jnp.bfloat16, weights, 2**20, experts)
+    assert "--quantization" not in text and "--target h200x4" in text, text
+
+
 def test_compile_names_a_missing_compiler(monkeypatch):
     """Without the target's compiler installed the command says which package to install."""
     from jaxllm.aot import targets

@@ -53,6 +53,7 @@ class AbstractModel:
     model: nnx.Module  # with abstract parameters on the target's devices
     weight_bytes: int  # per device, logical
     weight_device_bytes: int | None  # per device, as laid out; None: over the device's memory
+    expert_bytes: int = 0  # of weight_bytes, the experts' (which quantization leaves float)
 
 
 @dataclasses.dataclass
@@ -153,7 +154,9 @@ def compile_engine(
             f"{_gib(logical)} per device, "
             + ("more than" if logical > memory else "and more as the chip lays them out than")
             + f" the {_gib(memory)} of the chip. "
-            + fit_advice(config, target, dtype, logical, page_bytes)
+            + fit_advice(
+                config, target, dtype, logical, page_bytes, sum(w.expert_bytes for w in weights)
+            )
         )
     weight_device_bytes = sum(w.weight_device_bytes for w in weights)
     usable = engine_bytes(target.platform, memory, config.cache.memory_utilization)
@@ -172,7 +175,14 @@ def compile_engine(
         page_bytes = _page_bytes(config, model.config, weights, mesh, devices[0])
         raise DoesNotFit(
             f"{config.load.model} does not fit {target.name}: {e}. "
-            + fit_advice(config, target, dtype, weight_device_bytes, page_bytes)
+            + fit_advice(
+                config,
+                target,
+                dtype,
+                weight_device_bytes,
+                page_bytes,
+                sum(w.expert_bytes for w in weights),
+            )
         ) from e
     runner = ModelRunner(
         model.model,
@@ -222,7 +232,7 @@ def abstract_model(
         )
     config = load_config(path)
     method = quantized_hf.checkpoint_method(_hf_config(path)) if path.is_dir() else None
-    if method is not None:
+    if method is not None and method != "mxfp4":  # MXFP4 experts load as float (mxfp4.py)
         raise ValueError(
             f"{path}: a {method} checkpoint's tensors are not compiled here; compile the float "
             "model, with --quantization int8, int4 or fp8 if wanted"
@@ -232,8 +242,13 @@ def abstract_model(
     state = abstract_state_for(abstract_state, config, dtype, shardings, quantization)
     leaves = jax.tree.leaves(state)
     logical = sum(_shard_bytes(a) for a in leaves)
+    experts = sum(
+        _shard_bytes(v.get_value())
+        for _, v in nnx.to_flat_state(state)
+        if "expert" in v.get_metadata().get("axes", ())
+    )
     device_bytes = None if memory_bytes and logical > memory_bytes else _device_bytes(leaves)
-    return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes)
+    return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes, experts)
 
 
 def abstract_vision(
@@ -299,10 +314,16 @@ def _device_bytes(leaves: list[jax.ShapeDtypeStruct]) -> int | None:
 
 
 def fit_advice(
-    config: EngineConfig, target: Target, dtype, weight_bytes: int, page_bytes: int
+    config: EngineConfig,
+    target: Target,
+    dtype,
+    weight_bytes: int,
+    page_bytes: int,
+    expert_bytes: int = 0,
 ) -> str:
     """What would fit, naming the flags: more devices (tensor parallelism), smaller weights
-    (quantization), a shorter context."""
+    (quantization, which leaves the `expert_bytes` of a mixture of experts float), a shorter
+    context."""
     util = config.cache.memory_utilization
     usable = engine_bytes(target.platform, target.limit_bytes(util), util)
     tp = config.parallel.tensor_parallel_size or target.num_devices
@@ -312,7 +333,9 @@ def fit_advice(
     if config.load.quantization in (None, "float"):
         linear = jnp.dtype(dtype).itemsize
         for fmt, bits in (("int8", 8), ("int4", 5)):  # int4: 4 bits and a scale per 32
-            formats.append((f"--quantization {fmt}", weight_bytes * bits / (8 * linear)))
+            shrunk = (weight_bytes - expert_bytes) * bits / (8 * linear) + expert_bytes
+            if shrunk < weight_bytes:
+                formats.append((f"--quantization {fmt}", shrunk))
     more = [n for n in chip.counts if n > tp]
 
     def tip(n: int, flag: str, per_device: float) -> str | None:
