@@ -230,3 +230,29 @@ def test_reasoning_effort_reaches_the_template():
     with pytest.raises(APIError) as e:
         to_chat_request(ResponsesRequest(model="m", input="Hi", reasoning={"effort": 3}), [])
     assert e.value.param == "reasoning.effort"
+
+
+def test_marker_soup_streams_as_it_parses_whole():
+    """300 random outputs made of harmony's markers, headers, recipients and text, cut
+    anywhere: no parser raises, and the streamed deltas add up to the whole output's split
+    (reasoning, answer, calls), for the two parsers alone and in a row."""
+    import random
+
+    pieces = [
+        "<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary",
+        " to=functions.f", " to=browser.search", " json", "<|constrain|>", "<|message|>",
+        "<|end|>", "<|call|>", "<|return|>", '{"a": 1}', "text ", "<|", "|>", "<", " ",
+    ]  # fmt: skip
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        whole = split(REASONING_PARSERS["openai_gptoss"](), text)
+        calls = extract(TOOL_PARSERS["openai"](), whole.content)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 4)))
+        got = _streamed_reasoning(text, cuts)
+        assert (got.reasoning, got.content) == (whole.reasoning, whole.content), text
+        again = assemble(streamed(TOOL_PARSERS["openai"], whole.content, cuts))
+        assert again.content == calls.content, text
+        assert [(c.name, c.arguments) for c in again.tool_calls] == [
+            (c.name, c.arguments) for c in calls.tool_calls
+        ], text
