@@ -67,6 +67,21 @@ def test_one_kind_is_one_group_and_hybrid_can_be_turned_off():
     assert kv_cache_groups(_config(18, 6), hybrid=False) == KVCacheGroups.single(18)
 
 
+def test_llama4_chunked_layers_keep_a_window_of_their_chunk():
+    """Llama 4 Scout's layout (three chunked layers of 8,192 tokens, then a full one without
+    RoPE): the chunked layers group as sliding ones with a window of the chunk."""
+    import dataclasses
+
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "chunked_attention" for i in range(48))
+    config = dataclasses.replace(
+        _config(48, None, window=None), layer_types=types, attention_chunk_size=8192
+    )
+    groups = kv_cache_groups(config)
+    assert groups.windows == (None,) + (8192,) * 3
+    assert groups.layers[0] == tuple(range(3, 48, 4)) and groups.num_slots == 12
+    assert [config.layer_window(i) for i in range(4)] == [None] * 4  # the mask is the chunk's
+
+
 def _request(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=8, seed=0)
 

@@ -71,8 +71,9 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     )
     q_bytes = shape[0] * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     layers = len(cfg.attention_layers)  # a hybrid's linear layers read no KV
-    # Each layer reads the keys its window sees (a sliding layer at most its window).
-    seen = [min(context, cfg.layer_window(i) or context) for i in cfg.attention_layers]
+    # Each layer reads the keys its window sees (a sliding layer at most its window, a chunked
+    # one at most its chunk).
+    seen = [min(context, cfg.layer_kv_reach(i) or context) for i in cfg.attention_layers]
     kv_read = batch * sum(seen) * _kv_bytes_per_token(engine) / layers
     if cfg.linear_attention is not None:  # each request's state read and written back
         state = state_bytes_per_slot(cfg, dtype) // engine.tensor_parallel_size

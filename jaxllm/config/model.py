@@ -215,6 +215,12 @@ class ModelConfig:
             return self.attention_chunk_size
         return None
 
+    def layer_kv_reach(self, layer: int) -> int | None:
+        """How many positions back `layer`'s queries may see, for what the cache must keep: its
+        window, or its attention chunk (a chunk starts at most C - 1 positions back); None:
+        every position."""
+        return self.layer_window(layer) or self.layer_chunk(layer)
+
     def layer_uses_rope(self, layer: int) -> bool:
         return layer not in self.nope_layers
 

@@ -15,6 +15,10 @@ unused). Gemma 3 270M (15 sliding, 3 full layers): 6 groups of 3, one full; a se
 tokens holds 6,624 bytes per token in float32 against 36,864 with one group of every layer
 (`benchmarks/kv_bytes.py`).
 
+Llama 4's chunked layers (a query sees its own chunk of C positions) keep what a window of C
+would: each query's chunk starts within it. Scout's 48 layers are 36 chunked (8,192 tokens)
+and 12 full: a long context keeps a quarter of the layers' tokens beyond 8k.
+
 A model whose layers all share one window (all full, or all sliding like Mistral) has one group
 of all its layers: slot j is layer j, and a sliding one frees its blocks behind the window too.
 `hybrid=False` (`--disable-hybrid-kv-cache-manager`) makes a mixed model one full group: every
@@ -68,7 +72,9 @@ def kv_cache_groups(config: ModelConfig, *, hybrid: bool = True) -> KVCacheGroup
     kind of `group size` layers, full attention first; without `hybrid`, a model with more
     than one window kind is one full group."""
     attention = config.attention_layers  # a hybrid's linear layers keep no KV
-    windows = {i: config.layer_window(i) for i in attention}
+    # A chunked layer (Llama 4) keeps what a window of its chunk would: its queries' chunks
+    # start within it.
+    windows = {i: config.layer_kv_reach(i) for i in attention}
     kinds = sorted(set(windows.values()), key=lambda w: -1 if w is None else w)
     if len(kinds) == 1:
         return KVCacheGroups.single(attention, kinds[0])
