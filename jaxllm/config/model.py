@@ -86,6 +86,9 @@ class ModelConfig:
     """Norms before and after both attention and MLP (Gemma 2/3) instead of before only."""
     norm_offset: float = 0.0
     """RMSNorm scales by (offset + weight): 1 for Gemma, whose weights are stored as w - 1."""
+    norm_float_scale: bool = False
+    """RMSNorm multiplies by its weight in float32 and casts last (gpt-oss), rather than casting
+    to the activations' dtype first (Llama)."""
     scale_embeddings: bool = False
     """Token embeddings are multiplied by sqrt(hidden_size) (Gemma)."""
     hidden_act: str = "silu"

@@ -42,6 +42,7 @@ register(
             "router_bias": True,
             "expert_bias": True,
             "rope_theta": 150000.0,
+            "norm_float_scale": True,
         },
         sliding_layers=_even_layers_slide,
         read_config=_read,

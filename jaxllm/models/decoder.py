@@ -59,7 +59,11 @@ class DecoderLayer(nnx.Module):
     ):
         def norm():
             return RMSNorm(
-                config.hidden_size, config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
+                config.hidden_size,
+                config.rms_norm_eps,
+                offset=config.norm_offset,
+                float_scale=config.norm_float_scale,
+                dtype=dtype,
             )
 
         self.input_layernorm = norm()
@@ -142,7 +146,11 @@ class DecoderForCausalLM(nnx.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
+            config.hidden_size,
+            config.rms_norm_eps,
+            offset=config.norm_offset,
+            float_scale=config.norm_float_scale,
+            dtype=dtype,
         )
         # Static (part of the graph definition, not parameters): tuples, not arrays.
         h = config.rotary_dim

@@ -37,13 +37,15 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], 
     return nnx.Param(scale * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+def rms_norm(
+    x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0, float_scale: bool = False
+) -> jax.Array:
     """x normalised over its last axis in float32, scaled by (offset + weight): offset 0 (Llama)
     casts back to x's dtype before the scale, as transformers does; offset 1 (Gemma, whose
-    weights start at zero) scales in float32 and casts last."""
+    weights start at zero), and `float_scale` (gpt-oss), scale in float32 and cast last."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if offset:
+    if offset or float_scale:
         return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
@@ -57,13 +59,23 @@ def l2_norm(x: jax.Array, eps: float) -> jax.Array:
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis, scaled by (offset + weight) (`rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float, *, offset: float = 0.0, axis: str = "embed", dtype):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        float_scale: bool = False,
+        axis: str = "embed",
+        dtype,
+    ):
         self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype), axes=(axis,))
         self.eps = eps
         self.offset = offset
+        self.float_scale = float_scale
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight.get_value(), self.eps, self.offset)
+        return rms_norm(x, self.weight.get_value(), self.eps, self.offset, self.float_scale)
 
 
 class LayerNorm(nnx.Module):
