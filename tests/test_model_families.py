@@ -201,3 +201,33 @@ def test_gemma3_image_text_checkpoint_serves_its_text_decoder(tmp_path):
     with torch.no_grad():
         ref = hf_model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
     assert np.abs(ours - ref).max() < 1e-4
+
+
+def test_llama4_image_text_checkpoint_serves_its_text_decoder(tmp_path):
+    """Llama 4 ships as `Llama4ForConditionalGeneration`: its text decoder loads from
+    `text_config` and the `language_model.*` tensors (q and k reordered for the decoder's
+    RoPE), the vision model and projector are skipped, and text-only logits equal
+    transformers'."""
+    text = {**FAMILY_COMMON, **FAMILIES["llama4"][2]}
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=64, pixel_shuffle_ratio=0.5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.Llama4Config(
+        text_config=text, vision_config=vision, image_token_index=VOCAB - 1
+    )
+    hf_model = transformers.Llama4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.02))
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(tmp_path, dtype=jnp.float32, load_tokenizer=False)
+    assert loaded.config.architecture == "Llama4ForCausalLM"
+    assert loaded.config.layer_chunk(0) == WINDOW and loaded.config.nope_layers == (1, 3)
+    ids = np.random.default_rng(0).integers(3, VOCAB - 1, size=2 * WINDOW + 5).tolist()
+    ours = prefill_logits(loaded.model, loaded.config, ids)
+    with torch.no_grad():  # (its text-only forward fails in transformers 5.24: the decoder's)
+        ref = hf_model.language_model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+    assert np.abs(ours - ref).max() < 1e-4

@@ -204,7 +204,7 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
     raise ValueError(f"unexpected tensor {original!r} in checkpoint for {config.architecture}")
 
 
-_QK_WEIGHT = re.compile(r"layers\.\d+\.self_attn\.[qk]_proj\.weight$")
+_QK_WEIGHT = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.[qk]_proj\.weight$")
 
 
 def rope_pairs_as_halves(
@@ -220,7 +220,8 @@ def rope_pairs_as_halves(
         return w.reshape(-1, h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     for name, tensor in tensors:
-        if _QK_WEIGHT.search(name):
+        text_name = image_text_tensor_name(name)  # None: a vision tower's (its own RoPE)
+        if text_name is not None and _QK_WEIGHT.match(text_name):
             if isinstance(tensor, QArray):
                 tensor = tensor.map_rows(reorder)
             else:
