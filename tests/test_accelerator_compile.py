@@ -207,6 +207,23 @@ def test_sinks_compile_at_gpt_oss_shapes(target, num_heads, num_kv_heads, num_to
     _assert_no_cache_copy(compiled, nbytes)
 
 
+@pytest.mark.parametrize(
+    "target,num_heads,num_kv_heads,num_tokens",
+    [("v6e-1", 8, 1, 64), ("v6e-1", 8, 1, 512), ("h100", 16, 2, 64), ("h100", 16, 2, 512)],
+)
+def test_head_dim_512_compiles(target, num_heads, num_kv_heads, num_tokens):
+    """Gemma 4's full-attention heads of 512, decode- and prefill-sized, the cache read in
+    place (the temporaries are the queries' and outputs' relayouts)."""
+    platform_ok = HAVE_TPU_COMPILER if target.startswith("v") else HAVE_GPU_COMPILER
+    if not platform_ok:
+        pytest.skip(WHY.format(target))
+    compiled, nbytes = _compile_kernel(
+        target, num_heads, num_kv_heads, 512, 16, jnp.bfloat16, jnp.bfloat16,
+        num_tokens=num_tokens, max_reqs=16,
+    )  # fmt: skip
+    _assert_no_cache_copy(compiled, nbytes)
+
+
 @tpu_only
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 def test_tpu_kernel_reads_the_cache_in_place(case):
