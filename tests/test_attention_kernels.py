@@ -154,6 +154,15 @@ class KernelCases:
         np.testing.assert_allclose(out[:total], ref[:total], atol=self.tol(), rtol=self.tol())
         assert np.all(out[total:] == 0), "padding rows must read nothing"
 
+    def test_head_dim_512(self):
+        """Gemma 4's full-attention heads of 512."""
+        args, (_, _, _, _, total) = _case(
+            np.random.default_rng(10), "mixed", 4, 2, 512, 16, jnp.float32
+        )
+        out = np.asarray(self.run(args, sm_scale=0.05))
+        ref = np.asarray(ragged_paged_attention(*args, sm_scale=0.05, backend="reference"))
+        np.testing.assert_allclose(out[:total], ref[:total], atol=self.tol(), rtol=self.tol())
+
     def test_block_sizes_do_not_change_the_result(self):
         """Blocks smaller and larger than a request, one page at a time or many."""
         args, (_, _, _, _, total) = _case(

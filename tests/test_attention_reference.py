@@ -187,6 +187,33 @@ def test_chunked_attention(backend, chunk, sliding_window):
     assert np.all(out[total:] == 0), "padding rows must read nothing"
 
 
+@pytest.mark.parametrize("backend", XLA_BACKENDS)
+def test_head_dim_512(backend):
+    """Gemma 4's full-attention heads of 512 (the C++ kernel's generic head size)."""
+    rng = np.random.default_rng(5)
+    seqs = MIXES["mixed"]
+    q, cache, seq_lens, bt, cu, _, ks, vs, _ = make_case(
+        rng, seqs, num_heads=4, num_kv_heads=2, head_dim=512, page_size=16, max_reqs=8,
+        t_pad=64, dtype=jnp.float32,
+    )  # fmt: skip
+    out = np.asarray(
+        ragged_paged_attention(
+            jnp.asarray(q),
+            jnp.asarray(cache),
+            jnp.int32(1),
+            jnp.asarray(seq_lens),
+            jnp.asarray(bt),
+            jnp.asarray(cu),
+            jnp.asarray([len(seqs)], jnp.int32),
+            sm_scale=0.05,
+            backend=backend,
+        )  # fmt: skip
+    )
+    for r, (q_len, _) in enumerate(seqs):
+        expect = dense_attention(q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.05)
+        np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
+
+
 def test_write_kv_writes_only_its_slots():
     shape = get_kv_cache_shape(3, 4, 8, 2, 16)
     cache = jnp.zeros(shape)
