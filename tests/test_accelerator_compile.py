@@ -189,37 +189,37 @@ def test_chunked_delta_rule_compiles_for_a_tpu():
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * state + 2048 * 48 * 128 * 4 * 8
 
 
+# (target, q heads, kv heads, head_dim, tokens, sinks): gpt-oss's attention (64 q heads over
+# 8 kv heads of 64, sinks, a 128-token window) as one device holds it (a quarter of the heads
+# on a v6e-4, all on an H100), and Gemma 4's full-attention heads of 512; decode- and
+# prefill-sized batches.
+NEW_MODEL_SHAPES = [
+    ("v6e-1", 16, 2, 64, 64, True),
+    ("v6e-1", 16, 2, 64, 512, True),
+    ("h100", 64, 8, 64, 64, True),
+    ("h100", 64, 8, 64, 512, True),
+    ("v6e-1", 8, 1, 512, 64, False),
+    ("v6e-1", 8, 1, 512, 512, False),
+    ("h100", 16, 2, 512, 64, False),
+    ("h100", 16, 2, 512, 512, False),
+]
+
+
 @pytest.mark.parametrize(
-    "target,num_heads,num_kv_heads,num_tokens",
-    [("v6e-1", 16, 2, 64), ("v6e-1", 16, 2, 512), ("h100", 64, 8, 64), ("h100", 64, 8, 512)],
+    "target,num_heads,num_kv_heads,head_dim,num_tokens,sinks", NEW_MODEL_SHAPES
 )
-def test_sinks_compile_at_gpt_oss_shapes(target, num_heads, num_kv_heads, num_tokens):
-    """gpt-oss's attention (64 q heads over 8 kv heads of 64, a 128-token window, sinks) as
-    one device holds it: a quarter of the heads on a v6e-4, all on an H100; decode-sized and
-    prefill-sized batches, the cache read in place."""
+def test_kernels_compile_at_new_models_shapes(
+    target, num_heads, num_kv_heads, head_dim, num_tokens, sinks
+):
+    """The kernels at gpt-oss's and Gemma 4's shapes, the cache read in place (the
+    temporaries are the queries' and outputs' relayouts)."""
     platform_ok = HAVE_TPU_COMPILER if target.startswith("v") else HAVE_GPU_COMPILER
     if not platform_ok:
         pytest.skip(WHY.format(target))
     compiled, nbytes = _compile_kernel(
-        target, num_heads, num_kv_heads, 64, 16, jnp.bfloat16, jnp.bfloat16,
-        num_tokens=num_tokens, max_reqs=64, sinks=True, window=128,
-    )  # fmt: skip
-    _assert_no_cache_copy(compiled, nbytes)
-
-
-@pytest.mark.parametrize(
-    "target,num_heads,num_kv_heads,num_tokens",
-    [("v6e-1", 8, 1, 64), ("v6e-1", 8, 1, 512), ("h100", 16, 2, 64), ("h100", 16, 2, 512)],
-)
-def test_head_dim_512_compiles(target, num_heads, num_kv_heads, num_tokens):
-    """Gemma 4's full-attention heads of 512, decode- and prefill-sized, the cache read in
-    place (the temporaries are the queries' and outputs' relayouts)."""
-    platform_ok = HAVE_TPU_COMPILER if target.startswith("v") else HAVE_GPU_COMPILER
-    if not platform_ok:
-        pytest.skip(WHY.format(target))
-    compiled, nbytes = _compile_kernel(
-        target, num_heads, num_kv_heads, 512, 16, jnp.bfloat16, jnp.bfloat16,
-        num_tokens=num_tokens, max_reqs=16,
+        target, num_heads, num_kv_heads, head_dim, 16, jnp.bfloat16, jnp.bfloat16,
+        num_tokens=num_tokens, max_reqs=64 if sinks else 16, sinks=sinks,
+        window=128 if sinks else 100,
     )  # fmt: skip
     _assert_no_cache_copy(compiled, nbytes)
 

@@ -114,104 +114,62 @@ def test_sliding_window_and_soft_cap(backend, sliding_window, soft_cap):
         np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
 
 
+def _mixed(backend: str, seed: int, *, num_heads=6, head_dim=64, sm_scale=0.125, **kwargs):
+    """The "mixed" batch (f32, 2 kv heads, pages of 16) through `backend` with `kwargs`:
+    (output, a function giving request r's dense truth for dense_attention's keywords)."""
+    seqs = MIXES["mixed"]
+    q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
+        np.random.default_rng(seed), seqs, num_heads=num_heads, num_kv_heads=2,
+        head_dim=head_dim, page_size=16, max_reqs=8, t_pad=64, dtype=jnp.float32,
+    )  # fmt: skip
+    args = (q, cache, 1, seq_lens, bt, cu, [len(seqs)])
+    out = ragged_paged_attention(
+        *(jnp.asarray(a, jnp.int32 if i > 1 else None) for i, a in enumerate(args)),
+        sm_scale=sm_scale, backend=backend, **kwargs,
+    )  # fmt: skip
+    out = np.asarray(out)
+    assert np.all(out[total:] == 0), "padding rows must read nothing"
+
+    def truth(r: int, **dense) -> np.ndarray:
+        rows = slice(cu[r], cu[r + 1])
+        return dense_attention(q[rows], ks[r], vs[r], seqs[r][0], sm_scale, **dense)
+
+    return out, [slice(cu[r], cu[r + 1]) for r in range(len(seqs))], truth
+
+
 @pytest.mark.parametrize("backend", XLA_BACKENDS)
 @pytest.mark.parametrize("sliding_window", [None, 7])
 def test_attention_sinks(backend, sliding_window):
     """gpt-oss's sinks: a logit per head in each softmax's denominator, large and small against
     the scores (a head that mostly attends to nothing, and one that barely notices), equal to
     transformers' way (one more column, dropped after the softmax)."""
-    rng = np.random.default_rng(3)
-    seqs = MIXES["mixed"]
-    q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
-        rng, seqs, num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, max_reqs=8,
-        t_pad=64, dtype=jnp.float32,
-    )  # fmt: skip
     sinks = np.array([-3.0, 0.0, 0.5, 2.0, 6.0, -40.0], np.float32)
-    out = np.asarray(
-        ragged_paged_attention(
-            jnp.asarray(q),
-            jnp.asarray(cache),
-            jnp.int32(1),
-            jnp.asarray(seq_lens),
-            jnp.asarray(bt),
-            jnp.asarray(cu),
-            jnp.asarray([len(seqs)], jnp.int32),
-            sm_scale=0.125,
-            sliding_window=sliding_window,
-            sinks=jnp.asarray(sinks),
-            backend=backend,
-        )  # fmt: skip
-    )
-    for r, (q_len, _) in enumerate(seqs):
-        expect = dense_attention(
-            q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.125, sliding_window, sinks=sinks
-        )
-        np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
-        plain = dense_attention(q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.125, sliding_window)
-        assert not np.allclose(expect, plain, atol=1e-3), "the sinks must change the result"
-    assert np.all(out[total:] == 0), "padding rows must read nothing"
+    kwargs = dict(sliding_window=sliding_window)
+    out, rows, truth = _mixed(backend, 3, sinks=jnp.asarray(sinks), **kwargs)
+    for r, at in enumerate(rows):
+        expect = truth(r, sinks=sinks, **kwargs)
+        np.testing.assert_allclose(out[at], expect, atol=1e-5, rtol=1e-5)
+        assert not np.allclose(expect, truth(r, **kwargs), atol=1e-3), "sinks must count"
 
 
 @pytest.mark.parametrize("backend", XLA_BACKENDS)
 @pytest.mark.parametrize("chunk,sliding_window", [(20, None), (37, 9), (1, None)])
 def test_chunked_attention(backend, chunk, sliding_window):
     """Llama 4's chunked attention: each query sees its own chunk's keys only (with a window
-    besides, and chunks of one token: each query itself)."""
-    rng = np.random.default_rng(4)
-    seqs = MIXES["mixed"]
-    q, cache, seq_lens, bt, cu, _, ks, vs, total = make_case(
-        rng, seqs, num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, max_reqs=8,
-        t_pad=64, dtype=jnp.float32,
-    )  # fmt: skip
-    out = np.asarray(
-        ragged_paged_attention(
-            jnp.asarray(q),
-            jnp.asarray(cache),
-            jnp.int32(1),
-            jnp.asarray(seq_lens),
-            jnp.asarray(bt),
-            jnp.asarray(cu),
-            jnp.asarray([len(seqs)], jnp.int32),
-            sm_scale=0.125,
-            sliding_window=sliding_window,
-            attention_chunk=chunk,
-            backend=backend,
-        )  # fmt: skip
-    )
-    for r, (q_len, _) in enumerate(seqs):
-        expect = dense_attention(
-            q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.125, sliding_window, chunk=chunk
-        )
-        np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
-    assert max(kv for _, kv in seqs) > 2 * 37, "the case must span several chunks"
-    assert np.all(out[total:] == 0), "padding rows must read nothing"
+    besides, and chunks of one token: each query itself), over contexts of several chunks."""
+    out, rows, truth = _mixed(backend, 4, sliding_window=sliding_window, attention_chunk=chunk)
+    assert max(kv for _, kv in MIXES["mixed"]) > 2 * 37
+    for r, at in enumerate(rows):
+        expect = truth(r, sliding_window=sliding_window, chunk=chunk)
+        np.testing.assert_allclose(out[at], expect, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", XLA_BACKENDS)
 def test_head_dim_512(backend):
     """Gemma 4's full-attention heads of 512 (the C++ kernel's generic head size)."""
-    rng = np.random.default_rng(5)
-    seqs = MIXES["mixed"]
-    q, cache, seq_lens, bt, cu, _, ks, vs, _ = make_case(
-        rng, seqs, num_heads=4, num_kv_heads=2, head_dim=512, page_size=16, max_reqs=8,
-        t_pad=64, dtype=jnp.float32,
-    )  # fmt: skip
-    out = np.asarray(
-        ragged_paged_attention(
-            jnp.asarray(q),
-            jnp.asarray(cache),
-            jnp.int32(1),
-            jnp.asarray(seq_lens),
-            jnp.asarray(bt),
-            jnp.asarray(cu),
-            jnp.asarray([len(seqs)], jnp.int32),
-            sm_scale=0.05,
-            backend=backend,
-        )  # fmt: skip
-    )
-    for r, (q_len, _) in enumerate(seqs):
-        expect = dense_attention(q[cu[r] : cu[r + 1]], ks[r], vs[r], q_len, 0.05)
-        np.testing.assert_allclose(out[cu[r] : cu[r + 1]], expect, atol=1e-5, rtol=1e-5)
+    out, rows, truth = _mixed(backend, 5, num_heads=4, head_dim=512, sm_scale=0.05)
+    for r, at in enumerate(rows):
+        np.testing.assert_allclose(out[at], truth(r), atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_writes_only_its_slots():
