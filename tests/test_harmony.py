@@ -147,6 +147,12 @@ def test_harmony_through_the_apis(serve):  # noqa: F811
     assert response["choices"][0]["finish_reason"] == "tool_calls"
     assert not message["content"]
     assert engine.params[0].skip_special_tokens is False
+    assert engine.params[0].reasoning_end_token_ids is None  # nothing is constrained
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    post(client, chat(response_format=fmt))
+    final = engine.tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
+    assert engine.params[-1].reasoning_end_token_ids == final  # the answer is constrained
     events = stream_events(client, body)
     streamed_ = reassemble(events)
     assert streamed_["content"] == "" and streamed_["finish_reason"] == "tool_calls"
