@@ -262,3 +262,54 @@ def test_marker_soup_streams_as_it_parses_whole():
         assert [(c.name, c.arguments) for c in again.tool_calls] == [
             (c.name, c.arguments) for c in calls.tool_calls
         ], text
+
+
+def test_the_official_client_reads_harmony(serve):  # noqa: F811
+    """The openai package over the app (its transport the test client): a reasoning split and
+    a tool call round trip, whole and streamed, and the Responses API's items."""
+    openai = pytest.importorskip("openai")
+    client, _ = serve(
+        [THINK + CALL, THINK + ANSWER],
+        reasoning_parser="openai_gptoss",
+        enable_auto_tool_choice=True,
+        tool_call_parser="openai",
+    )
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    first = api.chat.completions.create(model="m", messages=ask, tools=TOOLS)
+    message = first.choices[0].message
+    assert message.model_extra["reasoning_content"].startswith("The user wants")
+    (call,) = message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "weather",
+        {"city": "Paris"},
+    )
+    assert first.choices[0].finish_reason == "tool_calls"
+    # The round trip: the call and its result go back in the history.
+    history = [*ask, message.model_dump(exclude_none=True), {
+        "role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]  # fmt: skip
+    second = api.chat.completions.create(model="m", messages=history, tools=TOOLS)
+    assert second.choices[0].finish_reason == "tool_calls"  # (the fake engine says it again)
+    chunks = list(api.chat.completions.create(model="m", messages=ask, tools=TOOLS, stream=True))
+    names = [c.function.name for k in chunks for c in (k.choices[0].delta.tool_calls or [])]
+    assert "weather" in names
+    r = api.responses.create(model="m", input="Weather in Paris?")
+    assert [item.type for item in r.output][:1] == ["reasoning"]
+
+
+def test_gpt_oss_reads_harmony_without_flags(tmp_path):
+    """A server of a gpt-oss checkpoint splits its reasoning with no --reasoning-parser, as
+    vLLM's does; other models get no parser they did not ask for."""
+    from types import SimpleNamespace
+
+    from server.api import _built_in_reasoning
+
+    def engine(arch: str):
+        path = tmp_path / arch
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        return SimpleNamespace(config=SimpleNamespace(load=SimpleNamespace(model=str(path))))
+
+    assert _built_in_reasoning(engine("GptOssForCausalLM")) is REASONING_PARSERS["openai_gptoss"]
+    assert _built_in_reasoning(engine("LlamaForCausalLM")) is None
+    assert _built_in_reasoning(SimpleNamespace()) is None  # an engine that names no model
