@@ -357,9 +357,9 @@ HYBRIDS = {
 }
 
 
-def write_family_checkpoint(case: str, path, **overrides) -> object:
-    """Writes a tiny random checkpoint of `FAMILIES[case]` (and a tokenizer) to `path`;
-    returns the transformers model."""
+def write_family_checkpoint(case: str, path, *, tokenizer: bool = True, **overrides) -> object:
+    """Writes a tiny random checkpoint of `FAMILIES[case]` (and, with `tokenizer`, a tokenizer)
+    to `path`; returns the transformers model."""
     import torch
     import transformers
 
@@ -371,7 +371,8 @@ def write_family_checkpoint(case: str, path, **overrides) -> object:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.02))
     model.save_pretrained(path, safe_serialization=True)
-    write_tiny_tokenizer(path, vocab_size=VOCAB)
+    if tokenizer:
+        write_tiny_tokenizer(path, vocab_size=VOCAB)
     return model
 
 
