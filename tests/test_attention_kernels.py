@@ -697,8 +697,8 @@ def test_an_operand_a_backend_lacks_is_refused_by_name(monkeypatch):
         ragged_paged_attention(*args, sm_scale=0.1, soft_cap=30.0, backend="xla")
     ragged_paged_attention(*args, sm_scale=0.1, soft_cap=30.0, backend="reference")
     ragged_paged_attention(*args, sm_scale=0.1, backend="xla")
-    with pytest.raises(ValueError, match="unknown attention operand 'sinks'"):
-        pallas_kernels.check_operands("xla", {"sinks": jnp.zeros(4)})
+    with pytest.raises(ValueError, match="unknown attention operand 'alibi_slopes'"):
+        pallas_kernels.check_operands("xla", {"alibi_slopes": jnp.zeros(4)})
 
 
 @pytest.mark.parametrize("backend", [pytest.param("pallas", marks=pytest.mark.slow), "pallas_gpu"])
