@@ -34,16 +34,20 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """f32[..., G * 32] from `blocks` uint8 [..., G, 16] and `scales` uint8 [..., G]."""
     blocks = np.asarray(blocks, np.uint8)
     scales = np.asarray(scales, np.uint8)
-    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(
-            f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} disagree (blocks "
-            f"must be [..., G, {BLOCK // 2}] and scales [..., G])"
-        )
+    _check_shapes(blocks, scales)
     values = np.stack([E2M1_VALUES[blocks & 0x0F], E2M1_VALUES[blocks >> 4]], axis=-1)
     values = values.reshape(*scales.shape, BLOCK)
     exponent = scales.astype(np.int32) - _SCALE_BIAS
     values = np.ldexp(values, exponent[..., None]).astype(np.float32)
     return values.reshape(*scales.shape[:-1], -1)
+
+
+def _check_shapes(blocks: np.ndarray, scales: np.ndarray) -> None:
+    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} disagree (blocks "
+            f"must be [..., G, {BLOCK // 2}] and scales [..., G])"
+        )
 
 
 def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,11 +93,17 @@ def dequantize_pairs(
             pending[stem] = (part, np.asarray(tensor))
             continue
         halves = {part: np.asarray(tensor), other[0]: other[1]}
+        blocks, scales = halves[_BLOCKS], halves[_SCALES]
         try:
-            w = dequantize(halves[_BLOCKS], halves[_SCALES])  # [E, out, in]
+            _check_shapes(blocks, scales)
         except ValueError as e:
             raise ValueError(f"tensor {stem!r}: {e}") from e
-        yield stem, np.swapaxes(w, -1, -2).astype(dtype)
+        # One expert at a time: float32 temporaries of one expert, not of the stack (a
+        # gpt-oss-120b projection is 2.1G values).
+        w = np.empty((*scales.shape[:-2], scales.shape[-1] * BLOCK, scales.shape[-2]), dtype)
+        for e in np.ndindex(*scales.shape[:-2]):
+            w[e] = dequantize(blocks[e], scales[e]).T.astype(dtype)  # [in, out]
+        yield stem, w
     if pending:
         stem, (part, _) = next(iter(pending.items()))
         missing = _SCALES if part == _BLOCKS else _BLOCKS
