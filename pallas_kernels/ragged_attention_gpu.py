@@ -265,18 +265,17 @@ def ragged_paged_attention_gpu(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         attend=attend_to is not None,
-        sinks=sinks is not None,
+        # With splits the wrapper folds the sinks into the combined shares instead.
+        sinks=sinks is not None and num_splits == 1,
         attention_chunk=attention_chunk,
         num_splits=num_splits,
     )
     attend = [] if attend_to is None else [jnp.pad(attend_to, (0, q_block), constant_values=-1)]
-    # Sinks per (kv head, padded group slot); with splits the wrapper folds them in instead.
+    # Sinks per (kv head, padded group slot).
     sink_rows = None
     if sinks is not None:
         sink_rows = jnp.pad(sinks.reshape(num_kv_heads, group), ((0, 0), (0, group_padded - group)))
     in_kernel_sinks = [] if sink_rows is None or num_splits > 1 else [sink_rows.reshape(-1)]
-    if num_splits > 1:
-        kernel = functools.partial(kernel, sinks=False)
     out_shape = jax.ShapeDtypeStruct(qh.shape, q.dtype)
     if num_splits > 1:
         partial = (num_splits, *qh.shape[:2])

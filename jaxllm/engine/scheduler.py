@@ -574,15 +574,16 @@ class Scheduler:
             end = request.sampling_params.reasoning_end_token_ids
             out, n = request.output_token_ids, len(end)
             first = len(out) - len(tokens)  # where the new tokens start in the output
-            ends = [
+            ends = (
                 i
                 for i in range(len(tokens))
                 if out[max(first + i + 1 - n, 0) : first + i + 1] == end
-            ]
-            if not ends:
+            )
+            last = next(ends, None)  # the new token that completes the sequence first
+            if last is None:
                 return True
             request.grammar_live = True
-            tokens = tokens[ends[0] + 1 :]
+            tokens = tokens[last + 1 :]
         return not tokens or request.grammar.accept(tokens)
 
     def _pooled_chunk(self, request: Request, chunk: PooledChunk | None) -> RequestUpdate | None:
