@@ -145,6 +145,17 @@ def shard_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
             f"tensor_parallel_size {tp} does not divide the model's {n} query heads; use a "
             f"divisor of {n}"
         )
+    mixed = config.global_head_dim not in (None, config.head_dim) or (
+        config.num_global_kv_heads not in (None, k)
+    )
+    if mixed:  # layers of several head shapes (Gemma 4): their packed rows split whole
+        if config.cache_kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size {tp} does not divide the {config.cache_kv_heads} kv "
+                "heads of each cache slot of this model, whose layers differ in head width "
+                "or kv heads (see jaxllm.models.kv_layout); use a divisor of it"
+            )
+        return config
     if k % tp == 0:
         return config
     if tp % k:

@@ -16,6 +16,7 @@ import pytest
 from jaxllm.models import AttentionMetadata, ModelCache, StepExtras
 from jaxllm.models.linear_attention import LinearState, StateSlots
 from jaxllm.testing import write_tiny_tokenizer
+from jaxllm.worker.kv_groups import kv_cache_groups
 from pallas_kernels import KVCache, get_kv_cache_shape
 from pallas_kernels.kv_cache import quantize_kv_cache
 
@@ -24,11 +25,13 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     """Logits f32[T, V] for every position of one sequence, through the paged-cache path."""
     num_tokens = len(token_ids)
     pages = -(-num_tokens // page_size)
+    groups = kv_cache_groups(config, hybrid=False)  # one block table for every layer
     shape = get_kv_cache_shape(
-        config.num_layers, pages, page_size, config.num_kv_heads, config.head_dim
+        max(groups.num_slots, 1), pages, page_size, config.cache_kv_heads, config.cache_head_dim
     )
     cache = jnp.zeros(shape, jnp.float32)
     meta = AttentionMetadata(
+        layer_slots=groups.layer_slots,
         slot_mapping=jnp.arange(num_tokens, dtype=jnp.int32)[None],
         seq_lens=jnp.array([num_tokens], jnp.int32),
         block_tables=jnp.arange(pages, dtype=jnp.int32)[None, None],
@@ -306,6 +309,43 @@ FAMILIES = {
             no_rope_layer_interval=2,
             floor_scale=8,
             attn_scale=0.5,
+        ),
+    ),
+    # Gemma 4: wider, fewer full-attention heads (48 against 24: two sliding heads share a
+    # cache row) whose values are their keys, proportional RoPE, per-layer inputs, the last two
+    # layers reading the KV of the last earlier layer of their kind with double-wide MLPs.
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL],
+            global_head_dim=48,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+            final_logit_softcapping=30.0,
+        ),
+    ),
+    # Gemma 4's MoE block beside every dense MLP; sliding layers with 4 kv heads (two cache
+    # rows) and full ones with 4 of 48 (four rows: two slots each).
+    "gemma4-moe": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            sliding_window=WINDOW,
+            layer_types=[SLIDING, FULL, SLIDING, FULL],
+            global_head_dim=48,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=40,
+            hidden_size_per_layer_input=0,
         ),
     ),
     "qwen3-moe-sparse-step": (

@@ -49,7 +49,7 @@ def test_gemma3_270m_groups_are_six_of_three():
     assert groups.layers[1:] == ((0, 1, 2), (3, 4, 6), (7, 8, 9), (10, 12, 13), (14, 15, 16))
     assert groups.num_slots == 3
     slots = groups.layer_slots
-    assert slots[5] == (0, 0) and slots[17] == (0, 2) and slots[6] == (2, 2)
+    assert slots[5] == ((0, 0),) and slots[17] == ((0, 2),) and slots[6] == ((2, 2),)
     # Every (group, slot) serves one layer.
     assert len(set(slots)) == 18
 

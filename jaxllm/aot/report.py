@@ -56,20 +56,22 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     head = _program(engine, runner.head_name(runner.sampler_variants[0]), (shape[1],))
     cfg = engine.model_config
     tp = engine.tensor_parallel_size
-    heads, kv_heads = cfg.num_heads // tp, max(cfg.num_kv_heads // tp, 1)
+    # One slot's attention, in the cache's rows (a packed layer's heads as they are there).
+    head_dim = cfg.cache_head_dim
+    heads, kv_heads = cfg.num_heads // tp, max(cfg.cache_kv_heads // tp, 1)
     cache = runner.kv_cache
     quantized = cache.scales is not None
-    cache_shape = (1, runner.num_pages, kv_heads, runner.page_size, 2 * cfg.head_dim)
+    cache_shape = (1, runner.num_pages, kv_heads, runner.page_size, 2 * head_dim)
     dtype = engine.dtype
     flops_a, _, bytes_a = attention_cost(
-        (shape[0], heads, cfg.head_dim),
+        (shape[0], heads, head_dim),
         dtype,
         cache_shape,
         cache.dtype if not quantized else jnp.int8,
         (shape[1], runner.pages_per_seq),
         quantized,
     )
-    q_bytes = shape[0] * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    q_bytes = shape[0] * heads * head_dim * jnp.dtype(dtype).itemsize
     layers = len(cfg.attention_layers)  # a hybrid's linear layers read no KV
     # Each layer reads the keys its window sees (a sliding layer at most its window, a chunked
     # one at most its chunk).
@@ -78,7 +80,7 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     if cfg.linear_attention is not None:  # each request's state read and written back
         state = state_bytes_per_slot(cfg, dtype) // engine.tensor_parallel_size
         kv_read += 2 * batch * state
-    attention_flops = 4 * cfg.head_dim * heads * batch * sum(seen)
+    attention_flops = 4 * head_dim * heads * batch * sum(seen)
     weights = engine.weights[0]
     if forward.bytes_accessed is None or head.bytes_accessed is None:
         source = "counted"  # each weight read once, 2 flops per weight and row

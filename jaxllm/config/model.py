@@ -5,6 +5,7 @@ from a Hugging Face `config.json` (`from_hf_config`, read by the family records:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from jaxllm.families import (
@@ -141,6 +142,31 @@ class ModelConfig:
     [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate); None: the usual
     act(gate) * up."""
     swiglu_alpha: float = 1.702
+    global_head_dim: int | None = None
+    """The head width of the full-attention layers where it differs from `head_dim` (Gemma 4:
+    512 beside its sliding layers' 256)."""
+    num_global_kv_heads: int | None = None
+    """The kv heads of the full-attention layers where they differ (Gemma 4)."""
+    attention_k_eq_v: bool = False
+    """The full-attention layers have no v projection: their values are the k projection's
+    output, normalised without RoPE (Gemma 4)."""
+    v_norm: bool = False
+    """Values are RMS-normalised over each head without a weight (Gemma 4)."""
+    kv_shared_layers: int = 0
+    """The last this many layers keep no keys and values: each attends to those of the last
+    earlier layer of its kind (Gemma 4's `num_kv_shared_layers`)."""
+    double_wide_mlp: bool = False
+    """The layers that share another's KV have an MLP twice `intermediate_size` (Gemma 4)."""
+    per_layer_input_size: int = 0
+    """Gemma 4's per-layer inputs: a second embedding of each token, this wide per layer, plus
+    a projection of the first, gated into the residual after every layer; 0: none."""
+    per_layer_vocab_size: int = 0
+    """The rows of the per-layer embedding table (`vocab_size_per_layer_input`)."""
+    layer_scalar: bool = False
+    """Each layer's output is multiplied by a learned scalar of the layer (Gemma 4)."""
+    moe_beside_mlp: bool = False
+    """Gemma 4's MoE block: every layer has the dense MLP and a mixture of experts side by side,
+    the router reading the normalised residual scaled per channel, a scale per expert."""
     kv_head_replicas: int = 1
     """Each checkpoint kv head is repeated this many times (tensor parallelism over more
     devices than kv heads, see `sharding.shard_config`); num_kv_heads counts the copies."""
@@ -203,6 +229,28 @@ class ModelConfig:
             )
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ValueError("model config: moe_intermediate_size must be >= 1")
+        if not 0 <= self.kv_shared_layers < self.num_layers:
+            raise ValueError(
+                f"model config: kv_shared_layers must be in [0, {self.num_layers}), got "
+                f"{self.kv_shared_layers}"
+            )
+        for i in self.attention_layers:
+            if self.layer_num_heads_per_kv(i) < 1 or self.num_heads % self.layer_num_kv_heads(i):
+                raise ValueError(
+                    f"model config: layer {i}'s {self.layer_num_kv_heads(i)} kv heads must "
+                    f"divide num_heads ({self.num_heads})"
+                )
+            if self.cache_head_dim % self.layer_head_dim(i):
+                raise ValueError(
+                    f"model config: head widths {sorted(set(map(self.layer_head_dim, self.kv_layers)))} "
+                    "must each divide the widest"
+                )
+            source = self.layer_kv_source(i)
+            if source is None:
+                raise ValueError(
+                    f"model config: layer {i} shares the KV of an earlier {self.layer_kind(i)} "
+                    "layer, and there is none"
+                )
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of `layer`; None for full attention."""
@@ -224,6 +272,72 @@ class ModelConfig:
         every position."""
         return self.layer_window(layer) or self.layer_chunk(layer)
 
+    def layer_kind(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    def _global(self, layer: int) -> bool:
+        return self.layer_kind(layer) == FULL_ATTENTION
+
+    def layer_head_dim(self, layer: int) -> int:
+        """The head width of `layer` (Gemma 4's full-attention layers: `global_head_dim`)."""
+        return (self.global_head_dim or self.head_dim) if self._global(layer) else self.head_dim
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        if self._global(layer) and self.num_global_kv_heads:
+            return self.num_global_kv_heads * self.kv_head_replicas
+        return self.num_kv_heads
+
+    def layer_num_heads_per_kv(self, layer: int) -> int:
+        return self.num_heads // self.layer_num_kv_heads(layer)
+
+    def layer_kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values `layer` attends to: itself, or for one of the last
+        `kv_shared_layers` the last earlier layer of its kind that keeps its own (None: there
+        is none, a bad config)."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_kind(layer)
+        return next(
+            (i for i in range(first_shared - 1, -1, -1) if self.layer_kind(i) == kind), None
+        )
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The attention layers that keep keys and values of their own in the paged cache."""
+        return tuple(i for i in self.attention_layers if self.layer_kv_source(i) == i)
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The head width of the cache's rows: the widest layer's. A narrower layer packs
+        `layer_kv_pack` of its heads into one row (see `jaxllm.models.kv_layout`)."""
+        return max((self.layer_head_dim(i) for i in self.kv_layers), default=self.head_dim)
+
+    def layer_kv_pack(self, layer: int) -> int:
+        """How many of `layer`'s kv heads share one row of the cache."""
+        return self.cache_head_dim // self.layer_head_dim(layer)
+
+    def layer_packed_kv_heads(self, layer: int) -> int:
+        """`layer`'s kv heads as the cache holds them: packed `layer_kv_pack` to a row."""
+        return -(-self.layer_num_kv_heads(layer) // self.layer_kv_pack(layer))
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """The kv heads of one cache slot: every layer's packed heads are a whole number of
+        slots (`layer_kv_parts`)."""
+        return math.gcd(*(self.layer_packed_kv_heads(i) for i in self.kv_layers)) or 1
+
+    def layer_kv_parts(self, layer: int) -> int:
+        """How many cache slots `layer`'s keys and values fill (1 but for a layer with more
+        kv width than another's, Gemma 4's sliding layers)."""
+        return self.layer_packed_kv_heads(layer) // self.cache_kv_heads
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """The dense MLP's width in `layer` (Gemma 4's KV-sharing layers: twice, with
+        `double_wide_mlp`)."""
+        wide = self.double_wide_mlp and self.layer_kv_source(layer) != layer
+        return self.intermediate_size * (2 if wide else 1)
+
     def layer_uses_rope(self, layer: int) -> bool:
         return layer not in self.nope_layers
 
@@ -243,11 +357,22 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The channels of each head that RoPE turns."""
+        """The channels of each head that RoPE turns (in a layer of `head_dim`)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def global_rotary_dim(self) -> int:
+        """The channels RoPE turns in the full-attention layers (`global_head_dim` wide)."""
+        return int((self.global_head_dim or self.head_dim) * self.partial_rotary_factor)
+
     def layer_uses_local_rope(self, layer: int) -> bool:
-        return self.rope_local_theta is not None and self.layer_window(layer) is not None
+        """The sliding layers' RoPE: its own base (Gemma 3), or `head_dim` wide beside wider
+        full-attention heads (Gemma 4)."""
+        if self.layer_window(layer) is None:
+            return False
+        return self.rope_local_theta is not None or self.layer_head_dim(layer) != (
+            self.global_head_dim or self.head_dim
+        )
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers

@@ -5,7 +5,16 @@ already covers, write its module and import it here."""
 
 from __future__ import annotations
 
-from jaxllm.families import gemma, gpt_oss, llama, llama4, llava, mixtral, qwen  # noqa: F401
+from jaxllm.families import (  # noqa: F401
+    gemma,
+    gemma4,
+    gpt_oss,
+    llama,
+    llama4,
+    llava,
+    mixtral,
+    qwen,
+)
 from jaxllm.families.base import (
     CHUNKED_ATTENTION,
     FAMILIES,

@@ -37,6 +37,9 @@ _VISION_PREFIXES = (
     "model.visual.",
     "vision_model.",  # Llama 4's
     "model.vision_model.",
+    "model.embed_vision.",  # Gemma 4's, and its audio side
+    "model.audio_tower.",
+    "model.embed_audio.",
 )
 
 

@@ -67,6 +67,9 @@ class RopeScaling:
     """YaRN: the ramp's ends rounded to whole dimensions (transformers' default)."""
     attention_factor: float = 1.0
     """cos and sin are multiplied by this (YaRN's mscale); 1 for the other types."""
+    partial_rotary_factor: float = 1.0
+    """"proportional" (Gemma 4's full-attention layers): only the first factor x H / 2
+    frequencies turn, with exponents over the whole head; the others are zero."""
 
     @classmethod
     def from_hf(
@@ -91,8 +94,15 @@ class RopeScaling:
             )
         if kind == "yarn":
             return cls._yarn(params, max_position_embeddings)
+        if kind == "proportional":
+            return cls(
+                "proportional",
+                factor=float(params.get("factor", 1.0)),
+                partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+            )
         raise ValueError(
-            f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn)"
+            f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn, "
+            "proportional)"
         )
 
     @classmethod

@@ -65,7 +65,32 @@ def _rules(c: ModelConfig) -> dict[str, list[tuple[tuple[str, ...], Callable]]]:
             "post_attention_layernorm",
             "pre_feedforward_layernorm",
             "post_feedforward_layernorm",
+            # Gemma 4's MoE block's norms, and its per-layer input's
+            "post_feedforward_layernorm_1",
+            "pre_feedforward_layernorm_2",
+            "post_feedforward_layernorm_2",
         )
+    }
+    gemma4 = {
+        "layer_scalar": (("layer_scalar",), same),
+        "per_layer_input_gate.weight": (("per_layer", "per_layer_input_gate"), lambda w: w.T),
+        "per_layer_projection.weight": (("per_layer", "per_layer_projection"), lambda w: w.T),
+        "post_per_layer_input_norm.weight": (
+            ("per_layer", "post_per_layer_input_norm", "weight"),
+            same,
+        ),
+        "moe.router.weight": (("moe", "router"), lambda w: w.T),
+        "moe.router_scale": (("moe", "router_scale"), same),
+        "moe.router_per_expert_scale": (("moe", "per_expert_scale"), same),
+        # Output-major experts ([E, 2F, D] gate then up, [E, D, F]) -> ours, input-major.
+        "moe.experts.gate_up_proj_output_major": [
+            (("moe", "gate_proj"), lambda w: np.split(w, 2, axis=1)[0].transpose(0, 2, 1)),
+            (("moe", "up_proj"), lambda w: np.split(w, 2, axis=1)[1].transpose(0, 2, 1)),
+        ],
+        "moe.experts.down_proj_output_major": (
+            ("moe", "down_proj"),
+            lambda w: w.transpose(0, 2, 1),
+        ),
     }
     even, odd = (lambda w: w[..., 0::2]), (lambda w: w[..., 1::2])
     halves = [(lambda w, i=i: np.split(w, 2, axis=-1)[i]) for i in range(2)]
@@ -114,6 +139,7 @@ def _rules(c: ModelConfig) -> dict[str, list[tuple[tuple[str, ...], Callable]]]:
             "mlp.experts.down_proj": (("mlp", "down_proj"), same),
             "mlp.experts.down_proj_bias": (("mlp", "down_bias"), same),
         }
+        | gemma4
         | (_linear_attention_rules(c) if c.linear_attention else {})
     )
     return {k: v if isinstance(v, list) else [v] for k, v in table.items()}
@@ -185,6 +211,9 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
         return ("embed_tokens",), same, None
     if name == "model.norm.weight":
         return ("norm", "weight"), same, None
+    if name in _PER_LAYER_INPUTS:  # Gemma 4's
+        path, f = _PER_LAYER_INPUTS[name]
+        return ("per_layer_inputs", *path), f, None
     if name == "lm_head.weight":
         # Some tied checkpoints still ship a copy of the embedding as lm_head: skip it.
         return None if config.tie_word_embeddings else (("lm_head",), lambda w: w.T, None)
@@ -195,6 +224,8 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
     m = _LAYER.match(name)
     if m and int(m.group(1)) < config.num_layers:
         layer, suffix = int(m.group(1)), m.group(2)
+        if config.layer_kv_source(layer) != layer and suffix in _OWN_KV:
+            return None  # a layer sharing another's KV (Gemma 4) has none of its own
         rule = _rules(config).get(suffix)
         if rule is not None:
             return [(("layers", layer, *path), f, None) for path, f in rule]
@@ -203,6 +234,20 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
             return ("layers", layer, "mlp", e.group(2)), lambda w: w.T, int(e.group(1))
     raise ValueError(f"unexpected tensor {original!r} in checkpoint for {config.architecture}")
 
+
+_PER_LAYER_INPUTS = {
+    "model.embed_tokens_per_layer.weight": (("embed_tokens_per_layer",), lambda w: w),
+    "model.per_layer_model_projection.weight": (("per_layer_model_projection",), lambda w: w.T),
+    "model.per_layer_projection_norm.weight": (
+        ("per_layer_projection_norm", "weight"),
+        lambda w: w,
+    ),
+}
+_OWN_KV = {
+    f"self_attn.{name}.{kind}"
+    for name in ("k_proj", "v_proj", "k_norm", "v_norm")
+    for kind in ("weight", "bias")
+}
 
 _QK_WEIGHT = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.[qk]_proj\.weight$")
 

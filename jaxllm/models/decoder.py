@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import REFERENCE_KERNELS, CompilationConfig, ModelConfig, using_kernels
 from jaxllm.models.layers import (
+    ACTIVATIONS,
     MLP,
     Attention,
     AttentionMetadata,
@@ -83,10 +84,23 @@ class DecoderLayer(nnx.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        if config.layer_is_moe(layer):
+        width = config.layer_intermediate_size(layer)
+        if config.layer_is_moe(layer) and not config.moe_beside_mlp:
             self.mlp = MoE(config, dtype=dtype, mesh=mesh, rngs=rngs)
         else:
-            self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(config, dtype=dtype, rngs=rngs, width=width)
+        # Gemma 4's MoE block: experts beside the dense MLP, each with norms of its own.
+        beside = config.layer_is_moe(layer) and config.moe_beside_mlp
+        self.moe = MoE(config, dtype=dtype, mesh=mesh, rngs=rngs) if beside else None
+        if beside:
+            self.post_feedforward_layernorm_1 = norm()
+            self.pre_feedforward_layernorm_2 = norm()
+            self.post_feedforward_layernorm_2 = norm()
+        # Gemma 4's per-layer input, gated into the residual after the layer.
+        self.per_layer = (
+            PerLayerInput(config, dtype=dtype, rngs=rngs) if config.per_layer_input_size else None
+        )
+        self.layer_scalar = param(rngs, (1,), (None,), dtype) if config.layer_scalar else None
         self.local_rope = config.layer_uses_local_rope(layer)
 
     def __call__(
@@ -99,9 +113,19 @@ class DecoderLayer(nnx.Module):
         lora,
         slots,
         q_scale=None,
+        per_layer_input=None,
     ) -> tuple[jax.Array, ModelCache]:
         """`slots`: each request's state slots (`StateSlots`, for a linear layer); `q_scale`
-        f32[T] the queries' temperature (Llama 4's layers without RoPE), or None."""
+        f32[T] the queries' temperature (Llama 4's layers without RoPE), or None;
+        `per_layer_input` [T, P] this layer's slice of Gemma 4's per-layer inputs."""
+        x, cache = self._block(x, ropes, cache, layer, meta, lora, slots, q_scale)
+        if self.per_layer is not None:
+            x = self.per_layer(x, per_layer_input)
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar.get_value()
+        return x, cache
+
+    def _block(self, x, ropes, cache, layer, meta, lora, slots, q_scale):
         rope = ropes[1] if self.local_rope else ropes[0]
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
@@ -116,9 +140,62 @@ class DecoderLayer(nnx.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn_out)
             mlp_out = mlp(self.pre_feedforward_layernorm(x))
+            if self.moe is not None:  # routed on the residual, the experts on its own norm
+                routed = self.moe(self.pre_feedforward_layernorm_2(x), router_input=x)
+                mlp_out = self.post_feedforward_layernorm_1(
+                    mlp_out
+                ) + self.post_feedforward_layernorm_2(routed)
             return x + self.post_feedforward_layernorm(mlp_out), cache
         x = x + attn_out
         return x + mlp(self.post_attention_layernorm(x)), cache
+
+
+class PerLayerInput(nnx.Module):
+    """Gemma 4's per-layer input inside a layer: x + norm(proj(act(gate(x)) * input))."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        d, p = config.hidden_size, config.per_layer_input_size
+        self.per_layer_input_gate = param(rngs, (d, p), ("embed", None), dtype)
+        self.per_layer_projection = param(rngs, (p, d), (None, "embed"), dtype)
+        self.post_per_layer_input_norm = RMSNorm(
+            d, config.rms_norm_eps, float_scale=config.norm_float_scale, dtype=dtype
+        )
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def __call__(self, x: jax.Array, per_layer_input: jax.Array) -> jax.Array:
+        h = self.act(linear(x, self.per_layer_input_gate.get_value())) * per_layer_input
+        h = linear(h, self.per_layer_projection.get_value())
+        return x + self.post_per_layer_input_norm(h)
+
+
+class PerLayerInputs(nnx.Module):
+    """Gemma 4's per-layer inputs of a step's tokens, [T, L, P]: a second embedding of each
+    token (scaled by sqrt(P)) and a projection of its first (scaled by 1 / sqrt(D), then
+    normalised per layer), averaged as (a + b) / sqrt(2)."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        d, p, n = config.hidden_size, config.per_layer_input_size, config.num_layers
+        vocab = config.per_layer_vocab_size or config.vocab_size
+        self.embed_tokens_per_layer = param(rngs, (vocab, n * p), ("vocab", None), dtype)
+        self.per_layer_model_projection = param(rngs, (d, n * p), ("embed", None), dtype)
+        self.per_layer_projection_norm = RMSNorm(
+            p, config.rms_norm_eps, float_scale=config.norm_float_scale, axis=None, dtype=dtype
+        )
+        self.shape, self.hidden_size = (n, p), d
+
+    def __call__(self, input_ids: jax.Array, embeds: jax.Array) -> jax.Array:
+        table = self.embed_tokens_per_layer.get_value()
+        vocab = table.shape[0]
+        # Token ids past the table (multimodal placeholders) take row 0, as the pad token's.
+        ids = jnp.where(input_ids < vocab, input_ids, 0)
+        rows = take_rows(table, ids) if isinstance(table, QArray) else table[ids]
+        n, p = self.shape
+        tokens = rows * jnp.asarray(p**0.5, rows.dtype)
+        projected = linear(embeds, self.per_layer_model_projection.get_value())
+        projected = projected * jnp.asarray(self.hidden_size**-0.5, projected.dtype)
+        projected = self.per_layer_projection_norm(projected.reshape(-1, n, p))
+        both = projected + tokens.reshape(-1, n, p).astype(projected.dtype)
+        return both * jnp.asarray(2.0**-0.5, both.dtype)
 
 
 class DecoderForCausalLM(nnx.Module):
@@ -141,6 +218,9 @@ class DecoderForCausalLM(nnx.Module):
             rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype
         )
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
+        self.per_layer_inputs = (
+            PerLayerInputs(config, dtype=dtype, rngs=rngs) if config.per_layer_input_size else None
+        )
         self.layers = nnx.List(
             DecoderLayer(config, i, dtype=dtype, mesh=mesh, rngs=rngs)
             for i in range(config.num_layers)
@@ -153,14 +233,19 @@ class DecoderForCausalLM(nnx.Module):
             dtype=dtype,
         )
         # Static (part of the graph definition, not parameters): tuples, not arrays.
-        h = config.rotary_dim
         global_freq = rope_inv_freq(
-            h, config.rope_theta, config.rope_scaling, config.rope_freq_factors
+            config.global_rotary_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.rope_freq_factors,
         )
+        # The sliding layers' RoPE, where they have their own: its base, or its head width
+        # (Gemma 4's are narrower than its full-attention layers').
+        local = [i for i in range(config.num_layers) if config.layer_uses_local_rope(i)]
         local_freq = (
-            global_freq
-            if config.rope_local_theta is None
-            else rope_inv_freq(h, config.rope_local_theta)
+            rope_inv_freq(config.rotary_dim, config.rope_local_theta or config.rope_theta)
+            if local
+            else global_freq
         )
         self.inv_freq = (tuple(global_freq.tolist()), tuple(local_freq.tolist()))
         # YaRN's scale of cos and sin (the global RoPE's; the local one is never scaled).
@@ -201,6 +286,9 @@ class DecoderForCausalLM(nnx.Module):
             rows, index = mm_embeds
             image = rows[jnp.maximum(index, 0)].astype(x.dtype)
             x = jnp.where((index >= 0)[:, None], image, x)
+        per_layer = None
+        if self.per_layer_inputs is not None:
+            per_layer = self.per_layer_inputs(input_ids, x)  # [T, L, P]
         global_rope = Rope.at(positions, self.inv_freq[0], self.mrope_section, self.rope_scale)
         local_rope = (
             global_rope
@@ -216,7 +304,17 @@ class DecoderForCausalLM(nnx.Module):
             q_scale = jnp.log1p(jnp.floor((p + 1.0) / c.floor_scale)) * c.attn_scale + 1.0
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, cache = layer(x, ropes, cache, i, meta, loras[i], extras.state_slots, q_scale)
+                x, cache = layer(
+                    x,
+                    ropes,
+                    cache,
+                    i,
+                    meta,
+                    loras[i],
+                    extras.state_slots,
+                    q_scale,
+                    None if per_layer is None else per_layer[:, i],
+                )
         return self.norm(x), cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]

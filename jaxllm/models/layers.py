@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxllm.config import ModelConfig, RopeScaling, kernel_choices
+from jaxllm.families import FULL_ATTENTION
+from jaxllm.models.kv_layout import KVLayout
 from jaxllm.quantization import QArray, qmatmul, qmatmuls
 from jaxllm.sharding import kv_cache_specs
 from pallas_kernels import KVCache
@@ -108,8 +110,8 @@ def rope_inv_freq(
     scaling: RopeScaling | None = None,
     freq_factors: tuple[float, ...] | None = None,
 ) -> np.ndarray:
-    """Inverse frequencies f32[H // 2]: scaled as `scaling` says ("linear", "llama3" or
-    "yarn"), or divided by llama.cpp's per-frequency `freq_factors`. (YaRN's scale of cos and
+    """Inverse frequencies f32[H // 2]: scaled as `scaling` says ("linear", "llama3", "yarn"
+    or "proportional"), or divided by llama.cpp's per-frequency `freq_factors`. (YaRN's scale of cos and
     sin is `scaling.attention_factor`, applied by `Rope.at`.)"""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
     inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
@@ -126,6 +128,10 @@ def rope_inv_freq(
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     if scaling.rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if scaling.rope_type == "proportional":  # as transformers computes it
+        turning = int(scaling.partial_rotary_factor * head_dim // 2)
+        inv_freq[turning:] = 0.0
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -289,15 +295,15 @@ class AttentionMetadata:
     # a model whose image tokens attend to each other: Gemma 3), -1 for causal; None: all
     # causal (see `pallas_kernels.ragged_paged_attention`)
     attend_to: jax.Array | None = None
-    # Static: per model layer, (its group, its slot in the cache's leading axis); None: one
-    # group whose slot i is layer i.
-    layer_slots: tuple[tuple[int, int] | None, ...] | None = dataclasses.field(
+    # Static: per model layer, (its group, its slot in the cache's leading axis) per part of
+    # its KV (`KVCacheGroups.layer_slots`); None: one group whose slot i is layer i.
+    layer_slots: tuple[tuple[tuple[int, int], ...], ...] | None = dataclasses.field(
         default=None, metadata=dict(static=True)
     )
 
-    def where(self, layer: int) -> tuple[int, int]:
-        """(group, cache slot) of model layer `layer`."""
-        return (0, layer) if self.layer_slots is None else self.layer_slots[layer]
+    def where(self, layer: int) -> tuple[tuple[int, int], ...]:
+        """(group, cache slot) of each part of model layer `layer`'s KV."""
+        return ((0, layer),) if self.layer_slots is None else self.layer_slots[layer]
 
 
 class Attention(nnx.Module):
@@ -310,7 +316,13 @@ class Attention(nnx.Module):
         mesh=None,
         rngs: nnx.Rngs | None,
     ):
-        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        d, n = config.hidden_size, config.num_heads
+        k, h = config.layer_num_kv_heads(layer), config.layer_head_dim(layer)
+        # Gemma 4: a layer that shares an earlier layer's keys and values has no k and v of
+        # its own; its full-attention layers take their values from the k projection.
+        self.kv_source = config.layer_kv_source(layer)
+        own_kv = self.kv_source == layer
+        self.k_is_v = config.attention_k_eq_v and config.layer_kind(layer) == FULL_ATTENTION
         # Matrices, heads-major on their head side (column h * H + i is head h's i): a 3-D
         # [D, N, H] weight reshaped to 2-D inside the step made XLA:TPU relayout (and widen)
         # it at every step, 5x its bytes. Splitting N * H over devices keeps whole heads.
@@ -319,8 +331,9 @@ class Attention(nnx.Module):
         self.gated = config.attention_output_gate
         q_width = n * h * (2 if self.gated else 1)
         self.q_proj = param(rngs, (d, q_width), ("embed", "q_heads"), dtype)
-        self.k_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype)
-        self.v_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype)
+        self.k_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype) if own_kv else None
+        own_v = own_kv and not self.k_is_v
+        self.v_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), dtype) if own_v else None
         self.o_proj = param(rngs, (n * h, d), ("q_heads", "embed"), dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
         if config.attention_bias:
@@ -331,14 +344,21 @@ class Attention(nnx.Module):
             self.q_bias = self.k_bias = self.v_bias = None
         self.o_bias = param(rngs, (d,), ("embed",), dtype) if config.attention_out_bias else None
         if config.qk_norm:
-            kw = dict(offset=config.norm_offset, axis="head_dim", dtype=dtype)
+            kw = dict(
+                offset=config.norm_offset,
+                float_scale=config.norm_float_scale,
+                axis="head_dim",
+                dtype=dtype,
+            )
             self.q_norm = RMSNorm(h, config.rms_norm_eps, **kw)
-            self.k_norm = RMSNorm(h, config.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, **kw) if own_kv else None
         else:
             self.q_norm = self.k_norm = None
-        # gpt-oss: a logit per query head in each softmax's denominator (split with the heads).
+        self.v_norm_eps = config.rms_norm_eps if config.v_norm else None
+        self.kv_layout = KVLayout.of(config, self.kv_source)
         self.sinks = param(rngs, (n,), ("q_heads",), dtype) if config.attention_sinks else None
-        self.sm_scale = (config.query_pre_attn_scalar or h) ** -0.5
+        scalar = config.query_pre_attn_scalar
+        self.sm_scale = (h if scalar is None else scalar) ** -0.5
         self.soft_cap = config.attn_logit_softcapping
         # Static per layer: the layers are unrolled (see decoder.py), so each layer's kernel
         # call is its own; the kernels take it as data either way.
@@ -361,9 +381,14 @@ class Attention(nnx.Module):
         lora=None,  # this layer's adapters (`jaxllm.models.lora.LayerLoRA`), or None
         q_scale: jax.Array | None = None,  # f32[T]: the queries' temperature (Llama 4)
     ) -> tuple[jax.Array, jax.Array]:
-        q, k, v = linears(x, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)])
+        projections = [w for w in (self.q_proj, self.k_proj, self.v_proj) if w is not None]
+        q, *kv = linears(x, [w.get_value() for w in projections])
+        k, v = (None, None) if not kv else (kv[0], kv[-1])  # K = V: the k projection's
         if lora is not None:
-            q, k, v = (lora.add(t, x, y) for t, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+            q = lora.add("q_proj", x, q)
+            if k is not None:
+                k = lora.add("k_proj", x, k)
+                v = k if self.k_is_v else lora.add("v_proj", x, v)
         if self.q_bias is not None:
             q = q + self.q_bias.get_value()
             k = k + self.k_bias.get_value()
@@ -373,14 +398,23 @@ class Attention(nnx.Module):
         if self.gated:
             q, gate = jnp.split(q.reshape(num_tokens, self.num_heads, 2 * h), 2, axis=-1)
         q = q.reshape(num_tokens, self.num_heads, h)  # [T, N, H]
-        k = k.reshape(num_tokens, self.num_kv_heads, h)  # [T, K, H]
-        v = v.reshape(num_tokens, self.num_kv_heads, h)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         if self.use_rope:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            q = apply_rope(q, rope)
         if self.l2_eps is not None:
-            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+            q = l2_norm(q, self.l2_eps)
+        if k is not None:
+            k = k.reshape(num_tokens, self.num_kv_heads, h)  # [T, K, H]
+            v = v.reshape(num_tokens, self.num_kv_heads, h)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.v_norm_eps is not None:
+                v = l2_norm(v, self.v_norm_eps)
+            if self.use_rope:
+                k = apply_rope(k, rope)
+            if self.l2_eps is not None:
+                k = l2_norm(k, self.l2_eps)
         if self.temperature:
             q = (q * q_scale[:, None, None]).astype(q.dtype)
         out, kv_cache = self._paged_attention(q, k, v, kv_cache, layer, meta)
@@ -396,22 +430,46 @@ class Attention(nnx.Module):
         return out, kv_cache
 
     def _paged_attention(self, q, k, v, kv_cache, layer, meta: AttentionMetadata):
-        """Writes the new K/V into the cache and attends; with a mesh, per device on its own
-        heads (q, k, v and the cache are split on heads, the metadata is replicated)."""
+        """Writes the new K/V into the cache (unless the layer shares another's) and attends;
+        with a mesh, per device on its own heads (q, k, v and the cache are split on heads,
+        the metadata is replicated). A layer packed into the cache (`kv_layout`) attends once
+        per part, on queries and keys widened to the cache's rows."""
+        layout = self.kv_layout
+        parts = meta.where(self.kv_source)
+        sinks = None if self.sinks is None else self.sinks.get_value().astype(jnp.float32)
+        if layout.plain:
+            qs, ks, vs, sink_parts = [q], [k], [v], [sinks]
+        else:
+            qs = layout.pack_q(q)
+            ks, vs = (layout.pack_kv(k), layout.pack_kv(v)) if k is not None else ([None],) * 2
+            sink_parts = [None] * layout.parts if sinks is None else layout.pack_heads(sinks)
+        outs = []
+        for i, (group, slot) in enumerate(parts):
+            qi, ki, vi = qs[i], ks[min(i, len(ks) - 1)], vs[min(i, len(vs) - 1)]
+            out, kv_cache = self._attend_part(
+                qi, ki, vi, kv_cache, group, slot, sink_parts[i], meta
+            )
+            outs.append(out)
+        out = outs[0] if layout.plain else layout.unpack_out(outs)
+        return out, kv_cache
 
-        group, slot = meta.where(layer)
+    def _attend_part(self, q, k, v, kv_cache, group, slot, sinks, meta: AttentionMetadata):
         meta = dict(
             slot_mapping=meta.slot_mapping[group],
-            sinks=None if self.sinks is None else self.sinks.get_value().astype(jnp.float32),
+            sinks=sinks,
             seq_lens=meta.seq_lens,
             block_tables=meta.block_tables[group],
             cu_q_lens=meta.cu_q_lens,
             num_seqs=meta.num_seqs,
             attend_to=meta.attend_to,
         )
+        write = k is not None
+        if not write:  # a layer sharing another's KV: placeholders, nothing is written
+            k = v = jnp.zeros((q.shape[0], 0, 0), q.dtype)
 
         def run(q, k, v, kv_cache, slot, meta):
-            kv_cache = pallas_kernels.write_kv(kv_cache, slot, k, v, meta["slot_mapping"])
+            if write:
+                kv_cache = pallas_kernels.write_kv(kv_cache, slot, k, v, meta["slot_mapping"])
             out = pallas_kernels.ragged_paged_attention(
                 # A float cache may be wider than the model (see kv_sizing.py); an 8-bit one
                 # is widened to q's dtype by the kernel.
@@ -435,13 +493,14 @@ class Attention(nnx.Module):
         if self.mesh is None:
             return run(q, k, v, kv_cache, slot, meta)
         heads = P(None, "model", None)
+        kv_spec = heads if write else P()
         cache = kv_cache_specs(kv_cache.quantized)
         meta_specs = {name: P() for name in meta}
         meta_specs["sinks"] = P("model")  # per query head, split with them
         return jax.shard_map(
             run,
             mesh=self.mesh,
-            in_specs=(heads, heads, heads, cache, P(), meta_specs),
+            in_specs=(heads, kv_spec, kv_spec, cache, P(), meta_specs),
             out_specs=(heads, cache),
             check_vma=False,
         )(q, k, v, kv_cache, slot, meta)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.layers import ACTIVATIONS, MLP, linear, matmul, param
+from jaxllm.models.layers import ACTIVATIONS, MLP, l2_norm, linear, matmul, param
 from jaxllm.sharding import spec_for
 
 
@@ -38,6 +38,14 @@ class MoE(nnx.Module):
         d, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         self.router = param(rngs, (d, e), ("embed", None), dtype)
         self.router_bias = param(rngs, (e,), (None,), dtype) if config.router_bias else None
+        # Gemma 4: the router reads its input normalised, scaled per channel and by 1/sqrt(D),
+        # and each chosen expert's weight is scaled by a factor of the expert's.
+        if config.moe_beside_mlp:
+            self.router_scale = param(rngs, (d,), (None,), dtype)
+            self.per_expert_scale = param(rngs, (e,), (None,), dtype)
+            self.router_eps = config.rms_norm_eps
+        else:
+            self.router_scale = self.per_expert_scale = None
         self.gate_proj = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), dtype)
         self.up_proj = param(rngs, (e, d, f), ("expert", "embed", "expert_mlp"), dtype)
         self.down_proj = param(rngs, (e, f, d), ("expert", "expert_mlp", "embed"), dtype)
@@ -74,6 +82,10 @@ class MoE(nnx.Module):
         """(weights f32[T, k], expert ids i32[T, k]): the router logits in x's dtype (as
         transformers rounds them), a float32 softmax over all experts, the top k, renormalised
         to sum to 1 where the family does."""
+        if self.router_scale is not None:
+            d = x.shape[-1]
+            x = l2_norm(x, self.router_eps) * self.router_scale.get_value()
+            x = x * jnp.asarray(d**-0.5, x.dtype)
         logits = matmul(x, self.router.get_value()).astype(x.dtype)
         if self.router_bias is not None:
             logits = logits + self.router_bias.get_value()
@@ -85,10 +97,14 @@ class MoE(nnx.Module):
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale.get_value()[experts].astype(jnp.float32)
         return weights, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
-        routed = self._routed(x)
+    def __call__(self, x: jax.Array, router_input: jax.Array | None = None) -> jax.Array:
+        """[T, D] -> [T, D]; `router_input`: what the router reads where it is not x (Gemma 4:
+        the residual, while the experts read its norm)."""
+        routed = self._routed(x, x if router_input is None else router_input)
         if self.shared_expert is None:
             return routed
         if self.shared_expert_gate is None:
@@ -97,8 +113,8 @@ class MoE(nnx.Module):
         shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * self.shared_expert(x)
         return routed + shared
 
-    def _routed(self, x: jax.Array) -> jax.Array:
-        weights, experts = self.route(x)
+    def _routed(self, x: jax.Array, router_input: jax.Array) -> jax.Array:
+        weights, experts = self.route(router_input)
         out = self._experts(x, weights, experts)
         if self.down_bias is not None:  # sum_j weight_j * bias of expert j, in float32
             bias = self.down_bias.get_value()[experts].astype(jnp.float32)  # [T, k, D]

@@ -19,6 +19,12 @@ Llama 4's chunked layers (a query sees its own chunk of C positions) keep what a
 would: each query's chunk starts within it. Scout's 48 layers are 36 chunked (8,192 tokens)
 and 12 full: a long context keeps a quarter of the layers' tokens beyond 8k.
 
+A layer wider than another in keys and values (Gemma 4's sliding layers: 16 kv heads of 256
+against the full layers' 4 of 512, packed two to a 512-wide row, `ModelConfig.layer_kv_parts`)
+fills several slots, each with a part of its heads: a group's slots are (layer, part) units. A
+layer that shares another's KV (Gemma 4's last `kv_shared_layers`) has none: it reads the
+other's slots.
+
 A model whose layers all share one window (all full, or all sliding like Mistral) has one group
 of all its layers: slot j is layer j, and a sliding one frees its blocks behind the window too.
 `hybrid=False` (`--disable-hybrid-kv-cache-manager`) makes a mixed model one full group: every
@@ -38,7 +44,8 @@ class KVCacheGroups:
     """Per group: the sliding window its layers share, or None (full attention: it keeps every
     block)."""
     layers: tuple[tuple[int, ...], ...]
-    """Per group: its layers, in order; the j-th is in cache slot j."""
+    """Per group: its layers, in order; the j-th is in cache slot j. A layer that fills several
+    slots (`ModelConfig.layer_kv_parts`) is named once per part, its parts in order."""
 
     @property
     def num_groups(self) -> int:
@@ -50,15 +57,17 @@ class KVCacheGroups:
         return max(len(layers) for layers in self.layers)
 
     @property
-    def layer_slots(self) -> tuple[tuple[int, int] | None, ...] | None:
-        """Per model layer, (its group, its slot in the cache); None for a layer without KV
-        (a hybrid's linear layers). None when that is one group whose slot i is layer i."""
-        where = {
-            layer: (g, j) for g, layers in enumerate(self.layers) for j, layer in enumerate(layers)
-        }
+    def layer_slots(self) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        """Per model layer, (its group, its slot in the cache) for each of its parts; () for a
+        layer without KV of its own (a hybrid's linear layers, a layer sharing another's).
+        None when that is one group whose slot i is layer i."""
+        where: dict[int, list[tuple[int, int]]] = {}
+        for g, layers in enumerate(self.layers):
+            for j, layer in enumerate(layers):
+                where.setdefault(layer, []).append((g, j))
         if self.layers == (tuple(range(len(where))),):
             return None
-        return tuple(where.get(i) for i in range(max(where) + 1))
+        return tuple(tuple(where.get(i, ())) for i in range(max(where) + 1))
 
     @classmethod
     def single(cls, layers: int | tuple[int, ...], window: int | None = None) -> KVCacheGroups:
@@ -71,16 +80,18 @@ def kv_cache_groups(config: ModelConfig, *, hybrid: bool = True) -> KVCacheGroup
     """The groups `config`'s layers share the cache in (see the module doc): one per window
     kind of `group size` layers, full attention first; without `hybrid`, a model with more
     than one window kind is one full group."""
-    attention = config.attention_layers  # a hybrid's linear layers keep no KV
+    # A hybrid's linear layers keep no KV, nor do layers that share another's; a layer wider
+    # than others in KV fills several slots, named once per part.
+    units = [i for i in config.kv_layers for _ in range(config.layer_kv_parts(i))]
     # A chunked layer (Llama 4) keeps what a window of its chunk would: its queries' chunks
     # start within it.
-    windows = {i: config.layer_kv_reach(i) for i in attention}
+    windows = {i: config.layer_kv_reach(i) for i in config.kv_layers}
     kinds = sorted(set(windows.values()), key=lambda w: -1 if w is None else w)
     if len(kinds) == 1:
-        return KVCacheGroups.single(attention, kinds[0])
+        return KVCacheGroups.single(tuple(units), kinds[0])
     if not hybrid:
-        return KVCacheGroups.single(attention)
-    by_kind = {w: [i for i, wi in windows.items() if wi == w] for w in kinds}
+        return KVCacheGroups.single(tuple(units))
+    by_kind = {w: [i for i in units if windows[i] == w] for w in kinds}
     size = min(len(layers) for layers in by_kind.values())
     group_windows, group_layers = [], []
     for w in kinds:
@@ -95,5 +106,5 @@ def engine_kv_groups(config: ModelConfig, cache: CacheConfig, *, draft: bool) ->
     """The groups an engine serves `config` with: `kv_cache_groups` unless turned off; one full
     group with a draft model, which shares the target's block tables for its own layers."""
     if draft:
-        return KVCacheGroups.single(config.attention_layers)
+        return KVCacheGroups.single(tuple(config.kv_layers))
     return kv_cache_groups(config, hybrid=not cache.disable_hybrid_kv_cache_manager)

@@ -63,8 +63,9 @@ def bytes_per_page(
     """Logical bytes of one page of `num_slots` layers (default: every attention layer; a
     model with layer groups: `KVCacheGroups.num_slots`), an 8-bit cache's scales included,
     with the heads as wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
-    heads = (num_slots or len(config.attention_layers)) * 2 * config.num_kv_heads
-    head_dim = config.head_dim if platform is None else cache_head_dim(config.head_dim, platform)
+    heads = (num_slots or len(config.kv_layers)) * 2 * config.cache_kv_heads
+    head_dim = config.cache_head_dim
+    head_dim = head_dim if platform is None else cache_head_dim(head_dim, platform)
     return heads * page_size * kv_bytes_per_token_head(head_dim, dtype)
 
 
@@ -81,7 +82,7 @@ def device_page_bytes(
     (tiles pad its minor dimensions); elsewhere the logical bytes split over `num_devices`.
     `sharding`: the cache's (a `KVCache` of shardings, see
     `jaxllm.sharding.kv_cache_sharding`), or a single device's sharding."""
-    num_slots = num_slots or len(config.attention_layers)
+    num_slots = num_slots or len(config.kv_layers)
     if sharding is None:
         return -(-bytes_per_page(config, page_size, dtype, None, num_slots) // num_devices)
     if not isinstance(sharding, tuple):  # one sharding for the data and the scales
@@ -91,7 +92,7 @@ def device_page_bytes(
     logical = -(-logical // num_devices)
     if device.platform != "tpu":
         return logical
-    args = (num_slots, page_size, config.num_kv_heads, config.head_dim)
+    args = (num_slots, page_size, config.cache_kv_heads, config.cache_head_dim)
     small, large = (_compiled_cache_bytes(n, *args, jnp.dtype(dtype), sharding) for n in (64, 128))
     return max(logical, -(-(large - small) // 64))
 

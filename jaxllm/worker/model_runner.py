@@ -123,8 +123,8 @@ class ModelRunner:
             kv_groups.num_slots,
             num_pages,
             page_size,
-            config.num_kv_heads,
-            config.head_dim,
+            config.cache_kv_heads,
+            config.cache_head_dim,
             platform,
         )
         linear = None

@@ -54,9 +54,9 @@ class StepInputs:
     pages_per_seq: int  # the block table's width
     num_speculative_tokens: int
     lora: bool = False  # each token's LoRA slot is an input (LoRA served)
-    # Per model layer, (its group, its cache slot) (`KVCacheGroups.layer_slots`); None: one
+    # Per model layer, (its group, its cache slot) per part (`KVCacheGroups.layer_slots`); None: one
     # group, slot i is layer i.
-    layer_slots: tuple[tuple[int, int] | None, ...] | None = None
+    layer_slots: tuple[tuple[tuple[int, int], ...], ...] | None = None
     # A hybrid model: each request's recurrent-state slots are inputs (`StateSlots`), its
     # batch row and, after the rows, this many snapshot slots of saved states.
     state: bool = False

@@ -83,8 +83,8 @@ class DraftModelProposer(Feature):
             config.num_layers,
             inputs.num_pages,
             inputs.page_size,
-            config.num_kv_heads,
-            config.head_dim,
+            config.cache_kv_heads,
+            config.cache_head_dim,
             device.platform,
         )
         self.cache = device.zeros_model_cache(shape, device.kv_cache.dtype)
