@@ -371,6 +371,7 @@ def _tiny_config(
     hybrid: bool = False,
     gpt_oss: bool = False,
     llama4: bool = False,
+    gemma4: bool = False,
 ) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
     Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups); with
@@ -380,7 +381,10 @@ def _tiny_config(
     Qwen2-VL's; `hybrid`: Qwen3-Next's layout in 4 layers (3 Gated DeltaNet, 1 gated
     attention; experts with a shared one); `gpt_oss`: gpt-oss's layout in 4 layers
     (sinks, sliding and full layers alternating, YaRN, biased experts); `llama4`: Llama 4's
-    in 4 layers (chunked layers and ones without RoPE, MoE layers between dense ones)."""
+    in 4 layers (chunked layers and ones without RoPE, MoE layers between dense ones);
+    `gemma4`: Gemma 4's in 6 layers, the 31B's head ratios (16 q heads; sliding layers 16
+    kv heads of 64, two to a cache row, in two slots; full layers 4 of 128 whose values are
+    their keys), the last two sharing KV, per-layer inputs, the MoE block beside the MLP."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -437,6 +441,26 @@ def _tiny_config(
             "intermediate_size": 64,
             "intermediate_size_mlp": 256,
             "tie_word_embeddings": False,
+        }
+    if gemma4:
+        sliding, full = "sliding_attention", "full_attention"
+        config |= {
+            "architectures": ["Gemma4ForCausalLM"],
+            "num_hidden_layers": 6,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "global_head_dim": 128,
+            "num_global_key_value_heads": 4,
+            "attention_k_eq_v": True,
+            "sliding_window": 64,
+            "layer_types": [sliding, sliding, full, sliding, sliding, full],
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 16,
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 64,
+            "final_logit_softcapping": 30.0,
         }
     if gemma:
         sliding, full = "sliding_attention", "full_attention"
@@ -557,6 +581,10 @@ ENGINES = [
     # Llama 4: chunked attention, layers without RoPE, sigmoid-routed experts.
     pytest.param("h100", "llama4", {}, id="h100-llama4"),
     pytest.param("v6e-4", "llama4", dict(tensor_parallel_size=4), marks=SLOW, id="v6e-4-llama4"),
+    # Gemma 4: layers of two head widths packed into one cache row shape, a layer in two
+    # slots, layers reading another's KV, per-layer inputs, experts beside the MLP.
+    pytest.param("v5e-4", "gemma4", dict(tensor_parallel_size=4), id="v5e-4-gemma4"),
+    pytest.param("h100", "gemma4", {}, marks=SLOW, id="h100-gemma4"),
 ]  # fmt: skip
 
 
@@ -574,12 +602,13 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     path = _tiny_config(
         tmp_path / model,
         moe=model == "moe",
-        gemma=model.startswith("gemma"),
+        gemma=model in ("gemma", "gemma3-vl"),
         llava=model in ("llava", "gemma3-vl"),
         qwen_vl={"qwen-vl": "2.5", "qwen2-vl": "2"}.get(model),
         hybrid=model == "hybrid",
         gpt_oss=model == "gpt-oss",
         llama4=model == "llama4",
+        gemma4=model == "gemma4",
     )
     settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
     config = EngineConfig.create(path, **settings)
@@ -590,8 +619,12 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     if settings.get("kv_offloading_size"):
         assert {"kv_offload_store", "kv_offload_load"} <= names
     assert ("hidden_pooler" in names) == (settings.get("runner") == "pooling")
-    if model.startswith("gemma"):
+    if model in ("gemma", "gemma3-vl"):
         assert runner.kv_groups.num_groups == 4 and runner.kv_cache.shape[0] == 1
+    if model == "gemma4":  # 1 full layer with KV of its own; 3 sliding ones x 2 slots
+        assert runner.kv_groups.windows == (None,) + (64,) * 6
+        shape = runner.kv_cache.shape
+        assert (shape[0], shape[2], shape[4]) == (1, 4, 256), shape
     if model in ("llava", "gemma3-vl"):
         assert {p.shape for p in runner.programs if p.name == "encode_images"} == {(1,)}
     if model in ("qwen-vl", "qwen2-vl"):  # 16 tokens' patches a launch; M-RoPE positions
