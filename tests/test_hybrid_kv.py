@@ -82,6 +82,38 @@ def test_llama4_chunked_layers_keep_a_window_of_their_chunk():
     assert [config.layer_window(i) for i in range(4)] == [None] * 4  # the mask is the chunk's
 
 
+def test_gemma4_31b_layers_pack_into_one_row_shape_and_shared_layers_keep_no_pages():
+    """Gemma 4 31B: 50 sliding layers of 16 kv heads of 256 (two to a 512-wide row: 8 rows,
+    two slots of 4) and 10 full layers of 4 of 512 (one slot). The cache holds exactly their
+    bytes; with E2B's sharing, the layers reading an earlier layer's KV keep none."""
+    import json
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from jaxllm.worker.kv_sizing import bytes_per_page
+
+    root = Path(__file__).resolve().parents[1]
+    hf = json.loads((root / "benchmarks/configs/gemma-4-31b/config.json").read_text())
+    config = ModelConfig.from_hf_config(hf)
+    assert (config.cache_kv_heads, config.cache_head_dim) == (4, 512)
+    assert [config.layer_kv_parts(i) for i in (0, 5)] == [2, 1]
+    groups = kv_cache_groups(config)
+    assert groups.windows == (None,) + (1024,) * 10 and groups.num_slots == 10
+    assert groups.layer_slots[0] == ((1, 0), (1, 1)) and len(groups.layer_slots[5]) == 1
+    # Per token: 50 x 16 x 256 + 10 x 4 x 512 keys, as many values, 2 bytes each.
+    exact = 2 * 2 * (50 * 16 * 256 + 10 * 4 * 512)
+    page = bytes_per_page(config, 1, jnp.bfloat16, None, groups.num_slots)
+    assert groups.num_groups * page == exact
+
+    text = hf["text_config"] | {"num_kv_shared_layers": 20, "num_hidden_layers": 60}
+    shared = ModelConfig.from_hf_config(hf | {"text_config": text})
+    assert shared.kv_layers == tuple(range(40))
+    assert [shared.layer_kv_source(i) for i in (40, 41, 46, 59)] == [39, 35, 39, 35]
+    units = [layer for g in kv_cache_groups(shared).layers for layer in g]
+    assert set(units) == set(range(40))  # the last 20 layers hold no slot
+
+
 def _request(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=8, seed=0)
 
