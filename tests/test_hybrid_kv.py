@@ -170,24 +170,6 @@ def test_a_hit_needs_every_full_block_and_only_the_windows_blocks():
     assert kv.get_block_table("b")[1][:6] == [NULL_BLOCK] * 6
 
 
-def test_free_blocks_without_a_prefix_are_reused_before_cached_ones_are_evicted():
-    """The blocks a sliding group frees behind its window mid-request are cached and freed
-    early, so first in the free queue; a request's partial last blocks are freed later and
-    hold no prefix. A new request takes those before evicting any cached block."""
-    page, window = 4, 6
-    kv = KVCacheManager(18, page, windows=(None, window))  # the prompt's blocks, no more
-    prompt = list(range(1, 34))  # 8 full blocks and 1 token, in each of the 2 groups
-    a = _request("a", prompt)
-    _run(kv, a, chunk=4)
-    kv.free(a)
-    cached = dict(kv.cached)
-    assert len(cached) == 16 and kv.num_free_blocks == 18
-    other = _request("o", list(range(500, 504)))  # a block in each group: the 2 partial ones
-    _run(kv, other, chunk=4)
-    assert cached.items() <= kv.cached.items()  # (and its own block, cached now)
-    kv.check_invariants()
-
-
 def test_a_hit_shrinks_until_every_sliding_group_has_its_window():
     page, window = 4, 6
     kv = KVCacheManager(64, page, windows=(None, window))
