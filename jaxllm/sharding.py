@@ -149,13 +149,7 @@ def shard_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
         config.num_global_kv_heads not in (None, k)
     )
     if mixed:  # layers of several head shapes (Gemma 4): their packed rows split whole
-        if config.cache_kv_heads % tp:
-            raise ValueError(
-                f"tensor_parallel_size {tp} does not divide the {config.cache_kv_heads} kv "
-                "heads of each cache slot of this model, whose layers differ in head width "
-                "or kv heads (see jaxllm.models.kv_layout); use a divisor of it"
-            )
-        return config
+        return _shard_mixed(config, tp)
     if k % tp == 0:
         return config
     if tp % k:
@@ -166,6 +160,35 @@ def shard_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
     logger.info("tensor parallel %d > %d kv heads: each kv head is repeated %dx", tp, k, replicas)
     return dataclasses.replace(
         config, num_kv_heads=k * replicas, kv_head_replicas=config.kv_head_replicas * replicas
+    )
+
+
+def _shard_mixed(config: ModelConfig, tp: int) -> ModelConfig:
+    """A model whose layers differ in head width or kv heads (Gemma 4): every device must hold
+    whole rows of every cache slot (`jaxllm.models.kv_layout`), so the slot's kv heads must
+    split over the devices. When they do not, every layer's kv heads are repeated the fewest
+    times that makes them (the 26B-A4B's full layers have 2 kv heads: 4 chips repeat each
+    twice, and its sliding layers' 8 too)."""
+    for r in range(1, tp + 1):
+        if tp % r:
+            continue
+        try:  # (refused once a layer's kv heads no longer divide its query heads)
+            c = dataclasses.replace(
+                config,
+                num_kv_heads=config.num_kv_heads * r,
+                kv_head_replicas=config.kv_head_replicas * r,
+            )
+        except ValueError:
+            break
+        if c.cache_kv_heads % tp == 0:
+            if r > 1:
+                logger.info("tensor parallel %d: each kv head is repeated %dx", tp, r)
+            return c
+    raise ValueError(
+        f"tensor_parallel_size {tp} cannot split this model's cache rows ({config.cache_kv_heads}"
+        " kv heads a slot, its layers differing in head width or kv heads: see "
+        "jaxllm.models.kv_layout) over the devices, even with its kv heads repeated; use a "
+        "divisor of it"
     )
 
 

@@ -130,6 +130,18 @@ def test_moe_under_tensor_and_expert_parallelism(case, extra, expert_parallel, t
     assert [r["expert_bytes_per_device"] for r in rows] == [whole, whole // 2, whole // 4]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gemma4", "gemma4-moe"])
+def test_gemma4_under_tensor_parallelism(case, tmp_path):
+    """2 fake CPU devices: the same greedy tokens as 1. `gemma4`'s cache slot holds one row
+    (its sliding layers' 2 kv heads of 24 packed into one 48-wide row, its full layers' 1 of
+    48), so its kv heads are repeated twice to split; `gemma4-moe`'s slot holds 2 rows."""
+    write_family_checkpoint(case, tmp_path / "ckpt")
+    rows = tensor_parallel_report(tmp_path / "ckpt", "1,2", tmp_path)
+    assert [r["same_tokens_as_first"] for r in rows] == [True] * 2
+    assert [r["compiled_after_warmup"] for r in rows] == [0] * 2
+
+
 @pytest.mark.parametrize(
     "config_name,extra",
     [

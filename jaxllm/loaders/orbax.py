@@ -107,6 +107,13 @@ def _kv_axis(var: nnx.Variable) -> int | None:
     return axes.index("kv_heads")
 
 
+def _head_dim(config: ModelConfig, path: tuple) -> int:
+    """The head width of the layer a parameter's path is in (Gemma 4's differ)."""
+    if len(path) > 1 and path[0] == "layers":
+        return config.layer_head_dim(int(path[1]))
+    return config.head_dim
+
+
 def _repeat_heads(x: jax.Array, r: int, axis: int, head_dim: int) -> jax.Array:
     """Each head of the `axis` of `x` (kv heads x head_dim, fused) repeated r times."""
     split = x.shape[:axis] + (x.shape[axis] // head_dim, head_dim) + x.shape[axis + 1 :]
@@ -178,7 +185,7 @@ def save(
         model_or_state = model_or_state.model
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
     r = kv_head_replicas or 1
-    head_dim = ModelConfig.from_hf_config(hf_config).head_dim  # refuses what would not load
+    config = ModelConfig.from_hf_config(hf_config)  # refuses what would not load
 
     flat, args, dtypes = {}, {}, set()
     for path, var in nnx.to_flat_state(state):
@@ -190,7 +197,7 @@ def save(
             )
         axis = _kv_axis(var)
         if r > 1 and axis is not None:
-            value = _first_of_each_repeat(value, r, axis, head_dim)
+            value = _first_of_each_repeat(value, r, axis, _head_dim(config, path))
         flat[path] = value
         args[path] = _save_args(var, value.shape)
         dtypes.add(str(value.dtype))
@@ -300,9 +307,9 @@ def restore_state(
     }
     values = {p: by_key[_key(p)] for p in expected}
     for p, (axis, sharding) in repeats.items():
-        whole = values[p]
+        whole, h = values[p], _head_dim(config, p)
         values[p] = jax.jit(
-            lambda x, axis=axis: _repeat_heads(x, r, axis, config.head_dim),
+            lambda x, axis=axis, h=h: _repeat_heads(x, r, axis, h),
             out_shardings=sharding,
         )(whole)
         whole.delete()

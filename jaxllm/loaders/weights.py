@@ -42,14 +42,17 @@ from jaxllm.quantization import (
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-@functools.cache  # one table per model, not per tensor
-def _rules(c: ModelConfig) -> dict[str, list[tuple[tuple[str, ...], Callable]]]:
+@functools.cache  # one table per model and head shape, not per tensor
+def _rules(
+    c: ModelConfig, h: int, kv_heads: int
+) -> dict[str, list[tuple[tuple[str, ...], Callable]]]:
     """Per-layer HF suffix -> [(our path inside the layer, transform from the HF layout)]: one
     target, or several for a tensor that holds several of our parameters (gpt-oss's fused
-    `gate_up_proj`)."""
-    d, h = c.hidden_size, c.head_dim
+    `gate_up_proj`). `h`, `kv_heads`: the layer's head width and kv heads (Gemma 4's full
+    layers differ from its sliding ones)."""
+    d = c.hidden_size
     r = c.kv_head_replicas
-    k = c.num_kv_heads // r  # the checkpoint's kv heads; each repeated r times (sharding.py)
+    k = kv_heads // r  # the checkpoint's kv heads; each repeated r times (sharding.py)
     same = lambda w: w  # noqa: E731
 
     def kv(w: np.ndarray, *shape: int) -> np.ndarray:
@@ -226,7 +229,8 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
         layer, suffix = int(m.group(1)), m.group(2)
         if config.layer_kv_source(layer) != layer and suffix in _OWN_KV:
             return None  # a layer sharing another's KV (Gemma 4) has none of its own
-        rule = _rules(config).get(suffix)
+        shape = config.layer_head_dim(layer), config.layer_num_kv_heads(layer)
+        rule = _rules(config, *shape).get(suffix)
         if rule is not None:
             return [(("layers", layer, *path), f, None) for path, f in rule]
         e = _EXPERT.match(suffix)
@@ -320,7 +324,8 @@ def _quantize_tensor(
         out_shape = var.shape[_num_in_axes(var.shape, num_in) :]
     num_out = int(np.prod(out_shape))
     if w.num_out != num_out and num_out % w.num_out == 0 and path[-1] in ("k_proj", "v_proj"):
-        heads, r = w.num_out // config.head_dim, num_out // w.num_out  # kv heads repeated
+        h = config.layer_head_dim(path[1]) if path[0] == "layers" else config.head_dim
+        heads, r = w.num_out // h, num_out // w.num_out  # kv heads repeated
         w = w.map_rows(
             lambda a: np.repeat(a.reshape(heads, -1, *a.shape[1:]), r, axis=0).reshape(
                 -1, *a.shape[1:]

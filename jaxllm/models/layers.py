@@ -435,75 +435,77 @@ class Attention(nnx.Module):
         the metadata is replicated). A layer packed into the cache (`kv_layout`) attends once
         per part, on queries and keys widened to the cache's rows."""
         layout = self.kv_layout
-        parts = meta.where(self.kv_source)
+        parts = meta.where(self.kv_source)  # static: (group, slot) per part
         sinks = None if self.sinks is None else self.sinks.get_value().astype(jnp.float32)
+        write = k is not None
         if layout.plain:
             qs, ks, vs, sink_parts = [q], [k], [v], [sinks]
         else:
             qs = layout.pack_q(q)
-            ks, vs = (layout.pack_kv(k), layout.pack_kv(v)) if k is not None else ([None],) * 2
+            ks, vs = (layout.pack_kv(k), layout.pack_kv(v)) if write else (None, None)
             sink_parts = [None] * layout.parts if sinks is None else layout.pack_heads(sinks)
-        outs = []
-        for i, (group, slot) in enumerate(parts):
-            qi, ki, vi = qs[i], ks[min(i, len(ks) - 1)], vs[min(i, len(vs) - 1)]
-            out, kv_cache = self._attend_part(
-                qi, ki, vi, kv_cache, group, slot, sink_parts[i], meta
-            )
-            outs.append(out)
-        out = outs[0] if layout.plain else layout.unpack_out(outs)
-        return out, kv_cache
-
-    def _attend_part(self, q, k, v, kv_cache, group, slot, sinks, meta: AttentionMetadata):
-        meta = dict(
-            slot_mapping=meta.slot_mapping[group],
-            sinks=sinks,
+        dtype = q.dtype
+        args = dict(
+            q=qs,
+            kv=list(zip(ks, vs, strict=True)) if write else None,
+            sinks=sink_parts if sinks is not None else None,
+            slot_mapping=meta.slot_mapping,
+            block_tables=meta.block_tables,
             seq_lens=meta.seq_lens,
-            block_tables=meta.block_tables[group],
             cu_q_lens=meta.cu_q_lens,
             num_seqs=meta.num_seqs,
             attend_to=meta.attend_to,
         )
-        write = k is not None
-        if not write:  # a layer sharing another's KV: placeholders, nothing is written
-            k = v = jnp.zeros((q.shape[0], 0, 0), q.dtype)
 
-        def run(q, k, v, kv_cache, slot, meta):
-            if write:
-                kv_cache = pallas_kernels.write_kv(kv_cache, slot, k, v, meta["slot_mapping"])
-            out = pallas_kernels.ragged_paged_attention(
-                # A float cache may be wider than the model (see kv_sizing.py); an 8-bit one
-                # is widened to q's dtype by the kernel.
-                q if kv_cache.quantized else q.astype(kv_cache.dtype),
-                kv_cache,
-                slot,
-                meta["seq_lens"],
-                meta["block_tables"],
-                meta["cu_q_lens"],
-                meta["num_seqs"],
-                sm_scale=self.sm_scale,
-                sliding_window=self.sliding_window,
-                soft_cap=self.soft_cap,
-                attend_to=meta["attend_to"],
-                sinks=meta["sinks"],
-                attention_chunk=self.attention_chunk,
-                backend=kernel_choices().attention_backend,
-            )
-            return out.astype(q.dtype), kv_cache
+        def run(kv_cache, args):
+            # Every part's writes before any part's reads: a read of the cache between two
+            # writes made XLA copy it for the second.
+            for i, (group, slot) in enumerate(parts if args["kv"] is not None else ()):
+                k, v = args["kv"][i]
+                kv_cache = pallas_kernels.write_kv(
+                    kv_cache, slot, k, v, args["slot_mapping"][group]
+                )
+            outs = []
+            for i, (group, slot) in enumerate(parts):
+                qi = args["q"][i]
+                out = pallas_kernels.ragged_paged_attention(
+                    # A float cache may be wider than the model (see kv_sizing.py); an 8-bit
+                    # one is widened to q's dtype by the kernel.
+                    qi if kv_cache.quantized else qi.astype(kv_cache.dtype),
+                    kv_cache,
+                    slot,
+                    args["seq_lens"],
+                    args["block_tables"][group],
+                    args["cu_q_lens"],
+                    args["num_seqs"],
+                    sm_scale=self.sm_scale,
+                    sliding_window=self.sliding_window,
+                    soft_cap=self.soft_cap,
+                    attend_to=args["attend_to"],
+                    sinks=None if args["sinks"] is None else args["sinks"][i],
+                    attention_chunk=self.attention_chunk,
+                    backend=kernel_choices().attention_backend,
+                )
+                outs.append(out.astype(dtype))
+            return outs, kv_cache
 
+        # One call (one shard_map with a mesh) for all of a layer's parts.
         if self.mesh is None:
-            return run(q, k, v, kv_cache, slot, meta)
-        heads = P(None, "model", None)
-        kv_spec = heads if write else P()
-        cache = kv_cache_specs(kv_cache.quantized)
-        meta_specs = {name: P() for name in meta}
-        meta_specs["sinks"] = P("model")  # per query head, split with them
-        return jax.shard_map(
-            run,
-            mesh=self.mesh,
-            in_specs=(heads, kv_spec, kv_spec, cache, P(), meta_specs),
-            out_specs=(heads, cache),
-            check_vma=False,
-        )(q, k, v, kv_cache, slot, meta)
+            outs, kv_cache = run(kv_cache, args)
+        else:
+            heads = P(None, "model", None)
+            specs = {name: P() for name in args}
+            specs |= dict(q=heads, kv=heads if write else None, sinks=P("model"))
+            cache = kv_cache_specs(kv_cache.quantized)
+            outs, kv_cache = jax.shard_map(
+                run,
+                mesh=self.mesh,
+                in_specs=(cache, specs),
+                out_specs=(heads, cache),
+                check_vma=False,
+            )(kv_cache, args)
+        out = outs[0] if layout.plain else layout.unpack_out(outs)
+        return out, kv_cache
 
 
 class MLP(nnx.Module):
