@@ -60,9 +60,10 @@ RUNS = {
     "llama-4-scout-h200": ("llama-4-scout", "h200", {}),
     # Gemma 4 as text: sliding layers of 16 (31B) or 8 (26B-A4B) kv heads of 256 beside full
     # layers of 4 or 2 of 512, packed into one cache row shape; the 26B-A4B's 128 experts
-    # beside every dense MLP. (Its full layers' 2 kv heads do not split over 4 chips.)
+    # beside every dense MLP (over 4 chips its full layers' 2 kv heads are repeated twice).
     "gemma-4-31b-v6e-4": ("gemma-4-31b", "v6e-4", {}),
     "gemma-4-31b-h200": ("gemma-4-31b", "h200", {}),
+    "gemma-4-26b-a4b-v6e-4": ("gemma-4-26b-a4b", "v6e-4", {}),
     "gemma-4-26b-a4b-h100": ("gemma-4-26b-a4b", "h100", {}),
 }
 
