@@ -89,9 +89,12 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
         flops = 2 * params * batch + attention_flops
     else:
         source = "cost analysis"
-        nbytes = forward.bytes_accessed + head.bytes_accessed - layers * (bytes_a - 2 * q_bytes)
+        # The cost analysis's attention calls, replaced by the KV they read: one per layer, or
+        # one per cache slot of a layer packed over several (`jaxllm.models.kv_layout`).
+        calls = sum(cfg.layer_kv_parts(cfg.layer_kv_source(i)) for i in cfg.attention_layers)
+        nbytes = forward.bytes_accessed + head.bytes_accessed - calls * (bytes_a - 2 * q_bytes)
         nbytes += kv_read
-        flops = (forward.flops or 0.0) + (head.flops or 0.0) - layers * flops_a
+        flops = (forward.flops or 0.0) + (head.flops or 0.0) - calls * flops_a
         flops += attention_flops
     chip = engine.target.chip
     peak = chip.int8_ops if engine.config.load.quantization in ("int8", "fp8") else chip.bf16_flops
