@@ -72,16 +72,7 @@ class BaseDims:
 
     @classmethod
     def of(cls, config: ModelConfig) -> BaseDims:
-        mixed = (
-            config.kv_shared_layers
-            or config.attention_k_eq_v
-            or any(
-                (config.layer_head_dim(i), config.layer_num_kv_heads(i))
-                != (config.head_dim, config.num_kv_heads)
-                for i in config.attention_layers
-            )
-        )
-        if mixed:
+        if config.heads_vary_by_layer or config.kv_shared_layers or config.attention_k_eq_v:
             raise ValueError(
                 f"enable_lora: adapters of {config.architecture} are not served: its layers "
                 "differ in head width, kv heads or keep no KV of their own (Gemma 4)"

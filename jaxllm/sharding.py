@@ -145,10 +145,7 @@ def shard_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
             f"tensor_parallel_size {tp} does not divide the model's {n} query heads; use a "
             f"divisor of {n}"
         )
-    mixed = config.global_head_dim not in (None, config.head_dim) or (
-        config.num_global_kv_heads not in (None, k)
-    )
-    if mixed:  # layers of several head shapes (Gemma 4): their packed rows split whole
+    if config.heads_vary_by_layer:  # (Gemma 4): their packed rows split whole
         return _shard_mixed(config, tp)
     if k % tp == 0:
         return config

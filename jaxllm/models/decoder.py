@@ -84,13 +84,15 @@ class DecoderLayer(nnx.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        width = config.layer_intermediate_size(layer)
-        if config.layer_is_moe(layer) and not config.moe_beside_mlp:
+        # Gemma 4's MoE block: experts beside the dense MLP, each with norms of its own.
+        moe = config.layer_is_moe(layer)
+        beside = moe and config.moe_beside_mlp
+        if moe and not beside:
             self.mlp = MoE(config, dtype=dtype, mesh=mesh, rngs=rngs)
         else:
-            self.mlp = MLP(config, dtype=dtype, rngs=rngs, width=width)
-        # Gemma 4's MoE block: experts beside the dense MLP, each with norms of its own.
-        beside = config.layer_is_moe(layer) and config.moe_beside_mlp
+            self.mlp = MLP(
+                config, dtype=dtype, rngs=rngs, width=config.layer_intermediate_size(layer)
+            )
         self.moe = MoE(config, dtype=dtype, mesh=mesh, rngs=rngs) if beside else None
         if beside:
             self.post_feedforward_layernorm_1 = norm()
@@ -241,7 +243,7 @@ class DecoderForCausalLM(nnx.Module):
         )
         # The sliding layers' RoPE, where they have their own: its base, or its head width
         # (Gemma 4's are narrower than its full-attention layers').
-        local = [i for i in range(config.num_layers) if config.layer_uses_local_rope(i)]
+        local = any(config.layer_uses_local_rope(i) for i in range(config.num_layers))
         local_freq = (
             rope_inv_freq(config.rotary_dim, config.rope_local_theta or config.rope_theta)
             if local

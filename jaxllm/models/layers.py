@@ -443,12 +443,12 @@ class Attention(nnx.Module):
         else:
             qs = layout.pack_q(q)
             ks, vs = (layout.pack_kv(k), layout.pack_kv(v)) if write else (None, None)
-            sink_parts = [None] * layout.parts if sinks is None else layout.pack_heads(sinks)
+            sink_parts = None if sinks is None else layout.pack_heads(sinks)
         dtype = q.dtype
         args = dict(
             q=qs,
             kv=list(zip(ks, vs, strict=True)) if write else None,
-            sinks=sink_parts if sinks is not None else None,
+            sinks=None if sinks is None else sink_parts,
             slot_mapping=meta.slot_mapping,
             block_tables=meta.block_tables,
             seq_lens=meta.seq_lens,
