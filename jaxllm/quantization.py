@@ -413,3 +413,114 @@ def take_rows(w: QArray, ids: jax.Array) -> jax.Array:
     """Rows `ids` of the dequantized matrix, in w.dtype: an embedding lookup (only the rows
     asked for are dequantized)."""
     return dequantize(w.map_rows(lambda a: a[ids]), w.dtype)
+
+
+# ---- MXFP4 experts (gpt-oss's, kept as shipped) --------------------------------------------
+
+MXFP4_BLOCK = 32  # values per shared power-of-two scale
+# The 16 E2M1 codes' values (sign bit 3): +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+MXFP4_SCALE_BIAS = 127  # a block's scale is 2^(byte - 127) (E8M0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP4Experts:
+    """A mixture of experts' stacked projection kept in MXFP4, as gpt-oss ships it
+    (loaders/mxfp4.py): `codes` u8[E, O, I / 2], two E2M1 codes a byte (input 2j in the low
+    nibble, 2j + 1 in the high one: the checkpoint's `_blocks` with their last two axes
+    merged), and `scales` u8[E, O, I / 32], one power of two per 32 inputs, standing for the
+    float parameter [E, I, O] (input-major, the MoE's layout) in `dtype`. 4.25 bits a weight
+    on the device; the MoE dequantizes each device's experts inside the step
+    (`dequantize_halves`), exactly: every MXFP4 value is a bfloat16."""
+
+    codes: jax.Array | np.ndarray
+    scales: jax.Array | np.ndarray
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, o, g = self.scales.shape
+        return (e, g * MXFP4_BLOCK, o)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
+
+    def __getitem__(self, index) -> MXFP4Experts:
+        """`w[..., outputs]`: the outputs a slice picks (the rows of codes and scales), as
+        the loader splits a fused gate_up projection; nothing else can be indexed."""
+        if not (
+            isinstance(index, tuple)
+            and len(index) == 2
+            and index[0] is Ellipsis
+            and isinstance(index[1], slice)
+        ):
+            raise TypeError(f"MXFP4 experts can only select outputs (w[..., a:b:c]), not {index}")
+        rows = index[1]
+        return dataclasses.replace(self, codes=self.codes[:, rows], scales=self.scales[:, rows])
+
+    def take(self, experts: jax.Array) -> MXFP4Experts:
+        """The experts `experts` (i32[R]) in that order: [R, ...] leaves."""
+        return dataclasses.replace(self, codes=self.codes[experts], scales=self.scales[experts])
+
+    def specs(self, spec) -> MXFP4Experts:
+        """The PartitionSpecs of the leaves for a parameter split as `spec` (E, I, O): experts,
+        outputs and inputs (whole groups of 32: see `loaders.weights`) as the parameter's."""
+        from jax.sharding import PartitionSpec as P
+
+        e, i, o = tuple(spec) + (None,) * (3 - len(spec))
+        return dataclasses.replace(self, codes=P(e, o, i), scales=P(e, o, i))
+
+
+def dequantize_halves(w: MXFP4Experts, dtype) -> tuple[jax.Array, jax.Array]:
+    """The weights of the even inputs and of the odd ones, each [E, O, I / 2] in `dtype`
+    (output-major, as stored): x @ w = x[:, 0::2] @ even.T + x[:, 1::2] @ odd.T. Elementwise
+    XLA ops on arrays whose minor axis is wide, which the compilers fuse into one pass over
+    the codes; interleaving the halves into [E, O, I] would put an axis of 2 minor-most,
+    which XLA:TPU tiles as (8, 128) (3.2 GB of temporaries for gpt-oss-20b's 0.4 GB of
+    experts in one layer), and a table lookup would be a gather it does not fuse. Exact: each
+    E2M1 value's float32 bits are built from its code, then multiplied by its block's power
+    of two."""
+    e, o, g = w.scales.shape
+    s = w.scales.astype(jnp.uint32)
+    scale = jax.lax.bitcast_convert_type(
+        jnp.where(s == 0, jnp.uint32(1 << 22), s << 23), jnp.float32
+    )  # 2^(s - 127); 2^-127 is a subnormal
+    scale = jnp.broadcast_to(scale[..., None], (e, o, g, MXFP4_BLOCK // 2)).reshape(e, o, -1)
+    codes = w.codes.astype(jnp.uint32)
+    return tuple((_e2m1_to_f32(half) * scale).astype(dtype) for half in (codes & 15, codes >> 4))
+
+
+def dequantize_experts(w: MXFP4Experts, dtype) -> jax.Array:
+    """[E, I, O] in `dtype`: the float parameter `w` stands for (for checks and the host;
+    the step uses `dequantize_halves`)."""
+    even, odd = dequantize_halves(w, dtype)
+    e, o, half = even.shape
+    return jnp.stack([even, odd], axis=-1).reshape(e, o, 2 * half).transpose(0, 2, 1)
+
+
+def _e2m1_to_f32(code: jax.Array) -> jax.Array:
+    """The float32 values of E2M1 codes (u32, 0..15): sign bit 3, exponent bits 2-1 (bias 1),
+    mantissa bit 0; exponent 0 is subnormal (0 or 0.5)."""
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    normal = exponent > 0
+    f32_exponent = jnp.where(normal, exponent + 126, jnp.where(mantissa == 1, 126, 0))
+    bits = ((code >> 3) << 31) | (f32_exponent << 23) | jnp.where(normal, mantissa << 22, 0)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def abstract_mxfp4_experts(shape: tuple[int, int, int], dtype) -> MXFP4Experts:
+    """The leaves an [E, I, O] projection's MXFP4 experts have, as `jax.ShapeDtypeStruct`s:
+    for compiling a gpt-oss checkpoint without its weights."""
+    e, i, o = shape
+    if i % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 experts need an input width that is a multiple of 32, got {i}")
+    return MXFP4Experts(
+        jax.ShapeDtypeStruct((e, o, i // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((e, o, i // MXFP4_BLOCK), jnp.uint8),
+        np.dtype(dtype),
+    )

@@ -380,7 +380,7 @@ def _tiny_config(
     windowed tower (images of up to 16 tokens) before a Qwen2 decoder with M-RoPE, "2":
     Qwen2-VL's; `hybrid`: Qwen3-Next's layout in 4 layers (3 Gated DeltaNet, 1 gated
     attention; experts with a shared one); `gpt_oss`: gpt-oss's layout in 4 layers
-    (sinks, sliding and full layers alternating, YaRN, biased experts); `llama4`: Llama 4's
+    (sinks, sliding and full layers alternating, YaRN, biased experts in MXFP4); `llama4`: Llama 4's
     in 4 layers (chunked layers and ones without RoPE, MoE layers between dense ones);
     `gemma4`: Gemma 4's in 6 layers, the 31B's head ratios (16 q heads; sliding layers 16
     kv heads of 64, two to a cache row, in two slots; full layers 4 of 128 whose values are
@@ -429,6 +429,8 @@ def _tiny_config(
                 "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 128,
             },
+            # As shipped: the experts in MXFP4, kept 4-bit on the device.
+            "quantization_config": {"quant_method": "mxfp4"},
         }  # fmt: skip
     if llama4:
         config |= {

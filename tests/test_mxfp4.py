@@ -1,6 +1,7 @@
 """MXFP4 (gpt-oss's expert weights): the format's codec against transformers' own dequantizer,
 and a tiny gpt-oss checkpoint whose experts are quantized here, loaded as shipped (blocks and
-scales), against transformers running the same weights dequantized."""
+scales, dequantized at load or kept 4-bit and dequantized inside the step), against
+transformers running the same weights dequantized."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.loaders import load_model
+from jaxllm.loaders import load_model, mxfp4_kept
 from jaxllm.loaders.mxfp4 import E2M1_VALUES, dequantize, quantize
+from jaxllm.quantization import MXFP4Experts, dequantize_experts
 
-from helpers import VOCAB, prefill_logits, write_family_checkpoint
+from helpers import VOCAB, prefill_logits, tensor_parallel_report, write_family_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -99,9 +102,10 @@ def checkpoints(tmp_path_factory):
 
 
 def test_a_checkpoint_loads_as_shipped(checkpoints):
-    """Blocks and scales become the experts' float weights: equal to transformers'
-    dequantized ones, and the greedy tokens equal transformers' on them."""
+    """Blocks and scales become the experts' float weights (the CPU's default): equal to
+    transformers' dequantized ones, and the greedy tokens equal transformers' on them."""
     root, _, hf_model = checkpoints
+    assert not mxfp4_kept(None)  # this CPU; kept by default on TPU and GPU
     loaded = load_model(root / "mxfp4", dtype=jnp.float32, load_tokenizer=False)
     mlp = loaded.model.layers[1].mlp
     gate_up = hf_model.model.layers[1].mlp.experts.gate_up_proj.detach().numpy()
@@ -122,9 +126,68 @@ def test_a_checkpoint_loads_as_shipped(checkpoints):
     assert out[0].outputs[0].token_ids == expected
 
 
-def test_perplexity_within_two_percent_of_float(checkpoints):
-    """On text the float model wrote itself (sampled), the MXFP4 experts' perplexity is within
-    2% of the float weights'."""
+def _greedy(hf_model, ids, n=24) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def test_kept_experts_equal_their_dequantized_weights(checkpoints):
+    """`quantization="mxfp4"` keeps the experts 4-bit on the device (4.25 bits a weight):
+    dequantized inside the step they are exactly the weights dequantized at load, in float32
+    and in bfloat16; the logits equal that model's to float tolerance, and the greedy tokens
+    transformers', chunked and batched."""
+    root, _, hf_model = checkpoints
+    kept = load_model(root / "mxfp4", dtype=jnp.float32, load_tokenizer=False, quantization="mxfp4")
+    whole = load_model(root / "mxfp4", dtype=jnp.float32, load_tokenizer=False)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        w = getattr(kept.model.layers[1].mlp, name).get_value()
+        ref = np.asarray(getattr(whole.model.layers[1].mlp, name).get_value())
+        assert isinstance(w, MXFP4Experts) and w.codes.dtype == jnp.uint8
+        assert w.shape == ref.shape
+        assert w.nbytes * 8 == ref.size * 4.25  # 4 bits a value, 8 a scale per 32
+        np.testing.assert_array_equal(np.asarray(dequantize_experts(w, jnp.float32)), ref)
+        bf16 = np.asarray(dequantize_experts(w, jnp.bfloat16)).astype(np.float32)
+        np.testing.assert_array_equal(bf16, ref)  # every MXFP4 value is a bfloat16
+    ids = np.random.default_rng(4).integers(3, VOCAB, size=48).tolist()
+    a = prefill_logits(kept.model, kept.config, ids)
+    b = prefill_logits(whole.model, whole.config, ids)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+    prompts = [ids[:40], ids[8:], ids[:17]]
+    llm = LLM(
+        root / "mxfp4", dtype="float32", quantization="mxfp4", page_size=8, num_pages=48,
+        max_num_seqs=3, max_num_batched_tokens=16, max_model_len=128,
+    )  # fmt: skip
+    experts = [
+        v.get_value() for path, v in nnx.to_flat_state(llm.runner.state) if path[-1] == "up_proj"
+    ]
+    assert experts and all(isinstance(w, MXFP4Experts) for w in experts)
+    before = llm.runner.num_compilations
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [_greedy(hf_model, p) for p in prompts]
+    assert llm.runner.num_compilations == before
+
+
+@pytest.mark.slow
+def test_kept_experts_under_expert_parallelism(checkpoints, tmp_path):
+    """1, 2 and 4 fake CPU devices: the same greedy tokens, nothing compiled after warmup,
+    each device holding its quarter of the 4-bit experts."""
+    root, _, _ = checkpoints
+    rows = tensor_parallel_report(root / "mxfp4", "1,2,4", tmp_path, "--quantization", "mxfp4")
+    assert [r["same_tokens_as_first"] for r in rows] == [True] * 3
+    assert [r["compiled_after_warmup"] for r in rows] == [0] * 3
+    whole = rows[0]["expert_bytes"]
+    assert [r["expert_bytes_per_device"] for r in rows] == [whole, whole // 2, whole // 4]
+
+
+@pytest.mark.parametrize("quantization", [None, "mxfp4"])
+def test_perplexity_within_two_percent_of_float(checkpoints, quantization):
+    """On text the float model wrote itself (sampled), the MXFP4 experts' perplexity, as
+    dequantized at load or kept 4-bit, is within 2% of the float weights'."""
     root, float_model, _ = checkpoints
     torch.manual_seed(0)
     with torch.no_grad():
@@ -132,8 +195,10 @@ def test_perplexity_within_two_percent_of_float(checkpoints):
             torch.tensor([[5, 9, 13]]), max_new_tokens=200, do_sample=True, top_k=0
         )[0].tolist()
 
-    def perplexity(path) -> float:
-        loaded = load_model(path, dtype=jnp.float32, load_tokenizer=False)
+    def perplexity(path, quantization=None) -> float:
+        loaded = load_model(
+            path, dtype=jnp.float32, load_tokenizer=False, quantization=quantization
+        )
         logits = prefill_logits(loaded.model, loaded.config, text)[:-1]
         logp = (
             logits
@@ -142,7 +207,7 @@ def test_perplexity_within_two_percent_of_float(checkpoints):
         )
         return float(np.exp(-logp[np.arange(len(text) - 1), text[1:]].mean()))
 
-    ppl_float, ppl_mxfp4 = perplexity(root / "float"), perplexity(root / "mxfp4")
+    ppl_float, ppl_mxfp4 = perplexity(root / "float"), perplexity(root / "mxfp4", quantization)
     print(f"perplexity: float {ppl_float:.3f}, mxfp4 {ppl_mxfp4:.3f}")
     assert ppl_mxfp4 != ppl_float
     assert abs(ppl_mxfp4 / ppl_float - 1) < 0.02

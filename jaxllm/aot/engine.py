@@ -232,20 +232,28 @@ def abstract_model(
         )
     config = load_config(path)
     method = quantized_hf.checkpoint_method(_hf_config(path)) if path.is_dir() else None
-    if method is not None and method != "mxfp4":  # MXFP4 experts load as float (mxfp4.py)
+    if method is not None and method != "mxfp4":  # MXFP4 experts: kept 4-bit, as served
         raise ValueError(
             f"{path}: a {method} checkpoint's tensors are not compiled here; compile the float "
             "model, with --quantization int8, int4 or fp8 if wanted"
         )
     config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
     shardings = _placements(abstract_state, mesh, device)
-    state = abstract_state_for(abstract_state, config, dtype, shardings, quantization)
+    # The targets are accelerators, where an MXFP4 checkpoint's experts stay 4-bit unless
+    # --quantization float dequantizes them (`loaders.mxfp4_kept`).
+    mxfp4 = method == "mxfp4" and quantization != "float"
+    if quantization == "mxfp4":
+        quantization = None  # the rest of the checkpoint is float
+    state = abstract_state_for(
+        abstract_state, config, dtype, shardings, quantization, mxfp4_experts=mxfp4
+    )
     leaves = jax.tree.leaves(state)
     logical = sum(_shard_bytes(a) for a in leaves)
     experts = sum(
-        _shard_bytes(v.get_value())
+        _shard_bytes(a)
         for _, v in nnx.to_flat_state(state)
         if "expert" in v.get_metadata().get("axes", ())
+        for a in jax.tree.leaves(v.get_value())
     )
     device_bytes = None if memory_bytes and logical > memory_bytes else _device_bytes(leaves)
     return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes, experts)

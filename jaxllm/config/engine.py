@@ -93,8 +93,9 @@ class LoadConfig:
     load; gguf keeps a GGUF file's quantized tensors as they are, as none does on
     accelerators and on CPUs where the native kernel has an integer path (8-bit dot products
     or AVX2; on other CPUs none dequantizes them); gptq, awq and compressed-tensors keep a
-    checkpoint quantized by that method (as none does); mxfp4 reads gpt-oss's MXFP4 experts
-    (as none does), dequantized at load for now; float dequantizes a GGUF file's tensors at
+    checkpoint quantized by that method (as none does); mxfp4 keeps gpt-oss's MXFP4 experts
+    4-bit, dequantized inside the step (as none does on accelerators; on the CPU none
+    dequantizes them at load); float dequantizes a GGUF file's tensors and MXFP4 experts at
     load (see jaxllm/quantization.py)."""
     load_format: str = option("auto", choices=("auto", "dummy"))
     """auto reads the weights from the model; dummy makes random ones in its shapes (a

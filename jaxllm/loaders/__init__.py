@@ -84,6 +84,17 @@ def gguf_kept_quantized() -> bool:
     return quant_matmul_cpu.available() and quant_matmul_cpu.path() != "float"
 
 
+def mxfp4_kept(quantization: str | None) -> bool:
+    """Whether an MXFP4 checkpoint's experts stay 4-bit on the device (dequantized inside the
+    step): on accelerators, where they take a quarter of bfloat16's bytes (gpt-oss-120b's
+    experts 57 GiB rather than 214), and anywhere with `quantization="mxfp4"`. On the CPU by
+    default, and with `quantization="float"`, they are dequantized once at load: XLA's CPU
+    backend would dequantize every expert on every step, and no native kernel reads E2M1."""
+    if quantization == "float":
+        return False
+    return quantization is not None or jax.default_backend() != "cpu"
+
+
 def load_model(
     model: str | os.PathLike,
     *,
@@ -149,7 +160,8 @@ def load_model(
             tensors = hf_loader.iter_safetensors(path)
             if method is not None:
                 qc = hf_config.get("quantization_config") or hf_config["compression_config"]
-                tensors = quantized_hf.group_quantized(tensors, method, qc)
+                keep = mxfp4_kept(quantization)
+                tensors = quantized_hf.group_quantized(tensors, method, qc, keep_mxfp4=keep)
             if config.rope_interleaved:
                 tensors = rope_pairs_as_halves(tensors, config)
             generation_config = hf_loader.load_generation_config(path)

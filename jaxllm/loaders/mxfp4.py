@@ -4,14 +4,16 @@ is a 4-bit E2M1 float (one of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}), two per byte, the
 first.
 
 A checkpoint holds a projection `P` of the stacked experts as `P_blocks` uint8
-[E, out, in / 32, 16] and `P_scales` uint8 [E, out, in / 32] (output-major), which
-`dequantize_pairs` turns into the float `P` [E, in, out] (input-major, as transformers'
-`convert_moe_packed_tensors` does: the layout of gpt-oss's float checkpoints) as soon as both
-halves have been read, one projection at a time, so the host never holds more than one
-projection in float.
-
-The expert weights are dequantized at load to the model's dtype: exact (every MXFP4 value is
-a bfloat16), at 4x the shipped bytes on the device.
+[E, out, in / 32, 16] and `P_scales` uint8 [E, out, in / 32] (output-major). As soon as both
+halves have been read, one projection at a time:
+- `kept_pairs` makes them one `quantization.MXFP4Experts` standing for `P` [E, in, out]: kept
+  4-bit on the device (4.25 bits a weight) and dequantized inside the step, by default on
+  accelerators (`loaders.mxfp4_kept`);
+- `dequantize_pairs` turns them into the float `P` [E, in, out] (input-major, as transformers'
+  `convert_moe_packed_tensors` does: the layout of gpt-oss's float checkpoints) in the model's
+  dtype: exact (every MXFP4 value is a bfloat16), at 4x the shipped bytes on the device, the
+  host never holding more than one projection in float. The CPU's default: XLA's CPU backend
+  would dequantize every expert on every step, and no native kernel reads E2M1 codes.
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ from collections.abc import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
-BLOCK = 32  # values per shared scale
-E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    np.float32,
-)
-_SCALE_BIAS = 127
+from jaxllm.quantization import E2M1_VALUES, MXFP4Experts
+from jaxllm.quantization import MXFP4_BLOCK as BLOCK
+from jaxllm.quantization import MXFP4_SCALE_BIAS as _SCALE_BIAS
+
 _BLOCKS, _SCALES = "_blocks", "_scales"
 
 
@@ -76,16 +76,16 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(scales)
 
 
-def dequantize_pairs(
-    tensors: Iterable[tuple[str, np.ndarray]], dtype=ml_dtypes.bfloat16
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, tensor) pairs with each `P_blocks` / `P_scales` pair replaced by the float `P`
-    [E, in, out] in `dtype`, yielded when its second half arrives; other tensors pass."""
+def _paired(
+    tensors: Iterable[tuple[str, np.ndarray]],
+) -> Iterator[tuple[str, np.ndarray, np.ndarray | None]]:
+    """(name, tensor, None) for other tensors, and (stem, blocks, scales) for each
+    `P_blocks` / `P_scales` pair when its second half arrives."""
     pending: dict[str, tuple[str, np.ndarray]] = {}
     for name, tensor in tensors:
         part = _BLOCKS if name.endswith(_BLOCKS) else _SCALES if name.endswith(_SCALES) else None
         if part is None:
-            yield name, tensor
+            yield name, tensor, None
             continue
         stem = name[: -len(part)]
         other = pending.pop(stem, None)
@@ -98,13 +98,44 @@ def dequantize_pairs(
             _check_shapes(blocks, scales)
         except ValueError as e:
             raise ValueError(f"tensor {stem!r}: {e}") from e
+        yield stem, blocks, scales
+    if pending:
+        stem, (part, _) = next(iter(pending.items()))
+        missing = _SCALES if part == _BLOCKS else _BLOCKS
+        raise ValueError(f"MXFP4 tensor {stem + part!r} has no {stem + missing!r}")
+
+
+def dequantize_pairs(
+    tensors: Iterable[tuple[str, np.ndarray]], dtype=ml_dtypes.bfloat16
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, tensor) pairs with each `P_blocks` / `P_scales` pair replaced by the float `P`
+    [E, in, out] in `dtype`, yielded when its second half arrives; other tensors pass."""
+    for stem, blocks, scales in _paired(tensors):
+        if scales is None:
+            yield stem, blocks
+            continue
         # One expert at a time: float32 temporaries of one expert, not of the stack (a
         # gpt-oss-120b projection is 2.1G values).
         w = np.empty((*scales.shape[:-2], scales.shape[-1] * BLOCK, scales.shape[-2]), dtype)
         for e in np.ndindex(*scales.shape[:-2]):
             w[e] = dequantize(blocks[e], scales[e]).T.astype(dtype)  # [in, out]
         yield stem, w
-    if pending:
-        stem, (part, _) = next(iter(pending.items()))
-        missing = _SCALES if part == _BLOCKS else _BLOCKS
-        raise ValueError(f"MXFP4 tensor {stem + part!r} has no {stem + missing!r}")
+
+
+def kept_pairs(
+    tensors: Iterable[tuple[str, np.ndarray]],
+) -> Iterator[tuple[str, np.ndarray | MXFP4Experts]]:
+    """(name, tensor) pairs with each `P_blocks` / `P_scales` pair replaced by one
+    `MXFP4Experts` standing for `P` [E, in, out] (float32 until `build_state` gives it the
+    model's dtype); other tensors pass."""
+    for stem, blocks, scales in _paired(tensors):
+        if scales is None:
+            yield stem, blocks
+        elif blocks.ndim != 4:
+            raise ValueError(
+                f"tensor {stem!r}: MXFP4 experts must be [experts, out, in / 32, 16], got "
+                f"{list(blocks.shape)}"
+            )
+        else:
+            codes = blocks.reshape(*blocks.shape[:2], -1)  # [E, out, in / 2]
+            yield stem, MXFP4Experts(codes, scales, np.dtype(np.float32))

@@ -16,8 +16,8 @@ as their writers pack them:
 - AWQ (AutoAWQ GEMM, `quant_method: awq`): `qweight` int32 [I, O / 8] packed along the
   outputs in the order [0, 2, 4, 6, 1, 3, 5, 7] (output column 8c + order[k] in nibble k);
   `qzeros` int32 [G, O / 8] the same; `scales` float16 [G, O]; w = s * (q - z).
-- MXFP4 (`quant_method: mxfp4`, gpt-oss): the experts' `*_blocks` and `*_scales`, dequantized
-  to float at load (`mxfp4.py`).
+- MXFP4 (`quant_method: mxfp4`, gpt-oss): the experts' `*_blocks` and `*_scales`, kept 4-bit
+  or dequantized to float at load (`mxfp4.py`).
 - compressed-tensors (`quant_method: compressed-tensors`): int8 (`int-quantized`,
   `naive-quantized`) or float8 e4m3 (`float-quantized`) `weight` [O, I] with `weight_scale` per
   tensor, channel or group (and `weight_zero_point` when asymmetric); `pack-quantized` 4-bit
@@ -35,7 +35,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm.loaders import mxfp4
-from jaxllm.quantization import QArray, compact_factors, pack_int4
+from jaxllm.quantization import MXFP4Experts, QArray, compact_factors, pack_int4
 
 logger = logging.getLogger(__name__)
 
@@ -194,13 +194,15 @@ def compressed_tensors(parts: dict[str, np.ndarray], qc: dict) -> QArray | np.nd
 
 
 def group_quantized(
-    tensors: Iterable[tuple[str, np.ndarray]], method: str, qc: dict
-) -> Iterator[tuple[str, np.ndarray | QArray]]:
+    tensors: Iterable[tuple[str, np.ndarray]], method: str, qc: dict, *, keep_mxfp4: bool = True
+) -> Iterator[tuple[str, np.ndarray | QArray | MXFP4Experts]]:
     """(name, tensor) pairs with each quantized module's tensors replaced by one
     (module.weight, QArray). Parts are collected to the end (a module's tensors may sit in
-    different shards); the host then holds the quantized weights once, their final size."""
-    if method == "mxfp4":  # the experts' blocks and scales, in float (the rest is float)
-        yield from mxfp4.dequantize_pairs(tensors)
+    different shards); the host then holds the quantized weights once, their final size.
+    MXFP4 experts (the rest of such a checkpoint is float) become `MXFP4Experts`, or float
+    where not `keep_mxfp4`."""
+    if method == "mxfp4":
+        yield from (mxfp4.kept_pairs if keep_mxfp4 else mxfp4.dequantize_pairs)(tensors)
         return
     parts_of = _PARTS[method]
     modules: dict[str, dict[str, np.ndarray]] = {}

@@ -32,8 +32,11 @@ from jaxllm.models.layers import _num_in_axes
 from jaxllm.quantization import (
     FORMATS,
     HEAD_IMPORTANCE_POWER,
+    MXFP4_BLOCK,
     QUANTIZABLE,
+    MXFP4Experts,
     QArray,
+    abstract_mxfp4_experts,
     abstract_qarray,
     dequantize_np,
     quantize,
@@ -372,17 +375,38 @@ def _qarray_shardings(w: QArray, sharding: jax.sharding.Sharding, var_shape, emb
     )
 
 
+def mxfp4_shardings(w: MXFP4Experts, sharding: jax.sharding.Sharding) -> MXFP4Experts:
+    """The shardings of MXFP4 experts' leaves, split as the float parameter [E, I, O] would
+    be (`MXFP4Experts.specs`); inputs split only in whole groups of 32."""
+    from jax.sharding import NamedSharding
+
+    if not isinstance(sharding, NamedSharding):
+        return jax.tree.map(lambda _: sharding, w)
+    spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
+    groups = w.shape[1] // MXFP4_BLOCK
+    if spec[1] is not None and groups % sharding.mesh.shape[spec[1]]:
+        raise ValueError(
+            f"MXFP4 experts with {groups} groups of 32 inputs cannot be split over "
+            f"{sharding.mesh.shape[spec[1]]} devices; use a tensor_parallel_size that divides "
+            "the number of experts"
+        )
+    return jax.tree.map(lambda p: NamedSharding(sharding.mesh, p), w.specs(spec))
+
+
 def abstract_state_for(
     abstract_state: nnx.State,
     config: ModelConfig,
     dtype: jnp.dtype,
     shardings: dict[tuple, jax.sharding.Sharding],
     quantization: str | None = None,
+    *,
+    mxfp4_experts: bool = False,
 ) -> nnx.State:
     """The state `build_state` would build, as `jax.ShapeDtypeStruct`s placed by `shardings`
     ({path: sharding}): the model without its weights, for compiling it (`jaxllm.aot`).
     `quantization`: None or "float" (float weights), or a format quantized at load (int8, int4,
-    fp8), whose QArrays take the shapes `quantize` gives them."""
+    fp8), whose QArrays take the shapes `quantize` gives them. `mxfp4_experts`: the experts'
+    projections kept in MXFP4 (a gpt-oss checkpoint, `loaders.mxfp4_kept`)."""
     if quantization not in (None, "float", *FORMATS):
         raise ValueError(
             f"quantization {quantization} keeps a checkpoint's own quantized tensors, whose "
@@ -391,6 +415,15 @@ def abstract_state_for(
     out = []
     for path, var in nnx.to_flat_state(abstract_state):
         where = shardings[path]
+        if mxfp4_experts and _is_expert_projection(path, var):
+            w = abstract_mxfp4_experts(var.shape, dtype)
+            value = jax.tree.map(
+                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                w,
+                mxfp4_shardings(w, where),
+            )
+            out.append((path, var.replace(value)))
+            continue
         quantized = (
             quantization in FORMATS
             and path[-1] in QUANTIZABLE
@@ -416,6 +449,12 @@ def abstract_state_for(
         )
         out.append((path, var.replace(value)))
     return nnx.from_flat_state(out)
+
+
+def _is_expert_projection(path: tuple, var: nnx.Variable) -> bool:
+    """Whether `path` is a stacked expert projection (what a checkpoint's MXFP4 experts fill)."""
+    axes = var.get_metadata().get("axes", ())
+    return path[-1] in ("gate_proj", "up_proj", "down_proj") and "expert" in axes
 
 
 def _leading_in(var: nnx.Variable, path: tuple) -> int:
@@ -444,12 +483,15 @@ def build_state(
         value = value.astype(np_dtype, copy=False)
         return jax.make_array_from_callback(value.shape, shardings[path], lambda i: value[i])
 
-    def place_quantized(path: tuple, w: QArray) -> QArray:
+    def place_quantized(path: tuple, w: QArray | MXFP4Experts):
         if shardings is None:
             return jax.tree.map(jnp.asarray, w)
-        where = _qarray_shardings(
-            w, shardings[path], expected[path].shape, path[-1] == "embed_tokens"
-        )
+        if isinstance(w, MXFP4Experts):
+            where = mxfp4_shardings(w, shardings[path])
+        else:
+            where = _qarray_shardings(
+                w, shardings[path], expected[path].shape, path[-1] == "embed_tokens"
+            )
         return jax.tree.map(
             lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), w, where
         )
@@ -474,6 +516,15 @@ def build_state(
             final_norm = _to_numpy(tensor).astype(np.float32) + config.norm_offset
         if index is None and path == head and quantization == "int4":
             held_head = (name, tensor, path, var)
+            continue
+        if isinstance(tensor, MXFP4Experts):  # kept 4-bit (loaders/mxfp4.py)
+            w = dataclasses.replace(transform(tensor), dtype=np.dtype(dtype))
+            if w.shape != var.shape:
+                raise ValueError(
+                    f"tensor {name!r}: MXFP4 experts of shape {w.shape} do not match the "
+                    f"model's {var.shape} (from the config)"
+                )
+            filled[path] = var.replace(place_quantized(path, w))
             continue
         if index is None:
             w = _quantized(name, tensor, path, var, config, quantization, dtype)

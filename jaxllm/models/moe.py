@@ -1,9 +1,10 @@
 """Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss): top-k routing,
-experts as grouped matmuls, expert weights sharded over the mesh, and a shared expert where the
-family has one; gpt-oss adds a router bias, biases on every expert projection and a clamped
-SwiGLU (`ModelConfig.swiglu_limit`); Llama 4 routes by the sigmoid of the top logits, which
-scales each chosen expert's input (`router_sigmoid`, `moe_weight_inputs`), beside an ungated
-shared expert.
+experts as grouped matmuls, expert weights sharded over the mesh (and kept in MXFP4 where a
+gpt-oss checkpoint ships them so: `quantization.MXFP4Experts`, dequantized inside the step),
+and a shared expert where the family has one; gpt-oss adds a router bias, biases on every
+expert projection and a clamped SwiGLU (`ModelConfig.swiglu_limit`); Llama 4 routes by the
+sigmoid of the top logits, which scales each chosen expert's input (`router_sigmoid`,
+`moe_weight_inputs`), beside an ungated shared expert.
 
 Routing is data: each token's k (expert, weight) pairs are sorted by expert, and the experts
 run as three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, whose group sizes are
@@ -30,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import ACTIVATIONS, MLP, l2_norm, linear, matmul, param
+from jaxllm.quantization import MXFP4Experts, dequantize_halves
 from jaxllm.sharding import spec_for
 
 
@@ -131,6 +133,10 @@ class MoE(nnx.Module):
         if spec is None:
             return run(x, weights, experts, *w, expert_axis_sharded=False)
         gate_spec, down_spec = spec, P(spec[0], spec[2], spec[1])
+        weight_specs = [
+            v.specs(s) if isinstance(v, MXFP4Experts) else s
+            for v, s in zip(w[:3], (gate_spec, gate_spec, down_spec), strict=True)
+        ]
         bias_specs = (P(spec[0], spec[2]),) * 2 if biased else ()
 
         def partial_sum(x, weights, experts, *w):
@@ -140,7 +146,7 @@ class MoE(nnx.Module):
         return jax.shard_map(
             partial_sum,
             mesh=self.mesh,
-            in_specs=(P(), P(), P(), gate_spec, gate_spec, down_spec, *bias_specs),
+            in_specs=(P(), P(), P(), *weight_specs, *bias_specs),
             out_specs=P(),
             check_vma=False,
         )(x, weights, experts, *w)
@@ -182,7 +188,8 @@ def _experts(
     experts from index device * E', or all experts with F' = F / n), `gate_bias` and `up_bias`
     [E', F'] theirs (or None); `glu(gate, up)` is the activation. Each matmul's output is
     rounded to x's dtype, as in the dense MLP. `weight_inputs`: expert_j(weights[t, j] * x[t])
-    instead (Llama 4)."""
+    instead (Llama 4). MXFP4 weights (`MXFP4Experts`) are dequantized here, each device its
+    own slice: see `_matmul_rows`."""
     num_tokens, k = experts.shape
     num_local = gate.shape[0]
     first = jax.lax.axis_index("model") * num_local if expert_axis_sharded else 0
@@ -191,6 +198,7 @@ def _experts(
     group = jnp.where(held, local, num_local)  # rows for other devices sort last
     order = jnp.argsort(group, stable=True)
     sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
+    row_expert = jnp.minimum(group[order], num_local - 1)  # rows held elsewhere: dropped below
     token = order // k
     rows = x[token]  # [T*k, D], grouped by expert
     row_weight = weights.reshape(-1)[order][:, None]
@@ -199,15 +207,44 @@ def _experts(
     rows = rows.astype(gate.dtype)
 
     def grouped(lhs, rhs):
-        out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
-        return out.astype(x.dtype)
+        return _matmul_rows(lhs, rhs, sizes, row_expert).astype(x.dtype)
 
     g, u = grouped(rows, gate), grouped(rows, up)
-    if gate_bias is not None:  # each row's expert's bias (rows held elsewhere: dropped below)
-        row_expert = jnp.minimum(group[order], num_local - 1)
+    if gate_bias is not None:  # each row's expert's bias
         g, u = g + gate_bias[row_expert], u + up_bias[row_expert]
     h = glu(g, u)
     y = grouped(h.astype(down.dtype), down).astype(jnp.float32)  # [T*k, D]
     # Rows held elsewhere fall outside every group: drop them whatever ragged_dot left there.
     y = jnp.where(held[order][:, None], y * row_weight, 0.0)
     return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token].add(y)
+
+
+def _matmul_rows(lhs, w, sizes, row_expert) -> jax.Array:
+    """f32[R, O]: each row of `lhs` [R, I] (sorted by expert, `sizes` rows each) times its
+    expert's [I, O] of `w` ([E', I, O]), as one grouped matmul (`ragged_dot`).
+    MXFP4 experts are dequantized on the way, as their even and odd inputs' halves
+    (`dequantize_halves`), never all of a model's at once: where the rows are fewer than the
+    experts (decode), only the rows' experts (`row_expert`), each row its own, so only the
+    routed experts' 4-bit bytes are read; otherwise the device's experts, after the rows are
+    computed (an optimization barrier: nothing else orders them, and XLA dequantized every
+    layer's experts early and held them all, 187 GiB of temporaries for gpt-oss-120b on an
+    H200)."""
+    if not isinstance(w, MXFP4Experts):
+        return jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=jnp.float32)
+    halves = lhs[:, 0::2], lhs[:, 1::2]
+    if lhs.shape[0] < w.shape[0]:
+        weights = dequantize_halves(w.take(row_expert), w.dtype)  # 2 x [R, O, I / 2]
+        return sum(
+            jnp.einsum("ri,roi->ro", x, v, preferred_element_type=jnp.float32)
+            for x, v in zip(halves, weights, strict=True)
+        )
+    halves, w = jax.lax.optimization_barrier((halves, w))
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+    return sum(
+        jax.lax.ragged_dot_general(x, v, sizes, numbers, preferred_element_type=jnp.float32)
+        for x, v in zip(halves, dequantize_halves(w, w.dtype), strict=True)
+    )
