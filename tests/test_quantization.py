@@ -12,12 +12,15 @@ import pytest
 
 from jaxllm.quantization import (
     QArray,
+    SplitRows,
     dequantize,
     dequantize_np,
+    head_int8_rows,
     pack_int4,
     qmatmul,
     qmatmuls,
     quantize,
+    quantize_head,
     take_rows,
     unpack_int4,
 )
@@ -290,6 +293,53 @@ def test_gguf_block_types_are_bit_exact(kind):
         )
 
 
+def test_int4_head_keeps_the_first_rows_int8():
+    """int4's output head: its first rows (a BPE vocabulary's most frequent tokens) in int8,
+    exactly as int8 quantizes them, the rest as int4 with the head's importance; the matmul,
+    the embedding lookup and the dequantization of the split matrix equal the parts'."""
+    rng = np.random.default_rng(7)
+    assert [head_int8_rows(v) for v in (100, 400, 32_000, 49_152, 151_936)] == [
+        0, 32, 4000 // 32 * 32, 4096, 4096
+    ]  # fmt: skip
+    w = rng.normal(size=(1024, 64)).astype(np.float32)
+    importance = rng.uniform(0.5, 2.0, 64).astype(np.float32) ** 8
+    head = quantize_head(w, importance)
+    assert isinstance(head, SplitRows) and head.shape == (1024, 64)
+    assert (head.first.fmt, head.first.num_out, head.rest.fmt) == ("int8", 128, "int4")
+    np.testing.assert_array_equal(
+        dequantize_np(head.first), dequantize_np(quantize(w[:128], "int8"))
+    )
+    np.testing.assert_array_equal(
+        dequantize_np(head.rest), dequantize_np(quantize(w[128:], "int4", importance=importance))
+    )
+    whole = dequantize_np(head)
+    error = np.abs(whole - w)
+    assert whole.shape == w.shape and error[:128].max() < error[128:].max() / 4
+    x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
+    on_device = jax.tree.map(jnp.asarray, head)
+    parts = [qmatmul(x, on_device.first), qmatmul(x, on_device.rest)]  # each its kernel
+    np.testing.assert_array_equal(
+        np.asarray(qmatmul(x, on_device)), np.concatenate([np.asarray(p) for p in parts], -1)
+    )
+    ids = jnp.asarray([0, 127, 128, 1023, 5])
+    np.testing.assert_array_equal(np.asarray(take_rows(on_device, ids)), whole[np.asarray(ids)])
+    np.testing.assert_array_equal(np.asarray(dequantize(on_device)), whole)
+    assert isinstance(quantize_head(w[:100]), QArray)  # too few rows to split
+
+
+def test_int4_model_head_is_split(tiny_model_dir):
+    """Loaded with int4, a model's output head is split: int8 rows first."""
+    from jaxllm.loaders import load_model
+
+    loaded = load_model(tiny_model_dir, load_tokenizer=False, quantization="int4")
+    model = loaded.model
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    table = head.get_value()
+    assert isinstance(table, SplitRows) and table.first.fmt == "int8"
+    assert table.first.num_out == head_int8_rows(loaded.config.vocab_size) > 0
+    assert table.num_out == loaded.config.vocab_size
+
+
 @pytest.mark.demo_model
 @pytest.mark.slow
 def test_demo_gguf_kept_quantized(smollm2_path):
@@ -448,8 +498,9 @@ def test_tensor_parallel_same_tokens(tmp_path, tokenizer_dir, fmt):
 @pytest.mark.demo_model
 def test_demo_perplexity_and_greedy_agreement(request):
     """The issue's quality bar on the committed held-out text (2,768 tokens): perplexity
-    within 1% of float for int8, 5% for int4 (3 minutes: `pytest -m slow`). The greedy
-    divergence per prompt is printed, for the record (scripts/quant_quality.py)."""
+    within 1% of float for int8, 5% for int4 on any text, here 3% (1.8% measured: texts not
+    shown measure more) (3 minutes: `pytest -m slow`). The greedy divergence per prompt is
+    printed, for the record (scripts/quant_quality.py)."""
     import sys
     from pathlib import Path
 
@@ -464,5 +515,5 @@ def test_demo_perplexity_and_greedy_agreement(request):
         print(e, r["perplexity"], r["first_divergence"])
     assert rows[0]["text_tokens"] >= 2000
     assert rows[1]["perplexity_ratio"] <= 1.01
-    assert rows[2]["perplexity_ratio"] <= 1.05
+    assert rows[2]["perplexity_ratio"] <= 1.03
     assert rows[3]["perplexity_ratio"] <= 1.01  # an int8 KV cache

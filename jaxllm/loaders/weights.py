@@ -36,10 +36,13 @@ from jaxllm.quantization import (
     QUANTIZABLE,
     MXFP4Experts,
     QArray,
+    SplitRows,
+    abstract_head,
     abstract_mxfp4_experts,
     abstract_qarray,
     dequantize_np,
     quantize,
+    quantize_head,
 )
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -287,7 +290,7 @@ def _to_numpy(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else np.asarray(x)
 
 
-def _quantized(name: str, *args, **kwargs) -> QArray | None:
+def _quantized(name: str, *args, **kwargs) -> QArray | SplitRows | None:
     """`_quantize_tensor`, its errors naming the tensor."""
     try:
         return _quantize_tensor(name, *args, **kwargs)
@@ -304,10 +307,12 @@ def _quantize_tensor(
     quantization: str | None,
     dtype,
     importance: np.ndarray | None = None,
-) -> QArray | None:
+    *,
+    head: bool = False,
+) -> QArray | SplitRows | None:
     """The QArray that parameter `path` gets from HF tensor `tensor` ([out, in], float or
-    already quantized), or None when the parameter stays float. `importance`: the output
-    head's, for int4 (see `build_state`)."""
+    already quantized), or None when the parameter stays float. `head`: the output head,
+    which int4 quantizes by `quantize_head`, with `importance` (see `build_state`)."""
     if path[-1] not in QUANTIZABLE or "expert" in var.get_metadata().get("axes", ()):
         return None
     if quantization == "float":
@@ -319,7 +324,8 @@ def _quantize_tensor(
         w = tensor
     else:
         w = tensor if not isinstance(tensor, QArray) else dequantize_np(tensor)
-        w = quantize(_to_numpy(w), fmt, importance=importance if fmt == "int4" else None)
+        w = _to_numpy(w)
+        w = quantize_head(w, importance) if head and fmt == "int4" else quantize(w, fmt)
     if path[-1] == "embed_tokens":  # [V, D]: rows are tokens, the tied head's outputs
         out_shape, num_in = var.shape[:1], var.shape[1]
     else:
@@ -342,16 +348,22 @@ def _quantize_tensor(
     return w.with_output(out_shape, dtype)
 
 
-def _qarray_shardings(w: QArray, sharding: jax.sharding.Sharding, var_shape, embed: bool):
+def _qarray_shardings(
+    w: QArray | SplitRows, sharding: jax.sharding.Sharding, var_shape, embed: bool
+):
     """The shardings of a QArray's leaves, from the float parameter's: rows split as the
-    output axes were, columns as the input axes were where every shard then holds whole
-    groups (and whole int4 blocks); otherwise those columns stay whole on each device. Without
-    a mesh (one device) every leaf takes the parameter's sharding."""
+    output axes were (where they divide), columns as the input axes were where every shard
+    then holds whole groups (and whole int4 blocks); otherwise those rows or columns stay
+    whole on each device. Without a mesh (one device) every leaf takes the parameter's
+    sharding. A SplitRows' parts each so."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     if not isinstance(sharding, NamedSharding):
         return jax.tree.map(lambda _: sharding, w)
+    if isinstance(w, SplitRows):
+        parts = (_qarray_shardings(a, sharding, var_shape, embed) for a in (w.first, w.rest))
+        return SplitRows(*parts)
     mesh = sharding.mesh
     spec = tuple(sharding.spec) + (None,) * (len(var_shape) - len(sharding.spec))
     if embed:  # [V, D]: output-major already
@@ -360,6 +372,8 @@ def _qarray_shardings(w: QArray, sharding: jax.sharding.Sharding, var_shape, emb
         num_in_axes = len(var_shape) - len(w.out_shape)
         out_axes, in_axes = spec[num_in_axes:], spec[:num_in_axes]
     out_axis = next((a for a in out_axes if a is not None), None)
+    if out_axis is not None and w.num_out % mesh.shape[out_axis]:
+        out_axis = None
     in_axis = next((a for a in in_axes if a is not None), None)
     shards = mesh.shape[in_axis] if in_axis is not None else 1
     q_in = in_axis if w.fmt != "int4" or (w.num_in // shards) % 32 == 0 else None
@@ -438,8 +452,12 @@ def abstract_state_for(
         else:
             num_in = _leading_in(var, path)
             out_shape = var.shape[_num_in_axes(var.shape, num_in) :]
+        head = path == (("embed_tokens",) if config.tie_word_embeddings else ("lm_head",))
         try:
-            w = abstract_qarray(quantization, int(np.prod(out_shape)), num_in)
+            if head and quantization == "int4":
+                w = abstract_head(int(np.prod(out_shape)), num_in)
+            else:
+                w = abstract_qarray(quantization, int(np.prod(out_shape)), num_in)
         except ValueError as e:
             raise ValueError(f"parameter {'.'.join(map(str, path))}: {e}") from e
         w = w.with_output(out_shape, dtype)
@@ -483,7 +501,7 @@ def build_state(
         value = value.astype(np_dtype, copy=False)
         return jax.make_array_from_callback(value.shape, shardings[path], lambda i: value[i])
 
-    def place_quantized(path: tuple, w: QArray | MXFP4Experts):
+    def place_quantized(path: tuple, w: QArray | SplitRows | MXFP4Experts):
         if shardings is None:
             return jax.tree.map(jnp.asarray, w)
         if isinstance(w, MXFP4Experts):
@@ -553,7 +571,7 @@ def build_state(
     if held_head is not None:
         name, tensor, path, var = held_head
         importance = None if final_norm is None else np.abs(final_norm) ** HEAD_IMPORTANCE_POWER
-        w = _quantized(name, tensor, path, var, config, quantization, dtype, importance=importance)
+        w = _quantized(name, tensor, path, var, config, quantization, dtype, importance, head=True)
         filled[path] = var.replace(place_quantized(path, w))
     missing = [".".join(map(str, p)) for p in expected if p not in filled]
     if missing:

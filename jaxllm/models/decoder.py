@@ -44,7 +44,7 @@ from jaxllm.models.layers import (
 from jaxllm.models.linear_attention import GatedDeltaNet
 from jaxllm.models.moe import MoE
 from jaxllm.models.state import ModelCache, StepExtras
-from jaxllm.quantization import QArray, qmatmul, take_rows
+from jaxllm.quantization import QUANTIZED, qmatmul, take_rows
 from pallas_kernels import as_kv_cache
 
 
@@ -190,7 +190,7 @@ class PerLayerInputs(nnx.Module):
         vocab = table.shape[0]
         # Token ids past the table (multimodal placeholders) take row 0, as the pad token's.
         ids = jnp.where(input_ids < vocab, input_ids, 0)
-        rows = take_rows(table, ids) if isinstance(table, QArray) else table[ids]
+        rows = take_rows(table, ids) if isinstance(table, QUANTIZED) else table[ids]
         n, p = self.shape
         tokens = rows * jnp.asarray(p**0.5, rows.dtype)
         projected = linear(embeds, self.per_layer_model_projection.get_value())
@@ -279,7 +279,7 @@ class DecoderForCausalLM(nnx.Module):
 
     def _forward(self, input_ids, positions, cache: ModelCache, meta, extras: StepExtras):
         table = self.embed_tokens.get_value()
-        x = take_rows(table, input_ids) if isinstance(table, QArray) else table[input_ids]
+        x = take_rows(table, input_ids) if isinstance(table, QUANTIZED) else table[input_ids]
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the dtype, as HF does
         # An image-text model's image embeddings taken instead of their placeholders'
@@ -326,7 +326,7 @@ class DecoderForCausalLM(nnx.Module):
     def _logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:
             table = self.embed_tokens.get_value()
-            if isinstance(table, QArray):  # [V, D] is already the head's [O, I]
+            if isinstance(table, QUANTIZED):  # [V, D] is already the head's [O, I]
                 logits = qmatmul(hidden, table)
             else:
                 logits = matmul(hidden, table, w_transposed=True)

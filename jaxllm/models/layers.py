@@ -24,7 +24,7 @@ import pallas_kernels
 from jaxllm.config import ModelConfig, RopeScaling, kernel_choices
 from jaxllm.families import FULL_ATTENTION
 from jaxllm.models.kv_layout import KVLayout
-from jaxllm.quantization import QArray, qmatmul, qmatmuls
+from jaxllm.quantization import QUANTIZED, QArray, SplitRows, qmatmul, qmatmuls
 from jaxllm.sharding import kv_cache_specs
 from pallas_kernels import KVCache
 
@@ -213,7 +213,7 @@ def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QArray | SplitRows) -> jax.Array:
     """x [T, I] times a weight [*in, *out] whose leading axes make up I: [T, *out], as one 2-D
     matmul over a free reshape of the weight. A quantized weight (output-major [O, I], see
     jaxllm.quantization) goes through `qmatmul` and comes out the same way.
@@ -222,7 +222,7 @@ def linear(x: jax.Array, w: jax.Array | QArray) -> jax.Array:
     weight every step rather than the activation. The input-major layout itself was measured
     against torch's output-major one on the demo model's 30 layers (2-core AMD EPYC, weights
     streamed from DRAM): equal at T = 1 (about 24 ms), 25% faster at T = 8."""
-    if isinstance(w, QArray):
+    if isinstance(w, QUANTIZED):
         return _shaped(x, qmatmul(x, w), w)
     num_in = x.shape[-1]
     out = matmul(x, w.reshape(num_in, -1)).astype(x.dtype)
