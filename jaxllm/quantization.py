@@ -529,7 +529,7 @@ class MXFP4Experts:
     merged), and `scales` u8[E, O, I / 32], one power of two per 32 inputs, standing for the
     float parameter [E, I, O] (input-major, the MoE's layout) in `dtype`. 4.25 bits a weight
     on the device; the MoE dequantizes each device's experts inside the step
-    (`dequantize_halves`), exactly: every MXFP4 value is a bfloat16."""
+    (`dequantize_half`), exactly: every MXFP4 value is a bfloat16."""
 
     codes: jax.Array | np.ndarray
     scales: jax.Array | np.ndarray
@@ -570,8 +570,8 @@ class MXFP4Experts:
         return dataclasses.replace(self, codes=P(e, o, i), scales=P(e, o, i))
 
 
-def dequantize_halves(w: MXFP4Experts, dtype) -> tuple[jax.Array, jax.Array]:
-    """The weights of the even inputs and of the odd ones, each [E, O, I / 2] in `dtype`
+def dequantize_half(w: MXFP4Experts, dtype, *, odd: bool) -> jax.Array:
+    """The weights of the even inputs (or of the odd ones), [E, O, I / 2] in `dtype`
     (output-major, as stored): x @ w = x[:, 0::2] @ even.T + x[:, 1::2] @ odd.T. Elementwise
     XLA ops on arrays whose minor axis is wide, which the compilers fuse into one pass over
     the codes; interleaving the halves into [E, O, I] would put an axis of 2 minor-most,
@@ -586,13 +586,14 @@ def dequantize_halves(w: MXFP4Experts, dtype) -> tuple[jax.Array, jax.Array]:
     )  # 2^(s - 127); 2^-127 is a subnormal
     scale = jnp.broadcast_to(scale[..., None], (e, o, g, MXFP4_BLOCK // 2)).reshape(e, o, -1)
     codes = w.codes.astype(jnp.uint32)
-    return tuple((_e2m1_to_f32(half) * scale).astype(dtype) for half in (codes & 15, codes >> 4))
+    codes = codes >> 4 if odd else codes & 15
+    return (_e2m1_to_f32(codes) * scale).astype(dtype)
 
 
 def dequantize_experts(w: MXFP4Experts, dtype) -> jax.Array:
-    """[E, I, O] in `dtype`: the float parameter `w` stands for (for checks and the host;
-    the step uses `dequantize_halves`)."""
-    even, odd = dequantize_halves(w, dtype)
+    """[E, I, O] in `dtype`: the float parameter `w` stands for (for checks; the step uses
+    `dequantize_half`)."""
+    even, odd = (dequantize_half(w, dtype, odd=odd) for odd in (False, True))
     e, o, half = even.shape
     return jnp.stack([even, odd], axis=-1).reshape(e, o, 2 * half).transpose(0, 2, 1)
 

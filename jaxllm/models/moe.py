@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import ACTIVATIONS, MLP, l2_norm, linear, matmul, param
-from jaxllm.quantization import MXFP4Experts, dequantize_halves
+from jaxllm.quantization import MXFP4Experts, dequantize_half
 from jaxllm.sharding import spec_for
 
 
@@ -222,29 +222,39 @@ def _experts(
 def _matmul_rows(lhs, w, sizes, row_expert) -> jax.Array:
     """f32[R, O]: each row of `lhs` [R, I] (sorted by expert, `sizes` rows each) times its
     expert's [I, O] of `w` ([E', I, O]), as one grouped matmul (`ragged_dot`).
-    MXFP4 experts are dequantized on the way, as their even and odd inputs' halves
-    (`dequantize_halves`), never all of a model's at once: where the rows are fewer than the
-    experts (decode), only the rows' experts (`row_expert`), each row its own, so only the
-    routed experts' 4-bit bytes are read; otherwise the device's experts, after the rows are
-    computed (an optimization barrier: nothing else orders them, and XLA dequantized every
-    layer's experts early and held them all, 187 GiB of temporaries for gpt-oss-120b on an
-    H200)."""
+    MXFP4 experts are dequantized on the way, their even and odd inputs' halves one after
+    the other (`dequantize_half`), never all of a model's at once: where the rows are fewer
+    than the experts (decode), only the rows' experts (`row_expert`), each row its own, so
+    only the routed experts' 4-bit bytes are read; otherwise the device's experts, ordered by
+    optimization barriers after the rows and the first half's product (without them XLA
+    dequantized every layer's experts early and held them all, 187 GiB of temporaries for
+    gpt-oss-120b on an H200; with both halves at once, 2.5 GB for one of its layers, over
+    what an H100 has left)."""
     if not isinstance(w, MXFP4Experts):
         return jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=jnp.float32)
     halves = lhs[:, 0::2], lhs[:, 1::2]
     if lhs.shape[0] < w.shape[0]:
-        weights = dequantize_halves(w.take(row_expert), w.dtype)  # 2 x [R, O, I / 2]
+        taken = w.take(row_expert)
         return sum(
-            jnp.einsum("ri,roi->ro", x, v, preferred_element_type=jnp.float32)
-            for x, v in zip(halves, weights, strict=True)
+            jnp.einsum(
+                "ri,roi->ro",
+                x,
+                dequantize_half(taken, w.dtype, odd=odd),  # [R, O, I / 2]
+                preferred_element_type=jnp.float32,
+            )
+            for x, odd in zip(halves, (False, True), strict=True)
         )
-    halves, w = jax.lax.optimization_barrier((halves, w))
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])),
         lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0],
     )
-    return sum(
-        jax.lax.ragged_dot_general(x, v, sizes, numbers, preferred_element_type=jnp.float32)
-        for x, v in zip(halves, dequantize_halves(w, w.dtype), strict=True)
-    )
+    out = None
+    for x, odd in zip(halves, (False, True), strict=True):
+        x, w = jax.lax.optimization_barrier((x, w) if out is None else (x, w, out))[:2]
+        y = jax.lax.ragged_dot_general(
+            x, dequantize_half(w, w.dtype, odd=odd), sizes, numbers,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        out = y if out is None else out + y
+    return out
