@@ -90,9 +90,9 @@ def mxfp4_kept(quantization: str | None) -> bool:
     experts 57 GiB rather than 214), and anywhere with `quantization="mxfp4"`. On the CPU by
     default, and with `quantization="float"`, they are dequantized once at load: XLA's CPU
     backend would dequantize every expert on every step, and no native kernel reads E2M1."""
-    if quantization == "float":
-        return False
-    return quantization is not None or jax.default_backend() != "cpu"
+    if quantization in ("mxfp4", "float"):
+        return quantization == "mxfp4"
+    return jax.default_backend() != "cpu"  # None, or int8 / int4 / fp8 for the other layers
 
 
 def load_model(
