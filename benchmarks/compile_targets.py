@@ -49,11 +49,12 @@ RUNS = {
     # A hybrid: 48 Gated DeltaNet layers (a recurrent state per request) and 16 attention ones.
     "qwen3.5-27b-h100": ("qwen3.5-27b", "h100", {}),
     "qwen3.5-27b-v6e-4": ("qwen3.5-27b", "v6e-4", {}),
-    # gpt-oss: sinks, sliding and full layers, 32 / 128 experts (MXFP4 as shipped, dequantized
-    # to bfloat16 at load for now: the weights are 4x the checkpoint's bytes).
+    # gpt-oss: sinks, sliding and full layers, 32 / 128 experts (MXFP4 as shipped, kept 4-bit
+    # on the device: gpt-oss-120b fits one H100, as vLLM serves it).
     "gpt-oss-20b-h100": ("gpt-oss-20b", "h100", {}),
     "gpt-oss-20b-v6e-4": ("gpt-oss-20b", "v6e-4", {}),
     "gpt-oss-120b-h200": ("gpt-oss-120b", "h200", {}),
+    "gpt-oss-120b-h100": ("gpt-oss-120b", "h100", {}),
     "gpt-oss-120b-v6e-8": ("gpt-oss-120b", "v6e-8", {}),
     # Llama 4 Scout as text: chunked attention, 16 experts with a shared one in every layer.
     "llama-4-scout-v6e-8": ("llama-4-scout", "v6e-8", {}),
