@@ -79,8 +79,10 @@ def main() -> None:
             head = p[-1] == "embed_tokens"  # [V, D]; the others are [in, out]
             w = weights[p] if head else weights[p].T
             if fmt == "int4":
-                qw = q.quantize_head(w, gamma**q.HEAD_IMPORTANCE_POWER) if head else None
-                back = q.dequantize_np(qw if head else q.quantize(w, "int4"))
+                importance = gamma**q.HEAD_IMPORTANCE_POWER
+                back = q.dequantize_np(
+                    q.quantize_head(w, importance) if head else q.quantize(w, "int4")
+                )
             else:
                 back = mxfp4.dequantize(*mxfp4.quantize(w))
             flat[p].set_value(jnp.asarray(back if head else back.T))

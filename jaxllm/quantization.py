@@ -590,14 +590,6 @@ def dequantize_half(w: MXFP4Experts, dtype, *, odd: bool) -> jax.Array:
     return (_e2m1_to_f32(codes) * scale).astype(dtype)
 
 
-def dequantize_experts(w: MXFP4Experts, dtype) -> jax.Array:
-    """[E, I, O] in `dtype`: the float parameter `w` stands for (for checks; the step uses
-    `dequantize_half`)."""
-    even, odd = (dequantize_half(w, dtype, odd=odd) for odd in (False, True))
-    e, o, half = even.shape
-    return jnp.stack([even, odd], axis=-1).reshape(e, o, 2 * half).transpose(0, 2, 1)
-
-
 def _e2m1_to_f32(code: jax.Array) -> jax.Array:
     """The float32 values of E2M1 codes (u32, 0..15): sign bit 3, exponent bits 2-1 (bias 1),
     mantissa bit 0; exponent 0 is subnormal (0 or 0.5)."""

@@ -16,7 +16,7 @@ from flax import nnx
 from jaxllm import LLM, SamplingParams
 from jaxllm.loaders import load_model, mxfp4_kept
 from jaxllm.loaders.mxfp4 import E2M1_VALUES, dequantize, quantize
-from jaxllm.quantization import MXFP4Experts, dequantize_experts
+from jaxllm.quantization import MXFP4Experts, dequantize_half
 
 from helpers import VOCAB, prefill_logits, tensor_parallel_report, write_family_checkpoint
 
@@ -126,6 +126,13 @@ def test_a_checkpoint_loads_as_shipped(checkpoints):
     assert out[0].outputs[0].token_ids == expected
 
 
+def _dequantized(w: MXFP4Experts, dtype) -> np.ndarray:
+    """[E, I, O]: the float weights `w` stands for, from the step's two halves."""
+    even, odd = (np.asarray(dequantize_half(w, dtype, odd=odd)) for odd in (False, True))
+    e, o, half = even.shape
+    return np.stack([even, odd], axis=-1).reshape(e, o, 2 * half).transpose(0, 2, 1)
+
+
 def _greedy(hf_model, ids, n=24) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(
@@ -148,8 +155,8 @@ def test_kept_experts_equal_their_dequantized_weights(checkpoints):
         assert isinstance(w, MXFP4Experts) and w.codes.dtype == jnp.uint8
         assert w.shape == ref.shape
         assert w.nbytes * 8 == ref.size * 4.25  # 4 bits a value, 8 a scale per 32
-        np.testing.assert_array_equal(np.asarray(dequantize_experts(w, jnp.float32)), ref)
-        bf16 = np.asarray(dequantize_experts(w, jnp.bfloat16)).astype(np.float32)
+        np.testing.assert_array_equal(_dequantized(w, jnp.float32), ref)
+        bf16 = _dequantized(w, jnp.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(bf16, ref)  # every MXFP4 value is a bfloat16
     ids = np.random.default_rng(4).integers(3, VOCAB, size=48).tolist()
     a = prefill_logits(kept.model, kept.config, ids)

@@ -239,9 +239,7 @@ def abstract_model(
         )
     config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
     shardings = _placements(abstract_state, mesh, device)
-    # The targets are accelerators, where an MXFP4 checkpoint's experts stay 4-bit unless
-    # --quantization float dequantizes them (`loaders.mxfp4_kept`).
-    mxfp4 = method == "mxfp4" and quantization != "float"
+    mxfp4 = method == "mxfp4" and loaders.mxfp4_kept(quantization, on_cpu=False)
     if quantization == "mxfp4":
         quantization = None  # the rest of the checkpoint is float
     state = abstract_state_for(

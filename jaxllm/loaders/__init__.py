@@ -84,15 +84,19 @@ def gguf_kept_quantized() -> bool:
     return quant_matmul_cpu.available() and quant_matmul_cpu.path() != "float"
 
 
-def mxfp4_kept(quantization: str | None) -> bool:
+def mxfp4_kept(quantization: str | None, *, on_cpu: bool | None = None) -> bool:
     """Whether an MXFP4 checkpoint's experts stay 4-bit on the device (dequantized inside the
     step): on accelerators, where they take a quarter of bfloat16's bytes (gpt-oss-120b's
     experts 57 GiB rather than 214), and anywhere with `quantization="mxfp4"`. On the CPU by
     default, and with `quantization="float"`, they are dequantized once at load: XLA's CPU
-    backend would dequantize every expert on every step, and no native kernel reads E2M1."""
+    backend would dequantize every expert on every step, and no native kernel reads E2M1.
+    `on_cpu`: whether the model runs on the CPU (default: JAX's backend; `jaxllm compile`
+    says False for its targets)."""
     if quantization in ("mxfp4", "float"):
         return quantization == "mxfp4"
-    return jax.default_backend() != "cpu"  # None, or int8 / int4 / fp8 for the other layers
+    if on_cpu is None:
+        on_cpu = jax.default_backend() == "cpu"
+    return not on_cpu  # None, or int8 / int4 / fp8 for the other layers
 
 
 def load_model(

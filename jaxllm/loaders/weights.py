@@ -285,7 +285,7 @@ def rope_pairs_as_halves(
 
 
 def _to_numpy(x) -> np.ndarray:
-    if isinstance(x, QArray):  # a quantized tensor whose parameter stays float
+    if isinstance(x, QArray):  # a quantized tensor whose parameter stays float or is requantized
         return dequantize_np(x)
     return x if isinstance(x, np.ndarray) else np.asarray(x)
 
@@ -323,8 +323,7 @@ def _quantize_tensor(
             return None
         w = tensor
     else:
-        w = tensor if not isinstance(tensor, QArray) else dequantize_np(tensor)
-        w = _to_numpy(w)
+        w = _to_numpy(tensor)  # a quantized tensor dequantized first
         w = quantize_head(w, importance) if head and fmt == "int4" else quantize(w, fmt)
     if path[-1] == "embed_tokens":  # [V, D]: rows are tokens, the tied head's outputs
         out_shape, num_in = var.shape[:1], var.shape[1]
@@ -426,47 +425,59 @@ def abstract_state_for(
             f"quantization {quantization} keeps a checkpoint's own quantized tensors, whose "
             "shapes a config alone does not give; compile with int8, int4, fp8 or none"
         )
+    head = _head_path(config)
     out = []
     for path, var in nnx.to_flat_state(abstract_state):
         where = shardings[path]
         if mxfp4_experts and _is_expert_projection(path, var):
             w = abstract_mxfp4_experts(var.shape, dtype)
-            value = jax.tree.map(
-                lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                w,
-                mxfp4_shardings(w, where),
-            )
-            out.append((path, var.replace(value)))
-            continue
-        quantized = (
+        elif (
             quantization in FORMATS
             and path[-1] in QUANTIZABLE
             and "expert" not in var.get_metadata().get("axes", ())
-        )
-        if not quantized:
+        ):
+            w = _abstract_quantized(path, var, quantization, dtype, head)
+        else:
             value = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=where)
             out.append((path, var.replace(value)))
             continue
-        if path[-1] == "embed_tokens":  # [V, D]: rows are tokens, the tied head's outputs
-            out_shape, num_in = var.shape[:1], var.shape[1]
-        else:
-            num_in = _leading_in(var, path)
-            out_shape = var.shape[_num_in_axes(var.shape, num_in) :]
-        head = path == (("embed_tokens",) if config.tie_word_embeddings else ("lm_head",))
-        try:
-            if head and quantization == "int4":
-                w = abstract_head(int(np.prod(out_shape)), num_in)
-            else:
-                w = abstract_qarray(quantization, int(np.prod(out_shape)), num_in)
-        except ValueError as e:
-            raise ValueError(f"parameter {'.'.join(map(str, path))}: {e}") from e
-        w = w.with_output(out_shape, dtype)
-        placed = _qarray_shardings(w, where, var.shape, path[-1] == "embed_tokens")
+        placed = _leaf_shardings(path, w, where, var.shape)
         value = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), w, placed
         )
         out.append((path, var.replace(value)))
     return nnx.from_flat_state(out)
+
+
+def _abstract_quantized(path: tuple, var, quantization: str, dtype, head: tuple):
+    """The abstract QArray (or int4 head's SplitRows) `quantize` would give parameter `path`."""
+    if path[-1] == "embed_tokens":  # [V, D]: rows are tokens, the tied head's outputs
+        out_shape, num_in = var.shape[:1], var.shape[1]
+    else:
+        num_in = _leading_in(var, path)
+        out_shape = var.shape[_num_in_axes(var.shape, num_in) :]
+    num_out = int(np.prod(out_shape))
+    try:
+        if path == head and quantization == "int4":
+            w = abstract_head(num_out, num_in)
+        else:
+            w = abstract_qarray(quantization, num_out, num_in)
+    except ValueError as e:
+        raise ValueError(f"parameter {'.'.join(map(str, path))}: {e}") from e
+    return w.with_output(out_shape, dtype)
+
+
+def _head_path(config: ModelConfig) -> tuple:
+    """The output head's parameter: the tied embedding, or lm_head."""
+    return ("embed_tokens",) if config.tie_word_embeddings else ("lm_head",)
+
+
+def _leaf_shardings(path: tuple, w, sharding: jax.sharding.Sharding, var_shape):
+    """The shardings of a quantized parameter's leaves (QArray, SplitRows or MXFP4Experts),
+    from the float parameter's."""
+    if isinstance(w, MXFP4Experts):
+        return mxfp4_shardings(w, sharding)
+    return _qarray_shardings(w, sharding, var_shape, path[-1] == "embed_tokens")
 
 
 def _is_expert_projection(path: tuple, var: nnx.Variable) -> bool:
@@ -504,12 +515,7 @@ def build_state(
     def place_quantized(path: tuple, w: QArray | SplitRows | MXFP4Experts):
         if shardings is None:
             return jax.tree.map(jnp.asarray, w)
-        if isinstance(w, MXFP4Experts):
-            where = mxfp4_shardings(w, shardings[path])
-        else:
-            where = _qarray_shardings(
-                w, shardings[path], expected[path].shape, path[-1] == "embed_tokens"
-            )
+        where = _leaf_shardings(path, w, shardings[path], expected[path].shape)
         return jax.tree.map(
             lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), w, where
         )
@@ -517,7 +523,7 @@ def build_state(
     filled: dict[tuple, nnx.Variable] = {}
     # int4 quantizes the output head (the tied embedding, or lm_head) weighting its inputs by
     # the final norm's scale (`HEAD_IMPORTANCE_POWER`): it waits for that norm's tensor.
-    head = ("embed_tokens",) if config.tie_word_embeddings else ("lm_head",)
+    head = _head_path(config)
     held_head, final_norm = None, None
     # Stacked expert weights fill up on the host, one expert per tensor, and go to the
     # device whole: {path: (host buffer, experts still missing)}.
