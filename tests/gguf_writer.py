@@ -6,8 +6,12 @@ if present, a byte-level BPE tokenizer.json) as GGUF with the `gguf` package, do
 llama.cpp's converter does per architecture: tensor names from the `gguf` package's own
 name map (the one the converter uses), Q/K rows permuted for llama, norm weights stored as
 1 + w for gemma3, Llama 3.1's rope scaling written as a `rope_freqs` tensor, 1-D tensors kept
-in F32 and the rest in the type asked for. It returns what a correct loader must give back:
-the stored (dequantized) tensors, in Hugging Face layout, under their Hugging Face names.
+in F32 and the rest in the type asked for. Mixtures of experts go as llama.cpp's MoE
+converters write them (`_experts`): each projection of every expert stacked in one
+[E, out, in] tensor, fused gate_up tensors split (gpt-oss's interleaved, Llama 4's halves),
+gpt-oss's MXFP4 blocks repacked into ggml's MXFP4 type. It returns what a correct loader must
+give back: the stored (dequantized) tensors, in Hugging Face layout, under their Hugging Face
+names (stacked experts input-major under the loader's `*_stacked` names).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,8 +41,12 @@ class Layout:
 
 LAYOUTS = {
     "LlamaForCausalLM": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "MixtralForCausalLM": Layout(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "Qwen3ForCausalLM": Layout(gguf.MODEL_ARCH.QWEN3),
+    "Qwen3MoeForCausalLM": Layout(gguf.MODEL_ARCH.QWEN3MOE),
     "Gemma3ForCausalLM": Layout(gguf.MODEL_ARCH.GEMMA3, norm_shift=1.0),
+    "GptOssForCausalLM": Layout(gguf.MODEL_ARCH.GPT_OSS),
+    "Llama4ForCausalLM": Layout(gguf.MODEL_ARCH.LLAMA4),
 }
 
 # A sentencepiece-style vocabulary for checkpoints without tokenizer.json, Gemma's specials
@@ -101,9 +110,11 @@ def write_gguf(
     arch: str | None = None,
     norm_type: Q = Q.F32,
     embed_type: Q = Q.Q8_0,
+    expert_type: Q | None = None,
     edit: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Converts a tiny HF checkpoint to GGUF; returns the expected dequantized HF tensors.
+    Float experts are stored as `expert_type` (default: `linear_type`); MXFP4 ones as MXFP4.
 
     `arch` overrides the `general.architecture` written (the layout stays the checkpoint's);
     `edit` may add metadata before the tensors are written."""
@@ -117,7 +128,8 @@ def write_gguf(
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
+    # Llama4Model: the dense layers' width (an expert's goes as expert_feed_forward_length).
+    w.add_feed_forward_length(config.get("intermediate_size_mlp") or config["intermediate_size"])
     w.add_head_count(n)
     w.add_head_count_kv(k or n)
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
@@ -129,6 +141,13 @@ def write_gguf(
         w.add_sliding_window(config["sliding_window"])  # and no vocab_size, as llama.cpp
     else:
         w.add_vocab_size(config["vocab_size"])
+    _add_expert_metadata(w, layout.arch, config)
+    if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     _add_tokenizer(w, hf_dir, config["vocab_size"])
     if edit is not None:
         edit(w)
@@ -150,9 +169,18 @@ def write_gguf(
 
     if rope.get("rope_type") == "llama3":
         put("rope_freqs.weight", llama3_rope_factors(config), Q.F32)
+    for gguf_name, ours, arr in _experts(layout.arch, config, tensors):
+        if arr.dtype == np.uint8:  # MXFP4 bytes, [E, out, in / 32 * 17]
+            w.add_tensor(gguf_name, arr, raw_dtype=Q.MXFP4)
+            deq = gguf.quants.dequantize(arr, Q.MXFP4)
+        else:
+            deq = put(gguf_name, arr, Q.F32 if arr.ndim == 1 else expert_type or linear_type)
+        expected[ours] = deq.transpose(0, 2, 1) if deq.ndim == 3 else deq
     for hf_name, arr in tensors.items():
+        if llama4 := layout.arch == gguf.MODEL_ARCH.LLAMA4:
+            hf_name = hf_name.replace(".feed_forward.", ".mlp.")  # the loader's names
         base, suffix = hf_name.rsplit(".", 1)
-        gguf_name = f"{names.get_name(base)}.{suffix}"
+        gguf_name = f"{names.get_name(base.replace('.mlp.', '.feed_forward.') if llama4 else base)}.{suffix}"
         arr = arr.astype(np.float32)
         is_norm = hf_name.endswith("norm.weight")
         if is_norm:
@@ -166,7 +194,10 @@ def write_gguf(
             heads = n
         elif layout.permute_qk and "k_proj.weight" in hf_name:
             heads = k or n
+        if gguf_name.endswith("ffn_gate_inp.weight"):
+            qtype = Q.F32  # the converter keeps routers in F32
         deq = put(gguf_name, arr, qtype, heads)
+        hf_name = hf_name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
         expected[hf_name] = deq - layout.norm_shift if is_norm else deq
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -208,3 +239,96 @@ def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
     w.add_pad_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
+
+
+def _add_expert_metadata(w: gguf.GGUFWriter, arch: gguf.MODEL_ARCH, config: dict) -> None:
+    """What TextModel, Qwen2MoeModel, GptOssModel and Llama4Model write about experts."""
+    if config.get("num_local_experts"):  # TextModel
+        w.add_expert_count(config["num_local_experts"])
+    if config.get("num_experts_per_tok"):
+        w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch == gguf.MODEL_ARCH.QWEN3MOE:
+        if config.get("num_experts"):  # Qwen's own spelling
+            w.add_expert_count(config["num_experts"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    elif arch == gguf.MODEL_ARCH.GPT_OSS:
+        w.add_sliding_window(config["sliding_window"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
+    elif arch == gguf.MODEL_ARCH.LLAMA4:
+        w.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
+        w.add_expert_feed_forward_length(config["intermediate_size"])
+
+
+def _mxfp4_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GptOssModel.repack_mxfp4: HF's MXFP4 (values 2k and 2k + 1 in byte k) as ggml's blocks
+    of 17 bytes (the scale, then values j and j + 16 in byte j), [..., out, in / 32 * 17]."""
+    values = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = values[..., :16] | (values[..., 16:] << 4)
+    packed = np.concatenate([scales[..., None], qs], axis=-1).astype(np.uint8)
+    return packed.reshape(*packed.shape[:-2], -1)
+
+
+def _experts(
+    arch: gguf.MODEL_ARCH, config: dict, tensors: dict[str, np.ndarray]
+) -> list[tuple[str, str, np.ndarray]]:
+    """The expert tensors as llama.cpp's converter writes them: (GGUF name, the loader's name,
+    the stored array [E, out, in] or MXFP4 bytes), taken out of `tensors`; the router and
+    the other tensors stay for the generic path (gpt-oss's sinks, named oddly, come here)."""
+    out = []
+    stacked = lambda layer, p: f"model.layers.{layer}.mlp.experts.{p}_proj_stacked"  # noqa: E731
+    per_expert = re.compile(
+        r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$"
+    )
+    names = {"w1": "gate", "w3": "up", "w2": "down"}
+    groups: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name in list(tensors):
+        if m := per_expert.match(name):  # Mixtral's, Qwen3-MoE's: stacked
+            layer, expert, proj = int(m[1]), int(m[2]), m[3]
+            proj = names.get(proj, proj.removesuffix("_proj"))
+            groups.setdefault((layer, proj), {})[expert] = tensors.pop(name).astype(np.float32)
+    for (layer, proj), by_expert in sorted(groups.items()):
+        w = np.stack([by_expert[e] for e in sorted(by_expert)])
+        out.append((f"blk.{layer}.ffn_{proj}_exps.weight", stacked(layer, proj), w))
+    fused = re.compile(
+        r"^model\.layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.(gate_up|down)_proj(.*)$"
+    )
+    for name in list(tensors):
+        if name.endswith(".self_attn.sinks"):
+            layer = name.split(".")[2]
+            out.append((f"blk.{layer}.attn_sinks.weight", name, tensors.pop(name)))
+            continue
+        m = fused.match(name)
+        if m is None or m[3] == "_scales":
+            continue
+        layer, proj, rest = m[1], m[2], m[3]
+        w = tensors.pop(name)
+        if rest == "_blocks":  # gpt-oss's MXFP4: [E, out, in / 32, 16] with its scales
+            scales = tensors.pop(name.replace("_blocks", "_scales"))
+            if proj == "down":
+                parts = {"down": (w, scales)}
+            else:
+                parts = {"gate": (w[:, 0::2], scales[:, 0::2]), "up": (w[:, 1::2], scales[:, 1::2])}
+            for p, (b, sc) in parts.items():
+                out.append(
+                    (f"blk.{layer}.ffn_{p}_exps.weight", stacked(layer, p), _mxfp4_ggml(b, sc))
+                )
+            continue
+        w = w.astype(np.float32)
+        if rest == "_bias":  # gpt-oss's: [E, 2F] interleaved, [E, D]
+            parts = {"down": w} if proj == "down" else {"gate": w[:, 0::2], "up": w[:, 1::2]}
+            for p, b in parts.items():
+                out.append((f"blk.{layer}.ffn_{p}_exps.bias", f"{stacked(layer, p)}_bias", b))
+            continue
+        w = w.transpose(0, 2, 1)  # input-major [E, in, out] -> [E, out, in]
+        if proj == "down":
+            parts = {"down": w}
+        elif arch == gguf.MODEL_ARCH.GPT_OSS:  # gate and up interleaved
+            parts = {"gate": w[:, 0::2], "up": w[:, 1::2]}
+        else:  # Llama 4: halves
+            half = w.shape[1] // 2
+            parts = {"gate": w[:, :half], "up": w[:, half:]}
+        for p, part in parts.items():
+            out.append(
+                (f"blk.{layer}.ffn_{p}_exps.weight", stacked(layer, p), np.ascontiguousarray(part))
+            )
+    return out

@@ -193,8 +193,8 @@ def test_llama31_rope_freqs_reproduce_llama3_scaling(tmp_path):
 
 
 def test_rope_scaling_metadata(tmp_path):
-    """Linear scaling (Gemma 3 4B and up, global layers) becomes rope_scaling; kinds we do not
-    implement are refused by name."""
+    """Linear scaling (Gemma 3 4B and up, global layers) and YaRN (gpt-oss) become
+    rope_scaling; kinds we do not implement are refused by name."""
     from transformers import AutoConfig
 
     hf_dir = _hf_checkpoint("gemma3", tmp_path / "hf")
@@ -214,10 +214,24 @@ def test_rope_scaling_metadata(tmp_path):
     def yarn(w):
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
 
     write_gguf(hf_dir, tmp_path / "yarn.gguf", edit=yarn)
-    with pytest.raises(ValueError, match="rope scaling 'yarn'.*not supported"):
-        gguf_hf_config(GGUFFile(tmp_path / "yarn.gguf"))
+    assert gguf_hf_config(GGUFFile(tmp_path / "yarn.gguf"))["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+    }
+
+    def longrope(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        w.add_rope_scaling_factor(4.0)
+
+    write_gguf(hf_dir, tmp_path / "longrope.gguf", edit=longrope)
+    with pytest.raises(ValueError, match="rope scaling 'longrope'.*not supported"):
+        gguf_hf_config(GGUFFile(tmp_path / "longrope.gguf"))
 
 
 def test_gguf_model_matches_transformers(checkpoint, tmp_path):
@@ -289,15 +303,17 @@ def test_string_index_without_decoding(tmp_path):
     assert lazy.string_index("general.architecture", "gemma3") is None  # not an array
 
 
-def test_mixture_of_experts_gguf_is_refused_clearly(tmp_path):
+def test_mixture_of_experts_gguf_of_a_dense_family_is_refused_clearly(tmp_path):
+    """Experts in an architecture whose GGUF layout we know only dense (tests/test_gguf_moe.py
+    loads the MoE families')."""
     path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "qwen3")
     writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="mixture-of-experts GGUF"):
+    with pytest.raises(ValueError, match="mixture-of-experts GGUF file of architecture 'qwen3'"):
         gguf_hf_config(GGUFFile(path))
 
 

@@ -76,8 +76,8 @@ class GGUFFormat:
     """Norm weights were stored as w + norm_shift (Gemma: 1)."""
     chat_template: str | None = None
     """The chat template for a file that carries none."""
-    end_of_turn: str | None = None
-    """The token that ends a turn in that template; it also ends generation whether or not
+    end_of_turn: tuple[str, ...] = ()
+    """The tokens that end a turn in that template; they also end generation whether or not
     the file has a template, as llama.cpp's end-of-generation set does."""
     read_config: Callable[[Any, dict], dict] | None = None
     """(GGUF reader, the common config keys) -> the family's further HF config keys, for
@@ -140,4 +140,16 @@ GGUF_QK_NORM_NAMES = {
     **GGUF_LAYER_NAMES,
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# A mixture of experts: the router, and each projection of every expert stacked in one tensor
+# (`ffn_*_exps`, [E, out, in] in row-major order), which the loader yields input-major under
+# the `*_stacked` names `loaders.weights` places (llama.cpp's converters stack HF's
+# per-expert tensors, or split fused gate_up ones, into these).
+GGUF_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    **{
+        f"ffn_{p}_exps.{kind}": f"mlp.experts.{p}_proj_stacked{suffix}"
+        for p in ("gate", "up", "down")
+        for kind, suffix in (("weight", ""), ("bias", "_bias"))
+    },
 }

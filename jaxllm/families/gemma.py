@@ -116,7 +116,7 @@ register(
             _GEMMA3_GGUF_NAMES,
             norm_shift=1.0,
             chat_template=_GEMMA_CHAT_TEMPLATE,
-            end_of_turn="<end_of_turn>",
+            end_of_turn=("<end_of_turn>",),
             read_config=_gemma3_gguf_config,
         ),
     ),

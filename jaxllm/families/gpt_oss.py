@@ -2,13 +2,14 @@
 layers alternating a 128-token sliding window with full attention, attention sinks (a learned
 logit per head in each softmax's denominator), biases on q, k, v and o, YaRN RoPE, a router
 with a bias, and experts with biases and a clamped SwiGLU. The experts come stacked in one
-tensor per projection, gate and up interleaved (`loaders.weights`)."""
+tensor per projection, gate and up interleaved (`loaders.weights`). llama.cpp's GGUF files
+(architecture "gpt-oss") split gate and up, and keep the experts in MXFP4 (`loaders.gguf`)."""
 
 from __future__ import annotations
 
 import re
 
-from jaxllm.families.base import Family, register
+from jaxllm.families.base import GGUF_EXPERT_NAMES, GGUF_LAYER_NAMES, Family, GGUFFormat, register
 
 # The experts' stacked gate_up tensors (and biases) interleave gate and up column by column:
 # named for the layout the loader splits (`loaders.weights`).
@@ -32,6 +33,23 @@ def _read(config: dict) -> dict:
     }
 
 
+def _gguf_config(reader, config: dict) -> dict:
+    """gpt-oss's YaRN does not round its correction range to whole dimensions (its config's
+    `truncate: false`), which llama.cpp's metadata does not say."""
+    scaling = config.get("rope_scaling")
+    return {"rope_scaling": {**scaling, "truncate": False}} if scaling else {}
+
+
+_GGUF_NAMES = {
+    **{k: v for k, v in GGUF_LAYER_NAMES.items() if k != "ffn_norm.weight"},
+    **GGUF_EXPERT_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+}
+
 register(
     Family(
         "GptOssForCausalLM",
@@ -47,5 +65,12 @@ register(
         sliding_layers=_even_layers_slide,
         read_config=_read,
         tensor_name=_tensor_name,
+        gguf=GGUFFormat(
+            "gpt-oss",
+            "gpt_oss",
+            _GGUF_NAMES,
+            end_of_turn=("<|return|>", "<|call|>"),  # harmony's ends of an answer or a call
+            read_config=_gguf_config,
+        ),
     )
 )

@@ -4,13 +4,22 @@ queries and keys, the fourth attends to everything without RoPE and scales its q
 long positions (temperature tuning); mixture-of-experts layers (every one, or interleaved with
 dense ones) route each token to its top expert by a sigmoid score that scales the expert's
 input, beside a shared expert. Image-text checkpoints (`Llama4ForConditionalGeneration`)
-serve their text decoder; the vision tower is not served yet."""
+serve their text decoder; the vision tower is not served yet. GGUF files (architecture
+"llama4") store none of the attention's settings: llama.cpp's are read (`_gguf_config`)."""
 
 from __future__ import annotations
 
 import re
 
-from jaxllm.families.base import CHUNKED_ATTENTION, FULL_ATTENTION, Family, register
+from jaxllm.families.base import (
+    CHUNKED_ATTENTION,
+    FULL_ATTENTION,
+    GGUF_EXPERT_NAMES,
+    GGUF_LAYER_NAMES,
+    Family,
+    GGUFFormat,
+    register,
+)
 
 # feed_forward.* -> mlp.*; the experts' stacked gate and up halves get the name of the layout
 # the loader splits (`loaders.weights`).
@@ -59,6 +68,42 @@ def _read(config: dict) -> dict:
     }
 
 
+def _gguf_config(reader, config: dict) -> dict:
+    """What llama.cpp fixes for Llama 4 rather than reading (`llama_model::load_hparams` and
+    its hparams' defaults): chunks of 8192 positions, every fourth layer without RoPE and with
+    temperature tuning (scale 0.1 from 8192 positions), L2 q/k norms but in the 128-expert
+    Maverick. A file whose sliding window is 0 (MobileLLM-R1) has no chunks, and only its last
+    layer goes without RoPE (llama.cpp's "no-RoPE step" becomes the layer count). The dense
+    layers' MLP width is the file's feed-forward length, an expert's its own."""
+    num_layers = config["num_hidden_layers"]
+    chunked = reader.field("llama4.attention.sliding_window") != 0
+    no_rope_step = 4 if chunked else num_layers
+    routed = {
+        t.name.split(".")[1] for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")
+    }
+    return {
+        "intermediate_size_mlp": config["intermediate_size"],
+        "intermediate_size": config.get("moe_intermediate_size") or config["intermediate_size"],
+        "attention_chunk_size": 8192 if chunked else None,
+        "no_rope_layers": [int((i + 1) % no_rope_step != 0) for i in range(num_layers)],
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "use_qk_norm": config.get("num_local_experts") != 128,
+        "moe_layers": [i for i in range(num_layers) if str(i) in routed],
+    }
+
+
+_GGUF_NAMES = {
+    **GGUF_LAYER_NAMES,
+    **{k: v for k, v in GGUF_EXPERT_NAMES.items() if k.endswith(".weight")},
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    **{
+        f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight"
+        for p in ("gate", "up", "down")
+    },
+}
+
 register(
     Family(
         "Llama4ForCausalLM",
@@ -72,6 +117,13 @@ register(
         },
         read_config=_read,
         tensor_name=_tensor_name,
+        gguf=GGUFFormat(
+            "llama4",
+            "llama4_text",
+            _GGUF_NAMES,
+            end_of_turn=("<|eot|>", "<|eom|>"),
+            read_config=_gguf_config,
+        ),
     ),
     Family("Llama4ForConditionalGeneration", text_of="Llama4ForCausalLM"),
 )

@@ -6,7 +6,14 @@ ones."""
 
 from __future__ import annotations
 
-from jaxllm.families.base import GGUF_LAYER_NAMES, GGUF_QK_NORM_NAMES, Family, GGUFFormat, register
+from jaxllm.families.base import (
+    GGUF_EXPERT_NAMES,
+    GGUF_LAYER_NAMES,
+    GGUF_QK_NORM_NAMES,
+    Family,
+    GGUFFormat,
+    register,
+)
 
 
 def _from_max_window_layers(config: dict, num_layers: int) -> list[bool]:
@@ -26,6 +33,11 @@ def _qwen3_moe_routing(config: dict) -> dict:
     if "norm_topk_prob" in config:
         return {"moe_renormalize": bool(config["norm_topk_prob"])}
     return {}
+
+
+def _qwen3_moe_gguf_config(reader, config: dict) -> dict:
+    """llama.cpp renormalizes Qwen3-MoE's chosen experts' weights unless the file says not."""
+    return {"norm_topk_prob": bool(reader.field("qwen3moe.expert_weights_norm", True))}
 
 
 def _hybrid(fused: bool, *, renormalize: bool | None = None):
@@ -97,5 +109,11 @@ register(
         "Qwen3MoeForCausalLM",
         {"qk_norm": True, "moe_renormalize": False},
         read_config=_qwen3_moe_routing,
+        gguf=GGUFFormat(
+            "qwen3moe",
+            "qwen3_moe",
+            GGUF_QK_NORM_NAMES | GGUF_EXPERT_NAMES,
+            read_config=_qwen3_moe_gguf_config,
+        ),
     ),
 )

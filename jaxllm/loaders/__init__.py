@@ -138,7 +138,10 @@ def load_model(
     elif (path / "config.json").is_file():
         hf_config = json.loads((path / "config.json").read_text())
         method = quantized_hf.checkpoint_method(hf_config)
-    if quantization in ("gguf", *quantized_hf.METHODS) and quantization != method:
+    if method == "gguf" and quantization == "mxfp4":
+        if not gguf_loader.has_mxfp4(path):
+            raise ValueError(f"quantization mxfp4: {path} has no MXFP4 tensors")
+    elif quantization in ("gguf", *quantized_hf.METHODS) and quantization != method:
         raise ValueError(
             f"quantization {quantization} does not match the checkpoint {path} "
             f"({method or 'not quantized'})"
@@ -166,12 +169,13 @@ def load_model(
                 qc = hf_config.get("quantization_config") or hf_config["compression_config"]
                 keep = mxfp4_kept(quantization)
                 tensors = quantized_hf.group_quantized(tensors, method, qc, keep_mxfp4=keep)
-            if config.rope_interleaved:
-                tensors = rope_pairs_as_halves(tensors, config)
             generation_config = hf_loader.load_generation_config(path)
         else:
-            tensors = gguf_loader.iter_gguf(path, keep_quantized=True)
+            keep = mxfp4_kept(quantization)
+            tensors = gguf_loader.iter_gguf(path, keep_quantized=True, keep_mxfp4=keep)
             generation_config = {}
+        if config.rope_interleaved:  # (llama.cpp's converter leaves Llama 4's pairs so too)
+            tensors = rope_pairs_as_halves(tensors, config)
         state = build_state(abstract_state, tensors, config, dtype, shardings, quantization)
     tokenizer = None
     if load_tokenizer:

@@ -13,6 +13,10 @@ float32 and renamed to its Hugging Face name (`iter_gguf`), undoing what llama.c
   Gemma's by 1 + weight); we subtract the 1 again.
 - Llama 3.1: the llama3 RoPE scaling is stored as a `rope_freqs` tensor of per-frequency
   divisors instead of metadata; it becomes the config's `rope_freq_factors`, not a weight.
+- Mixtures of experts (Mixtral, Qwen3-MoE, gpt-oss, Llama 4): each projection of every
+  expert is one stacked `ffn_*_exps` tensor [E, out, in]; it comes input-major, as the
+  decoder holds experts, and gpt-oss's MXFP4 ones as `MXFP4Experts` where they stay 4-bit
+  (`_stacked_experts`). Layers without a router are dense.
 
 With `keep_quantized` (the default of `load_model`: see jaxllm.quantization), tensors of
 the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are not dequantized: their
@@ -58,10 +62,12 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
         )
     family = GGUF_FAMILIES[arch]
     tensors = {t.name: t for t in reader.tensors}
-    if any(".ffn_gate_inp." in name for name in tensors):
+    experts = reader.field(f"{arch}.expert_count") or 0
+    routed = any(name.endswith(".ffn_gate_inp.weight") for name in tensors)
+    if (experts or routed) and "ffn_gate_inp.weight" not in family.gguf.layer_names:
         raise ValueError(
-            f"{reader.path} is a mixture-of-experts GGUF file (ffn_gate_inp), which we cannot "
-            "load yet; load the model's Hugging Face checkpoint instead"
+            f"{reader.path} is a mixture-of-experts GGUF file of architecture {arch!r}, which "
+            "we cannot load from GGUF; load the model's Hugging Face checkpoint instead"
         )
     heads = reader.field(f"{arch}.attention.head_count")
     hidden = reader.field(f"{arch}.embedding_length")
@@ -87,6 +93,19 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
         "eos_token_id": _eos_token_ids(reader, arch),
         "pad_token_id": reader.field("tokenizer.ggml.padding_token_id"),
     }
+    if experts:
+        num_layers = config["num_hidden_layers"]
+        config |= {
+            "num_local_experts": experts,
+            "num_experts_per_tok": reader.field(f"{arch}.expert_used_count"),
+            "moe_intermediate_size": reader.field(
+                f"{arch}.expert_feed_forward_length", config["intermediate_size"]
+            ),
+            # Layers without a router are dense (llama.cpp's Llama 4 interleaves them).
+            "mlp_only_layers": [
+                i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
+            ],
+        }
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if (cap := reader.field(f"{arch}.{key}")) is not None:
             config[key] = cap
@@ -106,18 +125,34 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
 
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
-    """`{arch}.rope.scaling.*` as HF's `rope_scaling`: linear only (Gemma 3's global layers in
-    the 4B and larger); None when absent or a factor of 1."""
-    kind = reader.field(f"{arch}.rope.scaling.type")
-    factor = reader.field(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+    """`{arch}.rope.scaling.*` as HF's `rope_scaling`: linear (Gemma 3's global layers in the
+    4B and larger) or YaRN (gpt-oss; its beta and attention factors where the file has them);
+    None when absent or a factor of 1."""
+    key = f"{arch}.rope.scaling"
+    kind = reader.field(f"{key}.type")
+    factor = reader.field(f"{key}.factor")
+    if kind in (None, "none") or (kind in ("linear", "yarn") and factor in (None, 1.0)):
         return None
-    if kind != "linear":
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn":
         raise ValueError(
-            f"GGUF rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported (only "
-            "linear, and llama.cpp's rope_freqs); load the Hugging Face checkpoint instead"
+            f"GGUF rope scaling {kind!r} ({key}.type) is not supported (only linear, yarn and "
+            "llama.cpp's rope_freqs); load the Hugging Face checkpoint instead"
         )
-    return {"rope_type": "linear", "factor": float(factor)}
+    original = reader.field(f"{key}.original_context_length")
+    if original is None:
+        raise ValueError(f"YaRN scaling without {key}.original_context_length")
+    scaling = {"rope_type": "yarn", "factor": float(factor)}
+    scaling["original_max_position_embeddings"] = int(original)
+    for name, hf_name in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        if (value := reader.field(f"{key}.{name}")) is not None:
+            scaling[hf_name] = float(value)
+    return scaling
 
 
 def _eos_token_ids(reader: GGUFFile, arch: str) -> int | list[int] | None:
@@ -127,9 +162,8 @@ def _eos_token_ids(reader: GGUFFile, arch: str) -> int | list[int] | None:
         reader.field(f"tokenizer.ggml.{key}")
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
     ]
-    end_of_turn = GGUF_FAMILIES[arch].gguf.end_of_turn
-    if end_of_turn is not None:
-        ids.append(reader.string_index("tokenizer.ggml.tokens", end_of_turn))
+    for token in GGUF_FAMILIES[arch].gguf.end_of_turn:
+        ids.append(reader.string_index("tokenizer.ggml.tokens", token))
     ids = list(dict.fromkeys(i for i in ids if i is not None))
     return ids[0] if len(ids) == 1 else ids or None
 
@@ -254,9 +288,50 @@ def _quantized(reader: GGUFFile, t: TensorInfo) -> quantization.QArray | None:
     )
 
 
-def iter_gguf(path: Path, *, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def _stacked_experts(
+    reader: GGUFFile, t: TensorInfo, keep_mxfp4: bool
+) -> np.ndarray | quantization.MXFP4Experts:
+    """A stacked expert projection `ffn_*_exps` ([E, out, in] in the file) input-major, as
+    the decoder holds it: float32 [E, in, out], or, for MXFP4 with `keep_mxfp4`, the same
+    4-bit codes and scales as an `MXFP4Experts` (which stands for [E, in, out]).
+
+    ggml's MXFP4 block is 17 bytes: the E8M0 scale, then 16 bytes whose low nibbles are the
+    block's first 16 values and high nibbles its last 16 (`MXFP4Experts` pairs neighbours:
+    values 2k and 2k + 1 in byte k, as gpt-oss's checkpoints do)."""
+    import gguf
+
+    if len(t.shape) != 3:
+        raise ValueError(
+            f"tensor {t.name!r} in {reader.path} has shape {list(t.shape)}; stacked experts "
+            "are [experts, out, in]"
+        )
+    if keep_mxfp4 and t.ggml_type == gguf.GGMLQuantizationType.MXFP4:
+        experts, rows, cols = t.shape
+        b = reader.raw(t).reshape(experts, rows, cols // quantization.MXFP4_BLOCK, 17)
+        values = np.concatenate(_nibbles(b[..., 1:]), axis=-1)  # [..., 32] in order
+        codes = values[..., 0::2] | (values[..., 1::2] << np.uint8(4))
+        return quantization.MXFP4Experts(
+            np.ascontiguousarray(codes).reshape(experts, rows, cols // 2),
+            np.ascontiguousarray(b[..., 0]),
+            np.dtype(np.float32),
+        )
+    return np.ascontiguousarray(_dequantize(reader, t).transpose(0, 2, 1))
+
+
+def has_mxfp4(path: Path) -> bool:
+    """Whether the file holds MXFP4 tensors (gpt-oss's experts, as llama.cpp ships them)."""
+    import gguf
+
+    return any(t.ggml_type == gguf.GGMLQuantizationType.MXFP4 for t in GGUFFile(path).tensors)
+
+
+def iter_gguf(
+    path: Path, *, keep_quantized: bool = False, keep_mxfp4: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, tensor in HF layout) pairs, one at a time: float32 arrays, or with
-    `keep_quantized` a QArray for each tensor of a block type we keep (see above)."""
+    `keep_quantized` a QArray for each tensor of a block type we keep (see above). Stacked
+    experts come input-major (`_stacked_experts`), MXFP4 ones kept 4-bit with
+    `keep_mxfp4` (`loaders.mxfp4_kept`)."""
     reader = GGUFFile(path)
     config = gguf_hf_config(reader)
     arch = GGUF_FAMILIES[reader.field("general.architecture")].gguf
@@ -270,6 +345,9 @@ def iter_gguf(path: Path, *, keep_quantized: bool = False) -> Iterator[tuple[str
             if len(parts) != 3 or parts[0] != "blk" or parts[2] not in arch.layer_names:
                 raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
             name = f"model.layers.{parts[1]}.{arch.layer_names[parts[2]]}"
+        if t.name.endswith("_exps.weight"):
+            yield name, _stacked_experts(reader, t, keep_mxfp4)
+            continue
         w = _quantized(reader, t) if keep_quantized else None
         if w is None:
             w = _dequantize(reader, t)

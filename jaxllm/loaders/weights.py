@@ -147,6 +147,12 @@ def _rules(
             ],
             "mlp.experts.down_proj": (("mlp", "down_proj"), same),
             "mlp.experts.down_proj_bias": (("mlp", "down_bias"), same),
+            # A GGUF file's stacked experts, input-major ([E, D, F], [E, F, D]; `loaders.gguf`).
+            **{
+                f"mlp.experts.{p}_proj_stacked{suffix}": (("mlp", f"{p}_{kind}"), same)
+                for p in ("gate", "up", "down")
+                for suffix, kind in (("", "proj"), ("_bias", "bias"))
+            },
         }
         | gemma4
         | (_linear_attention_rules(c) if c.linear_attention else {})
