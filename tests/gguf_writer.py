@@ -47,6 +47,7 @@ LAYOUTS = {
     "Gemma3ForCausalLM": Layout(gguf.MODEL_ARCH.GEMMA3, norm_shift=1.0),
     "GptOssForCausalLM": Layout(gguf.MODEL_ARCH.GPT_OSS),
     "Llama4ForCausalLM": Layout(gguf.MODEL_ARCH.LLAMA4),
+    "Gemma4ForCausalLM": Layout(gguf.MODEL_ARCH.GEMMA4),
 }
 
 # A sentencepiece-style vocabulary for checkpoints without tokenizer.json, Gemma's specials
@@ -128,16 +129,21 @@ def write_gguf(
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
-    # Llama4Model: the dense layers' width (an expert's goes as expert_feed_forward_length).
-    w.add_feed_forward_length(config.get("intermediate_size_mlp") or config["intermediate_size"])
     w.add_head_count(n)
-    w.add_head_count_kv(k or n)
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if config.get("head_dim"):  # TextModel.set_gguf_parameters
-        w.add_key_length(config["head_dim"])
-        w.add_value_length(config["head_dim"])
-    if layout.arch == gguf.MODEL_ARCH.GEMMA3:
+    if layout.arch == gguf.MODEL_ARCH.GEMMA4:
+        _add_gemma4_metadata(w, config)
+    else:
+        # Llama4Model: the dense layers' width (an expert's is expert_feed_forward_length).
+        w.add_feed_forward_length(
+            config.get("intermediate_size_mlp") or config["intermediate_size"]
+        )
+        w.add_head_count_kv(k or n)
+        if config.get("head_dim"):  # TextModel.set_gguf_parameters
+            w.add_key_length(config["head_dim"])
+            w.add_value_length(config["head_dim"])
+    if layout.arch in (gguf.MODEL_ARCH.GEMMA3, gguf.MODEL_ARCH.GEMMA4):
         w.add_sliding_window(config["sliding_window"])  # and no vocab_size, as llama.cpp
     else:
         w.add_vocab_size(config["vocab_size"])
@@ -169,13 +175,19 @@ def write_gguf(
 
     if rope.get("rope_type") == "llama3":
         put("rope_freqs.weight", llama3_rope_factors(config), Q.F32)
+    if rope.get("rope_type") == "proportional":  # Gemma4Model.generate_extra_tensors
+        full_layer = next(iter(config["per_layer_config"].values()))
+        head_dim = config.get("global_head_dim") or full_layer["head_dim"]
+        half, turning = head_dim // 2, int(head_dim * rope["partial_rotary_factor"] / 2)
+        factors = np.array([1.0] * turning + [1e30] * (half - turning), np.float32)
+        put("rope_freqs.weight", factors, Q.F32)
     for gguf_name, ours, arr in _experts(layout.arch, config, tensors):
         if arr.dtype == np.uint8:  # MXFP4 bytes, [E, out, in / 32 * 17]
             w.add_tensor(gguf_name, arr, raw_dtype=Q.MXFP4)
             deq = gguf.quants.dequantize(arr, Q.MXFP4)
         else:
             deq = put(gguf_name, arr, Q.F32 if arr.ndim == 1 else expert_type or linear_type)
-        expected[ours] = deq.transpose(0, 2, 1) if deq.ndim == 3 else deq
+        expected[ours] = deq.transpose(0, 2, 1) if ours.endswith("_stacked") else deq
     for hf_name, arr in tensors.items():
         if llama4 := layout.arch == gguf.MODEL_ARCH.LLAMA4:
             hf_name = hf_name.replace(".feed_forward.", ".mlp.")  # the loader's names
@@ -259,6 +271,47 @@ def _add_expert_metadata(w: gguf.GGUFWriter, arch: gguf.MODEL_ARCH, config: dict
         w.add_expert_feed_forward_length(config["intermediate_size"])
 
 
+def _add_gemma4_metadata(w: gguf.GGUFWriter, config: dict) -> None:
+    """Gemma4Model.set_gguf_parameters (through Gemma3Model's): per-layer kinds, kv heads and
+    MLP widths, both head widths, the shared-KV layers, the per-layer inputs."""
+    rope = config["rope_parameters"]
+    sliding = [t == "sliding_attention" for t in config["layer_types"]]
+    # transformers 5 saves the full layers' widths as per_layer_config; Google's configs (and
+    # the converter) name them so.
+    full_layer = next(iter((config.get("per_layer_config") or {}).values()), None) or {}
+    config = {
+        **config,
+        "global_head_dim": config.get("global_head_dim") or full_layer["head_dim"],
+        "num_global_key_value_heads": config.get("num_global_key_value_heads")
+        or full_layer.get("num_key_value_heads"),
+    }
+    layers, shared = config["num_hidden_layers"], config.get("num_kv_shared_layers") or 0
+    if config.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(sliding)
+    w.add_key_length(config["global_head_dim"])
+    w.add_value_length(config["global_head_dim"])
+    w.add_key_length_swa(config["head_dim"])
+    w.add_value_length_swa(config["head_dim"])
+    if config.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("num_experts"):  # TextModel (num_experts, top_k_experts)
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["top_k_experts"])
+    ff = config["intermediate_size"]
+    if config.get("use_double_wide_mlp"):
+        w.add_feed_forward_length([ff if i < layers - shared else 2 * ff for i in range(layers)])
+    else:
+        w.add_feed_forward_length(ff)
+    swa, full = config["num_key_value_heads"], config.get("num_global_key_value_heads")
+    w.add_head_count_kv([swa if s else full for s in sliding] if full is not None else swa)
+    w.add_rope_dimension_count(config["global_head_dim"])
+    w.add_rope_dimension_count_swa(config["head_dim"])
+
+
 def _mxfp4_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """GptOssModel.repack_mxfp4: HF's MXFP4 (values 2k and 2k + 1 in byte k) as ggml's blocks
     of 17 bytes (the scale, then values j and j + 16 in byte j), [..., out, in / 32 * 17]."""
@@ -289,6 +342,19 @@ def _experts(
     for (layer, proj), by_expert in sorted(groups.items()):
         w = np.stack([by_expert[e] for e in sorted(by_expert)])
         out.append((f"blk.{layer}.ffn_{proj}_exps.weight", stacked(layer, proj), w))
+    if arch == gguf.MODEL_ARCH.GEMMA4:  # Gemma4Model.modify_tensors' renames
+        for name in list(tensors):
+            layer = name.split(".")[2] if name.startswith("model.layers.") else None
+            for tail, gguf_tail in (
+                (".layer_scalar", "layer_output_scale.weight"),
+                (".router.scale", "ffn_gate_inp.scale"),
+                (".router.per_expert_scale", "ffn_down_exps.scale"),
+                (".experts.gate_up_proj", "ffn_gate_up_exps.weight"),
+                (".experts.down_proj", "ffn_down_exps.weight"),
+            ):
+                if layer is not None and name.endswith(tail):
+                    out.append((f"blk.{layer}.{gguf_tail}", name, tensors.pop(name)))
+        return out
     fused = re.compile(
         r"^model\.layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.(gate_up|down)_proj(.*)$"
     )

@@ -7,13 +7,21 @@ values, queries scaled by their norm alone (no 1 / sqrt(H)); in the small models
 inputs (a second embedding gated into every layer), the last layers sharing the KV of the
 last earlier layer of their kind (`num_kv_shared_layers`) with MLPs twice as wide; in the
 26B-A4B, a mixture of experts beside every dense MLP. Each layer's output is scaled by a
-learned scalar. The vision and audio towers are not served."""
+learned scalar. The vision and audio towers are not served. GGUF files (architecture
+"gemma4") state most of this per layer (`_gguf_config`)."""
 
 from __future__ import annotations
 
 import re
 
-from jaxllm.families.base import FULL_ATTENTION, Family, register
+from jaxllm.families.base import (
+    FULL_ATTENTION,
+    GGUF_QK_NORM_NAMES,
+    SLIDING_ATTENTION,
+    Family,
+    GGUFFormat,
+    register,
+)
 
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.)(router|experts)\.(.+)$")
 
@@ -66,6 +74,7 @@ def _read(config: dict) -> dict:
         )
     experts = config.get("num_experts") or 0
     moe = bool(config.get("enable_moe_block")) and experts > 0
+    per_layer = int(config.get("hidden_size_per_layer_input") or 0)
     return {
         "layer_types": tuple(types),
         "global_head_dim": dims.pop() if dims else None,
@@ -73,10 +82,12 @@ def _read(config: dict) -> dict:
         "attention_k_eq_v": bool(config.get("attention_k_eq_v", False)),
         "kv_shared_layers": int(config.get("num_kv_shared_layers") or 0),
         "double_wide_mlp": bool(config.get("use_double_wide_mlp", False)),
-        "per_layer_input_size": int(config.get("hidden_size_per_layer_input") or 0),
+        "per_layer_input_size": per_layer,
         "per_layer_vocab_size": int(
             config.get("vocab_size_per_layer_input") or config["vocab_size"]
-        ),
+        )
+        if per_layer
+        else 0,  # (no per-layer inputs: the vocabulary size a config names is moot)
         # Proportional RoPE does its own partial rotation, over the whole head.
         "partial_rotary_factor": 1.0,
         "num_experts": experts if moe else 0,
@@ -85,6 +96,106 @@ def _read(config: dict) -> dict:
         "dense_layers": (),
     }
 
+
+def _per_layer(value, types: list[str], kind: str):
+    """A GGUF value given once or per layer (llama.cpp's arrays): the layers of `kind`'s."""
+    if not isinstance(value, list):
+        return value
+    values = {v for v, t in zip(value, types, strict=True) if t == kind}
+    if len(values) > 1:
+        raise ValueError(f"Gemma 4 GGUF: {kind} layers with different values {sorted(values)}")
+    return values.pop() if values else None
+
+
+def _gguf_config(reader, config: dict) -> dict:
+    """Gemma 4's keys from what llama.cpp's converter (`Gemma4Model`) writes: the layer kinds
+    as a per-layer sliding flag, the full layers' head width as `key_length` and the sliding
+    ones' as `key_length_swa`, kv heads and MLP widths per layer (the shared-KV layers' MLPs
+    twice as wide), the proportional RoPE of the full layers as a `rope_freqs` tensor of
+    ones (the turning pairs) then 1e30 (the still ones), which only those layers read;
+    full-attention layers without `attn_v` take their values from their keys."""
+    import numpy as np
+
+    num_layers = config["num_hidden_layers"]
+    pattern = reader.field("gemma4.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != num_layers:
+        raise ValueError(
+            "Gemma 4 GGUF: gemma4.attention.sliding_window_pattern must flag every layer"
+        )
+    types = [SLIDING_ATTENTION if s else FULL_ATTENTION for s in pattern]
+    full = [i for i, t in enumerate(types) if t == FULL_ATTENTION]
+    head_dim = reader.field("gemma4.attention.key_length_swa", config["head_dim"])
+    global_head_dim = reader.field("gemma4.attention.key_length")
+    kv = reader.field("gemma4.attention.head_count_kv")
+    widths = reader.field("gemma4.feed_forward_length")
+    shared = int(reader.field("gemma4.attention.shared_kv_layers", 0))
+    tensors = {t.name: t for t in reader.tensors}
+    rotary_swa = reader.field("gemma4.rope.dimension_count_swa", head_dim)
+    if rotary_swa != head_dim:
+        raise ValueError(
+            f"Gemma 4 GGUF: sliding layers turning {rotary_swa} of {head_dim} dimensions "
+            "(partial RoPE there) are not supported"
+        )
+    rope_full: dict = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if "rope_freqs.weight" in tensors:
+        turning = int(np.sum(np.asarray(config["rope_freq_factors"]) < 1e29))
+        rope_full = {
+            "rope_type": "proportional",
+            "partial_rotary_factor": turning / (global_head_dim // 2),
+            "rope_theta": config["rope_theta"],
+        }
+    experts = int(config.get("num_local_experts") or 0)
+    per_layer = reader.field("gemma4.embedding_length_per_layer_input", 0)
+    per_layer_embd = tensors.get("per_layer_token_embd.weight")
+    return {
+        "layer_types": types,
+        "head_dim": head_dim,
+        "global_head_dim": global_head_dim,
+        "num_key_value_heads": _per_layer(kv, types, SLIDING_ATTENTION),
+        "num_global_key_value_heads": _per_layer(kv, types, FULL_ATTENTION),
+        "attention_k_eq_v": any(
+            f"blk.{i}.attn_k.weight" in tensors and f"blk.{i}.attn_v.weight" not in tensors
+            for i in full
+        ),
+        "num_kv_shared_layers": shared,
+        "intermediate_size": widths[0] if isinstance(widths, list) else widths,
+        "use_double_wide_mlp": isinstance(widths, list) and len(set(widths)) > 1,
+        "hidden_size_per_layer_input": per_layer,
+        "vocab_size_per_layer_input": per_layer_embd.shape[0] if per_layer_embd else None,
+        "rope_parameters": {
+            FULL_ATTENTION: rope_full,
+            SLIDING_ATTENTION: {
+                "rope_type": "default",
+                "rope_theta": reader.field("gemma4.rope.freq_base_swa", 10000.0),
+            },
+        },
+        "rope_freq_factors": None,  # the full layers' proportional RoPE, above
+        "enable_moe_block": experts > 0,
+        "num_experts": experts or None,
+        "top_k_experts": config.get("num_experts_per_tok"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+_GGUF_NAMES = {
+    **GGUF_QK_NORM_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    # The MoE block, its experts output-major as in the checkpoints (`_tensor_name`).
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+}
 
 register(
     Family(
@@ -105,6 +216,13 @@ register(
         },
         read_config=_read,
         tensor_name=_tensor_name,
+        gguf=GGUFFormat(
+            "gemma4",
+            "gemma4_text",
+            _GGUF_NAMES,
+            end_of_turn=("<turn|>",),
+            read_config=_gguf_config,
+        ),
     ),
     Family("Gemma4ForConditionalGeneration", text_of="Gemma4ForCausalLM"),
 )

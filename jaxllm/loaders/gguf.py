@@ -17,6 +17,9 @@ float32 and renamed to its Hugging Face name (`iter_gguf`), undoing what llama.c
   expert is one stacked `ffn_*_exps` tensor [E, out, in]; it comes input-major, as the
   decoder holds experts, and gpt-oss's MXFP4 ones as `MXFP4Experts` where they stay 4-bit
   (`_stacked_experts`). Layers without a router are dense.
+- Gemma 4: norms stored as they are; layer kinds, head widths, kv heads and MLP widths given
+  per layer; the full layers' proportional RoPE written as a `rope_freqs` tensor (ones, then
+  1e30 for the pairs that do not turn) that its family reads back as a partial factor.
 
 With `keep_quantized` (the default of `load_model`: see jaxllm.quantization), tensors of
 the block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are not dequantized: their
@@ -345,7 +348,7 @@ def iter_gguf(
             if len(parts) != 3 or parts[0] != "blk" or parts[2] not in arch.layer_names:
                 raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
             name = f"model.layers.{parts[1]}.{arch.layer_names[parts[2]]}"
-        if t.name.endswith("_exps.weight"):
+        if name.endswith("_proj_stacked"):
             yield name, _stacked_experts(reader, t, keep_mxfp4)
             continue
         w = _quantized(reader, t) if keep_quantized else None

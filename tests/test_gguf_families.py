@@ -1,8 +1,10 @@
-"""GGUF files of the mixture-of-experts families, written as llama.cpp's converters write them
-(`gguf_writer`): Mixtral (architecture "llama" with experts), Qwen3-MoE, gpt-oss (float
-experts, and MXFP4 ones repacked into ggml's MXFP4 type) and Llama 4. Each tiny random
-checkpoint comes back as the same tensors, the same config as llama.cpp reads it, and
-transformers' logits and greedy tokens on the original."""
+"""GGUF files of today's families, written as llama.cpp's converters write them
+(`gguf_writer`): the mixtures of experts Mixtral (architecture "llama" with experts),
+Qwen3-MoE, gpt-oss (float experts, and MXFP4 ones repacked into ggml's MXFP4 type) and
+Llama 4, and Gemma 4 (per-layer kinds, head widths, kv heads and MLP widths; per-layer inputs,
+shared-KV layers, values equal to keys; its MoE block). Each tiny random checkpoint comes back
+as the same tensors, the same config as llama.cpp reads it, and transformers' logits and
+greedy tokens on the original."""
 
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ CASES = {
     "gpt-oss": dict(swiglu_limit=7.0),
     "gpt-oss-mxfp4": dict(swiglu_limit=7.0),
     "llama4": _LLAMA4_AS_LLAMA_CPP,
+    "gemma4": {},
+    "gemma4-moe": {},
 }
+STACKED = {"mixtral", "qwen3-moe", "gpt-oss", "gpt-oss-mxfp4", "llama4"}  # ffn_*_exps
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -77,7 +82,7 @@ def test_tensors_round_trip(checkpoint, gguf_file):
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     stacked = [n for n in got if n.endswith("_proj_stacked")]
-    assert stacked and all(got[n].ndim == 3 for n in stacked)
+    assert bool(stacked) == (case in STACKED) and all(got[n].ndim == 3 for n in stacked)
     types = {t.name: t.ggml_type for t in GGUFFile(path).tensors}
     mxfp4 = {n for n, t in types.items() if t == Q.MXFP4}
     if case == "gpt-oss-mxfp4":
@@ -110,7 +115,7 @@ def test_config_is_the_checkpoints(checkpoint, gguf_file):
     got = ModelConfig.from_hf_config(ours)
     want = ModelConfig.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     assert got.architecture == want.architecture
-    assert got.num_experts == want.num_experts and got.num_experts > 0
+    assert got.num_experts == want.num_experts and (got.num_experts > 0) == (case != "gemma4")
     assert got.dense_layers == want.dense_layers
     same = dict(rms_norm_eps=want.rms_norm_eps, eos_token_ids=want.eos_token_ids, bos_token_id=None)
     if set(want.layer_types) <= {"full_attention"}:
