@@ -31,12 +31,21 @@ torch = pytest.importorskip("torch")
 
 # Llama 4 as llama.cpp reads it: it stores none of the attention's settings and fixes chunks of
 # 8192, every fourth layer without RoPE, temperature tuning from 8192 (`families/llama4.py`).
+# Scout's llama3 RoPE scaling goes as a rope_freqs tensor.
 _LLAMA4_AS_LLAMA_CPP = dict(
     num_hidden_layers=4,
     attention_chunk_size=8192,
     no_rope_layer_interval=4,
     floor_scale=8192,
     attn_scale=0.1,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 64,
+    },
 )
 CASES = {
     "mixtral": dict(sliding_window=None),  # as Mixtral ships (llama.cpp stores no window)
@@ -120,6 +129,11 @@ def test_config_is_the_checkpoints(checkpoint, gguf_file):
     same = dict(rms_norm_eps=want.rms_norm_eps, eos_token_ids=want.eos_token_ids, bos_token_id=None)
     if set(want.layer_types) <= {"full_attention"}:
         same["layer_types"] = want.layer_types
+    if want.rope_scaling is not None and want.rope_scaling.rope_type == "llama3":
+        # A rope_freqs tensor instead (the logits below check that it turns the same way).
+        assert got.rope_freq_factors and got.rope_scaling is None
+        same["rope_freq_factors"] = None
+        want = dataclasses.replace(want, rope_scaling=None)
     assert dataclasses.replace(got, **same) == dataclasses.replace(want, bos_token_id=None)
     assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)
 
