@@ -30,6 +30,8 @@ serves more at 32 clients (benchmarks/results/README.md)); "int8", "int4" or
 a GGUF file's dequantized ones); "gguf", "gptq", "awq" and "compressed-tensors" are None,
 spelled as vLLM does, and checked against the checkpoint (loaders/quantized_hf.py reads the
 last three);
+"fp8" on a fine-grained FP8 checkpoint (`quant_method: fp8`) keeps it as it is, its block
+factors as groups (loaders/quantized_hf.py);
 "float" dequantizes a GGUF file's tensors at load (float weights, as transformers loads a
 GGUF file: for exact comparisons with it). int4 holds the output head as a `SplitRows`: the
 rows of the most frequent tokens in int8, the rest in int4 (`quantize_head`).

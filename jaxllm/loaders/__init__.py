@@ -141,7 +141,9 @@ def load_model(
     if method == "gguf" and quantization == "mxfp4":
         if not gguf_loader.has_mxfp4(path):
             raise ValueError(f"quantization mxfp4: {path} has no MXFP4 tensors")
-    elif quantization in ("gguf", *quantized_hf.METHODS) and quantization != method:
+    elif method == "fp8" and quantization == "fp8":
+        quantization = None  # vLLM's spelling for an fp8 checkpoint: kept as it is
+    elif quantization in ("gguf", *quantized_hf.METHODS) and quantization not in (method, "fp8"):
         raise ValueError(
             f"quantization {quantization} does not match the checkpoint {path} "
             f"({method or 'not quantized'})"

@@ -62,7 +62,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 # Dtypes safetensors' numpy reader does not know (it looks them up on numpy itself), read
 # here from the file's own header: fp8 weights of compressed-tensors checkpoints.
-_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_RAW_DTYPES = {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # power-of-two scales (UE8M0)
+}
 
 
 def _raw_tensors(f: Path) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Pre-quantized Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors) read into QArrays
+"""Pre-quantized Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors, FP8) read into QArrays
 (jaxllm/quantization.py) without a float round trip.
 
 A quantized linear layer is several tensors under one module name (`...q_proj.qweight`,
@@ -18,6 +18,13 @@ as their writers pack them:
   `qzeros` int32 [G, O / 8] the same; `scales` float16 [G, O]; w = s * (q - z).
 - MXFP4 (`quant_method: mxfp4`, gpt-oss): the experts' `*_blocks` and `*_scales`, kept 4-bit
   or dequantized to float at load (`mxfp4.py`).
+- Fine-grained FP8 (`quant_method: fp8`: DeepSeek-V3, Qwen3's and others' "-FP8"
+  checkpoints, transformers' `FineGrainedFP8Config`): `weight` float8 e4m3 [O, I] with
+  `weight_scale_inv` float32 (or UE8M0) [ceil(O / bo), ceil(I / bi)], one factor per block of
+  `weight_block_size` [bo, bi] (a last partial block keeps its own), or a single factor
+  without a block size; w = weight * scale. Kept as an fp8 QArray whose groups divide both the
+  block and the row (exact), streamed: a module goes as soon as its two tensors have come.
+  Layers the checkpoint left in float (`modules_to_not_convert`) pass.
 - compressed-tensors (`quant_method: compressed-tensors`): int8 (`int-quantized`,
   `naive-quantized`) or float8 e4m3 (`float-quantized`) `weight` [O, I] with `weight_scale` per
   tensor, channel or group (and `weight_zero_point` when asymmetric); `pack-quantized` 4-bit
@@ -29,6 +36,7 @@ as their writers pack them:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator
 
 import ml_dtypes
@@ -44,6 +52,7 @@ _PARTS = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
     "mxfp4": (),  # gpt-oss's experts: `mxfp4.dequantize_pairs`
+    "fp8": (),  # streamed by `_fp8_modules`
     "compressed-tensors": (
         "weight",
         "weight_scale",
@@ -204,6 +213,9 @@ def group_quantized(
     if method == "mxfp4":
         yield from (mxfp4.kept_pairs if keep_mxfp4 else mxfp4.dequantize_pairs)(tensors)
         return
+    if method == "fp8":
+        yield from _fp8_modules(tensors, qc)
+        return
     parts_of = _PARTS[method]
     modules: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in tensors:
@@ -225,3 +237,66 @@ def group_quantized(
             yield f"{prefix}.weight", convert(parts, qc)
         except ValueError as e:
             raise ValueError(f"{method} module {prefix!r}: {e}") from e
+
+
+def fp8_blocks(w: np.ndarray, scale: np.ndarray, block: list[int] | None) -> QArray:
+    """The fp8 QArray of `w` float8 e4m3 [O, I] scaled per block of `block` [bo, bi] by
+    `scale` [ceil(O / bo), ceil(I / bi)] (per tensor without a block). Its groups are
+    gcd(bi, I) inputs wide, so each lies inside one block, a last partial one included."""
+    if w.dtype != ml_dtypes.float8_e4m3fn or w.ndim != 2:
+        raise ValueError(f"fp8 weights must be float8_e4m3fn [out, in], got {w.dtype} {w.shape}")
+    o, i = w.shape
+    scale = np.asarray(scale, np.float32)
+    if block is None:
+        if scale.size != 1:
+            raise ValueError(f"weight_scale_inv of shape {scale.shape} without a block size")
+        return QArray(w, np.full((o, 1), scale.item(), np.float32), None, "fp8", (o,), _F32)
+    bo, bi = (int(b) for b in block)
+    blocks = (-(-o // bo), -(-i // bi))
+    if scale.shape != blocks:
+        raise ValueError(
+            f"weight_scale_inv of shape {list(scale.shape)} for a weight of {[o, i]} in blocks "
+            f"of {[bo, bi]}: expected {list(blocks)}"
+        )
+    group = math.gcd(bi, i)
+    scale = np.repeat(np.repeat(scale, bo, axis=0)[:o], bi // group, axis=1)[:, : i // group]
+    scale, _ = compact_factors(np.ascontiguousarray(scale), None)
+    return QArray(w, scale, None, "fp8", (o,), _F32)
+
+
+_F32 = np.dtype(np.float32)
+
+
+def _fp8_modules(
+    tensors: Iterable[tuple[str, np.ndarray]], qc: dict
+) -> Iterator[tuple[str, np.ndarray | QArray]]:
+    """(name, tensor) pairs with each fp8 module's `weight` and `weight_scale_inv` replaced by
+    one (module.weight, QArray) as soon as both have come; other tensors pass at once."""
+    block = qc.get("weight_block_size")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        logger.info("fp8 checkpoint: activation scales are not used (weights only)")
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensor in tensors:
+        prefix, _, suffix = name.rpartition(".")
+        fp8_weight = (
+            suffix == "weight" and getattr(tensor, "dtype", None) == ml_dtypes.float8_e4m3fn
+        )
+        if not fp8_weight and suffix != "weight_scale_inv":
+            if suffix != "input_scale":  # static activation scales: unused
+                yield name, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[suffix] = np.asarray(tensor)
+        if len(parts) == 2:
+            del pending[prefix]
+            try:
+                yield (
+                    f"{prefix}.weight",
+                    fp8_blocks(parts["weight"], parts["weight_scale_inv"], block),
+                )
+            except ValueError as e:
+                raise ValueError(f"fp8 module {prefix!r}: {e}") from e
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        missing = "weight_scale_inv" if "weight" in parts else "weight"
+        raise ValueError(f"fp8 module {prefix!r} has no {missing}")
