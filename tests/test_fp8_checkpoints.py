@@ -32,9 +32,10 @@ FP8_MAX = 448.0
 BLOCK = [8, 8]
 
 
-def _fp8_checkpoint(src: Path, dst: Path, block: list[int]) -> None:
+def _fp8_checkpoint(src: Path, dst: Path, block: list[int], *, ue8m0: bool = False) -> None:
     """`src` with every linear layer's weight in fp8 e4m3, one factor per block, as
-    transformers' FineGrainedFP8Config writes it (weight_scale_inv multiplies)."""
+    transformers' FineGrainedFP8Config writes it (weight_scale_inv multiplies); with `ue8m0`
+    the factors are powers of two stored as float8_e8m0fnu (its `scale_fmt: ue8m0`)."""
     from safetensors.torch import load_file, save_file
 
     bo, bi = block
@@ -51,9 +52,12 @@ def _fp8_checkpoint(src: Path, dst: Path, block: list[int]) -> None:
         blocks = padded.reshape(rows, bo, cols, bi)
         scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX  # [rows, cols]
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if ue8m0:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
         q = (blocks / scale[:, None, :, None]).reshape(rows * bo, cols * bi)[:o, :i]
         out[name] = q.to(torch.float8_e4m3fn)
-        out[name.replace(".weight", ".weight_scale_inv")] = scale.float()
+        stored = scale.to(torch.float8_e8m0fnu) if ue8m0 else scale.float()
+        out[name.replace(".weight", ".weight_scale_inv")] = stored
     dst.mkdir()
     save_file(out, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
@@ -61,6 +65,7 @@ def _fp8_checkpoint(src: Path, dst: Path, block: list[int]) -> None:
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
         "weight_block_size": block,
+        **({"scale_fmt": "ue8m0"} if ue8m0 else {}),
     }
     (dst / "config.json").write_text(json.dumps(config))
     for f in src.iterdir():
@@ -132,3 +137,16 @@ def test_blocks_become_exact_groups():
     np.testing.assert_array_equal(dequantize_np(w), q.astype(np.float32) * 0.5)
     with pytest.raises(ValueError, match=r"expected \[2, 3\]"):
         fp8_blocks(q, np.ones((1, 3), np.float32), [128, 128])
+
+
+def test_ue8m0_factors(tmp_path):
+    """Power-of-two factors stored as float8_e8m0fnu (DeepSeek-V3.1's `scale_fmt: ue8m0`)
+    read as the same weights transformers dequantizes."""
+    write_family_checkpoint("qwen3", tmp_path / "float", tokenizer=False)
+    _fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", BLOCK, ue8m0=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    loaded = load_model(tmp_path / "fp8", dtype=jnp.float32, load_tokenizer=False)
+    w = loaded.model.layers[1].mlp.down_proj.get_value()
+    ref = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()
+    assert isinstance(w, QArray) and w.fmt == "fp8"
+    np.testing.assert_array_equal(dequantize_np(w), ref)
