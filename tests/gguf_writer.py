@@ -148,6 +148,8 @@ def write_gguf(
     else:
         w.add_vocab_size(config["vocab_size"])
     _add_expert_metadata(w, layout.arch, config)
+    if layout.arch == gguf.MODEL_ARCH.LLAMA4 and config.get("attention_chunk_size") is None:
+        w.add_sliding_window(0)  # Llama4Model, for all-full-attention layer types (MobileLLM)
     if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -168,7 +170,11 @@ def write_gguf(
             w.add_tensor(gguf_name, data)
             deq = data
         else:
-            data = gguf.quants.quantize(stored.astype(np.float32), qtype)
+            try:
+                data = gguf.quants.quantize(stored.astype(np.float32), qtype)
+            except gguf.QuantError:  # rows the type's blocks do not divide: F16, as llama.cpp
+                qtype = Q.F16
+                data = gguf.quants.quantize(stored.astype(np.float32), qtype)
             w.add_tensor(gguf_name, data, raw_dtype=qtype)
             deq = gguf.quants.dequantize(data, qtype).reshape(stored.shape)
         return llama_cpp_permute_inverse(deq, heads) if heads else deq

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.loaders import load_model
 from jaxllm.loaders.gguf import gguf_hf_config, iter_gguf
 from jaxllm.loaders.gguf_file import GGUFFile
-from jaxllm.quantization import MXFP4Experts
+from jaxllm.quantization import MXFP4Experts, QArray, dequantize_np
 
 from gguf_writer import Q, write_gguf
 from helpers import VOCAB, prefill_logits, write_family_checkpoint
@@ -54,10 +55,19 @@ CASES = {
     "gpt-oss": dict(swiglu_limit=7.0),
     "gpt-oss-mxfp4": dict(swiglu_limit=7.0),
     "llama4": _LLAMA4_AS_LLAMA_CPP,
+    # MobileLLM-R1's shape: no chunks, RoPE on every layer (llama.cpp's plain Llama graph).
+    "llama4-unchunked": dict(
+        num_hidden_layers=4,
+        attention_chunk_size=None,
+        no_rope_layers=[1, 1, 1, 1],
+        attn_temperature_tuning=False,
+        floor_scale=8192,  # (moot without temperature tuning; as llama.cpp's defaults)
+        attn_scale=0.1,
+    ),
     "gemma4": {},
     "gemma4-moe": {},
 }
-STACKED = {"mixtral", "qwen3-moe", "gpt-oss", "gpt-oss-mxfp4", "llama4"}  # ffn_*_exps
+STACKED = {"mixtral", "qwen3-moe", "gpt-oss", "gpt-oss-mxfp4", "llama4", "llama4-unchunked"}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -70,7 +80,8 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path, object]:
         model = write_family_checkpoint("gpt-oss", root / "float-copy", **CASES[case])
         _mxfp4_checkpoint(root / "float", root / "hf", model)  # `model`: dequantized
         return case, root / "hf", model
-    model = write_family_checkpoint(case, root / "hf", **CASES[case])
+    family = case.removesuffix("-unchunked")
+    model = write_family_checkpoint(family, root / "hf", **CASES[case])
     return case, root / "hf", model
 
 
@@ -98,6 +109,21 @@ def test_tensors_round_trip(checkpoint, gguf_file):
         assert mxfp4 == {n for n in types if n.endswith("_exps.weight")}
     else:
         assert not mxfp4
+
+
+def test_quantized_tensors_round_trip(checkpoint, tmp_path):
+    """Q8_0 everywhere (F16 where its blocks do not divide a row, as llama.cpp falls back):
+    stacked experts and the permuted q/k rows come back as stored, kept or dequantized."""
+    _, hf_dir, _ = checkpoint
+    expected = write_gguf(hf_dir, tmp_path / "q8.gguf", Q.Q8_0, embed_type=Q.Q8_0)
+    for keep in (False, True):
+        got = dict(iter_gguf(tmp_path / "q8.gguf", keep_quantized=keep))
+        assert set(got) == set(expected)
+        for name, value in expected.items():
+            w = got[name]
+            if isinstance(w, QArray):
+                w = dequantize_np(w).reshape(value.shape)
+            np.testing.assert_allclose(w, value, rtol=0, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("checkpoint", ["gpt-oss-mxfp4"], indirect=True)
@@ -188,3 +214,21 @@ def test_mxfp4_asked_of_a_file_without_it_is_refused(tmp_path):
     write_gguf(hf_dir, tmp_path / "m.gguf", Q.F32)
     with pytest.raises(ValueError, match="quantization mxfp4: .* has no MXFP4 tensors"):
         load_model(tmp_path / "m.gguf", quantization="mxfp4", load_tokenizer=False)
+
+
+def test_experts_without_a_used_count_are_refused(tmp_path):
+    """llama.cpp asserts a used count where there are experts; so do we, naming the key."""
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_expert_count(4)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="lacks qwen3moe.expert_used_count"):
+        gguf_hf_config(GGUFFile(path))

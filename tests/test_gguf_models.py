@@ -304,8 +304,8 @@ def test_string_index_without_decoding(tmp_path):
 
 
 def test_mixture_of_experts_gguf_of_a_dense_family_is_refused_clearly(tmp_path):
-    """Experts in an architecture whose GGUF layout we know only dense (tests/test_gguf_moe.py
-    loads the MoE families')."""
+    """Experts in an architecture whose GGUF layout we know only dense (tests/test_gguf_families.py
+    loads the MoE families)."""
     path = tmp_path / "moe.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen3")
     writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 8), np.float32))

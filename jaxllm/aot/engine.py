@@ -26,6 +26,7 @@ from jaxllm import loaders
 from jaxllm.aot.targets import Target
 from jaxllm.config import CompilationConfig, EngineConfig, ModelConfig, resolve_dtype
 from jaxllm.loaders import load_config, quantized_hf
+from jaxllm.loaders.gguf import has_mxfp4
 from jaxllm.loaders.weights import abstract_state_for
 from jaxllm.model_files import resolve_model
 from jaxllm.quantization import FORMATS
@@ -239,7 +240,9 @@ def abstract_model(
         )
     config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
     shardings = _placements(abstract_state, mesh, device)
-    mxfp4 = method == "mxfp4" and loaders.mxfp4_kept(quantization, on_cpu=False)
+    # MXFP4 experts (a gpt-oss checkpoint's, or a GGUF file's) kept 4-bit, as served.
+    shipped = method == "mxfp4" or (path.suffix == ".gguf" and has_mxfp4(path))
+    mxfp4 = shipped and loaders.mxfp4_kept(quantization, on_cpu=False)
     if quantization == "mxfp4":
         quantization = None  # the rest of the checkpoint is float
     state = abstract_state_for(

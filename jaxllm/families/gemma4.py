@@ -97,13 +97,16 @@ def _read(config: dict) -> dict:
     }
 
 
-def _per_layer(value, types: list[str], kind: str):
-    """A GGUF value given once or per layer (llama.cpp's arrays): the layers of `kind`'s."""
+def _per_layer(reader, key: str, types: list[str], kind: str):
+    """GGUF value `key`, given once or per layer (llama.cpp's arrays): the `kind` layers'."""
+    value = reader.field(key)
     if not isinstance(value, list):
         return value
+    if len(value) != len(types):
+        raise ValueError(f"Gemma 4 GGUF: {key} has {len(value)} values for {len(types)} layers")
     values = {v for v, t in zip(value, types, strict=True) if t == kind}
     if len(values) > 1:
-        raise ValueError(f"Gemma 4 GGUF: {kind} layers with different values {sorted(values)}")
+        raise ValueError(f"Gemma 4 GGUF: {key} differs between {kind} layers: {sorted(values)}")
     return values.pop() if values else None
 
 
@@ -124,11 +127,20 @@ def _gguf_config(reader, config: dict) -> dict:
         )
     types = [SLIDING_ATTENTION if s else FULL_ATTENTION for s in pattern]
     full = [i for i, t in enumerate(types) if t == FULL_ATTENTION]
-    head_dim = reader.field("gemma4.attention.key_length_swa", config["head_dim"])
+    head_dim = reader.field("gemma4.attention.key_length_swa")
+    if head_dim is None:
+        raise ValueError("Gemma 4 GGUF: gemma4.attention.key_length_swa is missing")
     global_head_dim = reader.field("gemma4.attention.key_length")
-    kv = reader.field("gemma4.attention.head_count_kv")
+    kv = "gemma4.attention.head_count_kv"
     widths = reader.field("gemma4.feed_forward_length")
     shared = int(reader.field("gemma4.attention.shared_kv_layers", 0))
+    width = widths[0] if isinstance(widths, list) else widths
+    double_wide = isinstance(widths, list) and len(set(widths)) > 1
+    if double_wide and widths != [width] * (num_layers - shared) + [2 * width] * shared:
+        raise ValueError(
+            f"Gemma 4 GGUF: gemma4.feed_forward_length {widths} is neither one width nor "
+            f"twice it on the last {shared} (shared-KV) layers"
+        )
     tensors = {t.name: t for t in reader.tensors}
     rotary_swa = reader.field("gemma4.rope.dimension_count_swa", head_dim)
     if rotary_swa != head_dim:
@@ -151,22 +163,23 @@ def _gguf_config(reader, config: dict) -> dict:
         "layer_types": types,
         "head_dim": head_dim,
         "global_head_dim": global_head_dim,
-        "num_key_value_heads": _per_layer(kv, types, SLIDING_ATTENTION),
-        "num_global_key_value_heads": _per_layer(kv, types, FULL_ATTENTION),
+        "num_key_value_heads": _per_layer(reader, kv, types, SLIDING_ATTENTION),
+        "num_global_key_value_heads": _per_layer(reader, kv, types, FULL_ATTENTION),
         "attention_k_eq_v": any(
             f"blk.{i}.attn_k.weight" in tensors and f"blk.{i}.attn_v.weight" not in tensors
             for i in full
         ),
         "num_kv_shared_layers": shared,
-        "intermediate_size": widths[0] if isinstance(widths, list) else widths,
-        "use_double_wide_mlp": isinstance(widths, list) and len(set(widths)) > 1,
+        "intermediate_size": width,
+        "use_double_wide_mlp": double_wide,
         "hidden_size_per_layer_input": per_layer,
-        "vocab_size_per_layer_input": per_layer_embd.shape[0] if per_layer_embd else None,
+        "vocab_size_per_layer_input": None if per_layer_embd is None else per_layer_embd.shape[0],
         "rope_parameters": {
             FULL_ATTENTION: rope_full,
             SLIDING_ATTENTION: {
                 "rope_type": "default",
-                "rope_theta": reader.field("gemma4.rope.freq_base_swa", 10000.0),
+                # llama.cpp: the full layers' base where the file gives no other
+                "rope_theta": reader.field("gemma4.rope.freq_base_swa", config["rope_theta"]),
             },
         },
         "rope_freq_factors": None,  # the full layers' proportional RoPE, above

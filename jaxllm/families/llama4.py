@@ -72,12 +72,11 @@ def _gguf_config(reader, config: dict) -> dict:
     """What llama.cpp fixes for Llama 4 rather than reading (`llama_model::load_hparams` and
     its hparams' defaults): chunks of 8192 positions, every fourth layer without RoPE and with
     temperature tuning (scale 0.1 from 8192 positions), L2 q/k norms but in the 128-expert
-    Maverick. A file whose sliding window is 0 (MobileLLM-R1) has no chunks, and only its last
-    layer goes without RoPE (llama.cpp's "no-RoPE step" becomes the layer count). The dense
-    layers' MLP width is the file's feed-forward length, an expert's its own."""
+    Maverick. A file whose sliding window is 0 (MobileLLM-R1) runs llama.cpp's plain Llama
+    graph: no chunks, RoPE on every layer, no temperature tuning (the q/k norms stay). The
+    dense layers' MLP width is the file's feed-forward length, an expert's its own."""
     num_layers = config["num_hidden_layers"]
     chunked = reader.field("llama4.attention.sliding_window") != 0
-    no_rope_step = 4 if chunked else num_layers
     routed = {
         t.name.split(".")[1] for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")
     }
@@ -85,8 +84,8 @@ def _gguf_config(reader, config: dict) -> dict:
         "intermediate_size_mlp": config["intermediate_size"],
         "intermediate_size": config.get("moe_intermediate_size") or config["intermediate_size"],
         "attention_chunk_size": 8192 if chunked else None,
-        "no_rope_layers": [int((i + 1) % no_rope_step != 0) for i in range(num_layers)],
-        "attn_temperature_tuning": True,
+        "no_rope_layers": [int(not chunked or (i + 1) % 4 != 0) for i in range(num_layers)],
+        "attn_temperature_tuning": chunked,
         "floor_scale": 8192,
         "attn_scale": 0.1,
         "use_qk_norm": config.get("num_local_experts") != 128,

@@ -126,11 +126,6 @@ def load_model(
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
-    if load_format == "dummy" and quantization not in (None, "float"):
-        raise ValueError(
-            f"quantization {quantization} cannot be used with load_format dummy: random "
-            "weights are made in the model's float dtype"
-        )
     path = resolve_model(model)
     method = None  # the checkpoint's own quantization
     if path.suffix == ".gguf":
@@ -147,6 +142,11 @@ def load_model(
         raise ValueError(
             f"quantization {quantization} does not match the checkpoint {path} "
             f"({method or 'not quantized'})"
+        )
+    if load_format == "dummy" and quantization not in (None, "float"):
+        raise ValueError(
+            f"quantization {quantization} cannot be used with load_format dummy: random "
+            "weights are made in the model's float dtype"
         )
     if quantization is None and method == "gguf" and not gguf_kept_quantized():
         quantization = "float"

@@ -28,7 +28,7 @@ ones) with one scale (and offset) per block or sub-block, computed from the bloc
 half-precision factors exactly as the `gguf` package does (kept in float16 where exact, else
 float32: `quantization.compact_factors`), so the weights are bit for bit
 those of its dequantization (tests/test_quantization.py; only a Q4_0 zero can differ in
-sign). Other types are dequantized.
+sign). Other types, and stacked experts of any type but MXFP4, are dequantized.
 
 What llama.cpp hard-codes instead of storing (Gemma 3's local RoPE base and its 5:1 pattern
 of sliding-window and global layers) its family module fills in the same way
@@ -100,7 +100,7 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
         num_layers = config["num_hidden_layers"]
         config |= {
             "num_local_experts": experts,
-            "num_experts_per_tok": reader.field(f"{arch}.expert_used_count"),
+            "num_experts_per_tok": _required(reader, f"{arch}.expert_used_count"),
             "moe_intermediate_size": reader.field(
                 f"{arch}.expert_feed_forward_length", config["intermediate_size"]
             ),
@@ -125,6 +125,13 @@ def gguf_hf_config(reader: GGUFFile) -> dict:
     if family.gguf.read_config is not None:
         config.update(family.gguf.read_config(reader, config))
     return config
+
+
+def _required(reader: GGUFFile, key: str):
+    value = reader.field(key)
+    if not value:
+        raise ValueError(f"{reader.path} lacks {key} (or gives 0), which its tensors need")
+    return value
 
 
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
@@ -311,10 +318,12 @@ def _stacked_experts(
     if keep_mxfp4 and t.ggml_type == gguf.GGMLQuantizationType.MXFP4:
         experts, rows, cols = t.shape
         b = reader.raw(t).reshape(experts, rows, cols // quantization.MXFP4_BLOCK, 17)
-        values = np.concatenate(_nibbles(b[..., 1:]), axis=-1)  # [..., 32] in order
-        codes = values[..., 0::2] | (values[..., 1::2] << np.uint8(4))
+        even, odd = b[..., 1::2], b[..., 2::2]  # qs[2k], qs[2k + 1], k < 8
+        codes = np.empty((*b.shape[:-1], 16), np.uint8)
+        codes[..., :8] = (even & 15) | ((odd & 15) << 4)  # values 2k, 2k + 1 (low nibbles)
+        codes[..., 8:] = (even >> 4) | (odd & 0xF0)  # values 16 + 2k, 17 + 2k (high ones)
         return quantization.MXFP4Experts(
-            np.ascontiguousarray(codes).reshape(experts, rows, cols // 2),
+            codes.reshape(experts, rows, cols // 2),
             np.ascontiguousarray(b[..., 0]),
             np.dtype(np.float32),
         )
@@ -322,10 +331,18 @@ def _stacked_experts(
 
 
 def has_mxfp4(path: Path) -> bool:
-    """Whether the file holds MXFP4 tensors (gpt-oss's experts, as llama.cpp ships them)."""
+    """Whether the file holds MXFP4 stacked experts the loader keeps 4-bit (gpt-oss's, as
+    llama.cpp ships them; `_stacked_experts`)."""
     import gguf
 
-    return any(t.ggml_type == gguf.GGMLQuantizationType.MXFP4 for t in GGUFFile(path).tensors)
+    reader = GGUFFile(path)
+    family = GGUF_FAMILIES.get(reader.field("general.architecture"))
+    names = family.gguf.layer_names if family is not None else {}
+    return any(
+        t.ggml_type == gguf.GGMLQuantizationType.MXFP4
+        and names.get(t.name.split(".", 2)[-1], "").endswith("_proj_stacked")
+        for t in reader.tensors
+    )
 
 
 def iter_gguf(
@@ -346,7 +363,12 @@ def iter_gguf(
         else:
             parts = t.name.split(".", 2)
             if len(parts) != 3 or parts[0] != "blk" or parts[2] not in arch.layer_names:
-                raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
+                fused = (
+                    " (fused gate/up experts are read for gemma4 only)"
+                    if "gate_up_exps" in t.name
+                    else ""
+                )
+                raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}{fused}")
             name = f"model.layers.{parts[1]}.{arch.layer_names[parts[2]]}"
         if name.endswith("_proj_stacked"):
             yield name, _stacked_experts(reader, t, keep_mxfp4)

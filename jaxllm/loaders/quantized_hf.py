@@ -278,10 +278,13 @@ def _fp8_modules(
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in tensors:
         prefix, _, suffix = name.rpartition(".")
-        fp8_weight = (
-            suffix == "weight" and getattr(tensor, "dtype", None) == ml_dtypes.float8_e4m3fn
-        )
-        if not fp8_weight and suffix != "weight_scale_inv":
+        fp8 = getattr(tensor, "dtype", None) == ml_dtypes.float8_e4m3fn
+        if fp8 and suffix != "weight":
+            raise ValueError(
+                f"fp8 tensor {name!r} is not a linear layer's weight (fused experts?), which "
+                "fp8 checkpoints may only quantize here"
+            )
+        if not fp8 and suffix != "weight_scale_inv":
             if suffix != "input_scale":  # static activation scales: unused
                 yield name, tensor
             continue
@@ -298,5 +301,5 @@ def _fp8_modules(
                 raise ValueError(f"fp8 module {prefix!r}: {e}") from e
     if pending:
         prefix, parts = next(iter(pending.items()))
-        missing = "weight_scale_inv" if "weight" in parts else "weight"
+        missing = "weight_scale_inv" if "weight" in parts else "float8 e4m3 weight"
         raise ValueError(f"fp8 module {prefix!r} has no {missing}")
