@@ -77,9 +77,8 @@ def _gguf_config(reader, config: dict) -> dict:
     dense layers' MLP width is the file's feed-forward length, an expert's its own."""
     num_layers = config["num_hidden_layers"]
     chunked = reader.field("llama4.attention.sliding_window") != 0
-    routed = {
-        t.name.split(".")[1] for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")
-    }
+    # The common reading lists the layers without a router (all of them without experts).
+    dense = set(config.get("mlp_only_layers", range(num_layers)))
     return {
         "intermediate_size_mlp": config["intermediate_size"],
         "intermediate_size": config.get("moe_intermediate_size") or config["intermediate_size"],
@@ -89,7 +88,7 @@ def _gguf_config(reader, config: dict) -> dict:
         "floor_scale": 8192,
         "attn_scale": 0.1,
         "use_qk_norm": config.get("num_local_experts") != 128,
-        "moe_layers": [i for i in range(num_layers) if str(i) in routed],
+        "moe_layers": [i for i in range(num_layers) if i not in dense],
     }
 
 
