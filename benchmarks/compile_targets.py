@@ -66,6 +66,12 @@ RUNS = {
     "gemma-4-31b-h200": ("gemma-4-31b", "h200", {}),
     "gemma-4-26b-a4b-v6e-4": ("gemma-4-26b-a4b", "v6e-4", {}),
     "gemma-4-26b-a4b-h100": ("gemma-4-26b-a4b", "h100", {}),
+    # DeepSeek's latent attention: one 576-wide row per token and layer in the cache (640
+    # lanes on a TPU), whatever the heads; V2-Lite's 64 experts (6 routed + 2 shared), V3's
+    # 256 in groups (8 routed + 1 shared) as its FP8 checkpoint ships them.
+    "deepseek-v2-lite-h100": ("deepseek-v2-lite", "h100", {}),
+    "deepseek-v2-lite-v6e-4": ("deepseek-v2-lite", "v6e-4", {}),
+    "deepseek-v3-h200x8": ("deepseek-v3", "h200x8", {}),
 }
 
 # Published figures of the TPU peers for the same model and chip (their measurements).

@@ -77,6 +77,11 @@ class BaseDims:
                 f"enable_lora: adapters of {config.architecture} are not served: its layers "
                 "differ in head width, kv heads or keep no KV of their own (Gemma 4)"
             )
+        if config.latent_attention is not None:
+            raise ValueError(
+                f"enable_lora: adapters of {config.architecture} are not served: its attention "
+                "is latent attention (no q/k/v projections of the usual shapes)"
+            )
         h = config.head_dim
         return cls(
             config.num_layers,

@@ -63,6 +63,7 @@ split an FFI or Pallas call); the XLA ops split with the weight.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -106,6 +107,9 @@ FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 QUANTIZABLE = frozenset(
     (
         "q_proj",
+        "q_a_proj",  # latent attention's (not kv_b_proj: absorbed into queries and outputs)
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
         "k_proj",
         "v_proj",
         "o_proj",
@@ -600,6 +604,68 @@ def _e2m1_to_f32(code: jax.Array) -> jax.Array:
     f32_exponent = jnp.where(normal, exponent + 126, jnp.where(mantissa == 1, 126, 0))
     bits = ((code >> 3) << 31) | (f32_exponent << 23) | jnp.where(normal, mantissa << 22, 0)
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Experts:
+    """A mixture of experts' stacked projection kept in float8 e4m3, as a fine-grained FP8
+    checkpoint ships it (DeepSeek-V3: one factor per 128 x 128 block): `q` f8[E, O, I] (each
+    expert's [out, in] weight as stored) and `scale` f32[E, O, G], the factor of each output
+    row's G groups of I / G inputs (a block's factor repeated over its rows, as the fp8
+    QArrays of `loaders.quantized_hf.fp8_blocks` hold it), standing for the float parameter
+    [E, I, O] in `dtype`. A byte a weight on the device (and 3% of it in factors); the MoE
+    dequantizes each device's experts inside the step (`dequantize_experts`), exactly."""
+
+    q: jax.Array | np.ndarray
+    scale: jax.Array | np.ndarray
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, o, i = self.q.shape
+        return (e, i, o)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
+
+    def take(self, experts: jax.Array) -> FP8Experts:
+        """The experts `experts` (i32[R]) in that order: [R, ...] leaves."""
+        return dataclasses.replace(self, q=self.q[experts], scale=self.scale[experts])
+
+    def specs(self, spec) -> FP8Experts:
+        """The PartitionSpecs of the leaves for a parameter split as `spec` (E, I, O): experts,
+        outputs and inputs (whole groups: see `loaders.weights`) as the parameter's."""
+        from jax.sharding import PartitionSpec as P
+
+        e, i, o = tuple(spec) + (None,) * (3 - len(spec))
+        return dataclasses.replace(self, q=P(e, o, i), scale=P(e, o, i))
+
+
+# Experts a checkpoint ships quantized and the MoE keeps so, dequantizing them in the step.
+KEPT_EXPERTS = (MXFP4Experts, FP8Experts)
+
+
+def dequantize_experts(w: FP8Experts, dtype) -> jax.Array:
+    """FP8 experts' weights, [E, O, I] in `dtype` (output-major, as stored)."""
+    e, o, i = w.q.shape
+    groups = w.scale.shape[-1]
+    x = w.q.astype(jnp.float32).reshape(e, o, groups, i // groups) * w.scale[..., None]
+    return x.reshape(e, o, i).astype(dtype)
+
+
+def abstract_fp8_experts(shape: tuple[int, int, int], dtype, group: int) -> FP8Experts:
+    """The leaves an [E, I, O] projection's FP8 experts have (groups of `group` inputs), as
+    `jax.ShapeDtypeStruct`s: for compiling an FP8 checkpoint without its weights (`group` 0:
+    one factor a row)."""
+    e, i, o = shape
+    group = math.gcd(group, i) if group else i
+    return FP8Experts(
+        jax.ShapeDtypeStruct((e, o, i), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((e, o, i // group), jnp.float32),
+        np.dtype(dtype),
+    )
 
 
 def abstract_mxfp4_experts(shape: tuple[int, int, int], dtype) -> MXFP4Experts:

@@ -10,7 +10,9 @@ safetensors (no torch, no network). They load as any Hugging Face checkpoint doe
 
 The same arguments give the same files: the weights come from a seeded numpy generator, the
 tokenizer from a deterministic BPE training run over a fixed corpus. `random_qarray` makes a
-quantized weight with random codes (for kernel checks and microbenchmarks).
+quantized weight with random codes (for kernel checks and microbenchmarks);
+`write_fp8_checkpoint` quantizes a checkpoint into fine-grained FP8 blocks, as DeepSeek-V3
+ships.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CHATML", "write_tiny_checkpoint", "write_tiny_tokenizer"]
+__all__ = ["CHATML", "write_fp8_checkpoint", "write_tiny_checkpoint", "write_tiny_tokenizer"]
 
 # The tiny tokenizer's chat template (ChatML, as Qwen and SmolLM2 use).
 CHATML = (
@@ -178,3 +180,55 @@ def random_qarray(rng, fmt: str, o: int, i: int, groups: int, offset: bool, scal
     scale = rng.uniform(0.01, 0.1, (o, groups)).astype(scale_dtype)
     off = rng.standard_normal((o, groups)).astype(scale_dtype) if offset else None
     return QArray(q, scale, off, fmt, (o,), np.dtype(np.float32))
+
+
+FP8_MAX = 448.0  # float8 e4m3's largest value
+
+
+def write_fp8_checkpoint(
+    src: str | os.PathLike, dst: str | os.PathLike, block: list[int], *, ue8m0: bool = False
+) -> Path:
+    """The Hugging Face checkpoint at `src` (one model.safetensors) written to `dst` with every
+    linear layer's weight (`*proj.weight`, `*proj_with_mqa.weight`) in float8 e4m3 and one
+    float32 factor per block of `block` [rows, columns] (`weight_scale_inv`, which multiplies;
+    partial blocks at the edges), as transformers' FineGrainedFP8Config and DeepSeek-V3's
+    checkpoints have it: `quantization_config` `{"quant_method": "fp8", "weight_block_size":
+    block}`. With `ue8m0` the factors are powers of two stored as float8_e8m0fnu (`scale_fmt:
+    ue8m0`). Other files are copied."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    bo, bi = block
+    out = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.endswith(("proj.weight", "proj_with_mqa.weight")) and w.ndim == 2):
+            out[name] = w
+            continue
+        o, i = w.shape
+        rows, cols = -(-o // bo), -(-i // bi)
+        padded = np.zeros((rows * bo, cols * bi), np.float32)
+        padded[:o, :i] = w.astype(np.float32)
+        blocks = padded.reshape(rows, bo, cols, bi)
+        scale = np.abs(blocks).max(axis=(1, 3)) / np.float32(FP8_MAX)  # [rows, cols]
+        scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+        if ue8m0:
+            scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
+        q = (blocks / scale[:, None, :, None]).reshape(rows * bo, cols * bi)[:o, :i]
+        out[name] = q.astype(ml_dtypes.float8_e4m3fn)
+        stored = scale.astype(ml_dtypes.float8_e8m0fnu) if ue8m0 else scale
+        out[name.replace(".weight", ".weight_scale_inv")] = stored
+    dst.mkdir(parents=True)
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        **({"scale_fmt": "ue8m0"} if ue8m0 else {}),
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst

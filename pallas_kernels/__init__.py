@@ -19,6 +19,10 @@ kernels run only in interpret mode, which `interpret=None` turns on by itself.
 batches, in four forms (`GDN_BACKENDS`): the token-by-token reference, the chunked XLA form, and
 Pallas kernels for TPUs (`gated_delta_rule_tpu.py`) and NVIDIA GPUs (in `gated_delta_rule.py`).
 
+`mla_paged_attention` is DeepSeek's multi-head latent attention over the same cache, one row
+[latent | RoPE key] per token (`mla_attention.py`, `write_latent`): plain JAX on every
+platform for now.
+
 The sliding window is data, not a compile-time constant: `ragged_paged_attention` turns
 `sliding_window` (None, an int, or an i32 scalar that may be traced) into one i32[] operand,
 0 for none, and every backend reads it at run time. So a layer scan can carry each layer's
@@ -45,6 +49,7 @@ from pallas_kernels.kv_cache import (
     write_kv,
     zeros_kv_cache,
 )
+from pallas_kernels.mla_attention import mla_paged_attention, write_latent
 from pallas_kernels.ragged_attention_cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
@@ -339,6 +344,7 @@ __all__ = [
     "is_quantized_dtype",
     "kv_bytes_per_token_head",
     "lowering_platform",
+    "mla_paged_attention",
     "ragged_paged_attention",
     "ragged_paged_attention_cpu",
     "ragged_paged_attention_gpu",
@@ -348,5 +354,6 @@ __all__ = [
     "resolve_backend",
     "target_platform",
     "write_kv",
+    "write_latent",
     "zeros_kv_cache",
 ]

@@ -256,7 +256,7 @@ def dequantize_kv_cache(kv_cache: KVCache) -> jax.Array:
 _TPU_LANES = 128
 
 
-def cache_head_dim(head_dim: int, platform: str | None = None) -> int:
+def cache_head_dim(head_dim: int, platform: str | None = None, *, latent: bool = False) -> int:
     """The width a key or value head takes in the cache on `platform` (default: the one
     kernels are traced for, `target.current_platform`): `head_dim` on the CPU; on a TPU a row
     of `2H` lanes that is not whole 128-lane tiles is padded to them (H 80 or 96 take 128, H 32
@@ -268,11 +268,14 @@ def cache_head_dim(head_dim: int, platform: str | None = None) -> int:
     head_dim 96 for v6e: 64 MiB of temporaries for a 48 MiB cache); padded, it is read in place
     and the pool is charged the bytes the tiles take anyway. On a GPU the kernel refused such
     heads. The padding lanes hold zeros, and queries are padded with zeros too
-    (`ragged_paged_attention`), so scores and outputs are unchanged."""
+    (`ragged_paged_attention`), so scores and outputs are unchanged.
+
+    `latent`: a latent attention cache (`mla_attention.py`), whose rows no Triton kernel reads:
+    padded on a TPU only."""
     platform = platform or current_platform()
     if platform == "tpu":
         return -(-2 * head_dim // _TPU_LANES) * _TPU_LANES // 2
-    if platform in ("gpu", "cuda", "rocm"):
+    if platform in ("gpu", "cuda", "rocm") and not latent:
         return 1 << (head_dim - 1).bit_length()
     return head_dim
 
@@ -284,9 +287,11 @@ def get_kv_cache_shape(
     num_kv_heads: int,
     head_dim: int,
     platform: str | None = None,
+    *,
+    latent: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """The shape of the paged KV cache on `platform` (default: the one kernels are traced
-    for): `[L, num_pages, K, page_size, 2 * cache_head_dim(head_dim, platform)]`."""
+    for): `[L, num_pages, K, page_size, 2 * cache_head_dim(head_dim, platform, latent)]`."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_pages", num_pages),
@@ -296,7 +301,8 @@ def get_kv_cache_shape(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return (num_layers, num_pages, num_kv_heads, page_size, 2 * cache_head_dim(head_dim, platform))
+    width = cache_head_dim(head_dim, platform, latent=latent)
+    return (num_layers, num_pages, num_kv_heads, page_size, 2 * width)
 
 
 def cache_dims(shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:

@@ -348,6 +348,65 @@ FAMILIES = {
             hidden_size_per_layer_input=0,
         ),
     ),
+    # DeepSeek-V3: latent attention (q through its own low rank, values narrower than the
+    # keys' no-RoPE part is wide), YaRN with its softmax mscale, RoPE on adjacent pairs; a dense
+    # first layer, then 8 experts in 4 groups (2 kept) chosen by sigmoid with a correction
+    # bias, renormalised and scaled, beside a shared expert.
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=40,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            head_dim=8,  # transformers' RoPE width (FAMILY_COMMON's would win over its own)
+            v_head_dim=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+    ),
+    # DeepSeek-V2(-Lite): a plain q projection, softmax routing within the groups whose best
+    # expert is best, unnormalised, two shared experts.
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            moe_intermediate_size=32,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+        ),
+    ),
     "qwen3-moe-sparse-step": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -397,6 +456,22 @@ HYBRIDS = {
 }
 
 
+def greedy_reference(hf_model, prompts, n):
+    """transformers' n greedy tokens per prompt, end-of-sequence included (as `ignore_eos`
+    samples it: `generate`'s `min_new_tokens` would mask it instead), each from a full
+    forward pass."""
+    import torch
+
+    out = []
+    for ids in prompts:
+        ids = list(ids)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+        out.append(ids[-n:])
+    return out
+
+
 def write_family_checkpoint(case: str, path, *, tokenizer: bool = True, **overrides) -> object:
     """Writes a tiny random checkpoint of `FAMILIES[case]` (and, with `tokenizer`, a tokenizer)
     to `path`; returns the transformers model."""
@@ -410,6 +485,9 @@ def write_family_checkpoint(case: str, path, *, tokenizer: bool = True, **overri
     with torch.no_grad():  # norms start at 0 or 1 and biases at 0: make every weight count
         for p in model.parameters():
             p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.02))
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.05)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
         write_tiny_tokenizer(path, vocab_size=VOCAB)

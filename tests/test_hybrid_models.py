@@ -24,6 +24,7 @@ from helpers import (
     HYBRIDS,
     VOCAB,
     bfloat16_errors,
+    greedy_reference,
     prefill_logits,
     tensor_parallel_report,
     write_family_checkpoint,
@@ -106,19 +107,6 @@ def test_bfloat16_error_is_no_worse_than_transformers(hybrid):
     assert ours_err <= 2 * theirs_err + 1e-2, (ours_err, theirs_err)
 
 
-def _expected(hf_model, prompts, n):
-    """n greedy tokens per prompt, end-of-sequence included (as `ignore_eos` samples it:
-    `generate`'s `min_new_tokens` would mask it instead), each from a full forward pass."""
-    out = []
-    for ids in prompts:
-        ids = list(ids)
-        with torch.no_grad():
-            for _ in range(n):
-                ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
-        out.append(ids[-n:])
-    return out
-
-
 def _assert_idle(llm: LLM) -> None:
     """No request or page is held, and a state slot (a batch row) only by a request that
     finished in the last step: the runner drops those rows at the next step that runs, before
@@ -138,7 +126,7 @@ def test_greedy_tokens_match_transformers(hybrid):
     case, path, hf_model = hybrid
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (7, 40, 29)]
-    expected = _expected(hf_model, prompts, 24)
+    expected = greedy_reference(hf_model, prompts, 24)
     llm = LLM(
         path,
         dtype="float32",
@@ -199,7 +187,7 @@ def test_a_returning_conversation_starts_from_its_saved_state(tmp_path):
     # 40 (its last decode boundary: the saves at 24 and 32 were replaced).
     assert not kv.snapshots.pending and len(kv.snapshots.cached) == 2
     turn = first + answer + rng.integers(3, VOCAB, size=6).tolist()
-    expected = _expected(hf_model, [turn], 12)
+    expected = greedy_reference(hf_model, [turn], 12)
     hits = kv.prefix_cache_hits
     out = llm.generate({"prompt_token_ids": turn}, params, use_tqdm=False)
     assert kv.prefix_cache_hits - hits == 40
@@ -227,7 +215,7 @@ def test_the_tpu_kernels_serve_a_hybrid(tmp_path):
     hf_model = write_family_checkpoint("qwen3.5", tmp_path)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (40, 7)]
-    expected = _expected(hf_model, prompts, 8)
+    expected = greedy_reference(hf_model, prompts, 8)
     llm = LLM(
         tmp_path,
         dtype="float32",
@@ -253,7 +241,7 @@ def test_preempted_requests_recompute_their_state(tmp_path):
     hf_model = write_family_checkpoint("qwen3.5", tmp_path)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (30, 25, 33, 20)]
-    expected = _expected(hf_model, prompts, 32)
+    expected = greedy_reference(hf_model, prompts, 32)
     llm = LLM(
         tmp_path,
         dtype="float32",
@@ -279,7 +267,7 @@ def test_an_8bit_kv_cache_holds_the_attention_layers(tmp_path):
     hf_model = write_family_checkpoint("qwen3.5", tmp_path)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (9, 37, 24)]
-    expected = _expected(hf_model, prompts, 8)
+    expected = greedy_reference(hf_model, prompts, 8)
     llm = LLM(
         tmp_path,
         dtype="float32",
@@ -385,7 +373,7 @@ def test_image_text_checkpoint_serves_its_text_decoder(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     write_tiny_tokenizer(tmp_path, vocab_size=VOCAB)
     prompt = np.random.default_rng(3).integers(3, VOCAB, 21).tolist()
-    expected = _expected(hf_model, [prompt], 12)[0]
+    expected = greedy_reference(hf_model, [prompt], 12)[0]
     llm = LLM(tmp_path, dtype="float32", max_model_len=128, max_num_seqs=2, skip_warmup=True)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)

@@ -113,6 +113,9 @@ def test_greedy_tokens_match_transformers(family):
         # Llama 4: its MoE layers (input-weighted experts, an ungated shared expert) between
         # dense ones, 8 experts split on the expert axis.
         pytest.param("llama4", dict(num_local_experts=8), True, marks=pytest.mark.slow),
+        # DeepSeek-V3: latent attention's heads split, its one latent per token kept whole on
+        # every device; 8 experts split on the expert axis.
+        pytest.param("deepseek-v3", {}, True, marks=pytest.mark.slow),
     ],
 )
 def test_moe_under_tensor_and_expert_parallelism(case, extra, expert_parallel, tmp_path):

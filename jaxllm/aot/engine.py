@@ -232,12 +232,22 @@ def abstract_model(
             "it with --quantization float, int8, int4 or fp8"
         )
     config = load_config(path)
-    method = quantized_hf.checkpoint_method(_hf_config(path)) if path.is_dir() else None
-    if method is not None and method != "mxfp4":  # MXFP4 experts: kept 4-bit, as served
+    hf = _hf_config(path) if path.is_dir() else {}
+    method = quantized_hf.checkpoint_method(hf) if path.is_dir() else None
+    # MXFP4 experts kept 4-bit, as served; a fine-grained FP8 checkpoint's layers kept fp8
+    # (compiled as per-channel fp8, whose bytes are within a few percent of its blocks') and
+    # its experts kept so on accelerators.
+    if method is not None and method not in ("mxfp4", "fp8"):
         raise ValueError(
             f"{path}: a {method} checkpoint's tensors are not compiled here; compile the float "
             "model, with --quantization int8, int4 or fp8 if wanted"
         )
+    fp8_group = None  # experts not kept fp8
+    if method == "fp8" and loaders.fp8_experts_kept(quantization, on_cpu=False):
+        block = (hf.get("quantization_config") or {}).get("weight_block_size")
+        fp8_group = block[1] if block else 0  # 0: one factor a row
+    if method == "fp8" and quantization is None:
+        quantization = "fp8"
     config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
     shardings = _placements(abstract_state, mesh, device)
     # MXFP4 experts (a gpt-oss checkpoint's, or a GGUF file's) kept 4-bit, as served.
@@ -246,7 +256,13 @@ def abstract_model(
     if quantization == "mxfp4":
         quantization = None  # the rest of the checkpoint is float
     state = abstract_state_for(
-        abstract_state, config, dtype, shardings, quantization, mxfp4_experts=mxfp4
+        abstract_state,
+        config,
+        dtype,
+        shardings,
+        quantization,
+        mxfp4_experts=mxfp4,
+        fp8_experts=fp8_group,
     )
     leaves = jax.tree.leaves(state)
     logical = sum(_shard_bytes(a) for a in leaves)

@@ -15,7 +15,12 @@ from jaxllm.families import (
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
 )
-from jaxllm.families.hf_config import LinearAttention, RopeScaling, model_config_fields
+from jaxllm.families.hf_config import (
+    LatentAttention,
+    LinearAttention,
+    RopeScaling,
+    model_config_fields,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +173,27 @@ class ModelConfig:
     moe_beside_mlp: bool = False
     """Gemma 4's MoE block: every layer has the dense MLP and a mixture of experts side by side,
     the router reading the normalised residual scaled per channel, a scale per expert."""
+    latent_attention: LatentAttention | None = None
+    """Every attention layer is multi-head latent attention (DeepSeek-V2/V3): `head_dim` is
+    its RoPE key's width, and the cache keeps one [latent | RoPE key] row per token
+    (`layer_head_dim` is half of it: the row fills a cache slot's key and value lanes)."""
+    router_scoring: str = "softmax"
+    """How the router scores experts: "softmax" over all logits, or "sigmoid" of each
+    (DeepSeek-V3), chosen with `router_score_bias` and renormalised as `moe_renormalize`
+    says."""
+    router_score_bias: bool = False
+    """Each expert's score gets a learned bias for choosing experts only; the weights stay the
+    unbiased scores (DeepSeek-V3's `e_score_correction_bias`)."""
+    expert_groups: int = 1
+    """The experts fall into this many groups, and a token chooses its experts within the
+    best `expert_groups_kept` of them: scored by their best expert (DeepSeek-V2's
+    group_limited_greedy), or with a score bias by the sum of their two best (V3's)."""
+    expert_groups_kept: int = 1
+    routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this (DeepSeek)."""
+    router_float32: bool = False
+    """The router's weight and score bias are kept and applied in float32 whatever the
+    model's dtype (DeepSeek's, as transformers keeps them)."""
     kv_head_replicas: int = 1
     """Each checkpoint kv head is repeated this many times (tensor parallelism over more
     devices than kv heads, see `sharding.shard_config`); num_kv_heads counts the copies."""
@@ -228,6 +254,30 @@ class ModelConfig:
                 f"model config: num_experts_per_tok must be in [1, {self.num_experts}], got "
                 f"{self.num_experts_per_tok}"
             )
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"model config: router_scoring must be softmax or sigmoid, got "
+                f"{self.router_scoring!r}"
+            )
+        if self.num_experts and not (
+            1 <= self.expert_groups_kept <= self.expert_groups
+            and self.num_experts % self.expert_groups == 0
+            and self.num_experts_per_tok
+            <= self.expert_groups_kept * (self.num_experts // self.expert_groups)
+        ):
+            raise ValueError(
+                f"model config: {self.num_experts} experts in n_group={self.expert_groups} "
+                f"groups, topk_group={self.expert_groups_kept} kept, must be whole groups "
+                f"holding num_experts_per_tok={self.num_experts_per_tok} experts"
+            )
+        if self.latent_attention is not None:
+            if self.layer_types and set(self.layer_types) != {FULL_ATTENTION}:
+                raise ValueError("model config: latent attention layers are full attention")
+            if self.num_kv_heads != self.kv_head_replicas:
+                raise ValueError(
+                    "model config: latent attention keeps one latent per token (num_kv_heads "
+                    f"1, or its copies under tensor parallelism), got {self.num_kv_heads}"
+                )
         if self.num_experts and self.moe_intermediate_size < 1:
             raise ValueError("model config: moe_intermediate_size must be >= 1")
         if not 0 <= self.kv_shared_layers < self.num_layers:
@@ -282,6 +332,10 @@ class ModelConfig:
         return self.global_head_dim or self.head_dim
 
     def layer_head_dim(self, layer: int) -> int:
+        """The width of `layer`'s keys and values in the cache: its head's; a latent
+        attention layer's row [latent | RoPE key] is its key and value halves."""
+        if self.latent_attention is not None:
+            return -(-self.latent_attention.row_width(self.head_dim) // 2)  # an odd row: + 0
         return self.full_head_dim if self._global(layer) else self.head_dim
 
     def layer_num_kv_heads(self, layer: int) -> int:
@@ -307,7 +361,10 @@ class ModelConfig:
     @property
     def heads_vary_by_layer(self) -> bool:
         """Some attention layer's head width or kv heads differ from `head_dim` and
-        `num_kv_heads` (Gemma 4's full-attention layers)."""
+        `num_kv_heads` (Gemma 4's full-attention layers; not latent attention, whose layers
+        are all alike)."""
+        if self.latent_attention is not None:
+            return False
         return any(
             (self.layer_head_dim(i), self.layer_num_kv_heads(i))
             != (self.head_dim, self.num_kv_heads)

@@ -6,6 +6,7 @@ already covers, write its module and import it here."""
 from __future__ import annotations
 
 from jaxllm.families import (  # noqa: F401
+    deepseek,
     gemma,
     gemma4,
     gpt_oss,

@@ -99,6 +99,9 @@ class Family:
     """HF config -> `ModelConfig` fields the family reads its own way; they win over all."""
     tensor_name: Callable[[str], str | None] = llama_tensor_name
     """A checkpoint tensor's name -> the Llama name the loader knows (None: skip it)."""
+    layers_past_the_last_skipped: bool = False
+    """The checkpoint's layers numbered from `num_hidden_layers` on are not the decoder's
+    (DeepSeek-V3's multi-token-prediction modules): skipped rather than refused."""
     text_of: str | None = None
     """An image-text architecture served as its text decoder (that architecture): its config
     is `text_config`, its vision tower skipped."""

@@ -5,9 +5,9 @@ way, and an image-text architecture is read as its text decoder (`text_of`). GGU
 arrives here too, written as the same keys (`jaxllm.loaders.gguf`).
 
 `ModelConfig.from_hf_config` builds the config from these fields. `RopeScaling`, HF's
-`rope_scaling` record, and `LinearAttention` (a hybrid's linear layers, whose fields a family
-reads) are read here with them; like the records, this module imports nothing of the library
-beyond this package.
+`rope_scaling` record, `LinearAttention` (a hybrid's linear layers) and `LatentAttention`
+(DeepSeek's multi-head latent attention), whose fields a family reads, are read here with
+them; like the records, this module imports nothing of the library beyond this package.
 """
 
 from __future__ import annotations
@@ -47,6 +47,31 @@ class LinearAttention:
     @property
     def value_dim(self) -> int:
         return self.num_value_heads * self.value_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values come from one
+    `kv_lora_rank`-wide latent per token, which with a `qk_rope_head_dim`-wide RoPE key
+    (`ModelConfig.head_dim`, shared by every head) is all the cache keeps
+    (`jaxllm.models.mla`)."""
+
+    kv_lora_rank: int
+    """L: the latent's width."""
+    qk_nope_head_dim: int
+    """P: the part of each query and key head without RoPE."""
+    v_head_dim: int
+    """V: each head's value width."""
+    q_lora_rank: int | None
+    """The query's own low-rank bottleneck (q_a_proj, its norm, q_b_proj); None: a plain
+    q_proj (DeepSeek-V2-Lite)."""
+    softmax_scale: float
+    """Scores are scaled by this: (P + R) ** -0.5, times YaRN's mscale(factor,
+    mscale_all_dim) squared where the config scales RoPE so."""
+
+    def row_width(self, rope_dim: int) -> int:
+        """The cache's row per token: the latent and the RoPE key, [c_kv | k_pe]."""
+        return self.kv_lora_rank + rope_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +240,8 @@ def model_config_fields(config: dict[str, Any] | Any) -> dict[str, Any]:
     factors = config.get("rope_freq_factors")
     if isinstance(features.get("linear_attention"), dict):
         features["linear_attention"] = LinearAttention(**features["linear_attention"])
+    if isinstance(features.get("latent_attention"), dict):
+        features["latent_attention"] = LatentAttention(**features["latent_attention"])
     partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     features.setdefault("partial_rotary_factor", float(partial))
     rotary_dim = int(head_dim * features["partial_rotary_factor"])

@@ -99,6 +99,19 @@ def mxfp4_kept(quantization: str | None, *, on_cpu: bool | None = None) -> bool:
     return not on_cpu  # None, or int8 / int4 / fp8 for the other layers
 
 
+def fp8_experts_kept(quantization: str | None, *, on_cpu: bool | None = None) -> bool:
+    """Whether a fine-grained FP8 checkpoint's experts stay 8-bit on the device (dequantized
+    inside the step, `quantization.FP8Experts`): on accelerators, where they take half of
+    bfloat16's bytes (DeepSeek-V3's 656 GB rather than 1.3 TB), and anywhere with
+    `quantization="fp8"`. On the CPU by default they are dequantized once at load, as MXFP4
+    experts are (`mxfp4_kept`); with any other `quantization` always."""
+    if quantization is not None:
+        return quantization == "fp8"
+    if on_cpu is None:
+        on_cpu = jax.default_backend() == "cpu"
+    return not on_cpu
+
+
 def load_model(
     model: str | os.PathLike,
     *,
@@ -133,6 +146,7 @@ def load_model(
     elif (path / "config.json").is_file():
         hf_config = json.loads((path / "config.json").read_text())
         method = quantized_hf.checkpoint_method(hf_config)
+    keep_fp8_experts = method == "fp8" and fp8_experts_kept(quantization)
     if method == "gguf" and quantization == "mxfp4":
         if not gguf_loader.has_mxfp4(path):
             raise ValueError(f"quantization mxfp4: {path} has no MXFP4 tensors")
@@ -178,7 +192,15 @@ def load_model(
             generation_config = {}
         if config.rope_interleaved:  # (llama.cpp's converter leaves Llama 4's pairs so too)
             tensors = rope_pairs_as_halves(tensors, config)
-        state = build_state(abstract_state, tensors, config, dtype, shardings, quantization)
+        state = build_state(
+            abstract_state,
+            tensors,
+            config,
+            dtype,
+            shardings,
+            quantization,
+            keep_fp8_experts=keep_fp8_experts,
+        )
     tokenizer = None
     if load_tokenizer:
         if path.is_dir():

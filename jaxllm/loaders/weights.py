@@ -32,11 +32,14 @@ from jaxllm.models.layers import _num_in_axes
 from jaxllm.quantization import (
     FORMATS,
     HEAD_IMPORTANCE_POWER,
+    KEPT_EXPERTS,
     MXFP4_BLOCK,
     QUANTIZABLE,
+    FP8Experts,
     MXFP4Experts,
     QArray,
     SplitRows,
+    abstract_fp8_experts,
     abstract_head,
     abstract_mxfp4_experts,
     abstract_qarray,
@@ -116,6 +119,16 @@ def _rules(
             "self_attn.k_proj.bias": (("self_attn", "k_bias"), lambda w: kv(w, k, h)),
             "self_attn.v_proj.bias": (("self_attn", "v_bias"), lambda w: kv(w, k, h)),
             "self_attn.o_proj.bias": (("self_attn", "o_bias"), same),
+            # Latent attention (`jaxllm.models.mla`)
+            **{
+                f"self_attn.{proj}.weight": (("self_attn", proj), lambda w: w.T)
+                for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+            },
+            **{
+                f"self_attn.{norm}.weight": (("self_attn", norm, "weight"), same)
+                for norm in ("q_a_layernorm", "kv_a_layernorm")
+            },
+            "mlp.router_score_bias": (("mlp", "score_bias"), same),
             "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda w: w.T),
             "mlp.up_proj.weight": (("mlp", "up_proj"), lambda w: w.T),
             "mlp.down_proj.weight": (("mlp", "down_proj"), lambda w: w.T),
@@ -217,7 +230,8 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
     original, name = name, image_text_tensor_name(name)
     if name is None:
         return None  # an image-text checkpoint's vision side (`loaders.vision`)
-    name = family_of(config.architecture).tensor_name(name)
+    family = family_of(config.architecture)
+    name = family.tensor_name(name)
     if name is None:
         return None
     if name.startswith("layers.") or name in ("embed_tokens.weight", "norm.weight"):
@@ -237,6 +251,8 @@ def _hf_to_path(name: str, config: ModelConfig) -> Target | list[Target] | None:
     if name == "score.weight":
         return None  # a classifier's head: read by jaxllm.classifier
     m = _LAYER.match(name)
+    if m and int(m.group(1)) >= config.num_layers and family.layers_past_the_last_skipped:
+        return None
     if m and int(m.group(1)) < config.num_layers:
         layer, suffix = int(m.group(1)), m.group(2)
         if config.layer_kv_source(layer) != layer and suffix in _OWN_KV:
@@ -266,6 +282,11 @@ _OWN_KV = {
 }
 
 _QK_WEIGHT = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.[qk]_proj\.weight$")
+# Latent attention's: each query head's [P | R] rows, and the latent's [L | R] rows, whose
+# last R (the RoPE part) turn.
+_MLA_ROPE_WEIGHT = re.compile(
+    r"^(model\.)?layers\.\d+\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.weight$"
+)
 
 
 def rope_pairs_as_halves(
@@ -274,19 +295,36 @@ def rope_pairs_as_halves(
     """(name, tensor) pairs with each q and k projection's output channels reordered, per head,
     from RoPE's adjacent pairs (2i, 2i + 1) to halves (i, i + H / 2), for a checkpoint whose
     RoPE turns adjacent pairs (`ModelConfig.rope_interleaved`): the decoder's RoPE then turns
-    the same pairs, and every score is unchanged. Other tensors pass."""
+    the same pairs, and every score is unchanged. With latent attention, the RoPE part of each
+    query head and of the latent's projection (the last `head_dim` rows of each). Other
+    tensors pass."""
     h = config.head_dim
+    mla = config.latent_attention
 
     def reorder(w: np.ndarray) -> np.ndarray:  # [heads * H, ...] rows
         return w.reshape(-1, h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
+    def reorder_tails(block: int):
+        def tails(w: np.ndarray) -> np.ndarray:  # [blocks * block, ...] rows
+            rows = w.reshape(-1, block, *w.shape[1:])
+            tail = reorder(rows[:, block - h :].reshape(-1, *w.shape[1:]))
+            rows = np.concatenate([rows[:, : block - h], tail.reshape(-1, h, *w.shape[1:])], 1)
+            return rows.reshape(w.shape)
+
+        return tails
+
+    pattern = _QK_WEIGHT if mla is None else _MLA_ROPE_WEIGHT
     for name, tensor in tensors:
         text_name = image_text_tensor_name(name)  # None: a vision tower's (its own RoPE)
-        if text_name is not None and _QK_WEIGHT.match(text_name):
-            if isinstance(tensor, QArray):
-                tensor = tensor.map_rows(reorder)
+        m = None if text_name is None else pattern.match(text_name)
+        if m is not None:
+            if mla is None:
+                f = reorder
+            elif m.group(2) == "kv_a_proj_with_mqa":
+                f = reorder_tails(mla.kv_lora_rank + h)
             else:
-                tensor = reorder(_to_numpy(tensor))
+                f = reorder_tails(mla.qk_nope_head_dim + h)
+            tensor = tensor.map_rows(f) if isinstance(tensor, QArray) else f(_to_numpy(tensor))
         yield name, tensor
 
 
@@ -394,18 +432,21 @@ def _qarray_shardings(
     )
 
 
-def mxfp4_shardings(w: MXFP4Experts, sharding: jax.sharding.Sharding) -> MXFP4Experts:
-    """The shardings of MXFP4 experts' leaves, split as the float parameter [E, I, O] would
-    be (`MXFP4Experts.specs`); inputs split only in whole groups of 32."""
+def kept_expert_shardings(w: MXFP4Experts | FP8Experts, sharding: jax.sharding.Sharding):
+    """The shardings of MXFP4 (or FP8) experts' leaves, split as the float parameter [E, I,
+    O] would be (`MXFP4Experts.specs`); inputs split only in whole groups (of 32 for MXFP4)."""
     from jax.sharding import NamedSharding
 
     if not isinstance(sharding, NamedSharding):
         return jax.tree.map(lambda _: sharding, w)
     spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
-    groups = w.shape[1] // MXFP4_BLOCK
+    if isinstance(w, FP8Experts):
+        groups, size = w.scale.shape[-1], w.shape[1] // w.scale.shape[-1]
+    else:
+        groups, size = w.shape[1] // MXFP4_BLOCK, MXFP4_BLOCK
     if spec[1] is not None and groups % sharding.mesh.shape[spec[1]]:
         raise ValueError(
-            f"MXFP4 experts with {groups} groups of 32 inputs cannot be split over "
+            f"quantized experts with {groups} groups of {size} inputs cannot be split over "
             f"{sharding.mesh.shape[spec[1]]} devices; use a tensor_parallel_size that divides "
             "the number of experts"
         )
@@ -420,12 +461,15 @@ def abstract_state_for(
     quantization: str | None = None,
     *,
     mxfp4_experts: bool = False,
+    fp8_experts: int | None = None,
 ) -> nnx.State:
     """The state `build_state` would build, as `jax.ShapeDtypeStruct`s placed by `shardings`
     ({path: sharding}): the model without its weights, for compiling it (`jaxllm.aot`).
     `quantization`: None or "float" (float weights), or a format quantized at load (int8, int4,
     fp8), whose QArrays take the shapes `quantize` gives them. `mxfp4_experts`: the experts'
-    projections kept in MXFP4 (a gpt-oss checkpoint, `loaders.mxfp4_kept`)."""
+    projections kept in MXFP4 (a gpt-oss checkpoint, `loaders.mxfp4_kept`); `fp8_experts`:
+    kept in FP8 with factors for groups of this many inputs (0: one a row), as a fine-grained
+    FP8 checkpoint's are (`loaders.fp8_experts_kept`); None: float."""
     if quantization not in (None, "float", *FORMATS):
         raise ValueError(
             f"quantization {quantization} keeps a checkpoint's own quantized tensors, whose "
@@ -437,6 +481,8 @@ def abstract_state_for(
         where = shardings[path]
         if mxfp4_experts and _is_expert_projection(path, var):
             w = abstract_mxfp4_experts(var.shape, dtype)
+        elif fp8_experts is not None and _is_expert_projection(path, var):
+            w = abstract_fp8_experts(var.shape, dtype, fp8_experts)
         elif (
             quantization in FORMATS
             and path[-1] in QUANTIZABLE
@@ -479,10 +525,10 @@ def _head_path(config: ModelConfig) -> tuple:
 
 
 def _leaf_shardings(path: tuple, w, sharding: jax.sharding.Sharding, var_shape):
-    """The shardings of a quantized parameter's leaves (QArray, SplitRows or MXFP4Experts),
-    from the float parameter's."""
-    if isinstance(w, MXFP4Experts):
-        return mxfp4_shardings(w, sharding)
+    """The shardings of a quantized parameter's leaves (QArray, SplitRows, MXFP4Experts or
+    FP8Experts), from the float parameter's."""
+    if isinstance(w, KEPT_EXPERTS):
+        return kept_expert_shardings(w, sharding)
     return _qarray_shardings(w, sharding, var_shape, path[-1] == "embed_tokens")
 
 
@@ -497,6 +543,35 @@ def _leading_in(var: nnx.Variable, path: tuple) -> int:
     return var.shape[0]
 
 
+def _stack_fp8(
+    name, w: QArray, index: int, path: tuple, var, stacking: dict, dtype
+) -> FP8Experts | None:
+    """Adds expert `index`'s fp8 weight [O, I] to its projection's `FP8Experts` host buffers;
+    the whole stack once every expert has come, else None."""
+    e, i, o = var.shape
+    if w.shape != (o, i) or w.offset is not None or w.perm is not None:
+        raise ValueError(
+            f"tensor {name!r}: an fp8 expert of shape {w.shape} does not match the model's "
+            f"{(o, i)} (from the config)"
+        )
+    q, scale, todo = stacking.setdefault(
+        path,
+        (
+            np.empty((e, o, i), w.q.dtype),
+            np.empty((e, o, w.scale.shape[1]), np.float32),
+            set(range(e)),
+        ),
+    )
+    if index not in todo or w.scale.shape[1] != scale.shape[2]:
+        raise ValueError(f"tensor {name!r} appears twice in the checkpoint, or its blocks differ")
+    q[index], scale[index] = np.asarray(w.q), np.asarray(w.scale, np.float32)
+    todo.discard(index)
+    if todo:
+        return None
+    del stacking[path]
+    return FP8Experts(q, scale, np.dtype(dtype))
+
+
 def build_state(
     abstract_state: nnx.State,
     tensors: Iterable[tuple[str, np.ndarray | jax.Array]],
@@ -504,8 +579,12 @@ def build_state(
     dtype: jnp.dtype,
     shardings: dict[tuple, jax.sharding.Sharding] | None = None,
     quantization: str | None = None,
+    *,
+    keep_fp8_experts: bool = False,
 ) -> nnx.State:
     """Fills an abstract model state from (HF name, tensor) pairs; every parameter must come.
+    `keep_fp8_experts`: an FP8 checkpoint's experts (fp8 QArrays, one an expert) are stacked
+    into `FP8Experts` rather than dequantized (`loaders.fp8_experts_kept`).
     With `shardings` ({path: sharding}), each device receives only its own slice of each
     parameter, straight from the host buffer: no parameter is ever whole on one device.
     Tensors may be float arrays or QArrays; `quantization` is the engine's (see
@@ -513,9 +592,11 @@ def build_state(
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
 
     def place(path: tuple, value: np.ndarray) -> jax.Array:
+        # The model's dtype, but for a parameter the model keeps in float32 (DeepSeek's router)
+        want = np.float32 if expected[path].dtype == jnp.float32 else np_dtype
         if shardings is None:
-            return jnp.asarray(value, dtype=dtype)
-        value = value.astype(np_dtype, copy=False)
+            return jnp.asarray(value, dtype=want)
+        value = value.astype(want, copy=False)
         return jax.make_array_from_callback(value.shape, shardings[path], lambda i: value[i])
 
     def place_quantized(path: tuple, w: QArray | SplitRows | MXFP4Experts):
@@ -534,6 +615,7 @@ def build_state(
     # Stacked expert weights fill up on the host, one expert per tensor, and go to the
     # device whole: {path: (host buffer, experts still missing)}.
     stacking: dict[tuple, tuple[np.ndarray, set[int]]] = {}
+    fp8_stacking: dict[tuple, tuple[np.ndarray, np.ndarray, set[int]]] = {}
     np_dtype = np.dtype(jnp.dtype(dtype))
     targets = ((n, t, target) for n, t in tensors for target in hf_to_path(n, config))
     for name, tensor, (path, transform, index) in targets:
@@ -561,6 +643,11 @@ def build_state(
             if w is not None:
                 filled[path] = var.replace(place_quantized(path, w))
                 continue
+        elif keep_fp8_experts and isinstance(tensor, QArray) and tensor.fmt == "fp8":
+            experts = _stack_fp8(name, tensor, index, path, var, fp8_stacking, dtype)
+            if experts is not None:
+                filled[path] = var.replace(place_quantized(path, experts))
+            continue
         value = transform(_to_numpy(tensor))
         shape = var.shape if index is None else var.shape[1:]
         if value.shape != shape:

@@ -1,6 +1,7 @@
 """The one decoder every supported family runs on (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM2,
-Gemma 2/3, Mixtral, Qwen3-MoE, and the hybrids Qwen3-Next and Qwen3.5, whose linear layers
-are `linear_attention.GatedDeltaNet`): a module whose `ModelConfig` switches cover the
+Gemma 2/3/4, Mixtral, Qwen3-MoE, gpt-oss, Llama 4, the hybrids Qwen3-Next and Qwen3.5, whose
+linear layers are `linear_attention.GatedDeltaNet`, and DeepSeek-V2/V3, whose attention is
+`mla.MLAttention`): a module whose `ModelConfig` switches cover the
 differences (GQA ratio, qkv bias, QK-norm, sandwich norms, Gemma's (1 + w) norms and scaled
 embeddings, GELU, tied head, RoPE scaling and per-layer RoPE bases, partial RoPE, per-layer
 sliding windows, soft-capping, an attention output gate, mixture-of-experts MLPs).
@@ -42,6 +43,7 @@ from jaxllm.models.layers import (
     rope_inv_freq,
 )
 from jaxllm.models.linear_attention import GatedDeltaNet
+from jaxllm.models.mla import MLAttention
 from jaxllm.models.moe import MoE
 from jaxllm.models.state import ModelCache, StepExtras
 from jaxllm.quantization import QUANTIZED, qmatmul, take_rows
@@ -75,7 +77,8 @@ class DecoderLayer(nnx.Module):
             self.linear_attn = GatedDeltaNet(config, ordinal, dtype=dtype, mesh=mesh, rngs=rngs)
             self.self_attn = None
         else:
-            self.self_attn = Attention(config, layer, dtype=dtype, mesh=mesh, rngs=rngs)
+            kind = Attention if config.latent_attention is None else MLAttention
+            self.self_attn = kind(config, layer, dtype=dtype, mesh=mesh, rngs=rngs)
             self.linear_attn = None
         # Llama: post_attention_layernorm is the norm before the MLP. Sandwich (Gemma): it
         # normalises the attention output, and two more norms wrap the MLP.
@@ -133,6 +136,9 @@ class DecoderLayer(nnx.Module):
         if self.linear_attn is not None:
             attn_out, linear = self.linear_attn(h, cache.linear, meta, slots)
             cache = dataclasses.replace(cache, linear=linear)
+        elif isinstance(self.self_attn, MLAttention):
+            attn_out, kv = self.self_attn(h, rope, cache.kv, layer, meta)
+            cache = dataclasses.replace(cache, kv=kv)
         else:
             attn_out, kv = self.self_attn(h, rope, cache.kv, layer, meta, lora, q_scale)
             cache = dataclasses.replace(cache, kv=kv)

@@ -1,10 +1,12 @@
 """Mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss): top-k routing,
 experts as grouped matmuls, expert weights sharded over the mesh (and kept in MXFP4 where a
-gpt-oss checkpoint ships them so: `quantization.MXFP4Experts`, dequantized inside the step),
+gpt-oss checkpoint ships them so, or in FP8 as DeepSeek-V3's does: `quantization.MXFP4Experts`,
+`FP8Experts`, dequantized inside the step),
 and a shared expert where the family has one; gpt-oss adds a router bias, biases on every
 expert projection and a clamped SwiGLU (`ModelConfig.swiglu_limit`); Llama 4 routes by the
 sigmoid of the top logits, which scales each chosen expert's input (`router_sigmoid`,
-`moe_weight_inputs`), beside an ungated shared expert.
+`moe_weight_inputs`), beside an ungated shared expert; DeepSeek-V2/V3 choose experts within
+their best groups, V3 by sigmoid scores with a correction bias, and scale the routed weights.
 
 Routing is data: each token's k (expert, weight) pairs are sorted by expert, and the experts
 run as three `jax.lax.ragged_dot` grouped matmuls over the sorted rows, whose group sizes are
@@ -31,15 +33,29 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import ACTIVATIONS, MLP, l2_norm, linear, matmul, param
-from jaxllm.quantization import MXFP4Experts, dequantize_half
+from jaxllm.quantization import (
+    KEPT_EXPERTS,
+    FP8Experts,
+    MXFP4Experts,
+    dequantize_experts,
+    dequantize_half,
+)
 from jaxllm.sharding import spec_for
 
 
 class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, mesh: Mesh | None, rngs: nnx.Rngs | None):
         d, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
-        self.router = param(rngs, (d, e), ("embed", None), dtype)
+        # DeepSeek's router (and its score bias) stay float32, as transformers keeps them.
+        router_dtype = jnp.float32 if config.router_float32 else dtype
+        self.router = param(rngs, (d, e), ("embed", None), router_dtype)
         self.router_bias = param(rngs, (e,), (None,), dtype) if config.router_bias else None
+        self.score_bias = (
+            param(rngs, (e,), (None,), router_dtype) if config.router_score_bias else None
+        )
+        self.scoring = config.router_scoring
+        self.groups = (config.expert_groups, config.expert_groups_kept)
+        self.scaling = config.routed_scaling_factor
         # Gemma 4: the router reads its input normalised, scaled per channel and by 1/sqrt(D),
         # and each chosen expert's weight is scaled by a factor of the expert's.
         if config.moe_beside_mlp:
@@ -82,23 +98,42 @@ class MoE(nnx.Module):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights f32[T, k], expert ids i32[T, k]): the router logits in x's dtype (as
-        transformers rounds them), a float32 softmax over all experts, the top k, renormalised
-        to sum to 1 where the family does."""
+        transformers rounds them; float32 where the router is kept so), each expert scored by
+        a float32 softmax over all of them (or its sigmoid), the top k (by the scores plus
+        their correction bias, within the best groups, where the family says so) weighted by
+        their scores, renormalised to sum to 1 and scaled where the family does."""
         if self.router_scale is not None:
             d = x.shape[-1]
             x = l2_norm(x, self.router_eps) * self.router_scale.get_value()
             x = x * jnp.asarray(d**-0.5, x.dtype)
-        logits = matmul(x, self.router.get_value()).astype(x.dtype)
+        router = self.router.get_value()
+        logits = matmul(x, router).astype(jnp.promote_types(x.dtype, router.dtype))
         if self.router_bias is not None:
             logits = logits + self.router_bias.get_value()
         if self.sigmoid:  # the top logits' sigmoids, rounded to x's dtype as transformers does
             top, experts = jax.lax.top_k(logits, self.top_k)
             weights = jax.nn.sigmoid(top.astype(jnp.float32)).astype(x.dtype)
             return weights.astype(jnp.float32), experts.astype(jnp.int32)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.top_k)
+        logits = logits.astype(jnp.float32)
+        if self.scoring == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+        else:
+            scores = jax.nn.softmax(logits, axis=-1)
+        choice = scores
+        if self.score_bias is not None:
+            choice = scores + self.score_bias.get_value().astype(jnp.float32)
+        if self.groups[0] > 1:
+            choice = _best_groups(choice, *self.groups, by_top2=self.score_bias is not None)
+        if choice is scores:
+            weights, experts = jax.lax.top_k(scores, self.top_k)
+        else:
+            experts = jax.lax.top_k(choice, self.top_k)[1]
+            weights = jnp.take_along_axis(scores, experts, axis=-1)
         if self.renormalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+            total = weights.sum(axis=-1, keepdims=True)
+            weights = weights / (total + 1e-20 if self.scoring == "sigmoid" else total)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         if self.per_expert_scale is not None:
             weights = weights * self.per_expert_scale.get_value()[experts].astype(jnp.float32)
         return weights, experts.astype(jnp.int32)
@@ -134,7 +169,7 @@ class MoE(nnx.Module):
             return run(x, weights, experts, *w, expert_axis_sharded=False)
         gate_spec, down_spec = spec, P(spec[0], spec[2], spec[1])
         weight_specs = [
-            v.specs(s) if isinstance(v, MXFP4Experts) else s
+            v.specs(s) if isinstance(v, KEPT_EXPERTS) else s
             for v, s in zip(w[:3], (gate_spec, gate_spec, down_spec), strict=True)
         ]
         bias_specs = (P(spec[0], spec[2]),) * 2 if biased else ()
@@ -150,6 +185,21 @@ class MoE(nnx.Module):
             out_specs=P(),
             check_vma=False,
         )(x, weights, experts, *w)
+
+
+def _best_groups(choice: jax.Array, groups: int, kept: int, *, by_top2: bool) -> jax.Array:
+    """`choice` [T, E] with the experts outside each token's best `kept` of `groups` equal
+    groups set to -inf; a group scored by its best expert, or `by_top2` by its two best
+    (DeepSeek-V2's group_limited_greedy, V3's noaux_tc)."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, groups, e // groups)
+    if by_top2:
+        score = jax.lax.top_k(grouped, min(2, e // groups))[0].sum(axis=-1)
+    else:
+        score = grouped.max(axis=-1)
+    best = jax.lax.top_k(score, kept)[1]  # [T, kept]
+    keep = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], best].set(True)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
 def _weight_spec(var: nnx.Param, mesh: Mesh | None) -> P | None:
@@ -230,6 +280,8 @@ def _matmul_rows(lhs, w, sizes, row_expert) -> jax.Array:
     dequantized every layer's experts early and held them all, 187 GiB of temporaries for
     gpt-oss-120b on an H200; with both halves at once, 2.5 GB for one of its layers, over
     what an H100 has left)."""
+    if isinstance(w, FP8Experts):
+        return _matmul_rows_fp8(lhs, w, sizes, row_expert)
     if not isinstance(w, MXFP4Experts):
         return jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=jnp.float32)
     halves = lhs[:, 0::2], lhs[:, 1::2]
@@ -258,3 +310,22 @@ def _matmul_rows(lhs, w, sizes, row_expert) -> jax.Array:
         )  # fmt: skip
         out = y if out is None else out + y
     return out
+
+
+def _matmul_rows_fp8(lhs, w: FP8Experts, sizes, row_expert) -> jax.Array:
+    """`_matmul_rows` for FP8 experts: dequantized inside the step like MXFP4 ones, only the
+    rows' experts where the rows are fewer than the experts, else the device's experts after
+    the rows are ready (an optimization barrier, so XLA does not dequantize every layer's
+    experts early)."""
+    if lhs.shape[0] < w.shape[0]:
+        taken = dequantize_experts(w.take(row_expert), w.dtype)  # [R, O, I]
+        return jnp.einsum("ri,roi->ro", lhs, taken, preferred_element_type=jnp.float32)
+    lhs, w = jax.lax.optimization_barrier((lhs, w))
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+    return jax.lax.ragged_dot_general(
+        lhs, dequantize_experts(w, w.dtype), sizes, numbers, preferred_element_type=jnp.float32
+    )

@@ -65,7 +65,8 @@ def bytes_per_page(
     with the heads as wide as `platform` makes them (`cache_head_dim`; default: the model's head_dim)."""
     heads = (num_slots or len(config.kv_layers)) * 2 * config.cache_kv_heads
     head_dim = config.cache_head_dim
-    head_dim = head_dim if platform is None else cache_head_dim(head_dim, platform)
+    latent = config.latent_attention is not None
+    head_dim = head_dim if platform is None else cache_head_dim(head_dim, platform, latent=latent)
     return heads * page_size * kv_bytes_per_token_head(head_dim, dtype)
 
 

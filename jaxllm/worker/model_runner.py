@@ -126,6 +126,7 @@ class ModelRunner:
             config.cache_kv_heads,
             config.cache_head_dim,
             platform,
+            latent=config.latent_attention is not None,
         )
         linear = None
         if config.linear_attention is not None:  # a slot per batch row, then saved states

@@ -86,6 +86,7 @@ class DraftModelProposer(Feature):
             config.cache_kv_heads,
             config.cache_head_dim,
             device.platform,
+            latent=config.latent_attention is not None,
         )
         self.cache = device.zeros_model_cache(shape, device.kv_cache.dtype)
         self._step = jax.jit(
