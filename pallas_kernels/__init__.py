@@ -20,8 +20,8 @@ batches, in four forms (`GDN_BACKENDS`): the token-by-token reference, the chunk
 Pallas kernels for TPUs (`gated_delta_rule_tpu.py`) and NVIDIA GPUs (in `gated_delta_rule.py`).
 
 `mla_paged_attention` is DeepSeek's multi-head latent attention over the same cache, one row
-[latent | RoPE key] per token (`mla_attention.py`, `write_latent`): plain JAX on every
-platform for now.
+[latent | RoPE key] per token (`mla_attention.py`, `write_latent`): a Triton kernel on GPUs
+(`mla_attention_gpu.py`), plain JAX elsewhere.
 
 The sliding window is data, not a compile-time constant: `ragged_paged_attention` turns
 `sliding_window` (None, an int, or an i32 scalar that may be traced) into one i32[] operand,

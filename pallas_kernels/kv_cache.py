@@ -270,8 +270,8 @@ def cache_head_dim(head_dim: int, platform: str | None = None, *, latent: bool =
     heads. The padding lanes hold zeros, and queries are padded with zeros too
     (`ragged_paged_attention`), so scores and outputs are unchanged.
 
-    `latent`: a latent attention cache (`mla_attention.py`), whose rows no Triton kernel reads:
-    padded on a TPU only."""
+    `latent`: a latent attention cache (`mla_attention.py`), whose kernels read a row's latent
+    and RoPE key by their own masked lanes: padded on a TPU only."""
     platform = platform or current_platform()
     if platform == "tpu":
         return -(-2 * head_dim // _TPU_LANES) * _TPU_LANES // 2

@@ -20,7 +20,8 @@ Batches are ragged as in `ragged_paged_attention`: request r's queries are rows
 already written. Each query attends causally to its request's rows: the step's own tokens in
 one dense masked product, the context cached before the step in chunks of pages with an
 online softmax (the loop bounded by the batch's longest context), as the reference GQA kernel
-does. No Pallas kernel exists for it yet: every backend runs this one.
+does. `mla_paged_attention` runs this on every backend but "pallas_gpu", a Triton kernel
+(`mla_attention_gpu.py`); no TPU kernel yet.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_cache import KVCache, as_kv_cache, read_kv, write_kv
+from pallas_kernels.mla_attention_gpu import mla_paged_attention_gpu
+from pallas_kernels.target import current_platform
 
 # At most this many context tokens per chunk, and this many bytes of rows gathered for the
 # batch's queries at once.
@@ -42,6 +45,37 @@ def _rows(kv: jax.Array, half: int, width: int) -> jax.Array:
 
 
 def mla_paged_attention(
+    ql: jax.Array,  # [T, N, L]  queries in the latent space
+    q_pe: jax.Array,  # [T, N, R]  RoPE queries
+    kv_cache: jax.Array | KVCache,  # [layers, num_pages, 1, page_size, 2W], W >= (L + R) / 2
+    layer: jax.Array | int,  # the cache slot to read
+    seq_lens: jax.Array,  # i32[S]
+    block_tables: jax.Array,  # i32[S, P]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    backend: str = "reference",
+    interpret: bool | None = None,
+) -> jax.Array:  # f32[T, N, L]: each head's softmax-weighted latent
+    """Latent attention by `backend`: "pallas_gpu" is the Triton kernel
+    (`mla_attention_gpu.py`; interpreted off a GPU unless `interpret` says otherwise), every
+    other backend this module's plain JAX."""
+    args = (ql, q_pe, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
+    if backend != "pallas_gpu":
+        return mla_paged_attention_reference(*args, sm_scale=sm_scale)
+    cache = as_kv_cache(kv_cache)
+    if interpret is None:
+        interpret = current_platform() != "gpu"
+    # The kernel's dots in the model's dtype (q_pe's), as the GQA kernel's are in q's: a
+    # float32 latent query would double its blocks' shared memory.
+    return mla_paged_attention_gpu(
+        ql.astype(q_pe.dtype), q_pe, cache.data, *args[3:], sm_scale=sm_scale,
+        kv_scales=cache.scales, interpret=interpret,
+    )  # fmt: skip
+
+
+def mla_paged_attention_reference(
     ql: jax.Array,  # [T, N, L]  queries in the latent space
     q_pe: jax.Array,  # [T, N, R]  RoPE queries
     kv_cache: jax.Array | KVCache,  # [layers, num_pages, 1, page_size, 2W], W >= (L + R) / 2

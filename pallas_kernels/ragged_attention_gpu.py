@@ -227,21 +227,8 @@ def ragged_paged_attention_gpu(
     # Triton's dot wants at least 16 rows.
     q_block = max(q_block, 16 // min(group_padded, 16))
 
-    # Query blocks: each request's tokens cut into blocks of q_block, one program each.
     n = num_seqs[0]
-    q_lens = jnp.where(jnp.arange(max_reqs) < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    blocks = (q_lens + q_block - 1) // q_block
-    ends = jnp.cumsum(blocks)
-    num_programs = num_tokens // q_block + max_reqs  # a bound: sum(ceil(q / b)) <= T / b + R
-    prog = jnp.arange(num_programs, dtype=jnp.int32)
-    # By comparing all pairs (R x programs, small): the default method is a loop, and XLA:GPU
-    # runs a `while` by asking the host each trip (a host sync in every step).
-    prog_req = jnp.searchsorted(ends, prog, side="right", method="compare_all").astype(jnp.int32)
-    in_range = prog < ends[-1]
-    prog_req = jnp.where(in_range, prog_req, -1)
-    safe_req = jnp.clip(prog_req, 0, max_reqs - 1)
-    prog_tok = cu_q_lens[safe_req] + (prog - (ends[safe_req] - blocks[safe_req])) * q_block
-    prog_tok = jnp.where(in_range, prog_tok, 0).astype(jnp.int32)
+    prog_req, prog_tok, num_programs = query_blocks(cu_q_lens, num_seqs, num_tokens, q_block)
 
     # Rows a block may touch past the end, and block-table columns a kv block may read past
     # the end, are padded so no slice ever leaves its array.
@@ -314,6 +301,29 @@ def ragged_paged_attention_gpu(
     # Rows no program owns (padding tokens) were never written.
     valid = jnp.arange(num_tokens) < cu_q_lens[n]
     return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+
+
+def query_blocks(
+    cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, q_block: int
+) -> tuple[jax.Array, jax.Array, int]:
+    """Each request's tokens cut into blocks of `q_block`, one program each: (the request of
+    each program, -1 past the last block; its first token; the number of programs, a static
+    bound: sum(ceil(q / b)) <= T / b + R)."""
+    max_reqs = cu_q_lens.shape[0] - 1
+    q_lens = jnp.where(jnp.arange(max_reqs) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    blocks = (q_lens + q_block - 1) // q_block
+    ends = jnp.cumsum(blocks)
+    num_programs = num_tokens // q_block + max_reqs
+    prog = jnp.arange(num_programs, dtype=jnp.int32)
+    # By comparing all pairs (R x programs, small): the default method is a loop, and XLA:GPU
+    # runs a `while` by asking the host each trip (a host sync in every step).
+    prog_req = jnp.searchsorted(ends, prog, side="right", method="compare_all").astype(jnp.int32)
+    in_range = prog < ends[-1]
+    prog_req = jnp.where(in_range, prog_req, -1)
+    safe_req = jnp.clip(prog_req, 0, max_reqs - 1)
+    prog_tok = cu_q_lens[safe_req] + (prog - (ends[safe_req] - blocks[safe_req])) * q_block
+    prog_tok = jnp.where(in_range, prog_tok, 0).astype(jnp.int32)
+    return prog_req, prog_tok, num_programs
 
 
 def _combine_splits(

@@ -119,6 +119,41 @@ KERNEL_CASES = [
 KERNEL_IDS = [f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}-{jnp.dtype(c[5]).name}" for c in KERNEL_CASES]
 
 
+@gpu_only
+@pytest.mark.parametrize(
+    "heads,page_size,kv_dtype",
+    [(16, 16, jnp.bfloat16), (128, 64, jnp.bfloat16), (16, 64, jnp.float8_e4m3fn)],
+    ids=["n16p16", "n128p64", "n16p64-fp8"],
+)
+def test_latent_attention_kernel_compiles_for_an_h100(heads, page_size, kv_dtype):
+    """The Triton latent attention kernel at DeepSeek-V3's shapes (latent 512 + RoPE 64, 128
+    heads on one GPU or 16 of them under TP 8), compiled for an H100: the cache taken as it is
+    (row-major, one row of 576 lanes a token: no power-of-two padding), no copy of it."""
+    device = _target("h100").devices()[0]
+    sh = jax.sharding.SingleDeviceSharding(device)
+    shape = get_kv_cache_shape(2, 2048, page_size, 1, 288, device.platform, latent=True)
+    assert shape[-1] == 576
+    cache = abstract_kv_cache(shape, kv_dtype, (sh, sh))
+    num_tokens, max_reqs = 64, 8
+
+    def arg(*s, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(s, dtype, sharding=sh)
+
+    fn = functools.partial(
+        pallas_kernels.mla_paged_attention, sm_scale=0.135, backend="pallas_gpu", interpret=False
+    )
+    compiled = _compile_for(
+        device, fn,
+        arg(num_tokens, heads, 512, dtype=jnp.bfloat16), arg(num_tokens, heads, 64, dtype=jnp.bfloat16),
+        cache, arg(), arg(max_reqs), arg(max_reqs, 64), arg(max_reqs + 1), arg(1),
+    )  # fmt: skip
+    nbytes = sum(
+        int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in cache if a is not None
+    )
+    assert compiled.memory_analysis().temp_size_in_bytes < nbytes // 4
+    assert compiled.input_formats[0][2].data.layout.major_to_minor == tuple(range(5))
+
+
 def _compile_delta_rule(target: str, backend: str, num_tokens: int, max_reqs: int, heads=48):
     """The gated delta rule in `backend`'s form compiled for `target` at Qwen3.5-27B's linear
     layers on one device (48 value heads of key and value dim 128), the state donated (as the
@@ -372,6 +407,7 @@ def _tiny_config(
     gpt_oss: bool = False,
     llama4: bool = False,
     gemma4: bool = False,
+    deepseek: bool = False,
 ) -> Path:
     """A config.json alone (no weights): 2 layers, 4 q heads over 2 kv heads of 64 dims; or
     Gemma 3's layout in 4 layers (3 sliding, 1 full: the hybrid KV cache's 4 groups); with
@@ -384,7 +420,10 @@ def _tiny_config(
     in 4 layers (chunked layers and ones without RoPE, MoE layers between dense ones);
     `gemma4`: Gemma 4's in 6 layers, the 31B's head ratios (16 q heads; sliding layers 16
     kv heads of 64, two to a cache row, in two slots; full layers 4 of 128 whose values are
-    their keys), the last two sharing KV, per-layer inputs, the MoE block beside the MLP."""
+    their keys), the last two sharing KV, per-layer inputs, the MoE block beside the MLP;
+    `deepseek`: DeepSeek-V3's in 3 layers (latent attention, 128 + 16 wide, with q's low rank
+    and YaRN; a dense layer, then 8 experts in 4 groups with a shared one), shipped in FP8
+    blocks, experts kept so."""
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"],
         "hidden_size": 128,
@@ -464,6 +503,29 @@ def _tiny_config(
             "moe_intermediate_size": 64,
             "final_logit_softcapping": 30.0,
         }
+    if deepseek:
+        config |= {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "num_hidden_layers": 3,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 128,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+            "n_group": 4,
+            "topk_group": 2,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "rope_scaling": {
+                "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            },
+            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+        }  # fmt: skip
     if gemma:
         sliding, full = "sliding_attention", "full_attention"
         config |= {
@@ -587,6 +649,12 @@ ENGINES = [
     # slots, layers reading another's KV, per-layer inputs, experts beside the MLP.
     pytest.param("v5e-4", "gemma4", dict(tensor_parallel_size=4), id="v5e-4-gemma4"),
     pytest.param("h100", "gemma4", {}, marks=SLOW, id="h100-gemma4"),
+    # DeepSeek-V3: latent attention over one row a token (the GPU's Triton kernel: no host
+    # sync; the plain JAX form on a TPU), its heads split and the latent cache whole on each
+    # chip; FP8 experts kept, split by expert.
+    pytest.param("h100", "deepseek", {}, id="h100-deepseek"),
+    pytest.param("v5e-4", "deepseek", dict(tensor_parallel_size=2), marks=SLOW,
+                 id="v5e-4-deepseek"),
 ]  # fmt: skip
 
 
@@ -611,6 +679,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         gpt_oss=model == "gpt-oss",
         llama4=model == "llama4",
         gemma4=model == "gemma4",
+        deepseek=model == "deepseek",
     )
     settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
     config = EngineConfig.create(path, **settings)

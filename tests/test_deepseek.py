@@ -114,6 +114,23 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path):
     assert np.abs(ours - ref).max() < 1e-4
 
 
+def test_the_router_stays_float32_in_a_bfloat16_model(tmp_path):
+    """The router and its correction bias are float32 in a bfloat16 model, as transformers keeps
+    them (the bias is added to sigmoid scores closer together than bfloat16 resolves), loaded
+    from the checkpoint, from its orbax conversion, or made at random."""
+    from jaxllm.loaders.convert import convert
+
+    write_family_checkpoint("deepseek-v3", tmp_path / "hf", tokenizer=False)
+    convert(tmp_path / "hf", tmp_path / "orbax", dtype=jnp.bfloat16)
+    for path, fmt in ((tmp_path / "hf", "auto"), (tmp_path / "orbax", "auto"),
+                      (tmp_path / "hf", "dummy")):  # fmt: skip
+        loaded = load_model(path, dtype=jnp.bfloat16, load_tokenizer=False, load_format=fmt)
+        moe = loaded.model.layers[1].mlp
+        assert moe.router.get_value().dtype == jnp.float32, (path, fmt)
+        assert moe.score_bias.get_value().dtype == jnp.float32, (path, fmt)
+        assert moe.gate_proj.get_value().dtype == jnp.bfloat16, (path, fmt)
+
+
 def test_refusals_name_what_is_not_served(tmp_path):
     """LoRA adapters (latent attention has no q/k/v projections of the usual shapes) and
     biased attention projections are refused, each naming the parameter."""

@@ -63,7 +63,16 @@ def _empty_cache(shape, dtype):
 
 
 def _mla_case(
-    seed, *, latent, rope, page_size, cache_dtype=jnp.float32, head_dim=None, layer=SLOT, jit=False
+    seed,
+    *,
+    latent,
+    rope,
+    page_size,
+    cache_dtype=jnp.float32,
+    head_dim=None,
+    layer=SLOT,
+    jit=False,
+    backend="reference",
 ):
     """Builds the ragged batch `SEQS`, writes every token's row [c | k_pe] with `write_latent`
     into shuffled pages of layer slot `layer` (garbage rows at the same slots of the other
@@ -127,7 +136,7 @@ def _mla_case(
     ql = jnp.einsum(
         "tnp,lnp->tnl", jnp.asarray(qn), jnp.asarray(w_uk), precision=jax.lax.Precision.HIGHEST
     )
-    attend = functools.partial(mla_paged_attention, sm_scale=sm_scale)
+    attend = functools.partial(mla_paged_attention, sm_scale=sm_scale, backend=backend)
     if jit:
         attend = jax.jit(attend)
     out = attend(
@@ -185,14 +194,19 @@ def _check(out, projected, expect, tol):
     np.testing.assert_allclose(projected, expect, rtol=tol, atol=tol * scale)
 
 
+# The plain JAX form, and the GPU's Triton kernel interpreted on the CPU.
+BACKENDS = ["reference", "pallas_gpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [8, 16])
 @pytest.mark.parametrize("latent,rope", [(40, 8), (512, 64)], ids=["40+8", "512+64"])
-def test_matches_expanded_attention(latent, rope, page_size):
+def test_matches_expanded_attention(latent, rope, page_size, backend):
     """A ragged batch (decode with a long context, chunked prefill, whole prefill, first-token
     decode, padding requests and query rows) in a float32 cache gives the expanded form's
     causal attention within float32 rounding, reading only its layer slot's written rows."""
     out, projected, expect, rows, stored = _mla_case(
-        0, latent=latent, rope=rope, page_size=page_size
+        0, latent=latent, rope=rope, page_size=page_size, backend=backend
     )
     np.testing.assert_array_equal(stored, rows)  # a float32 cache keeps the rows exactly
     _check(out, projected, expect, 1e-5)
@@ -208,13 +222,15 @@ def test_matches_expanded_attention(latent, rope, page_size):
     ],
     ids=["int8-40+8", "int8-512+64", "fp8-40+8", "fp8-512+64"],
 )
-def test_8bit_cache_matches_dequantized_rows(cache_dtype, latent, rope, page_size):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_8bit_cache_matches_dequantized_rows(cache_dtype, latent, rope, page_size, backend):
     """An int8 or fp8 cache quantizes each half of a row with its own scale; attention over it
     equals the oracle over the rows dequantized (so the only error is float32 rounding), and
     the quantization really changed them (the comparison is not against the float rows)."""
     out, projected, expect, rows, stored = _mla_case(
-        1, latent=latent, rope=rope, page_size=page_size, cache_dtype=cache_dtype
-    )
+        1, latent=latent, rope=rope, page_size=page_size, cache_dtype=cache_dtype,
+        backend=backend,
+    )  # fmt: skip
     assert not np.allclose(stored, rows, rtol=1e-4, atol=0)
     # Each half's largest element is kept exactly (the scale is its amax / qmax).
     half = (latent + rope) // 2
@@ -225,13 +241,16 @@ def test_8bit_cache_matches_dequantized_rows(cache_dtype, latent, rope, page_siz
     _check(out, projected, expect, 1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8], ids=["f32", "int8"])
-def test_wide_cache_lanes(cache_dtype):
+def test_wide_cache_lanes(cache_dtype, backend):
     """A cache whose key and value lanes are wider than half a row (a platform's padded head
     width) holds each half zero-padded, and attention reads the same rows: the same result as
     a cache of exactly the row's width."""
     latent, rope, page_size = 40, 8, 16
-    narrow = _mla_case(2, latent=latent, rope=rope, page_size=page_size, cache_dtype=cache_dtype)
+    narrow = _mla_case(
+        2, latent=latent, rope=rope, page_size=page_size, cache_dtype=cache_dtype, backend=backend
+    )
     wide = _mla_case(
         2,
         latent=latent,
@@ -239,6 +258,7 @@ def test_wide_cache_lanes(cache_dtype):
         page_size=page_size,
         cache_dtype=cache_dtype,
         head_dim=(latent + rope) // 2 + 8,
+        backend=backend,
     )
     np.testing.assert_array_equal(wide[4], narrow[4])  # the same rows stored
     _check(*wide[:3], 1e-5)

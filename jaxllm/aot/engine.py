@@ -263,6 +263,7 @@ def abstract_model(
         quantization,
         mxfp4_experts=mxfp4,
         fp8_experts=fp8_group,
+        float_embeddings=method == "fp8",
     )
     leaves = jax.tree.leaves(state)
     logical = sum(_shard_bytes(a) for a in leaves)

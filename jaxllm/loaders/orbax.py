@@ -289,11 +289,13 @@ def restore_state(
                     f"checkpoint {path}: parameter {'.'.join(_key(p))} has shape "
                     f"{tuple(stored[_key(p)].shape)}, the model wants {shape} (from config.json)"
                 )
-            targets[p] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+            # The model's dtype, but for a parameter it keeps in float32 (DeepSeek's router)
+            want = jnp.dtype(jnp.float32 if var.dtype == jnp.float32 else dtype)
+            targets[p] = jax.ShapeDtypeStruct(shape, want, sharding=sharding)
             restore_args[p] = (
-                ocp.RestoreArgs(restore_type=np.ndarray, dtype=jnp.dtype(dtype))
+                ocp.RestoreArgs(restore_type=np.ndarray, dtype=want)
                 if sharding is None
-                else ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+                else ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=want)
             )
         restored = checkpointer.restore(
             state_dir,

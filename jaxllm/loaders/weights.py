@@ -462,6 +462,7 @@ def abstract_state_for(
     *,
     mxfp4_experts: bool = False,
     fp8_experts: int | None = None,
+    float_embeddings: bool = False,
 ) -> nnx.State:
     """The state `build_state` would build, as `jax.ShapeDtypeStruct`s placed by `shardings`
     ({path: sharding}): the model without its weights, for compiling it (`jaxllm.aot`).
@@ -469,7 +470,9 @@ def abstract_state_for(
     fp8), whose QArrays take the shapes `quantize` gives them. `mxfp4_experts`: the experts'
     projections kept in MXFP4 (a gpt-oss checkpoint, `loaders.mxfp4_kept`); `fp8_experts`:
     kept in FP8 with factors for groups of this many inputs (0: one a row), as a fine-grained
-    FP8 checkpoint's are (`loaders.fp8_experts_kept`); None: float."""
+    FP8 checkpoint's are (`loaders.fp8_experts_kept`); None: float. `float_embeddings`: the
+    embedding and output head stay float whatever `quantization` says (as an FP8 checkpoint
+    ships them)."""
     if quantization not in (None, "float", *FORMATS):
         raise ValueError(
             f"quantization {quantization} keeps a checkpoint's own quantized tensors, whose "
@@ -487,6 +490,7 @@ def abstract_state_for(
             quantization in FORMATS
             and path[-1] in QUANTIZABLE
             and "expert" not in var.get_metadata().get("axes", ())
+            and not (float_embeddings and path[-1] in ("embed_tokens", "lm_head"))
         ):
             w = _abstract_quantized(path, var, quantization, dtype, head)
         else:

@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, kernel_choices
 from jaxllm.models.layers import (
     AttentionMetadata,
     RMSNorm,
@@ -134,6 +134,7 @@ class MLAttention(nnx.Module):
                 a["cu_q_lens"],
                 a["num_seqs"],
                 sm_scale=self.sm_scale,
+                backend=kernel_choices().attention_backend,
             )
             return out, kv_cache
 
