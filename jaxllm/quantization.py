@@ -526,9 +526,30 @@ E2M1_VALUES = np.array(
 MXFP4_SCALE_BIAS = 127  # a block's scale is 2^(byte - 127) (E8M0)
 
 
+class _KeptExperts:
+    """What experts kept as a checkpoint ships them share: leaves [E, O, ...] (each expert's
+    output-major weight and its factors), standing for the float parameter [E, I, O]."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
+
+    def take(self, experts: jax.Array):
+        """The experts `experts` (i32[R]) in that order: [R, ...] leaves."""
+        return jax.tree.map(lambda a: a[experts], self)
+
+    def specs(self, spec):
+        """The PartitionSpecs of the leaves for a parameter split as `spec` (E, I, O): experts,
+        outputs and inputs (whole groups: see `loaders.weights`) as the parameter's."""
+        from jax.sharding import PartitionSpec as P
+
+        e, i, o = tuple(spec) + (None,) * (3 - len(spec))
+        return jax.tree.map(lambda _: P(e, o, i), self)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MXFP4Experts:
+class MXFP4Experts(_KeptExperts):
     """A mixture of experts' stacked projection kept in MXFP4, as gpt-oss ships it
     (loaders/mxfp4.py): `codes` u8[E, O, I / 2], two E2M1 codes a byte (input 2j in the low
     nibble, 2j + 1 in the high one: the checkpoint's `_blocks` with their last two axes
@@ -546,10 +567,6 @@ class MXFP4Experts:
         e, o, g = self.scales.shape
         return (e, g * MXFP4_BLOCK, o)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
-
     def __getitem__(self, index) -> MXFP4Experts:
         """`w[..., outputs]`: the outputs a slice picks (the rows of codes and scales), as
         the loader splits a fused gate_up projection; nothing else can be indexed."""
@@ -562,18 +579,6 @@ class MXFP4Experts:
             raise TypeError(f"MXFP4 experts can only select outputs (w[..., a:b:c]), not {index}")
         rows = index[1]
         return dataclasses.replace(self, codes=self.codes[:, rows], scales=self.scales[:, rows])
-
-    def take(self, experts: jax.Array) -> MXFP4Experts:
-        """The experts `experts` (i32[R]) in that order: [R, ...] leaves."""
-        return dataclasses.replace(self, codes=self.codes[experts], scales=self.scales[experts])
-
-    def specs(self, spec) -> MXFP4Experts:
-        """The PartitionSpecs of the leaves for a parameter split as `spec` (E, I, O): experts,
-        outputs and inputs (whole groups of 32: see `loaders.weights`) as the parameter's."""
-        from jax.sharding import PartitionSpec as P
-
-        e, i, o = tuple(spec) + (None,) * (3 - len(spec))
-        return dataclasses.replace(self, codes=P(e, o, i), scales=P(e, o, i))
 
 
 def dequantize_half(w: MXFP4Experts, dtype, *, odd: bool) -> jax.Array:
@@ -608,7 +613,7 @@ def _e2m1_to_f32(code: jax.Array) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class FP8Experts:
+class FP8Experts(_KeptExperts):
     """A mixture of experts' stacked projection kept in float8 e4m3, as a fine-grained FP8
     checkpoint ships it (DeepSeek-V3: one factor per 128 x 128 block): `q` f8[E, O, I] (each
     expert's [out, in] weight as stored) and `scale` f32[E, O, G], the factor of each output
@@ -625,22 +630,6 @@ class FP8Experts:
     def shape(self) -> tuple[int, int, int]:
         e, o, i = self.q.shape
         return (e, i, o)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self))
-
-    def take(self, experts: jax.Array) -> FP8Experts:
-        """The experts `experts` (i32[R]) in that order: [R, ...] leaves."""
-        return dataclasses.replace(self, q=self.q[experts], scale=self.scale[experts])
-
-    def specs(self, spec) -> FP8Experts:
-        """The PartitionSpecs of the leaves for a parameter split as `spec` (E, I, O): experts,
-        outputs and inputs (whole groups: see `loaders.weights`) as the parameter's."""
-        from jax.sharding import PartitionSpec as P
-
-        e, i, o = tuple(spec) + (None,) * (3 - len(spec))
-        return dataclasses.replace(self, q=P(e, o, i), scale=P(e, o, i))
 
 
 # Experts a checkpoint ships quantized and the MoE keeps so, dequantizing them in the step.

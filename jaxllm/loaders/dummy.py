@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.loaders.weights import param_dtype
+
 LOAD_FORMATS = ("auto", "dummy")
 INIT_STD = 0.02
 
@@ -44,7 +46,8 @@ def dummy_state(
     for i, (path, var) in enumerate(nnx.to_flat_state(abstract_state)):
         norm = any("norm" in str(part) for part in path)
         sharding = None if shardings is None else shardings[path]
-        want = jnp.float32 if var.dtype == jnp.float32 else dtype  # kept float32 (routers)
-        value = _draw(tuple(var.shape), jnp.dtype(want), norm, sharding)(jax.random.fold_in(key, i))
+        value = _draw(tuple(var.shape), param_dtype(var, dtype), norm, sharding)(
+            jax.random.fold_in(key, i)
+        )
         filled.append((path, var.replace(value)))
     return nnx.from_flat_state(filled)

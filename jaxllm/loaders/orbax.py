@@ -44,6 +44,7 @@ from flax import nnx
 
 from jaxllm.config import ModelConfig
 from jaxllm.loaders.loaded import LoadedModel
+from jaxllm.loaders.weights import param_dtype
 from jaxllm.quantization import QArray
 
 logger = logging.getLogger(__name__)
@@ -289,8 +290,7 @@ def restore_state(
                     f"checkpoint {path}: parameter {'.'.join(_key(p))} has shape "
                     f"{tuple(stored[_key(p)].shape)}, the model wants {shape} (from config.json)"
                 )
-            # The model's dtype, but for a parameter it keeps in float32 (DeepSeek's router)
-            want = jnp.dtype(jnp.float32 if var.dtype == jnp.float32 else dtype)
+            want = param_dtype(var, dtype)
             targets[p] = jax.ShapeDtypeStruct(shape, want, sharding=sharding)
             restore_args[p] = (
                 ocp.RestoreArgs(restore_type=np.ndarray, dtype=want)

@@ -547,6 +547,12 @@ def _leading_in(var: nnx.Variable, path: tuple) -> int:
     return var.shape[0]
 
 
+def param_dtype(var: nnx.Variable, dtype) -> jnp.dtype:
+    """The dtype parameter `var` is loaded in: the model's `dtype`, but float32 for one the
+    model keeps in float32 whatever its dtype (DeepSeek's router and its score bias)."""
+    return jnp.dtype(jnp.float32 if var.dtype == jnp.float32 else dtype)
+
+
 def _stack_fp8(
     name, w: QArray, index: int, path: tuple, var, stacking: dict, dtype
 ) -> FP8Experts | None:
@@ -596,8 +602,7 @@ def build_state(
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
 
     def place(path: tuple, value: np.ndarray) -> jax.Array:
-        # The model's dtype, but for a parameter the model keeps in float32 (DeepSeek's router)
-        want = np.float32 if expected[path].dtype == jnp.float32 else np_dtype
+        want = np.dtype(param_dtype(expected[path], dtype))
         if shardings is None:
             return jnp.asarray(value, dtype=want)
         value = value.astype(want, copy=False)
