@@ -41,6 +41,10 @@ are written with zeros in the extra lanes and queries padded with zeros (the res
 same). A device may still pad a page's rows (the sublanes: e.g. 8 bfloat16 rows), so
 `jaxllm.worker.kv_sizing` sizes a TPU pool from the compiled layout's bytes, not from this module's
 arithmetic.
+
+A latent attention cache (DeepSeek's MLA, `mla_attention.py`) keeps one row per token, no
+key and value, and lays out two tokens to a pair row (`get_kv_cache_shape(latent=True)`), so
+that DeepSeek's 576-wide rows fill whole tiles (1,152 lanes = 9 x 128) with no padding.
 """
 
 from __future__ import annotations
@@ -270,12 +274,19 @@ def cache_head_dim(head_dim: int, platform: str | None = None, *, latent: bool =
     heads. The padding lanes hold zeros, and queries are padded with zeros too
     (`ragged_paged_attention`), so scores and outputs are unchanged.
 
-    `latent`: a latent attention cache (`mla_attention.py`), whose kernels read a row's latent
-    and RoPE key by their own masked lanes: padded on a TPU only."""
+    `latent`: a latent attention cache (`mla_attention.py`), which keeps two tokens' rows
+    (`2 * head_dim` lanes each) in one pair row of `4 * head_dim` lanes; the width returned is
+    a quarter of that pair row as the platform lays it out: `head_dim` itself, or on a TPU
+    more where the pair row is not whole 128-lane tiles (never for DeepSeek's 1,152)."""
     platform = platform or current_platform()
+    if latent:
+        lanes = 4 * head_dim
+        if platform == "tpu":
+            lanes = -(-lanes // _TPU_LANES) * _TPU_LANES
+        return -(-lanes // 4)
     if platform == "tpu":
         return -(-2 * head_dim // _TPU_LANES) * _TPU_LANES // 2
-    if platform in ("gpu", "cuda", "rocm") and not latent:
+    if platform in ("gpu", "cuda", "rocm"):
         return 1 << (head_dim - 1).bit_length()
     return head_dim
 
@@ -291,7 +302,10 @@ def get_kv_cache_shape(
     latent: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """The shape of the paged KV cache on `platform` (default: the one kernels are traced
-    for): `[L, num_pages, K, page_size, 2 * cache_head_dim(head_dim, platform, latent)]`."""
+    for): `[L, num_pages, K, page_size, 2 * cache_head_dim(head_dim, platform)]`; with
+    `latent`, a latent attention cache of rows `2 * head_dim` wide, two tokens to a pair row:
+    `[L, num_pages, K, page_size / 2, 4 * cache_head_dim(head_dim, platform, latent=True)]`
+    (see `mla_attention.py`; `page_size` must be even)."""
     for name, value in (
         ("num_layers", num_layers),
         ("num_pages", num_pages),
@@ -302,6 +316,12 @@ def get_kv_cache_shape(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     width = cache_head_dim(head_dim, platform, latent=latent)
+    if latent:
+        if page_size % 2:
+            raise ValueError(
+                f"a latent cache pairs tokens: page_size must be even, got {page_size}"
+            )
+        return (num_layers, num_pages, num_kv_heads, page_size // 2, 4 * width)
     return (num_layers, num_pages, num_kv_heads, page_size, 2 * width)
 
 

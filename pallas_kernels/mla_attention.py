@@ -2,11 +2,21 @@
 absorbed form, which attends in the latent space, so one cached row per token serves every
 head.
 
-The cache is the paged KV cache of `kv_cache.py` with one "kv head" whose key and value lanes
-together hold a token's row `[c_kv | k_pe]`: its normalised latent (L wide) and its RoPE key
-(R wide), L + R = 2H (576 = 2 x 288 for V3; an odd row ends in a zero lane). A TPU pads each
-half to whole tiles (`cache_head_dim`), and the halves are read back without the padding.
-An 8-bit cache quantizes each half with its own scale, like a key and a value.
+The cache keeps, per token, its row `[c_kv | k_pe]`: its normalised latent (L wide) and its
+RoPE key (R wide), 576 values for V3, and nothing per head. It is a paged cache of
+`kv_cache.py` with one "kv head" (one per device under tensor parallelism, each a copy) whose
+pages pair tokens: page offset t lives in pair row t // 2 of its page,
+`get_kv_cache_shape(..., latent=True)` = `[layers, pages, 1, page_size / 2, lanes]`, laid out
+
+    lanes [0, L)         c_kv of the even token      [2L, 2L + R)      k_pe of the even token
+          [L, 2L)        c_kv of the odd token       [2L + R, 2L + 2R) k_pe of the odd token
+
+and zeros past 2(L + R). Why pairs: a TPU tiles an array's minor dimension by 128 lanes, and
+a row of 576 is 4.5 tiles, which the TPU would pad to 640 (tpu-inference's layout pays that,
+11% of the cache); two rows are 1,152 = 9 tiles, and every part sits on a tile boundary for
+the kernel (`mla_attention_tpu.py`) to slice. On CPUs and GPUs the layout costs nothing either
+way. An 8-bit cache quantizes each token's row with one scale (`scales` lane `t` of its page's
+row, per copy lane `k * page_size + t`).
 
 The queries arrive absorbed (`jaxllm.models.mla`): each head's non-RoPE query already
 multiplied into the latent space (`ql = q_nope W_UK`, [T, N, L]) beside its RoPE query
@@ -20,8 +30,8 @@ Batches are ragged as in `ragged_paged_attention`: request r's queries are rows
 already written. Each query attends causally to its request's rows: the step's own tokens in
 one dense masked product, the context cached before the step in chunks of pages with an
 online softmax (the loop bounded by the batch's longest context), as the reference GQA kernel
-does. `mla_paged_attention` runs this on every backend but "pallas_gpu", a Triton kernel
-(`mla_attention_gpu.py`); no TPU kernel yet.
+does. `mla_paged_attention` runs this where no kernel is asked for; "pallas_gpu" is a Triton
+kernel (`mla_attention_gpu.py`), "pallas_tpu" a Mosaic one (`mla_attention_tpu.py`).
 """
 
 from __future__ import annotations
@@ -29,8 +39,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_cache import KVCache, as_kv_cache, read_kv, write_kv
+from pallas_kernels.kv_cache import KVCache, as_kv_cache, quantize_kv, widen_kv
 from pallas_kernels.mla_attention_gpu import mla_paged_attention_gpu
+from pallas_kernels.mla_attention_tpu import mla_paged_attention_tpu
 from pallas_kernels.target import current_platform
 
 # At most this many context tokens per chunk, and this many bytes of rows gathered for the
@@ -39,15 +50,49 @@ _CHUNK_TOKENS = 64
 _CHUNK_BYTES = 32 * 1024 * 1024
 
 
-def _rows(kv: jax.Array, half: int, width: int) -> jax.Array:
-    """[..., 2, W] key and value lanes read back -> [..., width]: the row, unpadded."""
-    return jnp.concatenate([kv[..., 0, :half], kv[..., 1, :half]], axis=-1)[..., :width]
+def check_latent_cache(cache: KVCache, latent: int, rope: int) -> None:
+    """Refuses a cache that cannot hold rows of `latent + rope` in pairs (module doc)."""
+    _, _, copies, _, lanes = cache.shape
+    if copies != 1 or lanes < 2 * (latent + rope):
+        raise ValueError(
+            f"latent attention needs a cache of one kv head whose pair rows hold "
+            f"{2 * (latent + rope)} lanes (latent {latent} + RoPE {rope}, two tokens); got "
+            f"{cache.shape}"
+        )
+
+
+def read_latent(
+    cache: KVCache, layer, pages: jax.Array, offsets: jax.Array | None = None, *, latent: int,
+    rope: int,
+) -> jax.Array:  # fmt: skip
+    """float32 rows `[c_kv | k_pe]` of `pages` (any index shape) of one layer, copy 0:
+    `[..., page_size, L + R]`, or with `offsets` (same shape as `pages`) one token of each:
+    `[..., L + R]`; an 8-bit cache dequantized after the gather."""
+    data, scales = cache
+    page_size = 2 * data.shape[3]
+    if offsets is None:
+        x = widen_kv(data[layer, pages, 0])  # [..., S/2, lanes]
+        c = jnp.stack([x[..., :latent], x[..., latent : 2 * latent]], axis=-2)
+        pe = x[..., 2 * latent : 2 * (latent + rope)].reshape(*x.shape[:-1], 2, rope)
+        rows = jnp.concatenate([c, pe], axis=-1).reshape(*x.shape[:-2], page_size, latent + rope)
+        if scales is not None:
+            rows = rows * scales[layer, pages, 0, :page_size][..., None]
+        return rows
+    x = widen_kv(data[layer, pages, 0, offsets // 2])  # [..., lanes]
+    odd = (offsets % 2 == 1)[..., None]
+    c = jnp.where(odd, x[..., latent : 2 * latent], x[..., :latent])
+    pe_at = 2 * latent
+    pe = jnp.where(odd, x[..., pe_at + rope : pe_at + 2 * rope], x[..., pe_at : pe_at + rope])
+    rows = jnp.concatenate([c, pe], axis=-1)
+    if scales is not None:
+        rows = rows * scales[layer, pages, 0, offsets][..., None]
+    return rows
 
 
 def mla_paged_attention(
     ql: jax.Array,  # [T, N, L]  queries in the latent space
     q_pe: jax.Array,  # [T, N, R]  RoPE queries
-    kv_cache: jax.Array | KVCache,  # [layers, num_pages, 1, page_size, 2W], W >= (L + R) / 2
+    kv_cache: jax.Array | KVCache,  # [layers, num_pages, 1, page_size / 2, >= 2(L + R)]
     layer: jax.Array | int,  # the cache slot to read
     seq_lens: jax.Array,  # i32[S]
     block_tables: jax.Array,  # i32[S, P]
@@ -59,17 +104,21 @@ def mla_paged_attention(
     interpret: bool | None = None,
 ) -> jax.Array:  # f32[T, N, L]: each head's softmax-weighted latent
     """Latent attention by `backend`: "pallas_gpu" is the Triton kernel
-    (`mla_attention_gpu.py`; interpreted off a GPU unless `interpret` says otherwise), every
-    other backend this module's plain JAX."""
+    (`mla_attention_gpu.py`), "pallas_tpu" the Mosaic kernel (`mla_attention_tpu.py`), each
+    interpreted off its platform unless `interpret` says otherwise; every other backend this
+    module's plain JAX."""
     args = (ql, q_pe, kv_cache, layer, seq_lens, block_tables, cu_q_lens, num_seqs)
-    if backend != "pallas_gpu":
+    if backend not in ("pallas_gpu", "pallas_tpu"):
         return mla_paged_attention_reference(*args, sm_scale=sm_scale)
     cache = as_kv_cache(kv_cache)
+    check_latent_cache(cache, ql.shape[-1], q_pe.shape[-1])
+    platform = "gpu" if backend == "pallas_gpu" else "tpu"
     if interpret is None:
-        interpret = current_platform() != "gpu"
-    # The kernel's dots in the model's dtype (q_pe's), as the GQA kernel's are in q's: a
-    # float32 latent query would double its blocks' shared memory.
-    return mla_paged_attention_gpu(
+        interpret = current_platform() != platform
+    kernel = mla_paged_attention_gpu if platform == "gpu" else mla_paged_attention_tpu
+    # The kernels' dots in the model's dtype (q_pe's), as the GQA kernels' are in q's: a
+    # float32 latent query would double their blocks' memory.
+    return kernel(
         ql.astype(q_pe.dtype), q_pe, cache.data, *args[3:], sm_scale=sm_scale,
         kv_scales=cache.scales, interpret=interpret,
     )  # fmt: skip
@@ -89,14 +138,10 @@ def mla_paged_attention_reference(
 ) -> jax.Array:  # f32[T, N, L]: each head's softmax-weighted latent
     cache = as_kv_cache(kv_cache)
     num_tokens, num_heads, latent = ql.shape
-    width = latent + q_pe.shape[-1]
-    half = -(-width // 2)  # an odd row's last lane is a zero
-    _, _, kv_heads, page_size, lanes = cache.shape
-    if kv_heads != 1 or lanes < 2 * half:
-        raise ValueError(
-            f"latent attention needs a cache of one kv head whose rows hold {width} lanes "
-            f"(latent {latent} + RoPE {q_pe.shape[-1]}); got {cache.shape}"
-        )
+    rope = q_pe.shape[-1]
+    width = latent + rope
+    check_latent_cache(cache, latent, rope)
+    page_size = 2 * cache.shape[3]
     max_reqs, pages_per_seq = block_tables.shape
 
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -112,7 +157,7 @@ def mla_paged_attention_reference(
 
     # The step's own tokens, read back from their slots.
     page = block_tables[req, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]
-    new = _rows(read_kv(cache, layer, page, pos % page_size), half, width)  # [T, L + R]
+    new = read_latent(cache, layer, page, pos % page_size, latent=latent, rope=rope)  # [T, L+R]
     new = jnp.where(valid[:, None], new, 0.0)
     mask = (req[:, None] == req[None, :]) & (t[None, :] <= t[:, None])
     mask &= valid[:, None] & valid[None, :]
@@ -135,8 +180,8 @@ def mla_paged_attention_reference(
     def body(c, carry):
         m, l, acc = carry  # [T, N], [T, N], [T, N, L]
         pages = jax.lax.dynamic_slice_in_dim(tables, c * chunk_pages, chunk_pages, axis=1)
-        kv = read_kv(cache, layer, pages)  # [T, chunk_pages, page_size, 2, W]
-        rows = _rows(kv, half, width).reshape(num_tokens, chunk, width)
+        rows = read_latent(cache, layer, pages, latent=latent, rope=rope)
+        rows = rows.reshape(num_tokens, chunk, width)
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         seen = k_pos[None, :] < context_len[:, None]  # [T, C]
         rows = jnp.where(seen[..., None], rows, 0.0)
@@ -154,13 +199,77 @@ def mla_paged_attention_reference(
 
 
 def write_latent(
-    kv_cache: jax.Array | KVCache,
-    layer: jax.Array | int,
-    rows: jax.Array,  # [T, K, 2H]: each token's row, K copies (one per device's slot)
-    slot_mapping: jax.Array,  # i32[T]
+    kv_cache: jax.Array | KVCache,  # [layers, num_pages, K, page_size / 2, >= 2(L + R)]
+    layer: jax.Array | int,  # i32[]  the layer slot to write
+    c_kv: jax.Array,  # [T, K, L]  each token's latent, K copies (one per device's slot)
+    k_pe: jax.Array,  # [T, K, R]  its RoPE key
+    slot_mapping: jax.Array,  # i32[T]  page * page_size + offset; >= num_slots: padding
 ) -> jax.Array | KVCache:
-    """Writes each token's row [c_kv | k_pe] (an odd one padded with a zero lane) into its
-    slot: the first half in the key lanes, the second in the value lanes (`write_kv`, which
-    pads each to the cache's width)."""
-    half = rows.shape[-1] // 2
-    return write_kv(kv_cache, layer, rows[..., :half], rows[..., half:], slot_mapping)
+    """Writes each token's row into its half of its pair row (module doc), an 8-bit cache's
+    quantized under one scale per row; returns the cache in the form it was given. As
+    `kv_cache.write_kv` does: slots past the pool are dropped, the rows are computed before
+    the scatters (an optimization barrier), and a one-token write stays a scatter."""
+    cache = as_kv_cache(kv_cache)
+    _, num_pages, copies, pairs, lanes = cache.shape
+    page_size = 2 * pairs
+    num_tokens, _, latent = c_kv.shape
+    rope = k_pe.shape[-1]
+    if c_kv.shape[1] != copies or k_pe.shape[:2] != c_kv.shape[:2]:
+        raise ValueError(
+            f"c_kv and k_pe must be [T, {copies}, L] and [T, {copies}, R] for this cache; got "
+            f"{c_kv.shape} and {k_pe.shape}"
+        )
+    if lanes < 2 * (latent + rope):
+        raise ValueError(f"a cache of {lanes} lanes cannot hold pairs of {latent + rope}-wide rows")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {slot_mapping.shape}")
+    rows = jnp.concatenate([c_kv, k_pe], axis=-1)  # [T, K, L + R]
+    if cache.quantized:
+        rows, scales = quantize_kv(rows, cache.dtype)  # [T, K, L + R], [T, K]
+    else:
+        rows, scales = rows.astype(cache.data.dtype), None
+    rows, scales = jax.lax.optimization_barrier((rows, scales))  # see write_kv
+    if num_tokens == 1:  # see write_kv: a second, dropped row keeps it a scatter
+        rows = jnp.concatenate([rows, rows])
+        scales = None if scales is None else jnp.concatenate([scales, scales])
+        slot_mapping = jnp.concatenate(
+            [slot_mapping, jnp.full((1,), num_pages * page_size, slot_mapping.dtype)]
+        )
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    odd = offset % 2
+    layers = jnp.broadcast_to(jnp.asarray(layer, slot_mapping.dtype), slot_mapping.shape)
+    heads = jnp.arange(copies, dtype=slot_mapping.dtype)
+
+    def index(lane):  # [T, K, 5]: (layer, page, copy, pair row, first lane)
+        parts = (layers[:, None], page[:, None], heads[None, :], offset[:, None] // 2, lane)
+        return jnp.stack(jnp.broadcast_arrays(*parts), axis=-1)
+
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(2,),
+        inserted_window_dims=(0, 1, 2, 3),
+        scatter_dims_to_operand_dims=(0, 1, 2, 3, 4),
+    )
+    data = cache.data
+    for lane, part in (
+        (odd * latent, rows[..., :latent]),
+        (2 * latent + odd * rope, rows[..., latent:]),
+    ):
+        data = jax.lax.scatter(
+            data, index(lane[:, None]), part, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP
+        )
+    if scales is None:
+        return data if not isinstance(kv_cache, KVCache) else KVCache(data)
+    lane = heads[None, :] * page_size + offset[:, None]  # [T, K]
+    parts = jnp.broadcast_arrays(layers[:, None], page[:, None], lane)
+    new_scales = jax.lax.scatter(
+        cache.scales,
+        jnp.stack(parts, axis=-1),  # [T, K, 3]: (layer, page, lane)
+        scales[..., None],  # [T, K, 1]: the size-1 axis 2 of scales
+        jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(2,),
+            inserted_window_dims=(0, 1, 3),
+            scatter_dims_to_operand_dims=(0, 1, 3),
+        ),
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )
+    return KVCache(data, new_scales)

@@ -8,14 +8,14 @@ head): each request's queries are cut into blocks of `q_block` tokens, a program
 and the heads (padded to a power of two) into blocks of `head_block`. Every program reads the
 one latent row per token that all heads share: its KV loop walks the request's pages in tiles
 of `kv_pages` pages, loading each token's latent (L lanes, padded to a power of two with
-masked loads, as Triton's blocks must be) and its RoPE key (R lanes) from the row's two
-halves, scoring `[ql | q_pe]` against them in two dots, and accumulating the softmax-weighted
-latents with an online softmax. A decode of one request at V3's 128 heads is 8 programs of 16
+masked loads, as Triton's blocks must be) and its RoPE key (R lanes) from its half of its pair
+row (`mla_attention.py`), scoring `[ql | q_pe]` against them in two dots, and accumulating the
+softmax-weighted latents with an online softmax. A decode of one request at V3's 128 heads is 8 programs of 16
 heads, each streaming the request's rows once (the whole cache row is read by every head
 block: 8 reads of 1,152 bytes a token, against 128 x 2 x 128 x 2 expanded).
 
-An 8-bit cache: each half of a row has its own scale (`kv_cache.py`), so the latent's lanes
-are scaled by their half's before the dots.
+An 8-bit cache: each row has one scale, which multiplies the row's latent and RoPE key
+before the dots.
 """
 
 from __future__ import annotations
@@ -42,20 +42,19 @@ def _kernel(
     prog_tok_ref,  # i32[B]  first token of each query block
     ql_ref,  # [head blocks, T' * head_block, Lp]
     qr_ref,  # [head blocks, T' * head_block, Rp]
-    kv_ref,  # [layers, num_pages, 1, page_size, 2W]
-    *refs,  # with an 8-bit cache scales_ref f32[layers, num_pages, 1, >= 2 * page_size]; o_ref
+    kv_ref,  # [layers, num_pages, 1, page_size / 2, lanes]  pair rows
+    *refs,  # with an 8-bit cache scales_ref f32[layers, num_pages, 1, >= page_size]; o_ref
     q_block: int,
     head_block: int,
     kv_pages: int,
     sm_scale: float,
     latent: int,
     rope: int,
-    half: int,
 ):
     *refs, o_ref = refs
     scales_ref = refs[0] if refs else None
     j, hb = pl.program_id(0), pl.program_id(1)
-    page_size, lanes = kv_ref.shape[3], kv_ref.shape[4] // 2
+    page_size = 2 * kv_ref.shape[3]
     kv_tokens = kv_pages * page_size
     rows = q_block * head_block
     latent_p, rope_p = ql_ref.shape[-1], qr_ref.shape[-1]
@@ -72,46 +71,35 @@ def _kernel(
         here = pl.ds(tok0 * head_block, rows)
         ql, qr = ql_ref[hb, here, :], qr_ref[hb, here, :]
         offsets = jnp.arange(page_size, dtype=jnp.int32)
-        # Each wanted lane of the row [c_kv | k_pe] and where it sits: row lane i < half in
-        # the key lanes at i, the rest in the value lanes at lanes + i - half.
-        row_lat = jnp.minimum(jnp.arange(latent_p, dtype=jnp.int32), latent - 1)
-        row_pe = latent + jnp.minimum(jnp.arange(rope_p, dtype=jnp.int32), rope - 1)
+        # Where each wanted lane of a token's latent and RoPE key sits in its pair row: an
+        # odd offset's parts follow the even one's.
+        odd = (offsets % 2)[None, :, None]
+        want_lat = jnp.minimum(jnp.arange(latent_p, dtype=jnp.int32), latent - 1)[None, None, :]
+        want_pe = jnp.minimum(jnp.arange(rope_p, dtype=jnp.int32), rope - 1)[None, None, :]
+        lane_lat = odd * latent + want_lat
+        lane_pe = 2 * latent + odd * rope + want_pe
         lat_ok = jnp.arange(latent_p) < latent
         pe_ok = jnp.arange(rope_p) < rope
-
-        def lane(i):
-            return jnp.where(i < half, i, lanes + i - half)
 
         def body(kb, carry):
             m, l, acc = carry  # [rows], [rows], [rows, Lp]
             pages = tables_ref[r, pl.ds(kb * kv_pages, kv_pages)]
             kv_pos = kb * kv_tokens + jnp.arange(kv_tokens, dtype=jnp.int32)
             load_ok = (kv_pos < kv_end).reshape(kv_pages, page_size, 1)
-            idx = (layer, pages[:, None, None], 0, offsets[None, :, None])
+            idx = (layer, pages[:, None, None], 0, (offsets // 2)[None, :, None])
             c, k_pe = (
                 pltriton.load(
-                    kv_ref.at[(*idx, lane(want)[None, None, :])],
-                    mask=load_ok & ok[None, None, :],
-                    other=0,
-                ).reshape(kv_tokens, want.shape[0])
-                for want, ok in ((row_lat, lat_ok), (row_pe, pe_ok))
+                    kv_ref.at[(*idx, lanes)], mask=load_ok & ok[None, None, :], other=0
+                ).reshape(kv_tokens, width)
+                for lanes, ok, width in ((lane_lat, lat_ok, latent_p), (lane_pe, pe_ok, rope_p))
             )
-            if scales_ref is not None:  # each half's scale on its lanes
-                page_ok = load_ok.reshape(kv_pages, page_size)
-                k_scale, v_scale = (
-                    pltriton.load(
-                        scales_ref.at[layer, pages[:, None], 0, (lane0 + offsets)[None, :]],
-                        mask=page_ok,
-                        other=0,
-                    ).reshape(kv_tokens, 1)
-                    for lane0 in (0, page_size)
-                )
-                c, k_pe = (
-                    (widen_kv(x) * jnp.where(want[None, :] < half, k_scale, v_scale)).astype(
-                        ql.dtype
-                    )
-                    for x, want in ((c, row_lat), (k_pe, row_pe))
-                )
+            if scales_ref is not None:  # the row's scale on both parts
+                scale = pltriton.load(
+                    scales_ref.at[layer, pages[:, None], 0, offsets[None, :]],
+                    mask=load_ok.reshape(kv_pages, page_size),
+                    other=0,
+                ).reshape(kv_tokens, 1)
+                c, k_pe = ((widen_kv(x) * scale).astype(ql.dtype) for x in (c, k_pe))
             s = pltriton.dot(ql.astype(c.dtype), c, trans_b=True).astype(jnp.float32)
             s += pltriton.dot(qr.astype(k_pe.dtype), k_pe, trans_b=True).astype(jnp.float32)
             s = s * sm_scale
@@ -138,7 +126,7 @@ def _kernel(
 def mla_paged_attention_gpu(
     ql: jax.Array,  # [T, N, L]
     q_pe: jax.Array,  # [T, N, R]
-    kv_cache: jax.Array,  # [layers, num_pages, 1, page_size, 2W] (the data of a KVCache)
+    kv_cache: jax.Array,  # [layers, num_pages, 1, page_size / 2, lanes] (a KVCache's data)
     layer: jax.Array | int,
     seq_lens: jax.Array,  # i32[S]
     block_tables: jax.Array,  # i32[S, P]
@@ -158,7 +146,8 @@ def mla_paged_attention_gpu(
     tile: `kv_tokens // page_size`, at least one)."""
     num_tokens, num_heads, latent = ql.shape
     rope = q_pe.shape[-1]
-    _, num_pages, _, page_size, _ = kv_cache.shape
+    _, num_pages, _, pairs, _ = kv_cache.shape
+    page_size = 2 * pairs
     max_reqs, pages_per_seq = block_tables.shape
     heads_p = pl.next_power_of_2(num_heads)
     head_block = min(head_block, heads_p)
@@ -188,7 +177,6 @@ def mla_paged_attention_gpu(
         sm_scale=sm_scale,
         latent=latent,
         rope=rope,
-        half=-(-(latent + rope) // 2),
     )
     out = pl.pallas_call(
         kernel,

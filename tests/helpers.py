@@ -27,7 +27,12 @@ def prefill_logits(model, config, token_ids: list[int], page_size: int = 16) -> 
     pages = -(-num_tokens // page_size)
     groups = kv_cache_groups(config, hybrid=False)  # one block table for every layer
     shape = get_kv_cache_shape(
-        max(groups.num_slots, 1), pages, page_size, config.cache_kv_heads, config.cache_head_dim
+        max(groups.num_slots, 1),
+        pages,
+        page_size,
+        config.cache_kv_heads,
+        config.cache_head_dim,
+        latent=config.latent_attention is not None,
     )
     cache = jnp.zeros(shape, jnp.float32)
     meta = AttentionMetadata(

@@ -128,11 +128,11 @@ KERNEL_IDS = [f"n{c[0]}k{c[1]}h{c[2]}p{c[3]}-{jnp.dtype(c[5]).name}" for c in KE
 def test_latent_attention_kernel_compiles_for_an_h100(heads, page_size, kv_dtype):
     """The Triton latent attention kernel at DeepSeek-V3's shapes (latent 512 + RoPE 64, 128
     heads on one GPU or 16 of them under TP 8), compiled for an H100: the cache taken as it is
-    (row-major, one row of 576 lanes a token: no power-of-two padding), no copy of it."""
+    (row-major, two rows of 576 lanes to a pair row: no power-of-two padding), no copy of it."""
     device = _target("h100").devices()[0]
     sh = jax.sharding.SingleDeviceSharding(device)
     shape = get_kv_cache_shape(2, 2048, page_size, 1, 288, device.platform, latent=True)
-    assert shape[-1] == 576
+    assert shape[-2:] == (page_size // 2, 2 * 576)
     cache = abstract_kv_cache(shape, kv_dtype, (sh, sh))
     num_tokens, max_reqs = 64, 8
 
@@ -152,6 +152,51 @@ def test_latent_attention_kernel_compiles_for_an_h100(heads, page_size, kv_dtype
     )
     assert compiled.memory_analysis().temp_size_in_bytes < nbytes // 4
     assert compiled.input_formats[0][2].data.layout.major_to_minor == tuple(range(5))
+
+
+@tpu_only
+@pytest.mark.parametrize(
+    "target,heads,page_size,kv_dtype",
+    [
+        ("v5e-1", 16, 16, jnp.bfloat16),
+        ("v5e-1", 128, 64, jnp.bfloat16),
+        ("v6e-1", 16, 64, jnp.int8),
+        ("v6e-1", 128, 16, jnp.float8_e4m3fn),
+    ],
+    ids=["v5e-n16p16", "v5e-n128p64", "v6e-n16p64-int8", "v6e-n128p16-fp8"],
+)
+def test_latent_attention_kernel_compiles_for_a_tpu(target, heads, page_size, kv_dtype):
+    """The Mosaic latent attention kernel at DeepSeek-V3's shapes (latent 512 + RoPE 64, 128
+    heads on one chip or 16 under TP 8), compiled by libtpu: the cache taken as it is (two
+    576-wide rows to a pair row of 9 whole tiles, so 576 lanes a token), no copy of it, a
+    decode (64 requests) and a mixed prefill step."""
+    device = _target(target).devices()[0]
+    sh = jax.sharding.SingleDeviceSharding(device)
+    # A pool of 0.6-1.2 GB, so that a copy of it would stand out among the temporaries (the
+    # queries and outputs in work-item layout: 110 MB for 256 tokens x 128 heads).
+    shape = get_kv_cache_shape(2, 32768 * 16 // page_size, page_size, 1, 288, "tpu", latent=True)
+    assert shape[-2:] == (page_size // 2, 2 * 576)
+    cache = abstract_kv_cache(shape, kv_dtype, (sh, sh))
+    nbytes = sum(
+        int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in cache if a is not None
+    )
+
+    def arg(*s, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(s, dtype, sharding=sh)
+
+    fn = functools.partial(
+        pallas_kernels.mla_paged_attention, sm_scale=0.135, backend="pallas_tpu", interpret=False
+    )
+    for num_tokens, max_reqs in ((64, 64), (256, 8)):
+        compiled = _compile_for(
+            device, fn,
+            arg(num_tokens, heads, 512, dtype=jnp.bfloat16),
+            arg(num_tokens, heads, 64, dtype=jnp.bfloat16),
+            cache, arg(), arg(max_reqs), arg(max_reqs, 64), arg(max_reqs + 1), arg(1),
+        )  # fmt: skip
+        assert "mla_paged_attention_tpu" in compiled.as_text()
+        assert compiled.memory_analysis().temp_size_in_bytes < nbytes // 4
+        assert compiled.input_formats[0][2].data.layout.major_to_minor == tuple(range(5))
 
 
 def _compile_delta_rule(target: str, backend: str, num_tokens: int, max_reqs: int, heads=48):
@@ -716,6 +761,9 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     for p in (p for p in steps if p.name == "forward"):  # the host tier's loads write blocks
         text = runner.compiler.executables[p.name, p.shape].as_text()
         assert not _fused_into_cache_writes(text, cache_shape, max(p.shape)), (p.name, p.shape)
+        if model == "deepseek":  # the platform's latent attention kernel, not the plain JAX
+            kernel = "mla_paged_attention_" + ("tpu" if target.startswith("v") else "gpu")
+            assert kernel in text, (p.name, p.shape)
     assert engine.weight_device_bytes + engine.kv_cache_device_bytes < (
         engine.target.limit_bytes(engine.config.cache.memory_utilization)
     )

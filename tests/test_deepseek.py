@@ -16,6 +16,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
 from jaxllm.loaders import load_model
 from jaxllm.worker.kv_sizing import bytes_per_page
+from pallas_kernels import get_kv_cache_shape
+from pallas_kernels.kv_cache import abstract_kv_cache
 
 from helpers import VOCAB, greedy_reference, prefill_logits, write_family_checkpoint
 
@@ -66,31 +68,33 @@ def test_an_odd_row_width(tmp_path):
     assert [out[0].outputs[0].token_ids] == greedy_reference(hf_model, [ids], 12)
 
 
-@pytest.mark.parametrize(
-    "platform,lanes", [("cpu", 576), ("cuda", 576), ("tpu", 640)], ids=["cpu", "gpu", "tpu"]
-)
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"], ids=["cpu", "gpu", "tpu"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_latent_cache_bytes_per_token(platform, lanes, dtype):
+def test_latent_cache_bytes_per_token(platform, dtype):
     """DeepSeek-V3's cache holds one row of 576 values per token and layer (its latent and
-    its RoPE key), whatever its 128 heads: 61 x 576 x 2 bytes in bfloat16 on the CPU and on
-    GPUs; a TPU pads the row to whole 128-lane tiles (640, tpu-inference's layout). An 8-bit
-    cache adds a float32 scale per half-row."""
+    its RoPE key), whatever its 128 heads: 61 x 576 x 2 bytes in bfloat16 on every platform,
+    a TPU's too (two rows to a pair row of 9 whole tiles, where tpu-inference pads each row to
+    640). An 8-bit cache adds a float32 scale per row. The shape the engine allocates holds
+    exactly that."""
     config = ModelConfig.from_hf_config(json.loads(open(V3_CONFIG).read()))
     per_token = bytes_per_page(config, 16, dtype, platform) / 16
     itemsize = jnp.dtype(dtype).itemsize
-    scales = 0 if dtype == jnp.bfloat16 else 2 * 4
-    assert per_token == config.num_layers * (lanes * itemsize + scales)
-    if platform != "tpu" and dtype == jnp.bfloat16:
+    scales = 0 if dtype == jnp.bfloat16 else 4
+    assert per_token == config.num_layers * (576 * itemsize + scales)
+    if dtype == jnp.bfloat16:
         assert per_token == 61 * 576 * 2  # 70,272 bytes
+    shape = get_kv_cache_shape(61, 10, 16, 1, config.cache_head_dim, platform, latent=True)
+    data = abstract_kv_cache(shape, dtype).data
+    assert data.size * data.dtype.itemsize == 61 * 10 * 16 * 576 * itemsize
 
 
 def test_the_engine_cache_holds_one_row_per_token(tmp_path):
-    """The live cache of a tiny V3: one kv head whose key and value lanes hold the row
+    """The live cache of a tiny V3: one kv head whose pair rows hold two tokens' rows
     [latent (40) | RoPE key (8)], nothing per head."""
     write_family_checkpoint("deepseek-v3", tmp_path)
     llm = LLM(tmp_path, dtype="float32", page_size=8, num_pages=16, skip_warmup=True)
     shape = llm.runner.device.kv_cache.shape
-    assert shape == (4, 16, 1, 8, 40 + 8)
+    assert shape == (4, 16, 1, 8 // 2, 2 * (40 + 8))
 
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path):

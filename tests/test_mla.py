@@ -1,6 +1,8 @@
 """DeepSeek's multi-head latent attention and routing.
 
-`mla_paged_attention` (the absorbed form, over the paged cache) against a dense float64 oracle
+`mla_paged_attention` (the absorbed form, over the paged cache of paired rows, by every
+backend: the plain JAX form, and the GPU's and the TPU's kernels interpreted on the CPU)
+against a dense float64 oracle
 of the expanded form: per-head keys `[c W_UK | k_pe]` and values `c W_UV` built from the same
 latents, causal softmax per request. The cache holds only what `write_latent` wrote into the
 slot read; every other slot is NaN (or, in the other layer slots, garbage rows at the same
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.moe import MoE
@@ -31,7 +34,6 @@ from pallas_kernels import (
     zeros_kv_cache,
 )
 from pallas_kernels import mla_attention as mla_module
-from pallas_kernels.kv_cache import dequantize_kv_cache
 
 from helpers import dense_attention
 
@@ -118,20 +120,18 @@ def _mla_case(
     qp = rng.standard_normal((T_PAD, HEADS, rope)).astype(np.float32)
     qn[:total], qp[:total] = np.concatenate(q_nope), np.concatenate(q_pe)
 
-    shape = get_kv_cache_shape(NUM_LAYERS, num_pages, page_size, 1, head_dim)
+    shape = get_kv_cache_shape(NUM_LAYERS, num_pages, page_size, 1, head_dim, latent=True)
     cache = _empty_cache(shape, cache_dtype)
     all_rows, all_slots = np.concatenate(rows), np.concatenate(slots).astype(np.int32)
     for other in range(NUM_LAYERS):
         if other != layer:  # the same slots of the other layers: large garbage rows
             garbage = 100 * rng.standard_normal(all_rows.shape).astype(np.float32)
-            cache = write_latent(
-                cache, other, jnp.asarray(garbage)[:, None], jnp.asarray(all_slots)
-            )
+            cache = _write(cache, other, garbage, all_slots, latent)
     # Three padding rows with a slot past the pool: dropped, they must write nothing.
     pad_slot = num_pages * page_size
     written = np.concatenate([all_rows, np.full((3, width), 7.0, np.float32)])
     written_slots = np.concatenate([all_slots, np.full(3, pad_slot, np.int32)])
-    cache = write_latent(cache, layer, jnp.asarray(written)[:, None], jnp.asarray(written_slots))
+    cache = _write(cache, layer, written, written_slots, latent)
 
     ql = jnp.einsum(
         "tnp,lnp->tnl", jnp.asarray(qn), jnp.asarray(w_uk), precision=jax.lax.Precision.HIGHEST
@@ -153,7 +153,7 @@ def _mla_case(
     out = np.asarray(out)
     projected = np.einsum("tnl,lnv->tnv", out.astype(np.float64), w_uv.astype(np.float64))
 
-    stored = _stored_rows(cache, layer, all_slots, width)
+    stored = _stored_rows(cache, layer, all_slots, latent, rope)
     expect = np.zeros((T_PAD, HEADS, V_DIM))
     start = 0
     for r, (q_len, kv_len) in enumerate(SEQS):
@@ -173,18 +173,31 @@ def _mla_case(
     return out, projected, expect, all_rows, stored
 
 
-def _stored_rows(cache, layer, slots, width) -> np.ndarray:
-    """The rows [c | k_pe] at `slots` of layer slot `layer` as a reader sees them: float32,
-    dequantized where the cache is 8-bit, without the lanes a wide cache pads each half with."""
-    if isinstance(cache, KVCache) and cache.quantized:
-        data = np.asarray(dequantize_kv_cache(cache))
-    else:
-        data = np.asarray(cache.data if isinstance(cache, KVCache) else cache)
-    lanes = data.shape[-1] // 2
-    page_size = data.shape[3]
-    kv = data[layer, slots // page_size, 0, slots % page_size]  # [S, 2W]
-    half = width // 2
-    return np.concatenate([kv[:, :half], kv[:, lanes : lanes + half]], axis=-1)
+def _write(cache, layer, rows, slots, latent):
+    rows = jnp.asarray(rows)[:, None]  # one copy
+    return write_latent(cache, layer, rows[..., :latent], rows[..., latent:], jnp.asarray(slots))
+
+
+def _stored_rows(cache, layer, slots, latent, rope) -> np.ndarray:
+    """The rows [c | k_pe] at `slots` of layer slot `layer` as stored: float32, dequantized
+    where the cache is 8-bit, read from the pair rows (the `mla_attention` module doc) by
+    numpy, not by the module's own reader."""
+    data, scales = cache if isinstance(cache, KVCache) else (cache, None)
+    data = np.asarray(data)
+    if data.dtype == np.uint8:
+        data = data.view(jnp.float8_e4m3fn)
+    data = data.astype(np.float32)
+    page_size = 2 * data.shape[3]
+    page, offset = slots // page_size, slots % page_size
+    pair = data[layer, page, 0, offset // 2]  # [S, lanes]
+    odd = (offset % 2)[:, None]
+    cols = np.arange(latent)[None, :] + odd * latent
+    c = np.take_along_axis(pair, cols, axis=1)
+    cols = 2 * latent + np.arange(rope)[None, :] + odd * rope
+    rows = np.concatenate([c, np.take_along_axis(pair, cols, axis=1)], axis=1)
+    if scales is not None:
+        rows = rows * np.asarray(scales)[layer, page, 0, offset][:, None]
+    return rows
 
 
 def _check(out, projected, expect, tol):
@@ -194,8 +207,8 @@ def _check(out, projected, expect, tol):
     np.testing.assert_allclose(projected, expect, rtol=tol, atol=tol * scale)
 
 
-# The plain JAX form, and the GPU's Triton kernel interpreted on the CPU.
-BACKENDS = ["reference", "pallas_gpu"]
+# The plain JAX form, and the GPU's Triton and the TPU's Mosaic kernels interpreted on the CPU.
+BACKENDS = ["reference", "pallas_gpu", "pallas_tpu"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -224,7 +237,7 @@ def test_matches_expanded_attention(latent, rope, page_size, backend):
 )
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_8bit_cache_matches_dequantized_rows(cache_dtype, latent, rope, page_size, backend):
-    """An int8 or fp8 cache quantizes each half of a row with its own scale; attention over it
+    """An int8 or fp8 cache quantizes each row with one scale; attention over it
     equals the oracle over the rows dequantized (so the only error is float32 rounding), and
     the quantization really changed them (the comparison is not against the float rows)."""
     out, projected, expect, rows, stored = _mla_case(
@@ -232,21 +245,17 @@ def test_8bit_cache_matches_dequantized_rows(cache_dtype, latent, rope, page_siz
         backend=backend,
     )  # fmt: skip
     assert not np.allclose(stored, rows, rtol=1e-4, atol=0)
-    # Each half's largest element is kept exactly (the scale is its amax / qmax).
-    half = (latent + rope) // 2
-    for part in (slice(0, half), slice(half, None)):
-        np.testing.assert_allclose(
-            np.abs(stored[:, part]).max(-1), np.abs(rows[:, part]).max(-1), rtol=1e-6
-        )
+    # Each row's largest element is kept exactly (the scale is its amax / qmax).
+    np.testing.assert_allclose(np.abs(stored).max(-1), np.abs(rows).max(-1), rtol=1e-6)
     _check(out, projected, expect, 1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8], ids=["f32", "int8"])
 def test_wide_cache_lanes(cache_dtype, backend):
-    """A cache whose key and value lanes are wider than half a row (a platform's padded head
-    width) holds each half zero-padded, and attention reads the same rows: the same result as
-    a cache of exactly the row's width."""
+    """A cache whose pair rows are wider than two rows (a platform's padded lanes) holds them
+    with zeros past them, and attention reads the same rows: the same result as a cache of
+    exactly two rows' width."""
     latent, rope, page_size = 40, 8, 16
     narrow = _mla_case(
         2, latent=latent, rope=rope, page_size=page_size, cache_dtype=cache_dtype, backend=backend
@@ -265,6 +274,50 @@ def test_wide_cache_lanes(cache_dtype, backend):
     np.testing.assert_allclose(wide[0], narrow[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8], ids=["f32", "int8"])
+def test_tpu_kernel_under_the_tpu_simulator(monkeypatch, cache_dtype):
+    """The TPU kernel's DMAs and semaphores in small blocks (two pages of 8 per KV block, so
+    many blocks and both buffer slots; work items of 4 tokens): no race, uninitialized VMEM
+    (NaN) never read, the same result."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    kernel = mla_module.mla_paged_attention_tpu
+
+    def small_blocks(*args, **kwargs):
+        return kernel(*args, **{**kwargs, "interpret": params, "kv_tokens": 16, "max_rows": 8})
+
+    monkeypatch.setattr(mla_module, "mla_paged_attention_tpu", small_blocks)
+    out, projected, expect, _, _ = _mla_case(
+        5, latent=40, rope=8, page_size=8, cache_dtype=cache_dtype, backend="pallas_tpu"
+    )
+    races = interpret_pallas_call.races
+    assert races is not None and not races.races_found, "the simulator found a data race"
+    _check(out, projected, expect, 1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_tpu_kernel_lowers_at_deepseek_v3_shapes(num_heads, cache_dtype):
+    """The TPU kernel lowers to a Mosaic custom call at V3's row (512 + 64) and head counts
+    (128 on one chip, 16 a device under TP8); the real compiler's check is in
+    test_accelerator_compile."""
+    shape = get_kv_cache_shape(2, 64, 16, 1, 288, "tpu", latent=True)
+    assert shape == (2, 64, 1, 8, 1152)  # two 576-wide rows per pair row: no padding
+    cache = zeros_kv_cache(shape, cache_dtype, "tpu")
+    ql = jnp.zeros((8, num_heads, 512), jnp.bfloat16)
+    q_pe = jnp.zeros((8, num_heads, 64), jnp.bfloat16)
+    meta = (
+        jnp.full((4,), 40, jnp.int32),
+        jnp.zeros((4, 4), jnp.int32),
+        jnp.array([0, 5, 6, 7, 8], jnp.int32),
+        jnp.array([4], jnp.int32),
+    )
+    fn = functools.partial(mla_paged_attention, sm_scale=0.1, backend="pallas_tpu", interpret=False)
+    text = jax.jit(fn).trace(ql, q_pe, cache, 1, *meta).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in text.as_text()
+
+
 def test_context_chunks_of_one_page(monkeypatch):
     """With a byte budget that allows only one page per context chunk (26 trips round the
     online softmax for the longest context) the result is the same, also compiled with the
@@ -275,7 +328,7 @@ def test_context_chunks_of_one_page(monkeypatch):
 
 
 def test_rejects_caches_that_cannot_hold_the_row():
-    """A cache of several kv heads, or lanes narrower than the row, is refused."""
+    """A cache of several kv heads, or pair rows narrower than two rows, is refused."""
     ql, q_pe = jnp.zeros((4, 2, 40)), jnp.zeros((4, 2, 8))
     meta = (
         jnp.array([4], jnp.int32),
@@ -283,7 +336,7 @@ def test_rejects_caches_that_cannot_hold_the_row():
         jnp.array([0, 4], jnp.int32),
         jnp.array([1], jnp.int32),
     )
-    for shape in [(1, 2, 2, 8, 48), (1, 2, 1, 8, 40)]:
+    for shape in [(1, 2, 2, 4, 96), (1, 2, 1, 4, 80)]:
         with pytest.raises(ValueError, match="latent attention"):
             mla_paged_attention(ql, q_pe, jnp.zeros(shape), 0, *meta, sm_scale=1.0)
 

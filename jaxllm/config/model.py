@@ -176,7 +176,8 @@ class ModelConfig:
     latent_attention: LatentAttention | None = None
     """Every attention layer is multi-head latent attention (DeepSeek-V2/V3): `head_dim` is
     its RoPE key's width, and the cache keeps one [latent | RoPE key] row per token
-    (`layer_head_dim` is half of it: the row fills a cache slot's key and value lanes)."""
+    (`layer_head_dim` is half of it, as if the row were a key and a value: see
+    `pallas_kernels.mla_attention` for the pages, which pair rows)."""
     router_scoring: str = "softmax"
     """How the router scores experts: "softmax" over all logits, or "sigmoid" of each
     (DeepSeek-V3), chosen with `router_score_bias` and renormalised as `moe_renormalize`
@@ -333,9 +334,9 @@ class ModelConfig:
 
     def layer_head_dim(self, layer: int) -> int:
         """The width of `layer`'s keys and values in the cache: its head's; a latent
-        attention layer's row [latent | RoPE key] is its key and value halves."""
+        attention layer's row [latent | RoPE key] counts as a key and a value half as wide."""
         if self.latent_attention is not None:
-            return -(-self.latent_attention.row_width(self.head_dim) // 2)  # an odd row: + 0
+            return -(-self.latent_attention.row_width(self.head_dim) // 2)  # an odd row: + 1/2
         return self.full_head_dim if self._global(layer) else self.head_dim
 
     def layer_num_kv_heads(self, layer: int) -> int:

@@ -15,7 +15,7 @@ Here in the absorbed form (vLLM's and tpu-inference's): kv_b_proj's key half W_U
 is folded into the query (`ql = q_nope W_UK^T`, [T, N, L]) and its value half W_UV [L, N, V]
 applied after attention, so attention runs over the rows [c_kv | k_pe] that the cache keeps,
 one per token whatever N (576 values for V3, against N x (P + R + V) = 40,960 expanded). The
-row fills a cache slot's key and value lanes (`pallas_kernels.write_latent`); attention is
+rows are paired in the cache's pages (`pallas_kernels.write_latent`); attention is
 `pallas_kernels.mla_paged_attention`. Prefill and decode both take this form. (vLLM expands
 long prefills back to per-head keys, cheaper in FLOPs there; not done here.)
 
@@ -93,28 +93,28 @@ class MLAttention(nnx.Module):
         q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], rope)
         c_kv = self.kv_a_layernorm(ckv[:, :lat])
         k_pe = apply_rope(ckv[:, None, lat:], rope)[:, 0]
-        row = jnp.concatenate([c_kv, k_pe], axis=-1)  # [T, L + R]: what the cache keeps
-        if row.shape[-1] % 2:  # the cache's two halves: an odd row ends in a zero lane
-            row = jnp.pad(row, ((0, 0), (0, 1)))
         kv_b = self.kv_b_proj.get_value().reshape(lat, n, nope + v)
         w_uk, w_uv = kv_b[..., :nope], kv_b[..., nope:]
         # Absorbed into the latent space, kept in float32 into the attention.
         ql = jnp.einsum("tnp,lnp->tnl", q_nope, w_uk, preferred_element_type=jnp.float32)
-        rows = jnp.broadcast_to(row[:, None, :], (t, self.kv_copies, row.shape[-1]))
-        out, kv_cache = self._attend(ql, q_pe, rows, kv_cache, layer, meta)  # f32[T, N, L]
+        # What the cache keeps: [c_kv | k_pe] per token, a copy per device's slot.
+        c_kv, k_pe = (jnp.broadcast_to(a[:, None, :], (t, self.kv_copies, a.shape[-1]))
+                      for a in (c_kv, k_pe))  # fmt: skip
+        out, kv_cache = self._attend(ql, q_pe, c_kv, k_pe, kv_cache, layer, meta)  # f32[T,N,L]
         out = jnp.einsum(
             "tnl,lnv->tnv", out.astype(x.dtype), w_uv, preferred_element_type=jnp.float32
         )
         return linear(out.astype(x.dtype).reshape(t, n * v), self.o_proj.get_value()), kv_cache
 
-    def _attend(self, ql, q_pe, rows, kv_cache, layer: int, meta: AttentionMetadata):
+    def _attend(self, ql, q_pe, c_kv, k_pe, kv_cache, layer: int, meta: AttentionMetadata):
         """Writes the step's rows into the layer's slot and attends; with a mesh, per device on
         its heads and its copy of the rows."""
         ((group, slot),) = meta.where(layer)
         args = dict(
             ql=ql,
             q_pe=q_pe,
-            rows=rows,
+            c_kv=c_kv,
+            k_pe=k_pe,
             slot_mapping=meta.slot_mapping[group],
             block_tables=meta.block_tables[group],
             seq_lens=meta.seq_lens,
@@ -123,7 +123,9 @@ class MLAttention(nnx.Module):
         )
 
         def run(kv_cache, a):
-            kv_cache = pallas_kernels.write_latent(kv_cache, slot, a["rows"], a["slot_mapping"])
+            kv_cache = pallas_kernels.write_latent(
+                kv_cache, slot, a["c_kv"], a["k_pe"], a["slot_mapping"]
+            )
             out = pallas_kernels.mla_paged_attention(
                 a["ql"],
                 a["q_pe"],
@@ -141,7 +143,7 @@ class MLAttention(nnx.Module):
         if self.mesh is None:
             return run(kv_cache, args)
         heads = P(None, "model", None)
-        specs = {name: P() for name in args} | dict(ql=heads, q_pe=heads, rows=heads)
+        specs = {name: P() for name in args} | dict(ql=heads, q_pe=heads, c_kv=heads, k_pe=heads)
         cache = kv_cache_specs(kv_cache.quantized)
         return jax.shard_map(
             run,

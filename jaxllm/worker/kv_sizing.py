@@ -29,7 +29,7 @@ from pallas_kernels import (
     get_kv_cache_shape,
     kv_bytes_per_token_head,
 )
-from pallas_kernels.kv_cache import abstract_kv_cache
+from pallas_kernels.kv_cache import abstract_kv_cache, is_quantized_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ def bytes_per_page(
     head_dim = config.cache_head_dim
     latent = config.latent_attention is not None
     head_dim = head_dim if platform is None else cache_head_dim(head_dim, platform, latent=latent)
+    if latent:  # one row per token (two halves' lanes) under one scale
+        scale = 4 if is_quantized_dtype(dtype) else 0
+        return heads // 2 * page_size * (2 * head_dim * jnp.dtype(dtype).itemsize + scale)
     return heads * page_size * kv_bytes_per_token_head(head_dim, dtype)
 
 
@@ -94,17 +97,22 @@ def device_page_bytes(
     if device.platform != "tpu":
         return logical
     args = (num_slots, page_size, config.cache_kv_heads, config.cache_head_dim)
-    small, large = (_compiled_cache_bytes(n, *args, jnp.dtype(dtype), sharding) for n in (64, 128))
+    latent = config.latent_attention is not None
+    small, large = (
+        _compiled_cache_bytes(n, *args, jnp.dtype(dtype), sharding, latent) for n in (64, 128)
+    )
     return max(logical, -(-(large - small) // 64))
 
 
 @functools.lru_cache(maxsize=64)
 def _compiled_cache_bytes(
-    num_pages, num_layers, page_size, num_kv_heads, head_dim, dtype, sharding
+    num_pages, num_layers, page_size, num_kv_heads, head_dim, dtype, sharding, latent=False
 ):
     """The per-device bytes of an allocated cache of `num_pages`, from its compiled program."""
     platform = next(iter(sharding[0].device_set)).platform
-    shape = get_kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim, platform)
+    shape = get_kv_cache_shape(
+        num_layers, num_pages, page_size, num_kv_heads, head_dim, platform, latent=latent
+    )
     abstract = abstract_kv_cache(shape, dtype, sharding)
     outs = jax.tree.map(lambda a: a.sharding, abstract)
     zeros = jax.jit(
