@@ -386,22 +386,35 @@ def mla_paged_attention_tpu(
     return jnp.where(t_valid[:, None, None], out, 0.0)
 
 
-def _cost(ql, q_pe, kv_cache, block_tables, kv_scales) -> pl.CostEstimate:
-    """An upper bound, as `kv_cache.attention_cost` declares the GQA kernels': every request
-    that can have a query at its block table's full reach, capped by the pool."""
-    num_tokens, num_heads, latent = ql.shape
-    rope = q_pe.shape[-1]
-    _, num_pages, _, pairs, lanes = kv_cache.shape
-    max_reqs, pages_per_seq = block_tables.shape
+def latent_attention_cost(
+    num_tokens: int,
+    num_heads: int,
+    latent: int,
+    rope: int,
+    q_itemsize: int,
+    cache_shape: tuple[int, ...],
+    cache_itemsize: int,
+    block_tables_shape: tuple[int, int],
+    quantized: bool,
+) -> tuple[int, int, int, int]:
+    """(flops, transcendentals, bytes accessed, of which the queries' and outputs' bytes) of
+    one latent attention call over one layer, as the kernel declares it to its compiler: an
+    upper bound, as `kv_cache.attention_cost` is for the GQA kernels (every request that can
+    have a query at its block table's full reach, capped by the pool). A query head and a key
+    cost 2(L + R) flops to score and 2L to weigh."""
+    _, num_pages, _, pairs, lanes = cache_shape
+    max_reqs, pages_per_seq = block_tables_shape
     pages = min(min(num_tokens, max_reqs) * pages_per_seq, num_pages)
-    page_bytes = pairs * lanes * kv_cache.dtype.itemsize
-    if kv_scales is not None:
-        page_bytes += 2 * pairs * 4
+    page_bytes = pairs * lanes * cache_itemsize + (2 * pairs * 4 if quantized else 0)
     keys = min(pages_per_seq, num_pages) * 2 * pairs
-    pairs_scored = num_tokens * num_heads * keys
-    q_bytes = num_tokens * num_heads * (latent + rope) * ql.dtype.itemsize
-    return pl.CostEstimate(
-        flops=2 * (2 * latent + rope) * pairs_scored,
-        transcendentals=pairs_scored,
-        bytes_accessed=pages * page_bytes + q_bytes + num_tokens * num_heads * latent * 4,
-    )
+    scored = num_tokens * num_heads * keys
+    io = num_tokens * num_heads * ((latent + rope) * q_itemsize + latent * 4)
+    return 2 * (2 * latent + rope) * scored, scored, pages * page_bytes + io, io
+
+
+def _cost(ql, q_pe, kv_cache, block_tables, kv_scales) -> pl.CostEstimate:
+    flops, transcendentals, nbytes, _ = latent_attention_cost(
+        *ql.shape, q_pe.shape[-1], ql.dtype.itemsize, kv_cache.shape, kv_cache.dtype.itemsize,
+        block_tables.shape, kv_scales is not None,
+    )  # fmt: skip
+    return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=nbytes)

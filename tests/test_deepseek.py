@@ -16,7 +16,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
 from jaxllm.loaders import load_model
 from jaxllm.worker.kv_sizing import bytes_per_page
-from pallas_kernels import get_kv_cache_shape
+from pallas_kernels import get_kv_cache_shape, mla_attention
 from pallas_kernels.kv_cache import abstract_kv_cache
 
 from helpers import VOCAB, greedy_reference, prefill_logits, write_family_checkpoint
@@ -52,9 +52,33 @@ def test_greedy_tokens_under_preemption_without_q_low_rank(tmp_path):
     assert [o.outputs[0].token_ids for o in out] == expected
 
 
+def test_greedy_tokens_through_the_tpu_kernel(tmp_path, monkeypatch):
+    """The engine with attention_backend "pallas" runs latent attention through the TPU
+    kernel (interpreted on the CPU) inside its jitted step: three requests chunked and
+    batched, transformers' greedy tokens."""
+    hf_model = write_family_checkpoint("deepseek-v3", tmp_path)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (21, 9, 14)]
+    expected = greedy_reference(hf_model, prompts, 8)
+    traced, kernel = [], mla_attention.mla_paged_attention_tpu
+    monkeypatch.setattr(
+        mla_attention,
+        "mla_paged_attention_tpu",
+        lambda *a, **k: traced.append(1) or kernel(*a, **k),
+    )
+    llm = LLM(tmp_path, dtype="float32", page_size=8, num_pages=32, max_model_len=64,
+              max_num_seqs=4, max_num_batched_tokens=16, attention_backend="pallas",
+              skip_warmup=True)  # fmt: skip
+    assert llm.attention_backend == "pallas_tpu"  # "pallas" on the CPU
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert traced and [o.outputs[0].token_ids for o in out] == expected
+
+
 def test_an_odd_row_width(tmp_path):
-    """A latent and RoPE key of odd total width (41 + 8): the row ends in a zero lane to fill
-    the cache's two halves; logits and greedy tokens are transformers'."""
+    """A latent and RoPE key of odd total width (41 + 8): a pair row of 98 lanes in a cache
+    of 100 (the config's half-row width rounds up); logits and greedy tokens are
+    transformers'."""
     hf_model = write_family_checkpoint("deepseek-v3", tmp_path, kv_lora_rank=41)
     ids = np.random.default_rng(5).integers(3, VOCAB, size=30).tolist()
     loaded = load_model(tmp_path, dtype=jnp.float32, load_tokenizer=False)

@@ -25,6 +25,7 @@ from jaxllm.aot.engine import CompiledEngine
 from jaxllm.models.linear_attention import state_bytes_per_slot
 from jaxllm.worker import pick_shape
 from pallas_kernels.kv_cache import attention_cost
+from pallas_kernels.mla_attention_tpu import latent_attention_cost
 
 _GIB = 2**30
 
@@ -56,22 +57,30 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     head = _program(engine, runner.head_name(runner.sampler_variants[0]), (shape[1],))
     cfg = engine.model_config
     tp = engine.tensor_parallel_size
-    # One slot's attention, in the cache's rows (a packed layer's heads as they are there).
+    # One slot's attention, in the cache's rows (a packed layer's heads as they are there),
+    # as the kernel declares it: its flops, its bytes, and of those its queries' and outputs'.
     head_dim = cfg.cache_head_dim
     heads, kv_heads = cfg.num_heads // tp, max(cfg.cache_kv_heads // tp, 1)
     cache = runner.kv_cache
     quantized = cache.scales is not None
     cache_shape = (1, runner.num_pages, kv_heads, runner.page_size, 2 * head_dim)
     dtype = engine.dtype
-    flops_a, _, bytes_a = attention_cost(
-        (shape[0], heads, head_dim),
-        dtype,
-        cache_shape,
-        cache.dtype if not quantized else jnp.int8,
-        (shape[1], runner.pages_per_seq),
-        quantized,
-    )
-    q_bytes = shape[0] * heads * head_dim * jnp.dtype(dtype).itemsize
+    cache_dtype = cache.dtype if not quantized else jnp.int8
+    tables = (shape[1], runner.pages_per_seq)
+    mla = cfg.latent_attention
+    if mla is not None:  # the pair rows as they are
+        cache_shape = (1, runner.num_pages, kv_heads, *cache.shape[3:])
+        flops_a, _, bytes_a, io_bytes = latent_attention_cost(
+            shape[0], heads, mla.kv_lora_rank, cfg.head_dim, jnp.dtype(dtype).itemsize,
+            cache_shape, jnp.dtype(cache_dtype).itemsize, tables, quantized,
+        )  # fmt: skip
+        pair_flops = 2 * (2 * mla.kv_lora_rank + cfg.head_dim)  # a query head and a key's
+    else:
+        flops_a, _, bytes_a = attention_cost(
+            (shape[0], heads, head_dim), dtype, cache_shape, cache_dtype, tables, quantized
+        )
+        io_bytes = 2 * shape[0] * heads * head_dim * jnp.dtype(dtype).itemsize
+        pair_flops = 4 * head_dim
     layers = len(cfg.attention_layers)  # a hybrid's linear layers read no KV
     # Each layer reads the keys its window sees (a sliding layer at most its window, a chunked
     # one at most its chunk).
@@ -80,7 +89,7 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
     if cfg.linear_attention is not None:  # each request's state read and written back
         state = state_bytes_per_slot(cfg, dtype) // engine.tensor_parallel_size
         kv_read += 2 * batch * state
-    attention_flops = 4 * head_dim * heads * batch * sum(seen)
+    attention_flops = pair_flops * heads * batch * sum(seen)
     weights = engine.weights[0]
     if forward.bytes_accessed is None or head.bytes_accessed is None:
         source = "counted"  # each weight read once, 2 flops per weight and row
@@ -92,7 +101,7 @@ def predict_decode(engine: CompiledEngine, batch: int, context: int) -> DecodePr
         # The cost analysis's attention calls, replaced by the KV they read: one per layer, or
         # one per cache slot of a layer packed over several (`jaxllm.models.kv_layout`).
         calls = sum(cfg.layer_kv_parts(cfg.layer_kv_source(i)) for i in cfg.attention_layers)
-        nbytes = forward.bytes_accessed + head.bytes_accessed - calls * (bytes_a - 2 * q_bytes)
+        nbytes = forward.bytes_accessed + head.bytes_accessed - calls * (bytes_a - io_bytes)
         nbytes += kv_read
         flops = (forward.flops or 0.0) + (head.flops or 0.0) - calls * flops_a
         flops += attention_flops
