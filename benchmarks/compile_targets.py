@@ -72,6 +72,7 @@ RUNS = {
     "deepseek-v2-lite-h100": ("deepseek-v2-lite", "h100", {}),
     "deepseek-v2-lite-v6e-4": ("deepseek-v2-lite", "v6e-4", {}),
     "deepseek-v3-h200x8": ("deepseek-v3", "h200x8", {}),
+    "deepseek-v3-v5p-16": ("deepseek-v3", "v5p-16", {}),
 }
 
 # Published figures of the TPU peers for the same model and chip (their measurements).

@@ -1,7 +1,9 @@
 """The chips `jaxllm compile` compiles for, and how to get their compilers on this machine.
 
-A target is a TPU slice (`v5e-1`, `v5e-4`, `v5e-8`, `v6e-1`, `v6e-4`, `v6e-8`, `v5p-8`, `v4-8`)
-or one host of NVIDIA GPUs (`h100`, `h200`, `h100x8`, `h200x4`, ...). Its devices are
+A target is a TPU slice (`v5e-1`, `v5e-4`, `v5e-8`, `v6e-1`, `v6e-4`, `v6e-8`, `v5p-8`, `v4-8`,
+and the multi-host slices `v5e-16`, `v5e-32`, `v6e-16`, `v6e-32`, `v5p-16`, `v5p-32`, which
+`jaxllm serve` runs with a process per host, `jaxllm.engine.multihost`) or one host of NVIDIA
+GPUs (`h100`, `h200`, `h100x8`, `h200x4`, ...). Its devices are
 compile-only devices from `jax.experimental.topologies`: libtpu (`pip install "jax[tpu]"`)
 compiles for the TPUs and the CUDA plugin (jax-cuda12-plugin and jax-cuda12-pjrt, with ptxas
 from nvidia-cuda-nvcc-cu12) for the GPUs, both on a machine without them.
@@ -37,7 +39,7 @@ class Chip:
     hbm_bytes_per_s: float
     bf16_flops: float  # dense peak per device
     int8_ops: float  # dense int8 (TPU) / fp8 (GPU) peak per device
-    counts: tuple[int, ...]  # devices one host of it holds, the counts a target may name
+    counts: tuple[int, ...]  # the device counts a target may name (TPUs: past one host too)
     cores_per_chip: int = 1  # TensorCores per chip (a v4 or v5p slice name counts these)
     # The HBM a program may use where it is less than `memory_bytes`: on a TPU, what XLA:TPU
     # says is available when it refuses a program too large (libtpu for jax 0.10.2: "exceeds
@@ -63,7 +65,7 @@ CHIPS = {
             819e9,
             197e12,
             394e12,
-            (1, 4, 8),
+            (1, 4, 8, 16, 32),
             1,
             int(15.75 * _GIB),
         ),
@@ -75,11 +77,11 @@ CHIPS = {
             1640e9,
             918e12,
             1836e12,
-            (1, 4, 8),
+            (1, 4, 8, 16, 32),
             1,
             int(31.25 * _GIB),
         ),
-        Chip("v5p", "tpu", "TPU v5", 95 * _GIB, 2765e9, 459e12, 918e12, (1, 4), 2),
+        Chip("v5p", "tpu", "TPU v5", 95 * _GIB, 2765e9, 459e12, 918e12, (1, 4, 8, 16), 2),
         Chip(
             "v4", "tpu", "TPU v4", 32 * _GIB, 1228e9, 275e12, 275e12, (1, 4), 2, int(15.25 * _GIB)
         ),
@@ -99,17 +101,24 @@ CHIPS = {
     )
 }
 
-# The host-sized topology whose devices a TPU target takes (the first `count` of them):
-# libtpu refuses topologies smaller than a host ("v5e:1x1").
+# The topology whose devices a TPU target takes (the first `count` of them): at least a host,
+# since libtpu refuses topologies smaller ("v5e:1x1"); past 4 (v5p) or 8 chips, several hosts
+# (libtpu describes them offline, with each device's process).
 _TPU_TOPOLOGY = {
     ("v5e", 1): "v5e:2x2",
     ("v5e", 4): "v5e:2x2",
     ("v5e", 8): "v5e:2x4",
+    ("v5e", 16): "v5e:4x4",
+    ("v5e", 32): "v5e:4x8",
     ("v6e", 1): "v6e:2x2",
     ("v6e", 4): "v6e:2x2",
     ("v6e", 8): "v6e:2x4",
+    ("v6e", 16): "v6e:4x4",
+    ("v6e", 32): "v6e:4x8",
     ("v5p", 1): "v5p:2x2x1",
     ("v5p", 4): "v5p:2x2x1",
+    ("v5p", 8): "v5p:2x2x2",
+    ("v5p", 16): "v5p:2x2x4",
     ("v4", 1): "v4:2x2x1",
     ("v4", 4): "v4:2x2x1",
 }
@@ -176,9 +185,8 @@ def parse_target(text: str) -> Target:
         count //= chip.cores_per_chip
     if count not in chip.counts:
         raise ValueError(
-            f"--target {text}: one host of {chip.name} holds "
-            f"{', '.join(map(str, chip.counts))} devices; multi-host slices are not compiled "
-            f"here yet. {choices()}"
+            f"--target {text}: {chip.name} targets have "
+            f"{', '.join(map(str, chip.counts))} devices. {choices()}"
         )
     return Target(text, chip, count)
 
