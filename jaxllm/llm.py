@@ -123,7 +123,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False (nothing done) while requests hold blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     @property
     def max_model_len(self) -> int:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.engine.kv_cache_manager import KVCacheManager, hash_block
+from jaxllm.engine.block_hashing import BlockHasher
+from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -31,6 +32,7 @@ def _admit(kv: KVCacheManager, req: Request) -> int:
 
 
 def test_keys_chain_through_the_parent():
+    hash_block = BlockHasher().hash_block
     a = hash_block(None, [1, 2, 3, 4])
     assert a == hash_block(None, [1, 2, 3, 4]) and len(a) == 32
     assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])

@@ -158,9 +158,24 @@ class CacheConfig:
     """Saved states a hybrid model's prefix cache keeps (each one request's state of every
     linear layer); default: max_num_seqs, or what a quarter of the memory left for the cache
     holds, if less. 0 turns prefix caching off for such models."""
+    prefix_caching_hash_algo: str = option("sha256", choices=("sha256", "sha256_cbor"))
+    """How full blocks are hashed for prefix caching, as vLLM hashes them
+    (`jaxllm.engine.block_hashing`): sha256 over the pickled (parent, tokens, extra keys)
+    tuple, vLLM's default; sha256_cbor over its canonical CBOR, which an indexer written in
+    another language can recompute (llm-d's). The seed is PYTHONHASHSEED, as vLLM's."""
+    kv_events_config: dict | None = None
+    """vLLM's JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": n} publishes
+    the prefix cache's changes (blocks stored and removed, resets) in vLLM's format over
+    ZeroMQ, for prefix-aware routers (`jaxllm.engine.kv_events`); "encoding": "map" writes
+    each event as a map (vLLM since mid-2026) instead of an array (vLLM's example subscriber)."""
 
     def __post_init__(self) -> None:
+        parse_json_field(self, "kv_events_config")
         check_types(self)
+        from jaxllm.engine.kv_events import KVEventsConfig
+
+        KVEventsConfig.parse(self.kv_events_config)  # a bad field raises, named
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

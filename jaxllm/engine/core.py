@@ -45,6 +45,7 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.worker import SchedulerOutput
 
 if TYPE_CHECKING:
+    from jaxllm.engine.kv_events import ZmqEventPublisher
     from jaxllm.models.vision import VisionConfig
     from jaxllm.worker import EnginePlan, InflightStep, ModelRunner
 
@@ -83,6 +84,7 @@ class EngineCore:
         hook: StepHook | None = None,
         is_worker: bool = False,
         warmup_seconds: float | None = None,
+        kv_events: ZmqEventPublisher | None = None,
     ):
         """The core over a scheduler and a runner; `served`: what `from_config` loaded and
         planned (None for a core over parts made by hand: no input checks, no pooling). A
@@ -95,6 +97,7 @@ class EngineCore:
         self.hook = hook
         self.is_worker = is_worker
         self.warmup_seconds = warmup_seconds
+        self.kv_events = kv_events  # publishes each step's KV events (`kv_events.py`)
         self.num_steps = 0
         self.last_step = StepEvents()  # what metrics need of the last `step`
         self._inflight: tuple[SchedulerOutput, InflightStep] | None = None
@@ -133,9 +136,11 @@ class EngineCore:
         from jaxllm.compilation_cache import setup_compilation_cache
         from jaxllm.config import resolve_dtype
         from jaxllm.engine import multihost
+        from jaxllm.engine.block_hashing import BlockHasher
         from jaxllm.engine.encoder_cache import EncoderCache
         from jaxllm.engine.host_blocks import HostBlockPool
         from jaxllm.engine.kv_cache_manager import KVCacheManager
+        from jaxllm.engine.kv_events import KVEventsConfig, ZmqEventPublisher
         from jaxllm.loaders import load_model
         from jaxllm.model_files import cache_dir
         from jaxllm.sharding import make_mesh
@@ -191,6 +196,7 @@ class EngineCore:
         )
         config = plan.config
         sched, cache = config.scheduler, config.cache
+        events = KVEventsConfig.parse(cache.kv_events_config)
         runner = ModelRunner(
             loaded.model,
             loaded.config,
@@ -211,6 +217,8 @@ class EngineCore:
             snapshots=(
                 StateSnapshots(plan.num_state_snapshots) if plan.num_state_snapshots else None
             ),
+            hasher=BlockHasher(cache.prefix_caching_hash_algo),
+            events=events is not None and events.enabled,
         )
         lookahead = runner.num_speculative_tokens if draft is not None else 0
         scheduler = Scheduler(
@@ -256,6 +264,9 @@ class EngineCore:
                 multihost.engine_fingerprint(runner),
             )
         vision_config = None if vision is None else vision.config
+        publisher = None
+        if kv.events is not None and jax.process_index() == 0:  # the scheduler's host
+            publisher = ZmqEventPublisher(events)
         return cls(
             scheduler,
             runner,
@@ -264,6 +275,7 @@ class EngineCore:
             hook=hook,
             is_worker=multi and jax.process_index() != 0,
             warmup_seconds=warmup_seconds,
+            kv_events=publisher,
         )
 
     @property
@@ -377,6 +389,7 @@ class EngineCore:
         # The host KV tier's copies stay: the same weights come back (level 2 reloads them
         # from the checkpoint), so a prefix they hold is right after waking.
         self.scheduler.kv.reset_prefix_cache(host=False)
+        self.publish_kv_events()
         if self.scheduler.encoder_cache is not None:  # the device's encoded images go too
             self.scheduler.encoder_cache.reset()
         self.runner.sleep(keep_weights=level == 1)
@@ -444,6 +457,7 @@ class EngineCore:
         requests."""
         start, waited, steps = time.perf_counter(), self.runner.device_wait_seconds, self.num_steps
         updates = self._step()
+        self.publish_kv_events()
         # Requests failed outside the step (a grammar that did not compile), reported now.
         failed, self.scheduler.failed = self.scheduler.failed, []
         scheduled, self.scheduler.first_scheduled = self.scheduler.first_scheduled, []
@@ -483,6 +497,19 @@ class EngineCore:
             self._inflight = None
             raise
 
+    def publish_kv_events(self) -> None:
+        """Publishes the KV events since the last call as one batch (none: nothing sent)."""
+        events = self.scheduler.kv.take_events()
+        if self.kv_events is not None:
+            self.kv_events.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (device and host tier); False, doing nothing, while
+        requests hold blocks. Told to KV event subscribers at once."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
+
     def drain(self) -> list[RequestUpdate]:
         """Waits for the step in flight, if any (e.g. one launched past the last stop), and
         applies its output. Nothing is left in flight, even if it raises."""
@@ -502,6 +529,8 @@ class EngineCore:
                 self.scheduler.structured_outputs.shutdown()
             if self.hook is not None:
                 self.hook.close()
+            if self.kv_events is not None:
+                self.kv_events.shutdown()
 
     def _announce(self, scheduled: SchedulerOutput, *, wait: bool) -> None:
         if self.hook is not None:

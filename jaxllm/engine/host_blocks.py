@@ -39,6 +39,11 @@ class HostBlockPool:
             self.slots.move_to_end(key)
         return slot
 
+    def next_victim(self) -> bytes | None:
+        """The key `store` would evict now: the least recently used one when every slot is
+        held, else None."""
+        return None if self._free else next(iter(self.slots), None)
+
     def store(self, key: bytes) -> int:
         """A slot for `key`'s block (its data is written by the step that evicts it from the
         device), taking the least recently used one when every slot is held."""

@@ -10,8 +10,9 @@ token (a null entry, `NULL_BLOCK`, takes their place, so every group's table kee
 per block of the sequence): they go back to the pool as any freed block does, cached ones
 still findable.
 
-Prefix caching: once a block is full, its key is a SHA-256 chained from the parent block's key
-and the block's token ids, so equal keys mean equal prefixes. A new request looks its blocks'
+Prefix caching: once a block is full, its key is a hash chained from the parent block's key,
+the block's token ids and what else decides its K/V (vLLM's block hash, `block_hashing.py`), so
+equal keys mean equal prefixes. A new request looks its blocks'
 keys up in order and reuses the longest run of hits: those tokens start out computed. Each
 group caches its own blocks under the same keys; a hit must be found in every full group, and
 in each sliding group only for the blocks the window after it sees (vLLM's hybrid lookup). A
@@ -25,6 +26,10 @@ host memory under its key, and a lookup goes on past the device's hits into the 
 blocks get fresh device blocks, keyed at once, which the step copies back before it runs. The
 copies each step needs are taken with `take_transfers` into the scheduler's output.
 
+With KV events on (`kv_events.py`), the books' changes are told as they happen: blocks keyed
+(`BlockStored`, in the device's medium, or the host's when a block is copied there), keys
+dropped (`BlockRemoved`), the cache reset (`AllBlocksCleared`).
+
 A hybrid model's linear-attention layers keep a state per request instead of pages: with
 saved states (`StateSnapshots`) a hit is cut to the longest prefix whose state was saved too,
 and the hit says which saved state the request starts from (`CacheHit.state`).
@@ -32,12 +37,12 @@ and the hit says which saved state the request starts from (`CacheHit.state`).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
+from typing import NamedTuple
 
-import numpy as np
-
+from jaxllm.engine.block_hashing import BlockHasher, block_extra_keys, external_hash
 from jaxllm.engine.host_blocks import HostBlockPool
+from jaxllm.engine.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventCollector
 from jaxllm.engine.request import Request
 from jaxllm.engine.state_snapshots import StateSnapshots
 
@@ -49,34 +54,13 @@ taken on a prefix-cache hit). Sent to the runner as page 0, which no kernel read
 Key = tuple[int, bytes]
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
-    """The key of a full block: SHA-256 over the parent's key, the block's token ids, and
-    `extra`: what else decides its K/V (the images whose placeholders it holds)."""
-    h = hashlib.sha256(parent or b"\x00" * 32)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    h.update(extra)
-    return h.digest()
+class _Stored(NamedTuple):
+    """What a BlockStored event says of a cached block besides its hash."""
 
-
-def _image_keys(request: Request, start: int, end: int) -> bytes:
-    """The images whose placeholders lie in positions [start, end), by content hash and
-    first position: blocks of the same placeholder tokens hold other K/V for another image."""
-    return b"".join(
-        f"{item.hash}@{item.offset}\0".encode()
-        for item in request.mm_items
-        if item.offset < end and item.offset + item.length > start
-    )
-
-
-def _chain_root(request: Request) -> bytes | None:
-    """The parent of a request's first block: none, or its LoRA adapter (a prefix computed
-    under one adapter holds other K/V than under another, or none)."""
-    lora = request.lora
-    if lora is None:
-        return None
-    return hashlib.sha256(
-        f"lora\0{lora.lora_int_id}\0{lora.lora_name}\0{lora.lora_path}".encode()
-    ).digest()
+    parent: bytes | None
+    token_ids: list[int]
+    lora: object  # the request's LoRARequest, or None
+    extra_keys: tuple | None
 
 
 class KVCacheManager:
@@ -89,9 +73,13 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         host: HostBlockPool | None = None,
         snapshots: StateSnapshots | None = None,
+        hasher: BlockHasher | None = None,
+        events: bool = False,
     ):
         """`windows`: per layer group (`KVCacheGroups.windows`), its sliding window or None.
-        `snapshots`: a hybrid model's saved states (with prefix caching)."""
+        `snapshots`: a hybrid model's saved states (with prefix caching). `hasher`: the
+        block hash (default vLLM's default, sha256); `events`: collect KV events
+        (`take_events`)."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
@@ -108,6 +96,11 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # per request: leading blocks keyed
         self._first_live: dict[str, list[int]] = {}  # per request, per group: before it, null
         self._hashes: dict[str, list[bytes]] = {}  # per request: keys of its full blocks
+        self.hasher = hasher or BlockHasher()
+        self.events = KVEventCollector(page_size) if events else None
+        # With events: each cached hash's (parent, token ids, LoRA), for telling the host
+        # tier's copy of it.
+        self._stored: dict[bytes, _Stored] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found (on the device or in the host tier)
         self.host = host
@@ -142,9 +135,9 @@ class KVCacheManager:
         tokens, size = request.all_token_ids, self.page_size
         while (len(hashes) + 1) * size <= len(tokens):
             i = len(hashes)
-            parent = hashes[-1] if hashes else _chain_root(request)
-            extra = _image_keys(request, i * size, (i + 1) * size) if request.mm_items else b""
-            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size], extra))
+            parent = hashes[-1] if hashes else None
+            extra = block_extra_keys(request, i * size, (i + 1) * size)
+            hashes.append(self.hasher.hash_block(parent, tokens[i * size : (i + 1) * size], extra))
         return hashes
 
     def _found(self, key: Key) -> bool:
@@ -219,6 +212,7 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         for g, table in enumerate(tables):
+            keyed = []
             for i in range(start, end):
                 block, key = table[i], (g, hashes[i])
                 if block == NULL_BLOCK:  # freed behind the window before it was computed
@@ -226,9 +220,68 @@ class KVCacheManager:
                 if key not in self.cached and self.block_keys[block] is None:
                     self.cached[key] = block
                     self.block_keys[block] = key
+                    keyed.append(i)
                 # Else an equal block is cached already (computed concurrently): this one
                 # stays a plain block and returns to the pool uncached.
+            if self.events is not None:
+                self._tell_stored(request, g, keyed, MEDIUM_GPU)
         self._num_cached_blocks[rid] = end
+
+    def _tell_stored(self, request: Request, group: int, blocks: list[int], medium: str) -> None:
+        """BlockStored events for the request's blocks `blocks` (ascending) of `group`: one
+        per run of consecutive blocks, its parent the block before the run. Each block's
+        parent, tokens, adapter and extra keys are kept while it is cached, to tell the host
+        tier's copy later."""
+        hashes, tokens, size = (
+            self._hashes[request.request_id],
+            request.all_token_ids,
+            self.page_size,
+        )
+        runs: list[list[bytes]] = []
+        for i in blocks:
+            start = i * size
+            self._stored[hashes[i]] = _Stored(
+                hashes[i - 1] if i else None,
+                tokens[start : start + size],
+                request.lora,
+                block_extra_keys(request, start, start + size),
+            )
+            if runs and runs[-1][-1] == hashes[i - 1]:
+                runs[-1].append(hashes[i])
+            else:
+                runs.append([hashes[i]])
+        for run in runs:
+            self._emit_stored(run, medium, group)
+
+    def _emit_stored(self, run: list[bytes], medium: str, group: int) -> None:
+        """One BlockStored event for consecutive blocks `run` of one chain."""
+        blocks = [self._stored[h] for h in run]
+        first, lora = blocks[0], blocks[0].lora
+        extra = [b.extra_keys for b in blocks]
+        self.events.stored(
+            [external_hash(h) for h in run],
+            None if first.parent is None else external_hash(first.parent),
+            [t for b in blocks for t in b.token_ids],
+            medium=medium,
+            group=group,
+            lora_id=None if lora is None else lora.lora_int_id,
+            lora_name=None if lora is None else lora.lora_name,
+            extra_keys=extra if any(e is not None for e in extra) else None,
+        )
+
+    def _forget_stored(self, block_hash: bytes) -> None:
+        """Drops a hash's memo once no group holds it on the device or the host."""
+        if any((g, block_hash) in self.cached for g in range(self.num_groups)):
+            return
+        if self.host is not None and any(
+            (g, block_hash) in self.host for g in range(self.num_groups)
+        ):
+            return
+        self._stored.pop(block_hash, None)
+
+    def take_events(self) -> list:
+        """The KV events since the last call (none when events are off)."""
+        return [] if self.events is None else self.events.take()
 
     def save_state(self, request: Request, end: int) -> int:
         """The snapshot slot that gets the request's state after a chunk ending at `end` (see
@@ -263,10 +316,19 @@ class KVCacheManager:
         block is in use (as in vLLM)."""
         if self.num_free_blocks != self.num_pages:
             return False
+        dropped = list(self.cached)
         self.cached.clear()
         self.block_keys = [None] * self.num_pages
         if self.host is not None and host:
             self.host.clear()
+        if self.events is not None:
+            if self.host is None or host:
+                self.events.cleared()
+                self._stored.clear()
+            else:  # the host tier's copies stay findable: only the device's go
+                for g, block_hash in dropped:
+                    self.events.removed([external_hash(block_hash)], medium=MEDIUM_GPU, group=g)
+                    self._forget_stored(block_hash)
         if self.snapshots is not None:
             self.snapshots.clear()
         return True
@@ -314,6 +376,10 @@ class KVCacheManager:
             tables = self.block_tables[rid] = self._take_hit(rid, entries, located)
             if hit is not None and hit.state is not None:
                 self.snapshots.use(hit.state)
+            if self.events is not None:  # the host tier's blocks, now on the device too
+                for g, group_locs in enumerate(located):
+                    loaded = [i for i, loc in enumerate(group_locs) if loc and loc[0] == "host"]
+                    self._tell_stored(request, g, loaded, MEDIUM_GPU)
             self._first_live[rid] = [
                 next((i for i, b in enumerate(t) if b != NULL_BLOCK), len(t)) for t in tables
             ]
@@ -376,6 +442,9 @@ class KVCacheManager:
             del self.cached[key]
             self.block_keys[block] = None
             self._offload(block, key)
+            if self.events is not None:
+                self.events.removed([external_hash(key[1])], medium=MEDIUM_GPU, group=key[0])
+                self._forget_stored(key[1])
         self.ref_counts[block] = 1
         return block
 
@@ -416,7 +485,16 @@ class KVCacheManager:
             self._loads = [(slot, b) for slot, b in self._loads if b != block]
             return
         if self.host.lookup(key) is None:
+            victim = self.host.next_victim()
             self._stores.append((block, self.host.store(key)))
+            if self.events is not None:
+                if victim is not None:
+                    self.events.removed(
+                        [external_hash(victim[1])], medium=MEDIUM_CPU, group=victim[0]
+                    )
+                    self._forget_stored(victim[1])
+                if key[1] in self._stored:
+                    self._emit_stored([key[1]], MEDIUM_CPU, key[0])
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies the step being built needs, stores then loads (see `HostBlockPool`)."""

@@ -4,7 +4,7 @@ A linear-attention layer keeps no pages: its state after a prefix is one matrix 
 overwritten by every step. A prefix served from the cache needs that state as it was at the
 prefix's end, so the engine saves it at page boundaries into snapshot slots (extra slots of
 the model cache's `LinearState`, after the batch rows) and keys each by the prefix's block key
-(`kv_cache_manager.hash_block`). A cache hit is then cut to the longest prefix whose attention
+(`block_hashing.BlockHasher`). A cache hit is then cut to the longest prefix whose attention
 blocks are cached and whose state was saved (`KVCacheManager.get_computed_blocks`); a prefix
 without one is recomputed, never started from a wrong state.
 
