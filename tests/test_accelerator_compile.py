@@ -953,7 +953,20 @@ def test_compile_names_a_missing_compiler(monkeypatch):
     targets._topology_devices.cache_clear()
 
 
-@pytest.mark.parametrize("bad", ["v5e-3", "v5p-6", "a100", "h100x3", "v6e-16"])
+@tpu_only
+@pytest.mark.parametrize(
+    "name,chips,hosts", [("v6e-16", 16, 4), ("v5p-16", 8, 2), ("v5e-32", 32, 8)]
+)
+def test_multi_host_slices_are_targets(name, chips, hosts):
+    """A slice past one host (as `jaxllm serve` runs one, a process per host) is a target:
+    libtpu describes its devices offline, each with its host's process."""
+    from jaxllm.aot.targets import parse_target
+
+    devices = parse_target(name).devices()
+    assert len(devices) == chips and len({d.process_index for d in devices}) == hosts
+
+
+@pytest.mark.parametrize("bad", ["v5e-3", "v5p-6", "a100", "h100x3", "v6e-64", "v5p-64"])
 def test_bad_targets_are_named(bad):
     from jaxllm.aot.targets import parse_target
 
