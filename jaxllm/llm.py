@@ -77,6 +77,11 @@ class LLM:
             config = EngineConfig.create(model, **engine_args)
         elif model is not None or engine_args:
             raise TypeError("LLM(config=...) takes no other engine arguments")
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 is served by `jaxllm serve` (AsyncLLM), which starts "
+                "a core per rank; the offline LLM runs one engine core"
+            )
         # The tokenizer (mostly importing transformers) loads on a thread meanwhile.
         tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
         tokenizer = tokenizer_pool.submit(load_tokenizer, config.load.model)

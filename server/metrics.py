@@ -60,68 +60,73 @@ class _EngineCollector:
         self.engine, self.values = engine, values
 
     def collect(self):
-        s, values = self.engine.stats, self.values
+        # One sample per engine core (data-parallel rank), labelled engine="<rank>" as vLLM's.
+        model, ranks = self.values[0], list(enumerate(self.engine.engine_stats))
+        yield from self._families(model, ranks)
 
+    def _families(self, model: str, ranks: list):
         def family(cls, name, doc, value):
             metric = cls(name, doc, labels=LABELS)
-            metric.add_metric(values, value)
+            for rank, stats in ranks:
+                metric.add_metric([model, str(rank)], value(stats))
             return metric
 
         yield family(GaugeMetricFamily, "vllm:num_requests_running",
-                     "Number of requests in model execution batches.", s.num_running)  # fmt: skip
+                     "Number of requests in model execution batches.", lambda s: s.num_running)  # fmt: skip
         yield family(GaugeMetricFamily, "vllm:num_requests_waiting",
-                     "Number of requests waiting to be processed.", s.num_waiting)  # fmt: skip
+                     "Number of requests waiting to be processed.", lambda s: s.num_waiting)  # fmt: skip
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-                     "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)  # fmt: skip
+                     "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_cache_usage)  # fmt: skip
         yield family(GaugeMetricFamily, "jaxllm:kv_offload_usage_perc",
                      "Host KV tier (kv_offloading_size) usage, in blocks held. 1 means 100 "
                      "percent usage; 0 without the tier.",
-                     s.kv_offload_blocks / max(s.kv_offload_capacity, 1))  # fmt: skip
+                     lambda s: s.kv_offload_blocks / max(s.kv_offload_capacity, 1))  # fmt: skip
         yield family(GaugeMetricFamily, "jaxllm:encoder_cache_usage_perc",
                      "Encoder cache usage (an image-text model's encoded images on the device), "
                      "in slots held by requests. 1 means 100 percent usage; 0 without images.",
-                     s.encoder_cache_usage)  # fmt: skip
+                     lambda s: s.encoder_cache_usage)  # fmt: skip
         for name, doc, value in (
             ("vllm:prefix_cache_queries",
              "Prefix cache queries, in terms of number of queried tokens.",
-             s.prefix_cache_queries),
+             "prefix_cache_queries"),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             s.prefix_cache_hits),
+             "prefix_cache_hits"),
             ("jaxllm:prefix_cache_hits_host",
              "Prefix cache hits served from the host KV tier (kv_offloading_size), in tokens; "
-             "included in vllm:prefix_cache_hits.", s.prefix_cache_hits_host),
+             "included in vllm:prefix_cache_hits.", "prefix_cache_hits_host"),
             ("jaxllm:kv_offload_stored_blocks",
              "KV blocks evicted from the device and copied to the host tier.",
-             s.kv_offload_stored),
+             "kv_offload_stored"),
             ("jaxllm:encoder_cache_queries",
              "Images looked up in the encoder cache (an image-text model's).",
-             s.encoder_cache_queries),
+             "encoder_cache_queries"),
             ("jaxllm:encoder_cache_hits",
-             "Images found in the encoder cache: not encoded again.", s.encoder_cache_hits),
+             "Images found in the encoder cache: not encoded again.", "encoder_cache_hits"),
             ("jaxllm:kv_offload_loaded_blocks",
              "KV blocks copied back from the host tier on a prefix-cache hit.",
-             s.kv_offload_loaded),
+             "kv_offload_loaded"),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-             s.num_preemptions),
-            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_decoding.num_drafts),
+             "num_preemptions"),
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decoding.num_drafts"),
             ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-             s.spec_decoding.num_draft_tokens),
+             "spec_decoding.num_draft_tokens"),
             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-             s.spec_decoding.num_accepted_tokens),
+             "spec_decoding.num_accepted_tokens"),
             ("jaxllm:num_compilations",
              "XLA programs compiled or loaded from the cache; flat after startup.",
-             s.num_compilations),
-            ("jaxllm:num_steps", "Engine steps run.", s.num_steps),
+             "num_compilations"),
+            ("jaxllm:num_steps", "Engine steps run.", "num_steps"),
             ("jaxllm:scheduled_tokens", "Tokens the engine steps computed.",
-             s.num_scheduled_tokens),
+             "num_scheduled_tokens"),
             ("jaxllm:padded_tokens",
              "Token slots of the compiled shapes the steps ran: the scheduled tokens and their "
-             "padding.", s.num_padded_tokens),
+             "padding.", "num_padded_tokens"),
             ("jaxllm:grammar_bitmask_seconds",
              "Host seconds spent filling structured-output token bitmasks.",
-             s.grammar_bitmask_seconds),
+             "grammar_bitmask_seconds"),
         ):  # fmt: skip
-            yield family(CounterMetricFamily, name, doc, value)
+            yield family(CounterMetricFamily, name, doc, _field(value))
+        s = ranks[0][1]  # adapters are the same on every core: the first's
         if s.max_loras:  # vLLM's, only when LoRA is served: the value is when it was read
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
@@ -138,22 +143,35 @@ class _EngineCollector:
             "Accepted tokens per draft position.",
             labels=[*LABELS, "position"],
         )
-        for position, value in enumerate(s.spec_decoding.num_accepted_per_pos):
-            per_pos.add_metric([*values, str(position)], value)
+        for rank, stats in ranks:
+            for position, value in enumerate(stats.spec_decoding.num_accepted_per_pos):
+                per_pos.add_metric([model, str(rank), str(position)], value)
         yield per_pos
+
+
+def _field(path: str):
+    """A Stats field's getter, by its dotted path."""
+
+    def get(stats):
+        for name in path.split("."):
+            stats = getattr(stats, name)
+        return stats
+
+    return get
 
 
 class Metrics:
     def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = registry = CollectorRegistry()
-        values = [model_name, "0"]
-        registry.register(_EngineCollector(engine, values))
+        self.model_name = model_name
+        registry.register(_EngineCollector(engine, [model_name]))
 
+        # Labelled per observation by the engine core's rank (`_at`).
         def counter(name, doc):
-            return Counter(name, doc, LABELS, registry=registry).labels(*values)
+            return Counter(name, doc, LABELS, registry=registry)
 
         def histogram(name, doc, buckets):
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(*values)
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=registry)
 
         token_buckets = build_1_2_5_buckets(engine.max_model_len)
         cache = engine.config.cache
@@ -165,12 +183,14 @@ class Metrics:
             "num_gpu_blocks": engine.ready.num_pages,
             "engine": "0",
         }
-        Gauge(
+        cache_info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
             list(info),
             registry=registry,
-        ).labels(*map(str, info.values())).set(1)
+        )
+        for rank in range(len(engine.engine_stats)):
+            cache_info.labels(*map(str, {**info, "engine": rank}.values())).set(1)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
@@ -182,7 +202,7 @@ class Metrics:
             [*LABELS, "finished_reason"],
             registry=registry,
         )
-        self.request_success = {str(r): success.labels(*values, str(r)) for r in FinishReason}
+        self.request_success = success
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
@@ -248,36 +268,52 @@ class Metrics:
             _HOST_STEP_BUCKETS,
         )
 
+        # Every series of every core from the start, at zero, as vLLM's.
+        ranks = [str(rank) for rank in range(len(engine.engine_stats))]
+        labelled = [m for m in vars(self).values() if isinstance(m, Counter | Histogram)]
+        labelled += list(self.phase.values())
+        for rank in ranks:
+            for metric in labelled:
+                if metric is not success:
+                    metric.labels(model_name, rank)
+            for reason in FinishReason:
+                success.labels(model_name, rank, str(reason))
+
     def observe(self, stats: IterationStats) -> None:
-        """AsyncLLM's `on_step` hook."""
-        self.prompt_tokens.inc(stats.num_prompt_tokens)
-        self.generation_tokens.inc(stats.num_generation_tokens)
+        """AsyncLLM's `on_step` hook: each metric under the engine core's rank."""
+        labels = (self.model_name, str(stats.engine))
+
+        def at(metric):
+            return metric.labels(*labels)
+
+        at(self.prompt_tokens).inc(stats.num_prompt_tokens)
+        at(self.generation_tokens).inc(stats.num_generation_tokens)
         if stats.step is not None:  # one engine step's outputs (not an abort)
-            self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+            at(self.iteration_tokens).observe(stats.num_prompt_tokens + stats.num_generation_tokens)
             if stats.step.host_seconds is not None:
-                self.host_step.observe(stats.step.host_seconds)
+                at(self.host_step).observe(stats.step.host_seconds)
         for seconds in stats.time_to_first_tokens:
-            self.ttft.observe(seconds)
+            at(self.ttft).observe(seconds)
         for seconds in stats.inter_token_latencies:
-            self.itl.observe(seconds)
-            self.tpot.observe(seconds)
+            at(self.itl).observe(seconds)
+            at(self.tpot).observe(seconds)
         for n in stats.n_params:
-            self.n_param.observe(n)
+            at(self.n_param).observe(n)
         for tokens in stats.max_num_generation_tokens:
-            self.max_num_generation_tokens.observe(tokens)
+            at(self.max_num_generation_tokens).observe(tokens)
         for r in stats.finished:
-            self.request_success[r.finish_reason].inc()
-            self.e2e.observe(r.e2e_latency)
-            self.phase["queue"].observe(r.queued_time)
-            self.phase["prefill"].observe(r.prefill_time)
-            self.phase["inference"].observe(r.inference_time)
-            self.phase["decode"].observe(r.decode_time)
+            self.request_success.labels(*labels, str(r.finish_reason)).inc()
+            at(self.e2e).observe(r.e2e_latency)
+            at(self.phase["queue"]).observe(r.queued_time)
+            at(self.phase["prefill"]).observe(r.prefill_time)
+            at(self.phase["inference"]).observe(r.inference_time)
+            at(self.phase["decode"]).observe(r.decode_time)
             if r.mean_time_per_output_token is not None:
-                self.request_tpot.observe(r.mean_time_per_output_token)
-            self.request_prompt_tokens.observe(r.num_prompt_tokens)
-            self.request_generation_tokens.observe(r.num_generation_tokens)
+                at(self.request_tpot).observe(r.mean_time_per_output_token)
+            at(self.request_prompt_tokens).observe(r.num_prompt_tokens)
+            at(self.request_generation_tokens).observe(r.num_generation_tokens)
             if r.max_tokens_param:
-                self.max_tokens_param.observe(r.max_tokens_param)
+                at(self.max_tokens_param).observe(r.max_tokens_param)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -93,8 +93,10 @@ MAX_MODEL_LEN = 2048
 
 def fake_engine(stats: Stats | None = None) -> SimpleNamespace:
     """What `Metrics` reads of an `AsyncLLM`."""
+    stats = stats or Stats()
     return SimpleNamespace(
-        stats=stats or Stats(),
+        stats=stats,
+        engine_stats=[stats],
         max_model_len=MAX_MODEL_LEN,
         config=SimpleNamespace(cache=CacheConfig()),
         ready=SimpleNamespace(page_size=16, num_pages=100),

@@ -243,9 +243,26 @@ class ParallelConfig:
     lockstep_address: str | None = None
     """tcp://HOST0:PORT of the channel host 0 sends its steps on (env
     JAXLLM_LOCKSTEP_ADDRESS); default: the coordinator's host, one port above it."""
+    data_parallel_size: int = option(1, "-dp")
+    """Engine cores behind one API server (vLLM's flag), each with its own devices
+    (`tensor_parallel_size` of them: a GPU slice, one TPU chip, or its share of the CPU
+    cores) and its own KV cache; requests go to the least loaded (`jaxllm.engine.dp_client`).
+    Served by `jaxllm serve`; the offline `LLM` runs one core."""
+    data_parallel_rank: int = 0
+    """This engine core's rank among `data_parallel_size` (set by the API server for each
+    core it starts)."""
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, {self.data_parallel_size}), got "
+                f"{self.data_parallel_rank}"
+            )
+        if self.data_parallel_size > 1 and self.multihost:
+            raise ValueError("data_parallel_size > 1 is not served across hosts yet")
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_processes is not None and self.num_processes < 1:

@@ -24,6 +24,7 @@ from typing import Any
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.core_outputs import FinishReason
+from jaxllm.engine.dp_client import DPEngineCoreClient
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
 from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Sleep, Stats, WakeUp
@@ -56,7 +57,7 @@ class _Stream:
 class AsyncLLM:
     def __init__(
         self,
-        client: EngineCoreClient,
+        client: EngineCoreClient | DPEngineCoreClient,
         ready: Ready,
         tokenizer,
         generation_config: dict,
@@ -79,6 +80,8 @@ class AsyncLLM:
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: Stats = ready.stats
+        # Each engine core's (one per data-parallel rank), for per-rank metrics.
+        self.engine_stats: list[Stats] = [ready.stats] * config.parallel.data_parallel_size
         self._streams: dict[str, _Stream] = {}
         self._pooled: dict[str, asyncio.Future] = {}  # pooling requests: their vectors
         self._outputs_seen = 0  # StepOutputs applied (sleep mode waits for the next one)
@@ -112,7 +115,10 @@ class AsyncLLM:
         else:
             config = EngineConfig.create(model, **engine_args)
         tokenizer, generation_config = await asyncio.to_thread(load_tokenizer, config.load.model)
-        client = EngineCoreClient(config, in_process=in_process)
+        if config.parallel.data_parallel_size > 1:
+            client = DPEngineCoreClient(config, in_process=in_process)
+        else:
+            client = EngineCoreClient(config, in_process=in_process)
         try:
             ready = await client.wait_ready()
         except BaseException:
@@ -242,6 +248,8 @@ class AsyncLLM:
         it refused."""
         if self.dead:
             raise EngineDeadError("engine core is not running")
+        if len(self.engine_stats) > 1:
+            raise RuntimeError("sleep mode is not served with data_parallel_size > 1 yet")
         seen = self._outputs_seen
         self.client.send(message)
         deadline = time.monotonic() + timeout
@@ -321,9 +329,9 @@ class AsyncLLM:
                 return
 
     def _apply(self, out) -> None:
-        self.stats = out.stats
+        self.stats = self.engine_stats[out.engine] = out.stats
         self._outputs_seen += 1
-        stats = IterationStats(step=out.step)
+        stats = IterationStats(step=out.step, engine=out.engine)
         for rid, queued_seconds, at in out.step.scheduled:
             if (times := self._times.get(rid)) is not None:
                 times.queued_seconds, times.scheduled = queued_seconds, at

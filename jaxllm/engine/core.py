@@ -266,7 +266,7 @@ class EngineCore:
         vision_config = None if vision is None else vision.config
         publisher = None
         if kv.events is not None and jax.process_index() == 0:  # the scheduler's host
-            publisher = ZmqEventPublisher(events)
+            publisher = ZmqEventPublisher(events, parallel.data_parallel_rank)
         return cls(
             scheduler,
             runner,

@@ -66,6 +66,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         level=os.environ.get("JAXLLM_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s core %(name)s: %(message)s",
     )
+    if not in_thread and config.parallel.data_parallel_size > 1:
+        claim_rank_devices(config.parallel)  # before JAX starts in this process
     parent = os.getppid()
     ctx = zmq.Context()  # its own, also on a thread: the sockets are ipc://, not inproc://
     inputs = ctx.socket(zmq.PULL)
@@ -107,6 +109,41 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         inputs.close(linger=0)
         outputs.close(linger=1000)
         ctx.term()
+
+
+def claim_rank_devices(parallel) -> None:
+    """Gives a data-parallel engine core its share of the host's devices, before JAX starts:
+    GPUs `[rank * tp, (rank + 1) * tp)` of the visible ones (CUDA_VISIBLE_DEVICES); on a TPU
+    VM chip `rank` (one chip an engine, as JAX runs several processes on one host); on the
+    CPU its share of the cores (affinity), so ranks do not contend for them."""
+    import glob
+
+    rank, size = parallel.data_parallel_rank, parallel.data_parallel_size
+    tp = parallel.tensor_parallel_size or 1
+    gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(len(gpus))]
+        if len(ids) < size * tp:
+            raise ValueError(
+                f"data_parallel_size {size} x tensor_parallel_size {tp} needs {size * tp} "
+                f"GPUs; {len(ids)} are visible"
+            )
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[rank * tp : (rank + 1) * tp])
+    elif glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        if tp != 1:
+            raise ValueError("data_parallel_size > 1 on a TPU VM takes one chip an engine: tensor_parallel_size 1")  # fmt: skip
+        os.environ.update(
+            TPU_VISIBLE_CHIPS=str(rank),
+            TPU_CHIPS_PER_PROCESS_BOUNDS="1,1,1",
+            TPU_PROCESS_BOUNDS="1,1,1",
+            TPU_PROCESS_PORT=str(8476 + rank),
+        )
+    else:
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // size)
+        mine = cores[rank * share : (rank + 1) * share] or cores[rank % len(cores) :][:1]
+        os.sched_setaffinity(0, mine)
 
 
 class CoreLoop:
@@ -187,7 +224,9 @@ class CoreLoop:
                 updates += [
                     RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in failed
                 ]
-        return StepOutputs(updates, engine.stats(), step)
+        config = getattr(engine, "config", None)
+        rank = 0 if config is None else config.parallel.data_parallel_rank
+        return StepOutputs(updates, engine.stats(), step, rank)
 
     def settle(self, abort: list[str]) -> None:
         """Leaves the engine idle for its next user: aborts `abort` (requests nobody waits

@@ -63,6 +63,7 @@ class IterationStats:
     n_params: list[int] = dataclasses.field(default_factory=list)
     max_num_generation_tokens: list[int] = dataclasses.field(default_factory=list)
     step: StepEvents | None = None  # the engine core's part (None: no step, e.g. an abort)
+    engine: int = 0  # the data-parallel rank of the core whose step this was
 
     def new_tokens(self, times: RequestTimes, count: int) -> None:
         if count == 0:

@@ -87,6 +87,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     updates: list[RequestUpdate]  # FinishReason.ERROR: the step failed the request
     stats: Stats
     step: StepEvents = msgspec.field(default_factory=StepEvents)
+    engine: int = 0  # the core's data-parallel rank
 
 
 Input = AddRequest | AddPooling | Abort | Sleep | WakeUp | Shutdown

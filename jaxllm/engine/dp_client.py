@@ -1,0 +1,147 @@
+"""Data parallelism (`--data-parallel-size N`): N engine cores behind one front end.
+
+Each core is the usual engine core process (`EngineCoreClient`), started with its rank
+(`ParallelConfig.data_parallel_rank`), which claims its share of the host's devices before
+JAX starts (`core_proc.claim_rank_devices`) and keeps a KV cache of its own. This client has
+the single client's interface, so `AsyncLLM` drives N cores as it drives one:
+- a new request goes to the live core with the least load, as vLLM's DP coordinator balances
+  them: waiting requests weigh four times running ones (a waiting request will need a whole
+  prefill), counted from each core's last stats plus the requests sent since; ties go round
+  the ranks;
+- an abort goes to the core that has the request; sleep mode messages go to every core;
+- outputs come from whichever core has some, tagged with its rank (`StepOutputs.engine`),
+  for per-rank metrics;
+- a core that dies fails its own requests (finish reason "error"), once, as if its step had
+  failed them; the others keep serving. The front end counts as dead only when all are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.core_outputs import FinishReason, RequestUpdate
+from jaxllm.engine.messages import AddPooling, AddRequest, Ready, StepOutputs
+from jaxllm.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_WAITING_WEIGHT = 4
+
+
+class DPEngineCoreClient:
+    def __init__(self, config: EngineConfig, *, in_process: bool = False):
+        if in_process:
+            raise ValueError("data_parallel_size > 1 runs its engine cores as processes")
+        size = config.parallel.data_parallel_size
+        self.clients = [EngineCoreClient(_rank_config(config, rank)) for rank in range(size)]
+        self.ready: list[Ready | None] = [None] * size
+        self.stats: list = [None] * size  # each core's last Stats
+        self._owner: dict[str, int] = {}  # request id -> rank
+        self._sent = [0] * size  # requests sent since the rank's last stats
+        self._load = [0] * size  # its last stats' weighted load
+        self._dead = [False] * size
+        self._next = 0  # the rank whose outputs are read first
+        self._turn = 0  # the rank a tie goes to
+
+    async def wait_ready(self) -> Ready:
+        """Waits for every core; they must agree on what they serve (the same config)."""
+        self.ready = list(await asyncio.gather(*(c.wait_ready() for c in self.clients)))
+        self.stats = [ready.stats for ready in self.ready]
+        first = self.ready[0]
+        for rank, ready in enumerate(self.ready):
+            if ready.max_model_len != first.max_model_len:
+                raise RuntimeError(
+                    f"engine core {rank} serves max_model_len {ready.max_model_len}, core 0 "
+                    f"{first.max_model_len}: data-parallel cores need the same devices"
+                )
+        return first
+
+    def is_alive(self) -> bool:
+        """Whether any core serves."""
+        return any(c.is_alive() for c in self.clients)
+
+    @property
+    def exit_status(self) -> str:
+        return "; ".join(f"core {r}: {c.exit_status}" for r, c in enumerate(self.clients))
+
+    def add_request(self, request: AddRequest | AddPooling) -> None:
+        live = [r for r, c in enumerate(self.clients) if not self._dead[r] and c.is_alive()]
+        if not live:
+            raise EngineDeadError("no engine core is running")
+        size = len(self.clients)
+        # Ties go round the ranks, so sequential requests spread too.
+        rank = min(live, key=lambda r: (self._load[r] + self._sent[r], (r - self._turn) % size))
+        self._turn = (rank + 1) % size
+        self._owner[request.request_id] = rank
+        self._sent[rank] += 1
+        self.clients[rank].add_request(request)
+
+    def send(self, message) -> None:
+        for rank, client in enumerate(self.clients):
+            if not self._dead[rank] and client.is_alive():
+                client.send(message)
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self._owner.get(rid)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+        for rank, rids in by_rank.items():
+            self.clients[rank].abort(rids)
+
+    async def get_output(self, timeout: float = 0.5) -> StepOutputs | None:
+        """The next outputs of any core (in turn, so a busy core does not starve the others),
+        or a dead core's failures; None after `timeout` seconds without either."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            died = self._newly_dead()
+            if died is not None:
+                return died
+            size = len(self.clients)
+            for i in range(size):
+                rank = (self._next + i) % size
+                if self._dead[rank]:
+                    continue
+                out = await self.clients[rank].get_output(timeout=0)
+                if out is not None:
+                    self._next = (rank + 1) % size
+                    return self._seen(rank, out)
+            if asyncio.get_running_loop().time() >= deadline:
+                return None
+            await asyncio.sleep(0.002)
+
+    def _seen(self, rank: int, out: StepOutputs) -> StepOutputs:
+        s = self.stats[rank] = out.stats
+        self._load[rank] = _WAITING_WEIGHT * s.num_waiting + s.num_running
+        self._sent[rank] = 0
+        for u in out.updates:
+            if u.finish_reason is not None:
+                self._owner.pop(u.request_id, None)
+        return out if out.engine == rank else msgspec.structs.replace(out, engine=rank)
+
+    def _newly_dead(self) -> StepOutputs | None:
+        """A core found dead for the first time: its requests' failures, as one step's."""
+        for rank, client in enumerate(self.clients):
+            if self._dead[rank] or client.is_alive():
+                continue
+            self._dead[rank] = True
+            logger.error("engine core %d died (%s); the others go on", rank, client.exit_status)
+            lost = [rid for rid, r in self._owner.items() if r == rank]
+            for rid in lost:
+                del self._owner[rid]
+            failures = [RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in lost]
+            return StepOutputs(failures, self.stats[rank], engine=rank)
+        return None
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        await asyncio.gather(*(c.shutdown(timeout) for c in self.clients))
+
+
+def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    return config.replace(data_parallel_rank=rank)
