@@ -41,6 +41,7 @@ from pallas_kernels.kv_cache import widen_kv
 from pallas_kernels.ragged_attention_tpu import (
     _MASK_VALUE,
     _TABLE_CHUNK,
+    PageStream,
     _div,
     _work_items,
     kv_block_pages,
@@ -101,48 +102,27 @@ def _kernel(
     def num_blocks(w):
         return _div(item_span(w)[4] + kv_tokens - 1, kv_tokens)
 
-    def page_copies(slot, i, page):
-        copies = [
-            pltpu.make_async_copy(kv_hbm_ref.at[layer, page, 0], kv_buf.at[slot, i], sems.at[slot])
-        ]
-        if quantized:
-            copies.append(
-                pltpu.make_async_copy(
-                    scales_hbm_ref.at[layer, page], scale_buf.at[slot, i], sems.at[slot]
-                )
-            )
-        return copies
-
-    def num_pages_needed(w, kb):
-        kv_end = item_span(w)[4]
-        return jnp.clip(_div(kv_end - kb * kv_tokens + page_size - 1, page_size), 0, kv_pages)
+    stream = PageStream(
+        kv_page=lambda page: kv_hbm_ref.at[layer, page, 0],
+        kv_buf=kv_buf,
+        scale_page=None if not quantized else (lambda page: scales_hbm_ref.at[layer, page]),
+        scale_buf=scale_buf,
+        sems=sems,
+        tables_hbm_ref=tables_hbm_ref,
+        tbuf=tbuf,
+        tsem=tsem,
+        kv_pages=kv_pages,
+        page_size=page_size,
+        table_chunk=table_chunk,
+        padded_pages=padded_pages,
+    )
 
     def start_fetch(w, kb, slot):
-        r = item_span(w)[0]
-        chunk = pl.multiple_of(
-            r * padded_pages + _div(kb * kv_pages, table_chunk) * table_chunk, table_chunk
-        )
-        copy = pltpu.make_async_copy(
-            tables_hbm_ref.at[0, pl.ds(chunk, table_chunk)], tbuf, tsem.at[0]
-        )
-        copy.start()
-        copy.wait()
-        first = jax.lax.rem(kb * kv_pages, table_chunk)
-
-        def start(i, _):
-            for page_copy in page_copies(slot, i, tbuf[first + i]):
-                page_copy.start()
-            return 0
-
-        jax.lax.fori_loop(0, num_pages_needed(w, kb), start, 0)
+        r, *_, kv_end = item_span(w)
+        stream.start(r, kv_end, kb, slot)
 
     def wait_fetch(w, kb, slot):
-        def wait(i, _):
-            for page_copy in page_copies(slot, i, 0):
-                page_copy.wait()
-            return 0
-
-        jax.lax.fori_loop(0, num_pages_needed(w, kb), wait, 0)
+        stream.wait(item_span(w)[4], kb, slot)
 
     def parity_row(x, parity: int):
         """The scales of the block's even (`parity` 0) or odd tokens as one f32[1, kv / 2] row

@@ -41,7 +41,10 @@ matrix (Mosaic has no sublane-to-lane reshape).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -138,52 +141,28 @@ def _kernel(
         *_, kv_begin, kv_end = item_span(w)
         return _div(kv_begin, kv_tokens), _div(kv_end + kv_tokens - 1, kv_tokens)
 
-    def page_copies(slot, i, page):
-        """The DMAs of cache page `page` (of this layer) into position i of buffer `slot`."""
-        copies = [
-            pltpu.make_async_copy(kv_hbm_ref.at[layer, page], kv_buf.at[slot, i], sems.at[slot])
-        ]
-        if quantized:
-            copies.append(
-                pltpu.make_async_copy(
-                    scales_hbm_ref.at[layer, page], scale_buf.at[slot, i], sems.at[slot]
-                )
-            )
-        return copies
-
-    def num_pages_needed(w, kb):
-        """The pages of kv block kb that hold keys work item w sees: a prefix of the block (the
-        others are past the request's length, and never copied)."""
-        kv_end = item_span(w)[6]
-        return jnp.clip(_div(kv_end - kb * kv_tokens + page_size - 1, page_size), 0, kv_pages)
+    stream = PageStream(
+        kv_page=lambda page: kv_hbm_ref.at[layer, page],
+        kv_buf=kv_buf,
+        scale_page=None if not quantized else (lambda page: scales_hbm_ref.at[layer, page]),
+        scale_buf=scale_buf,
+        sems=sems,
+        tables_hbm_ref=tables_hbm_ref,
+        tbuf=tbuf,
+        tsem=tsem,
+        kv_pages=kv_pages,
+        page_size=page_size,
+        table_chunk=table_chunk,
+        padded_pages=padded_pages,
+    )
 
     def start_fetch(w, kb, slot):
         """Brings the page ids of block kb of work item w into SMEM, then starts its DMAs."""
-        r = item_span(w)[0]
-        chunk = pl.multiple_of(
-            r * padded_pages + _div(kb * kv_pages, table_chunk) * table_chunk, table_chunk
-        )
-        copy = pltpu.make_async_copy(
-            tables_hbm_ref.at[0, pl.ds(chunk, table_chunk)], tbuf, tsem.at[0]
-        )
-        copy.start()
-        copy.wait()
-        first = jax.lax.rem(kb * kv_pages, table_chunk)
-
-        def start(i, _):
-            for page_copy in page_copies(slot, i, tbuf[first + i]):
-                page_copy.start()
-            return 0
-
-        jax.lax.fori_loop(0, num_pages_needed(w, kb), start, 0)
+        r, *_, kv_end = item_span(w)
+        stream.start(r, kv_end, kb, slot)
 
     def wait_fetch(w, kb, slot):
-        def wait(i, _):  # a wait needs the copy's size and semaphore, not its source page
-            for page_copy in page_copies(slot, i, 0):
-                page_copy.wait()
-            return 0
-
-        jax.lax.fori_loop(0, num_pages_needed(w, kb), wait, 0)
+        stream.wait(item_span(w)[6], kb, slot)
 
     def flatten(x, s_lo):
         """Lanes [s_lo, s_lo + page_size) of each page's row of `x` f32[kv_pages, n], as one
@@ -301,6 +280,76 @@ def _kernel(
     @pl.when(jnp.logical_not(active))
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageStream:
+    """A work item's KV blocks streamed from HBM into a double buffer, one DMA per page (and
+    its scales row, under the same semaphore), the pages' ids fetched from the block tables
+    in HBM a chunk at a time into SMEM (module doc). Shared by the kernels on this skeleton
+    (`mla_attention_tpu.py` too), which give how a page of the cache is addressed."""
+
+    kv_page: Callable  # page id -> the HBM ref view one DMA copies
+    kv_buf: Any  # [2, kv_pages, ...page]  the double buffer
+    scale_page: Callable | None  # page id -> its scales row (8-bit caches), else None
+    scale_buf: Any
+    sems: Any  # DMA semaphores [2], one per buffer slot
+    tables_hbm_ref: Any  # i32[1, R * P']  block tables, rows padded to whole chunks
+    tbuf: Any  # i32[table_chunk] (SMEM)
+    tsem: Any  # DMA semaphore [1], the table chunk
+    kv_pages: int
+    page_size: int
+    table_chunk: int
+    padded_pages: int
+
+    def copies(self, slot, i, page):
+        """The DMAs of cache page `page` into position i of buffer `slot`."""
+        out = [
+            pltpu.make_async_copy(self.kv_page(page), self.kv_buf.at[slot, i], self.sems.at[slot])
+        ]
+        if self.scale_page is not None:
+            out.append(
+                pltpu.make_async_copy(
+                    self.scale_page(page), self.scale_buf.at[slot, i], self.sems.at[slot]
+                )
+            )
+        return out
+
+    def pages_needed(self, kv_end, kb):
+        """The pages of kv block kb that hold keys before `kv_end`: a prefix of the block (the
+        others are past the request's length, and never copied)."""
+        kv_tokens = self.kv_pages * self.page_size
+        return jnp.clip(
+            _div(kv_end - kb * kv_tokens + self.page_size - 1, self.page_size), 0, self.kv_pages
+        )
+
+    def start(self, r, kv_end, kb, slot):
+        """Brings request r's page ids of block kb into SMEM, then starts the block's DMAs."""
+        chunk = pl.multiple_of(
+            r * self.padded_pages + _div(kb * self.kv_pages, self.table_chunk) * self.table_chunk,
+            self.table_chunk,
+        )
+        copy = pltpu.make_async_copy(
+            self.tables_hbm_ref.at[0, pl.ds(chunk, self.table_chunk)], self.tbuf, self.tsem.at[0]
+        )
+        copy.start()
+        copy.wait()
+        first = jax.lax.rem(kb * self.kv_pages, self.table_chunk)
+
+        def start(i, _):
+            for page_copy in self.copies(slot, i, self.tbuf[first + i]):
+                page_copy.start()
+            return 0
+
+        jax.lax.fori_loop(0, self.pages_needed(kv_end, kb), start, 0)
+
+    def wait(self, kv_end, kb, slot):
+        def wait(i, _):  # a wait needs the copy's size and semaphore, not its source page
+            for page_copy in self.copies(slot, i, 0):
+                page_copy.wait()
+            return 0
+
+        jax.lax.fori_loop(0, self.pages_needed(kv_end, kb), wait, 0)
 
 
 def _attend_kernel(

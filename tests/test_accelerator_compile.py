@@ -911,7 +911,7 @@ def test_compile_refuses_what_does_not_fit():
 @pytest.mark.parametrize(
     "target,advice",
     [
-        ("v5e-1", "--target v5e-4 --quantization int4 (tensor parallelism 4: ~10.3 GiB"),
+        ("v5e-1", "--target v5e-16 (tensor parallelism 16: ~8.2 GiB"),  # two hosts
         ("v6e-1", "--target v6e-8 (tensor parallelism 8: ~16.4 GiB"),
         (
             "h100",
