@@ -126,7 +126,7 @@ class _EngineCollector:
              "grammar_bitmask_seconds"),
         ):  # fmt: skip
             yield family(CounterMetricFamily, name, doc, _field(value))
-        s = ranks[0][1]  # adapters are the same on every core: the first's
+        s = ranks[0][1]
         if s.max_loras:  # vLLM's, only when LoRA is served: the value is when it was read
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info",
@@ -134,7 +134,11 @@ class _EngineCollector:
                 labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
             )
             info.add_metric(
-                [",".join(s.running_loras), str(s.max_loras), ",".join(s.waiting_loras)],
+                [
+                    ",".join(sorted({a for _, x in ranks for a in x.running_loras})),
+                    str(s.max_loras),
+                    ",".join(sorted({a for _, x in ranks for a in x.waiting_loras})),
+                ],
                 time.time(),
             )
             yield info

@@ -77,3 +77,19 @@ def test_the_offline_engine_runs_one_core(tiny_model_dir):
 
     with pytest.raises(ValueError, match="data_parallel_size"):
         LLM(tiny_model_dir, data_parallel_size=2, skip_warmup=True, **ENGINE)
+
+
+def test_ranks_kv_event_ports_must_not_collide(tiny_model_dir):
+    """Each rank publishes on its ports shifted by its rank (vLLM's rule): a replay port one
+    above the endpoint collides at data_parallel_size 2, refused before any core starts."""
+    from jaxllm.config import EngineConfig
+    from jaxllm.engine.dp_client import _check_event_endpoints
+
+    def config(replay):
+        events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557",
+                  "replay_endpoint": replay}  # fmt: skip
+        return EngineConfig.create(str(tiny_model_dir), kv_events_config=events)
+
+    with pytest.raises(ValueError, match="kv_events_config"):
+        _check_event_endpoints(config("tcp://*:5558"), 2)
+    _check_event_endpoints(config("tcp://*:5567"), 2)

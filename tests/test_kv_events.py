@@ -154,6 +154,27 @@ def test_an_adapters_blocks_carry_its_name():
     assert full[7:10] == ["sql", [["sql"]] * 3, 0]  # lora_name, extra_keys, group_idx
 
 
+def test_an_adapter_reloaded_under_its_name_does_not_hit_the_old_ones_blocks():
+    """vLLM's hash names an adapter by its name; the cache keys by the loaded adapter, so a
+    name loaded again from another checkpoint (a new adapter id) recomputes its prefixes,
+    while its events carry the same vLLM hashes."""
+    from jaxllm.lora import LoRARequest
+
+    kv = KVCacheManager(num_pages=8, page_size=4, hasher=BlockHasher("sha256_cbor"), events=True)
+    old = _request("a", list(range(12)))
+    old.lora = LoRARequest("sql", 1, "/adapters/sql-v1")
+    _admit(kv, old)
+    new = _request("b", list(range(12)))
+    new.lora = LoRARequest("sql", 2, "/adapters/sql-v2")
+    assert kv.get_computed_blocks(new) == (None, 0)
+    same = _request("c", list(range(12)))
+    same.lora = LoRARequest("sql", 1, "/adapters/sql-v1")
+    assert kv.get_computed_blocks(same)[1] == 8
+    _admit(kv, new)
+    first, second = _roundtrip(kv.take_events())
+    assert first.block_hashes == second.block_hashes
+
+
 def test_events_tell_the_prefix_caches_changes():
     """Admitted prompts: BlockStored with parent links and token ids (a shared prefix is not
     stored twice); freed blocks evicted for new ones: BlockRemoved, exactly the stored

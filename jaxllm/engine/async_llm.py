@@ -81,7 +81,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: Stats = ready.stats
         # Each engine core's (one per data-parallel rank), for per-rank metrics.
-        self.engine_stats: list[Stats] = [ready.stats] * config.parallel.data_parallel_size
+        self.engine_stats: list[Stats] = list(getattr(client, "stats", None) or [ready.stats])
         self._streams: dict[str, _Stream] = {}
         self._pooled: dict[str, asyncio.Future] = {}  # pooling requests: their vectors
         self._outputs_seen = 0  # StepOutputs applied (sleep mode waits for the next one)

@@ -81,6 +81,11 @@ class EngineCoreClient:
         return self.process.is_alive()
 
     @property
+    def output_socket(self) -> zmq.asyncio.Socket:
+        """The socket the core's outputs arrive on (to wait on several cores at once)."""
+        return self._outputs
+
+    @property
     def exit_status(self) -> str:
         code = getattr(self.process, "exitcode", None)
         return "thread ended" if code is None else f"exit code {code}"

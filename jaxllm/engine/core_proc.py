@@ -66,8 +66,6 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         level=os.environ.get("JAXLLM_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s core %(name)s: %(message)s",
     )
-    if not in_thread and config.parallel.data_parallel_size > 1:
-        claim_rank_devices(config.parallel)  # before JAX starts in this process
     parent = os.getppid()
     ctx = zmq.Context()  # its own, also on a thread: the sockets are ipc://, not inproc://
     inputs = ctx.socket(zmq.PULL)
@@ -77,6 +75,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     engine = None
     try:
         try:
+            if not in_thread and config.parallel.data_parallel_size > 1:
+                claim_rank_devices(config.parallel)  # before JAX starts in this process
             engine = build_engine_core(config)
         except Exception as e:  # a bad model path or flag: tell the front end, then exit
             logger.exception("engine failed to start")
@@ -133,11 +133,16 @@ def claim_rank_devices(parallel) -> None:
     elif glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
         if tp != 1:
             raise ValueError("data_parallel_size > 1 on a TPU VM takes one chip an engine: tensor_parallel_size 1")  # fmt: skip
+        # JAX's recipe for several processes on one TPU VM (not run here: no TPU VM).
+        port = str(8476 + rank)
         os.environ.update(
             TPU_VISIBLE_CHIPS=str(rank),
+            TPU_VISIBLE_DEVICES=str(rank),
             TPU_CHIPS_PER_PROCESS_BOUNDS="1,1,1",
             TPU_PROCESS_BOUNDS="1,1,1",
-            TPU_PROCESS_PORT=str(8476 + rank),
+            TPU_PROCESS_PORT=port,
+            TPU_MESH_CONTROLLER_ADDRESS=f"localhost:{port}",
+            TPU_MESH_CONTROLLER_PORT=port,
         )
     else:
         cores = sorted(os.sched_getaffinity(0))

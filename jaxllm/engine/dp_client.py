@@ -7,12 +7,14 @@ the single client's interface, so `AsyncLLM` drives N cores as it drives one:
 - a new request goes to the live core with the least load, as vLLM's DP coordinator balances
   them: waiting requests weigh four times running ones (a waiting request will need a whole
   prefill), counted from each core's last stats plus the requests sent since; ties go round
-  the ranks;
+  the ranks. A request that shares its prompt with an earlier one (`prefix_parent`: the n
+  completions of one prompt) goes where that one went, to share its cached prompt;
 - an abort goes to the core that has the request; sleep mode messages go to every core;
-- outputs come from whichever core has some, tagged with its rank (`StepOutputs.engine`),
-  for per-rank metrics;
-- a core that dies fails its own requests (finish reason "error"), once, as if its step had
-  failed them; the others keep serving. The front end counts as dead only when all are.
+- outputs come from whichever core has some (in turn, so a busy core does not starve the
+  others), tagged with its rank (`StepOutputs.engine`), for per-rank metrics;
+- a core that dies delivers what it sent before dying, then fails its own requests (finish
+  reason "error"), once, as if its step had failed them; the others keep serving, and its
+  gauges read zero. The front end counts as dead only when every core is.
 """
 
 from __future__ import annotations
@@ -21,16 +23,20 @@ import asyncio
 import logging
 
 import msgspec
+import zmq
+import zmq.asyncio
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.core_outputs import FinishReason, RequestUpdate
+from jaxllm.engine.kv_events import KVEventsConfig, offset_endpoint_port
 from jaxllm.engine.messages import AddPooling, AddRequest, Ready, StepOutputs
 from jaxllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 _WAITING_WEIGHT = 4
+_LIVENESS_S = 0.1  # how often a quiet wait looks for dead cores
 
 
 class DPEngineCoreClient:
@@ -38,19 +44,29 @@ class DPEngineCoreClient:
         if in_process:
             raise ValueError("data_parallel_size > 1 runs its engine cores as processes")
         size = config.parallel.data_parallel_size
-        self.clients = [EngineCoreClient(_rank_config(config, rank)) for rank in range(size)]
+        _check_event_endpoints(config, size)
+        self.clients = [EngineCoreClient(config.replace(data_parallel_rank=r)) for r in range(size)]
         self.ready: list[Ready | None] = [None] * size
         self.stats: list = [None] * size  # each core's last Stats
-        self._owner: dict[str, int] = {}  # request id -> rank
+        self._owner: dict[str, int] = {}  # request id -> rank, until it finishes or is aborted
         self._sent = [0] * size  # requests sent since the rank's last stats
         self._load = [0] * size  # its last stats' weighted load
         self._dead = [False] * size
         self._next = 0  # the rank whose outputs are read first
         self._turn = 0  # the rank a tie goes to
+        self._poller = zmq.asyncio.Poller()
+        for client in self.clients:
+            self._poller.register(client.output_socket, zmq.POLLIN)
 
     async def wait_ready(self) -> Ready:
         """Waits for every core; they must agree on what they serve (the same config)."""
-        self.ready = list(await asyncio.gather(*(c.wait_ready() for c in self.clients)))
+        results = await asyncio.gather(
+            *(c.wait_ready() for c in self.clients), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        self.ready = list(results)
         self.stats = [ready.stats for ready in self.ready]
         first = self.ready[0]
         for rank, ready in enumerate(self.ready):
@@ -70,16 +86,23 @@ class DPEngineCoreClient:
         return "; ".join(f"core {r}: {c.exit_status}" for r, c in enumerate(self.clients))
 
     def add_request(self, request: AddRequest | AddPooling) -> None:
-        live = [r for r, c in enumerate(self.clients) if not self._dead[r] and c.is_alive()]
-        if not live:
-            raise EngineDeadError("no engine core is running")
         size = len(self.clients)
+        live = [r for r in range(size) if not self._dead[r]]
+        parent = self._owner.get(getattr(request, "prefix_parent", None) or "")
         # Ties go round the ranks, so sequential requests spread too.
-        rank = min(live, key=lambda r: (self._load[r] + self._sent[r], (r - self._turn) % size))
-        self._turn = (rank + 1) % size
-        self._owner[request.request_id] = rank
-        self._sent[rank] += 1
-        self.clients[rank].add_request(request)
+        live.sort(
+            key=lambda r: (r != parent, self._load[r] + self._sent[r], (r - self._turn) % size)
+        )
+        for rank in live:
+            try:
+                self.clients[rank].add_request(request)
+            except EngineDeadError:  # died since it was last seen: the next one
+                continue
+            self._owner[request.request_id] = rank
+            self._sent[rank] += 1
+            self._turn = (rank + 1) % size
+            return
+        raise EngineDeadError("no engine core is running")
 
     def send(self, message) -> None:
         for rank, client in enumerate(self.clients):
@@ -89,21 +112,19 @@ class DPEngineCoreClient:
     def abort(self, request_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
-            rank = self._owner.get(rid)
+            rank = self._owner.pop(rid, None)
             if rank is not None:
                 by_rank.setdefault(rank, []).append(rid)
         for rank, rids in by_rank.items():
             self.clients[rank].abort(rids)
 
     async def get_output(self, timeout: float = 0.5) -> StepOutputs | None:
-        """The next outputs of any core (in turn, so a busy core does not starve the others),
-        or a dead core's failures; None after `timeout` seconds without either."""
-        deadline = asyncio.get_running_loop().time() + timeout
+        """The next outputs of any core, or a dead core's failures; None after `timeout`
+        seconds without either."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        size = len(self.clients)
         while True:
-            died = self._newly_dead()
-            if died is not None:
-                return died
-            size = len(self.clients)
             for i in range(size):
                 rank = (self._next + i) % size
                 if self._dead[rank]:
@@ -112,9 +133,13 @@ class DPEngineCoreClient:
                 if out is not None:
                     self._next = (rank + 1) % size
                     return self._seen(rank, out)
-            if asyncio.get_running_loop().time() >= deadline:
+            died = self._newly_dead()
+            if died is not None:
+                return died
+            remaining = deadline - loop.time()
+            if remaining <= 0:
                 return None
-            await asyncio.sleep(0.002)
+            await self._poller.poll(int(1000 * min(remaining, _LIVENESS_S)) + 1)
 
     def _seen(self, rank: int, out: StepOutputs) -> StepOutputs:
         s = self.stats[rank] = out.stats
@@ -126,15 +151,21 @@ class DPEngineCoreClient:
         return out if out.engine == rank else msgspec.structs.replace(out, engine=rank)
 
     def _newly_dead(self) -> StepOutputs | None:
-        """A core found dead for the first time: its requests' failures, as one step's."""
+        """A core found dead, its outputs all read (the caller read every socket just before):
+        its requests' failures, as one step's, and its gauges zeroed."""
         for rank, client in enumerate(self.clients):
             if self._dead[rank] or client.is_alive():
                 continue
+            if client.output_socket.get(zmq.EVENTS) & zmq.POLLIN:
+                continue  # still some it sent before dying: read them first
             self._dead[rank] = True
             logger.error("engine core %d died (%s); the others go on", rank, client.exit_status)
             lost = [rid for rid, r in self._owner.items() if r == rank]
             for rid in lost:
                 del self._owner[rid]
+            self.stats[rank] = msgspec.structs.replace(
+                self.stats[rank], num_running=0, num_waiting=0, kv_cache_usage=0.0
+            )
             failures = [RequestUpdate(rid, [], finish_reason=FinishReason.ERROR) for rid in lost]
             return StepOutputs(failures, self.stats[rank], engine=rank)
         return None
@@ -143,5 +174,22 @@ class DPEngineCoreClient:
         await asyncio.gather(*(c.shutdown(timeout) for c in self.clients))
 
 
-def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    return config.replace(data_parallel_rank=rank)
+def _check_event_endpoints(config: EngineConfig, size: int) -> None:
+    """Every rank publishes KV events on its own ports (shifted by its rank, as vLLM shifts
+    them): refuse a config whose ranks' ports would collide, before any core starts."""
+    events = KVEventsConfig.parse(config.cache.kv_events_config)
+    if events is None or not events.enabled:
+        return
+    seen: dict[str, str] = {}
+    for rank in range(size):
+        for name in ("endpoint", "replay_endpoint"):
+            endpoint = offset_endpoint_port(getattr(events, name), rank)
+            if endpoint is None:
+                continue
+            if endpoint in seen:
+                raise ValueError(
+                    f"kv_events_config: with data_parallel_size {size}, rank {rank}'s {name} "
+                    f"{endpoint} is also {seen[endpoint]} (ports are shifted by the rank): leave "
+                    f"{size} ports between endpoint and replay_endpoint"
+                )
+            seen[endpoint] = f"rank {rank}'s {name}"

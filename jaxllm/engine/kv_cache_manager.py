@@ -37,6 +37,7 @@ and the hit says which saved state the request starts from (`CacheHit.state`).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -54,9 +55,20 @@ taken on a prefix-cache hit). Sent to the runner as page 0, which no kernel read
 Key = tuple[int, bytes]
 
 
-class _Stored(NamedTuple):
-    """What a BlockStored event says of a cached block besides its hash."""
+def _key(block_hash: bytes, lora) -> bytes:
+    """The cache's key for a block of vLLM hash `block_hash`: the hash itself, or under a LoRA
+    adapter the hash with the adapter's id. vLLM's hash names an adapter by its name alone,
+    and a name unloaded and loaded again from another checkpoint is another adapter, whose
+    blocks must not hit the old one's."""
+    if lora is None:
+        return block_hash
+    return hashlib.sha256(block_hash + lora.lora_int_id.to_bytes(8, "big")).digest()
 
+
+class _Stored(NamedTuple):
+    """What a BlockStored event says of a cached block: its vLLM hash, its parent's, ..."""
+
+    external: bytes
     parent: bytes | None
     token_ids: list[int]
     lora: object  # the request's LoRARequest, or None
@@ -96,6 +108,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # per request: leading blocks keyed
         self._first_live: dict[str, list[int]] = {}  # per request, per group: before it, null
         self._hashes: dict[str, list[bytes]] = {}  # per request: keys of its full blocks
+        self._chains: dict[str, list[bytes]] = {}  # per request: their vLLM hashes
         self.hasher = hasher or BlockHasher()
         self.events = KVEventCollector(page_size) if events else None
         # With events: each cached hash's (parent, token ids, LoRA), for telling the host
@@ -130,14 +143,17 @@ class KVCacheManager:
     # ---- prefix cache ----------------------------------------------------------------
 
     def _block_hashes(self, request: Request) -> list[bytes]:
-        """Keys of the request's full blocks, extended as its tokens grow."""
+        """Keys of the request's full blocks (`_key` of their vLLM hashes), extended as its
+        tokens grow."""
         hashes = self._hashes.setdefault(request.request_id, [])
+        chain = self._chains.setdefault(request.request_id, [])
         tokens, size = request.all_token_ids, self.page_size
-        while (len(hashes) + 1) * size <= len(tokens):
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
+        while (len(chain) + 1) * size <= len(tokens):
+            i = len(chain)
+            parent = chain[-1] if chain else None
             extra = block_extra_keys(request, i * size, (i + 1) * size)
-            hashes.append(self.hasher.hash_block(parent, tokens[i * size : (i + 1) * size], extra))
+            chain.append(self.hasher.hash_block(parent, tokens[i * size : (i + 1) * size], extra))
+            hashes.append(_key(chain[-1], request.lora))
         return hashes
 
     def _found(self, key: Key) -> bool:
@@ -232,26 +248,24 @@ class KVCacheManager:
         per run of consecutive blocks, its parent the block before the run. Each block's
         parent, tokens, adapter and extra keys are kept while it is cached, to tell the host
         tier's copy later."""
-        hashes, tokens, size = (
-            self._hashes[request.request_id],
-            request.all_token_ids,
-            self.page_size,
-        )
-        runs: list[list[bytes]] = []
+        rid, tokens, size = request.request_id, request.all_token_ids, self.page_size
+        keys, chain = self._hashes[rid], self._chains[rid]
+        runs: list[list[int]] = []
         for i in blocks:
             start = i * size
-            self._stored[hashes[i]] = _Stored(
-                hashes[i - 1] if i else None,
+            self._stored[keys[i]] = _Stored(
+                chain[i],
+                chain[i - 1] if i else None,
                 tokens[start : start + size],
                 request.lora,
                 block_extra_keys(request, start, start + size),
             )
-            if runs and runs[-1][-1] == hashes[i - 1]:
-                runs[-1].append(hashes[i])
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
             else:
-                runs.append([hashes[i]])
+                runs.append([i])
         for run in runs:
-            self._emit_stored(run, medium, group)
+            self._emit_stored([keys[i] for i in run], medium, group)
 
     def _emit_stored(self, run: list[bytes], medium: str, group: int) -> None:
         """One BlockStored event for consecutive blocks `run` of one chain."""
@@ -259,7 +273,7 @@ class KVCacheManager:
         first, lora = blocks[0], blocks[0].lora
         extra = [b.extra_keys for b in blocks]
         self.events.stored(
-            [external_hash(h) for h in run],
+            [external_hash(b.external) for b in blocks],
             None if first.parent is None else external_hash(first.parent),
             [t for b in blocks for t in b.token_ids],
             medium=medium,
@@ -268,6 +282,11 @@ class KVCacheManager:
             lora_name=None if lora is None else lora.lora_name,
             extra_keys=extra if any(e is not None for e in extra) else None,
         )
+
+    def _external(self, key_hash: bytes) -> int:
+        """A cached key's vLLM hash as events carry it."""
+        stored = self._stored.get(key_hash)
+        return external_hash(key_hash if stored is None else stored.external)
 
     def _forget_stored(self, block_hash: bytes) -> None:
         """Drops a hash's memo once no group holds it on the device or the host."""
@@ -327,7 +346,7 @@ class KVCacheManager:
                 self._stored.clear()
             else:  # the host tier's copies stay findable: only the device's go
                 for g, block_hash in dropped:
-                    self.events.removed([external_hash(block_hash)], medium=MEDIUM_GPU, group=g)
+                    self.events.removed([self._external(block_hash)], medium=MEDIUM_GPU, group=g)
                     self._forget_stored(block_hash)
         if self.snapshots is not None:
             self.snapshots.clear()
@@ -443,7 +462,7 @@ class KVCacheManager:
             self.block_keys[block] = None
             self._offload(block, key)
             if self.events is not None:
-                self.events.removed([external_hash(key[1])], medium=MEDIUM_GPU, group=key[0])
+                self.events.removed([self._external(key[1])], medium=MEDIUM_GPU, group=key[0])
                 self._forget_stored(key[1])
         self.ref_counts[block] = 1
         return block
@@ -490,7 +509,7 @@ class KVCacheManager:
             if self.events is not None:
                 if victim is not None:
                     self.events.removed(
-                        [external_hash(victim[1])], medium=MEDIUM_CPU, group=victim[0]
+                        [self._external(victim[1])], medium=MEDIUM_CPU, group=victim[0]
                     )
                     self._forget_stored(victim[1])
                 if key[1] in self._stored:
@@ -520,6 +539,7 @@ class KVCacheManager:
     def forget(self, request: Request) -> None:
         """Drops the per-request memos once the request is gone for good."""
         self._hashes.pop(request.request_id, None)
+        self._chains.pop(request.request_id, None)
         if self.snapshots is not None:
             self.snapshots.forget(request.request_id)
 
