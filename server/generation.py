@@ -135,7 +135,12 @@ class _Generation:
             request
             for p, (ids, params, _) in enumerate(jobs)
             for request in eng.input_processor.fan_out(
-                f"{self.id}-{p}", ids, params, lora_request=lora, mm_items=mm_items
+                f"{self.id}-{p}",
+                ids,
+                params,
+                lora_request=lora,
+                mm_items=mm_items,
+                cache_salt=req.cache_salt,
             )
         ]
         self.created = int(time.time())

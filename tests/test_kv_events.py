@@ -175,6 +175,24 @@ def test_an_adapter_reloaded_under_its_name_does_not_hit_the_old_ones_blocks():
     assert first.block_hashes == second.block_hashes
 
 
+def test_a_cache_salt_keys_the_first_block():
+    """vLLM's cache_salt: an extra key of a prompt's first block (so of the whole chain);
+    requests share cached prefixes only under the same salt."""
+    kv = KVCacheManager(num_pages=16, page_size=4, hasher=BlockHasher("sha256_cbor"), events=True)
+    tokens = list(range(12))
+    a = Request("a", tokens, GREEDY, eos_token_ids=(), max_tokens=4, seed=0, cache_salt="t1")
+    _admit(kv, a)
+    (stored,) = _roundtrip(kv.take_events())
+    digest = lambda x: hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()  # noqa: E731
+    parent = digest(os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
+    first = digest((parent, tuple(tokens[:4]), ("t1",)))
+    second = digest((first, tuple(tokens[4:8]), None))
+    assert stored.block_hashes[:2] == [int.from_bytes(h[-8:], "big") for h in (first, second)]
+    for rid, salt, hit in (("b", "t2", 0), ("c", None, 0), ("d", "t1", 8)):
+        req = Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=4, seed=0, cache_salt=salt)
+        assert kv.get_computed_blocks(req)[1] == hit, salt
+
+
 def test_events_tell_the_prefix_caches_changes():
     """Admitted prompts: BlockStored with parent links and token ids (a shared prefix is not
     stored twice); freed blocks evicted for new ones: BlockRemoved, exactly the stored

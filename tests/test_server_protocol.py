@@ -180,6 +180,8 @@ BAD_BODIES = [
     (ChatCompletionRequest, chat(max_completion_tokens=0), "max_completion_tokens"),
     (ChatCompletionRequest, chat(max_completion_tokens=3, min_tokens=5), "min_tokens"),
     (ChatCompletionRequest, chat(n=True), "n"),
+    (ChatCompletionRequest, chat(cache_salt=""), "cache_salt"),
+    (ChatCompletionRequest, chat(cache_salt=7), "cache_salt"),
     (ChatCompletionRequest, chat(stream_options={"include_usage": True}), "stream_options"),
     (
         ChatCompletionRequest,

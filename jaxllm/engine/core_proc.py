@@ -203,6 +203,7 @@ class CoreLoop:
                     prefix_parent=message.prefix_parent,
                     lora=message.lora_request,
                     mm_items=message.mm_items,
+                    cache_salt=message.cache_salt,
                 )
             )
         except Exception as e:  # fails this request only

@@ -341,6 +341,7 @@ class InputProcessor:
         prefix_parent: str | None = None,
         lora_request: LoRARequest | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        cache_salt: str | None = None,
     ) -> AddRequest:
         """Completion `index` of a checked prompt, resolved for the core: its output bound
         (max_tokens, never past the context), its seed, the model's EOS ids. `mm_items`: its
@@ -363,6 +364,7 @@ class InputProcessor:
             prefix_parent=prefix_parent,
             lora_request=lora_request,
             mm_items=list(mm_items),
+            cache_salt=cache_salt,
         )
 
     def fan_out(

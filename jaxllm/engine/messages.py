@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prefix_parent: str | None = None  # see Request.prefix_parent
     lora_request: LoRARequest | None = None  # its LoRA adapter
     mm_items: list[MultiModalItem] = []  # its images (an image-text model)
+    cache_salt: str | None = None  # see Request.cache_salt
 
 
 class AddPooling(msgspec.Struct, tag="pool"):

@@ -64,6 +64,7 @@ class Request:
         prefix_parent: str | None = None,
         lora: LoRARequest | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        cache_salt: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,6 +86,8 @@ class Request:
         self.lora_slot = -1
         # Its images, in prompt order: each fills `length` placeholder tokens from `offset`.
         self.mm_items = sorted(mm_items, key=lambda item: item.offset)
+        # vLLM's cache salt: only requests of the same salt share cached prefixes.
+        self.cache_salt = cache_salt
         # The next prompt position whose logprob is owed (prompt_logprobs): position 0 has
         # none; positions scored before a preemption are not scored again.
         self.next_prompt_logprob = 1

@@ -146,6 +146,8 @@ class _SamplingRequest(_Model):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance decodes all
+    # vLLM's: only requests of the same salt share cached prompt prefixes (tenant isolation).
+    cache_salt: str | None = None
 
     # The constraint of the fields above (and of chat's tool_choice), built and checked when
     # the request is parsed.
@@ -153,6 +155,13 @@ class _SamplingRequest(_Model):
 
     _PROMPT_PARAM: ClassVar[str]  # what the prompt is called in this request
     _UNSET_MAX_TOKENS: ClassVar[int | None] = None  # max_tokens when the request omits it
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("cache_salt must be a non-empty string")
+        return value
 
     @field_validator("n", mode="before")
     @classmethod
