@@ -200,6 +200,7 @@ class AsyncLLM:
         finished = False
         try:
             self.client.add_request(request)
+            self._times[request_id].engine = self._rank_of(request_id)
             while True:
                 await stream.ready.wait()
                 stream.ready.clear()
@@ -220,7 +221,7 @@ class AsyncLLM:
             # Still timed: it ended without its last output (left early, or the engine died).
             times = self._times.pop(request_id, None)
             if times is not None:
-                stats = IterationStats()
+                stats = IterationStats(engine=times.engine)
                 reason = (
                     FinishReason.ABORT if not finished and not self.dead else FinishReason.ERROR
                 )
@@ -293,6 +294,7 @@ class AsyncLLM:
         finished = False
         try:
             self.client.add_request(request)
+            self._times[request_id].engine = self._rank_of(request_id)
             vector = await future
             finished = True
             return vector
@@ -302,7 +304,7 @@ class AsyncLLM:
                 self.client.abort([request_id])
             times = self._times.pop(request_id, None)
             if times is not None:  # it ended without its vector
-                stats = IterationStats()
+                stats = IterationStats(engine=times.engine)
                 reason = FinishReason.ERROR if self.dead else FinishReason.ABORT
                 self._finish(times, reason, stats)
                 self._report(stats)
@@ -369,6 +371,11 @@ class AsyncLLM:
             if future is not None and not future.done():
                 future.set_exception(RequestFailedError("the engine failed this request"))
         self._report(stats)
+
+    def _rank_of(self, request_id: str) -> int:
+        """The data-parallel rank of the core a request was sent to (0 with one core)."""
+        owner = getattr(self.client, "owner", None)
+        return 0 if owner is None else owner(request_id)
 
     def _finish(self, times: RequestTimes, reason: FinishReason, stats: IterationStats) -> None:
         stats.finish(times, reason)

@@ -104,6 +104,10 @@ class DPEngineCoreClient:
             return
         raise EngineDeadError("no engine core is running")
 
+    def owner(self, request_id: str) -> int:
+        """The rank a request was sent to (0 once it is done)."""
+        return self._owner.get(request_id, 0)
+
     def send(self, message) -> None:
         for rank, client in enumerate(self.clients):
             if not self._dead[rank] and client.is_alive():

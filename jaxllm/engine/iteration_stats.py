@@ -31,6 +31,7 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     num_generation_tokens: int = 0
+    engine: int = 0  # the data-parallel rank of the core that runs it
 
 
 @dataclasses.dataclass(slots=True)
