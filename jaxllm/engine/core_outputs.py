@@ -72,6 +72,7 @@ class Stats(msgspec.Struct):
 
     num_running: int = 0
     num_waiting: int = 0
+    num_received: int = 0  # requests the core has taken in, since start
     kv_cache_usage: float = 0.0  # share of pages held by requests
     prefix_cache_queries: int = 0  # counters, since start
     prefix_cache_hits: int = 0

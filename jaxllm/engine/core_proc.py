@@ -17,6 +17,7 @@ import signal
 import threading
 import traceback
 
+import msgspec
 import zmq
 
 from jaxllm.config import EngineConfig
@@ -167,6 +168,7 @@ class CoreLoop:
         self.engine = engine
         self.step_error: BaseException | None = None
         self._refused: list[RequestUpdate] = []
+        self.num_received = 0  # requests taken in (refused ones too), since start
 
     def handle(self, message: AddRequest | AddPooling | Abort | Sleep | WakeUp) -> None:
         if isinstance(message, Abort):
@@ -182,6 +184,7 @@ class CoreLoop:
             except Exception as e:
                 logger.warning("%s refused: %s", type(message).__name__, e)
             return
+        self.num_received += 1
         try:
             if isinstance(message, AddPooling):
                 self.engine.add_pooling_request(
@@ -232,7 +235,8 @@ class CoreLoop:
                 ]
         config = getattr(engine, "config", None)
         rank = 0 if config is None else config.parallel.data_parallel_rank
-        return StepOutputs(updates, engine.stats(), step, rank)
+        stats = msgspec.structs.replace(engine.stats(), num_received=self.num_received)
+        return StepOutputs(updates, stats, step, rank)
 
     def settle(self, abort: list[str]) -> None:
         """Leaves the engine idle for its next user: aborts `abort` (requests nobody waits

@@ -6,8 +6,8 @@ JAX starts (`core_proc.claim_rank_devices`) and keeps a KV cache of its own. Thi
 the single client's interface, so `AsyncLLM` drives N cores as it drives one:
 - a new request goes to the live core with the least load, as vLLM's DP coordinator balances
   them: waiting requests weigh four times running ones (a waiting request will need a whole
-  prefill), counted from each core's last stats plus the requests sent since; ties go round
-  the ranks. A request that shares its prompt with an earlier one (`prefix_parent`: the n
+  prefill), counted from each core's last stats, plus the requests sent that it had not taken
+  in yet when it made them; ties go round the ranks. A request that shares its prompt with an earlier one (`prefix_parent`: the n
   completions of one prompt) goes where that one went, to share its cached prompt;
 - an abort goes to the core that has the request; sleep mode messages go to every core;
 - outputs come from whichever core has some (in turn, so a busy core does not starve the
@@ -49,7 +49,8 @@ class DPEngineCoreClient:
         self.ready: list[Ready | None] = [None] * size
         self.stats: list = [None] * size  # each core's last Stats
         self._owner: dict[str, int] = {}  # request id -> rank, until it finishes or is aborted
-        self._sent = [0] * size  # requests sent since the rank's last stats
+        self._sent = [0] * size  # requests sent to each rank, since start
+        self._received = [0] * size  # of those, taken in by its last stats
         self._load = [0] * size  # its last stats' weighted load
         self._dead = [False] * size
         self._next = 0  # the rank whose outputs are read first
@@ -90,9 +91,7 @@ class DPEngineCoreClient:
         live = [r for r in range(size) if not self._dead[r]]
         parent = self._owner.get(getattr(request, "prefix_parent", None) or "")
         # Ties go round the ranks, so sequential requests spread too.
-        live.sort(
-            key=lambda r: (r != parent, self._load[r] + self._sent[r], (r - self._turn) % size)
-        )
+        live.sort(key=lambda r: (r != parent, self._load_of(r), (r - self._turn) % size))
         for rank in live:
             try:
                 self.clients[rank].add_request(request)
@@ -103,6 +102,9 @@ class DPEngineCoreClient:
             self._turn = (rank + 1) % size
             return
         raise EngineDeadError("no engine core is running")
+
+    def _load_of(self, rank: int) -> int:
+        return self._load[rank] + self._sent[rank] - self._received[rank]
 
     def owner(self, request_id: str) -> int:
         """The rank a request was sent to (0 once it is done)."""
@@ -148,7 +150,7 @@ class DPEngineCoreClient:
     def _seen(self, rank: int, out: StepOutputs) -> StepOutputs:
         s = self.stats[rank] = out.stats
         self._load[rank] = _WAITING_WEIGHT * s.num_waiting + s.num_running
-        self._sent[rank] = 0
+        self._received[rank] = s.num_received
         for u in out.updates:
             if u.finish_reason is not None:
                 self._owner.pop(u.request_id, None)
