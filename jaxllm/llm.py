@@ -188,7 +188,10 @@ class LLM:
         priorities = self._priorities(priority, len(prompts))
         loras = self._loras(lora_request, len(prompts))
         tokenized = [self.input_processor.prompt_inputs(p) for p in prompts]
-        return self._run(tokenized, params, use_tqdm=use_tqdm, priorities=priorities, loras=loras)
+        salts = [_cache_salt(p) for p in prompts]
+        return self._run(
+            tokenized, params, use_tqdm=use_tqdm, priorities=priorities, loras=loras, salts=salts
+        )
 
     @staticmethod
     def _loras(lora_request, n: int) -> list[LoRARequest | None]:
@@ -464,6 +467,7 @@ class LLM:
         use_tqdm: bool,
         priorities: list[int] | None = None,
         loras: list[LoRARequest | None] | None = None,
+        salts: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         output_processor = OutputProcessor(self.tokenizer)
         groups: list[tuple[str, str | None, list[int], list[str]]] = []
@@ -471,12 +475,13 @@ class LLM:
         requests = []
         priorities = priorities or [0] * len(params)
         loras = loras or [None] * len(params)
-        for (text, ids, items), sp, prio, lora in zip(
-            tokenized, params, priorities, loras, strict=True
+        salts = salts or [None] * len(params)
+        for (text, ids, items), sp, prio, lora, salt in zip(
+            tokenized, params, priorities, loras, salts, strict=True
         ):
             rid = self.input_processor.next_request_id()
             subs = self.input_processor.fan_out(
-                rid, ids, sp, priority=prio, lora_request=lora, mm_items=items
+                rid, ids, sp, priority=prio, lora_request=lora, mm_items=items, cache_salt=salt
             )
             for i, request in subs:
                 output_processor.add_request(request.request_id, i, ids, sp)
@@ -546,3 +551,12 @@ def _signature() -> inspect.Signature:
 
 
 LLM.__init__.__signature__ = _signature()
+
+
+def _cache_salt(prompt) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's): only prompts of one salt share cached
+    prefixes."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InputError("cache_salt must be a non-empty string", "cache_salt")
+    return salt

@@ -167,3 +167,22 @@ def test_n_completions_share_the_prompt(long_llm):
     )[0]  # fmt: skip
     assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 3
     kv.check_invariants()
+
+
+def test_a_cache_salt_isolates_prefixes(tiny_llm):
+    """vLLM's `cache_salt` in a prompt dict: a prompt shares cached prefixes only with prompts
+    of its salt."""
+    kv = tiny_llm.kv_cache_manager
+    ids = [7 + i % 50 for i in range(64)]
+
+    def hits(salt):
+        before = kv.prefix_cache_hits
+        prompt = {"prompt_token_ids": ids} | ({} if salt is None else {"cache_salt": salt})
+        tiny_llm.generate([prompt], GREEDY, use_tqdm=False)
+        return kv.prefix_cache_hits - before
+
+    assert hits("tenant-a") == 0
+    assert hits("tenant-b") == 0 and hits(None) == 0
+    assert hits("tenant-a") == 48  # its own salt's 3 blocks of 16 (the last token computed)
+    with pytest.raises(ValueError, match="cache_salt"):
+        tiny_llm.generate([{"prompt_token_ids": ids, "cache_salt": ""}], GREEDY, use_tqdm=False)
