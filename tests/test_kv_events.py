@@ -23,10 +23,10 @@ import pytest
 import zmq
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.config.kv_events import KVEventsConfig
 from jaxllm.engine.block_hashing import BlockHasher
 from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.kv_events import KVEventsConfig
 from jaxllm.engine.request import Request
 
 

@@ -26,6 +26,7 @@ from jaxllm.config.flags import (
     type_hints,
 )
 from jaxllm.config.kernels import CompilationConfig
+from jaxllm.config.kv_events import KVEventsConfig
 
 _DTYPES = {
     "float32": "float32",
@@ -173,8 +174,6 @@ class CacheConfig:
     def __post_init__(self) -> None:
         parse_json_field(self, "kv_events_config")
         check_types(self)
-        from jaxllm.engine.kv_events import KVEventsConfig
-
         KVEventsConfig.parse(self.kv_events_config)  # a bad field raises, named
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")

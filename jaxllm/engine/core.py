@@ -135,12 +135,13 @@ class EngineCore:
         import pallas_kernels
         from jaxllm.compilation_cache import setup_compilation_cache
         from jaxllm.config import resolve_dtype
+        from jaxllm.config.kv_events import KVEventsConfig
         from jaxllm.engine import multihost
         from jaxllm.engine.block_hashing import BlockHasher
         from jaxllm.engine.encoder_cache import EncoderCache
         from jaxllm.engine.host_blocks import HostBlockPool
         from jaxllm.engine.kv_cache_manager import KVCacheManager
-        from jaxllm.engine.kv_events import KVEventsConfig, ZmqEventPublisher
+        from jaxllm.engine.kv_events import ZmqEventPublisher
         from jaxllm.loaders import load_model
         from jaxllm.model_files import cache_dir
         from jaxllm.sharding import make_mesh

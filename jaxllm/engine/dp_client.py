@@ -27,9 +27,10 @@ import zmq
 import zmq.asyncio
 
 from jaxllm.config import EngineConfig
+from jaxllm.config.kv_events import KVEventsConfig
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.core_outputs import FinishReason, RequestUpdate
-from jaxllm.engine.kv_events import KVEventsConfig, offset_endpoint_port
+from jaxllm.engine.kv_events import offset_endpoint_port
 from jaxllm.engine.messages import AddPooling, AddRequest, Ready, StepOutputs
 from jaxllm.errors import EngineDeadError
 

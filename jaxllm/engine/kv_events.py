@@ -30,9 +30,7 @@ queues batches.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -41,6 +39,8 @@ from collections import deque
 from typing import Any
 
 import msgspec
+
+from jaxllm.config.kv_events import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,57 +82,6 @@ class AllBlocksCleared(KVCacheEvent):
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-@dataclasses.dataclass(frozen=True)
-class KVEventsConfig:
-    """vLLM's `KVEventsConfig` (the `--kv-events-config` JSON), plus `encoding`."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None  # "zmq" or "null"; default "zmq" when enabled
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-    encoding: str = "array"  # "array" (vLLM <= 0.23 and its example subscriber) or "map"
-
-    @classmethod
-    def parse(cls, value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
-        """From the flag's JSON (or a dict); a clear error names a bad field."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown fields {unknown}; known: {sorted(names)}")
-        config = cls(**value)
-        config.check()
-        return config
-
-    def check(self) -> None:
-        if self.publisher not in (None, "zmq", "null"):
-            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")  # fmt: skip
-        if self.encoding not in ("array", "map"):
-            raise ValueError(f"kv_events_config.encoding must be 'array' or 'map', got {self.encoding!r}")  # fmt: skip
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"kv_events_config.{name} must be a positive integer")
-        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
-            raise ValueError(f"kv_events_config.endpoint must be a ZeroMQ endpoint, got {self.endpoint!r}")  # fmt: skip
-
-    @property
-    def enabled(self) -> bool:
-        publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
-        return self.enable_kv_cache_events and publisher == "zmq"
 
 
 def offset_endpoint_port(endpoint: str | None, rank: int) -> str | None:
