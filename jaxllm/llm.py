@@ -82,6 +82,11 @@ class LLM:
                 "data_parallel_size > 1 is served by `jaxllm serve` (AsyncLLM), which starts "
                 "a core per rank; the offline LLM runs one engine core"
             )
+        if config.cache.kv_transfer_config is not None:
+            raise ValueError(
+                "kv_transfer_config (prefill/decode disaggregation) is served by `jaxllm "
+                "serve`, whose engine core serves and pulls KV blocks between steps"
+            )
         # The tokenizer (mostly importing transformers) loads on a thread meanwhile.
         tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
         tokenizer = tokenizer_pool.submit(load_tokenizer, config.load.model)

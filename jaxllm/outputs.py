@@ -36,6 +36,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top ones
     # (None for the first token, which has no context).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A prefiller's finished request (prefill/decode disaggregation): the params its decoder
+    # is sent with (vLLM's).
+    kv_transfer_params: dict | None = None
 
 
 @dataclasses.dataclass

@@ -128,6 +128,7 @@ class _Generation:
         `mm_items`: the images of a chat's one prompt."""
         self.req, self.model, self.jobs, self.eng = req, model, jobs, eng
         self.prompt_logprobs: dict[int, list] = {}  # choice -> the engine's prompt_logprobs
+        self.kv_transfer_params: dict | None = None  # a prefiller's answer (`kv_transfer`)
         # The response model's own id form ("cmpl-...", "chatcmpl-..."), one for all chunks.
         self.id = self.response_cls.model_fields["id"].get_default(call_default_factory=True)
         # The engine requests, in choice order: the n completions of each prompt.
@@ -141,6 +142,7 @@ class _Generation:
                 lora_request=lora,
                 mm_items=mm_items,
                 cache_salt=req.cache_salt,
+                kv_transfer_params=req.kv_transfer_params,
             )
         ]
         self.created = int(time.time())
@@ -161,6 +163,8 @@ class _Generation:
                 async for ro in self.eng.generate(request, index=index, arrival_time=self.arrival):
                     if ro.prompt_logprobs is not None:
                         self.prompt_logprobs[choice] = ro.prompt_logprobs
+                    if ro.kv_transfer_params is not None:
+                        self.kv_transfer_params = ro.kv_transfer_params
                     await queue.put((choice, ro.outputs[0]))
             except asyncio.CancelledError:
                 raise  # the response is over: nobody reads the queue any more
@@ -217,6 +221,7 @@ class _Generation:
             model=self.model,
             choices=[self._choice(c, finals[c]) for c in sorted(finals)],
             usage=self._usage(finals),
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _chunk(self, choices: list, usage: protocol.UsageInfo | None = None) -> BaseModel:

@@ -81,6 +81,9 @@ class _EngineCollector:
                      "Host KV tier (kv_offloading_size) usage, in blocks held. 1 means 100 "
                      "percent usage; 0 without the tier.",
                      lambda s: s.kv_offload_blocks / max(s.kv_offload_capacity, 1))  # fmt: skip
+        yield family(GaugeMetricFamily, "jaxllm:kv_transfer_held_requests",
+                     "Finished requests whose KV blocks this prefiller keeps until their "
+                     "decoder pulls them.", lambda s: s.kv_transfer_held)  # fmt: skip
         yield family(GaugeMetricFamily, "jaxllm:encoder_cache_usage_perc",
                      "Encoder cache usage (an image-text model's encoded images on the device), "
                      "in slots held by requests. 1 means 100 percent usage; 0 without images.",
@@ -91,6 +94,30 @@ class _EngineCollector:
              "prefix_cache_queries"),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              "prefix_cache_hits"),
+            ("vllm:external_prefix_cache_queries",
+             "External prefix cache queries from KV connector cross-instance cache sharing, "
+             "in terms of number of queried tokens (here: the prompt tokens of requests a "
+             "decoder was sent with a prefiller's kv_transfer_params).",
+             "external_prefix_cache_queries"),
+            ("vllm:external_prefix_cache_hits",
+             "External prefix cache hits from KV connector cross-instance cache sharing, in "
+             "terms of number of cached tokens (here: the prompt tokens whose KV a decoder "
+             "pulled from its prefiller; they count as vllm:prefix_cache_hits too, found in "
+             "the host tier they landed in).", "external_prefix_cache_hits"),
+            ("jaxllm:kv_transfer_sent_blocks",
+             "KV blocks decoders pulled from this engine (a prefiller, kv_transfer_config).",
+             "kv_transfer_sent_blocks"),
+            ("jaxllm:kv_transfer_received_blocks",
+             "KV blocks this engine (a decoder) pulled from prefillers and landed.",
+             "kv_transfer_received_blocks"),
+            ("jaxllm:kv_transfer_received_bytes", "Bytes of the KV blocks pulled.",
+             "kv_transfer_received_bytes"),
+            ("jaxllm:kv_transfer_failures",
+             "Pulls that failed (the prefiller gone, slow or holding other blocks): the "
+             "prompt was computed here instead, or the request failed "
+             "(kv_load_failure_policy fail).", "kv_transfer_failures"),
+            ("jaxllm:kv_transfer_seconds", "Seconds spent waiting for pulls, summed.",
+             "kv_transfer_seconds"),
             ("jaxllm:prefix_cache_hits_host",
              "Prefix cache hits served from the host KV tier (kv_offloading_size), in tokens; "
              "included in vllm:prefix_cache_hits.", "prefix_cache_hits_host"),

@@ -127,7 +127,9 @@ def test_bad_sizes_name_the_parameter(tiny_model_dir):
         LLM(tiny_model_dir, kv_offloading_size=-1, skip_warmup=True)
     with pytest.raises(ValueError, match="kv_offloading_size needs prefix caching"):
         LLM(tiny_model_dir, kv_offloading_size=1, enable_prefix_caching=False, skip_warmup=True)
-    with pytest.raises(ValueError, match="kv_offloading_size 1e-09 GiB holds no block"):
+    with pytest.raises(
+        ValueError, match="kv_offloading_size: a host tier of 1e-09 GiB holds no block"
+    ):
         LLM(tiny_model_dir, kv_offloading_size=1e-9, num_pages=8, skip_warmup=True)
 
 

@@ -45,13 +45,13 @@ VLLM_METRICS = {
     "vllm:spec_decode_num_draft_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    "vllm:external_prefix_cache_queries": "counter",
+    "vllm:external_prefix_cache_hits": "counter",
 }
 # vLLM's metrics for concepts this engine does not have.
 VLLM_NOT_APPLICABLE = {
     "vllm:lora_requests_info": "no LoRA adapters",
     "vllm:engine_sleep_state": "no sleep mode",
-    "vllm:external_prefix_cache_queries": "no KV connector (cross-instance cache)",
-    "vllm:external_prefix_cache_hits": "no KV connector (cross-instance cache)",
     "vllm:mm_cache_queries": "no multi-modal inputs",
     "vllm:mm_cache_hits": "no multi-modal inputs",
     "vllm:corrupted_requests": "vLLM's only with VLLM_COMPUTE_NANS_IN_LOGITS",
@@ -87,6 +87,12 @@ JAXLLM_METRICS = {
     "jaxllm:encoder_cache_usage_perc": "gauge",
     "jaxllm:encoder_cache_queries": "counter",
     "jaxllm:encoder_cache_hits": "counter",
+    "jaxllm:kv_transfer_sent_blocks": "counter",
+    "jaxllm:kv_transfer_received_blocks": "counter",
+    "jaxllm:kv_transfer_received_bytes": "counter",
+    "jaxllm:kv_transfer_failures": "counter",
+    "jaxllm:kv_transfer_seconds": "counter",
+    "jaxllm:kv_transfer_held_requests": "gauge",
 }
 MAX_MODEL_LEN = 2048
 

@@ -27,6 +27,7 @@ from jaxllm.config.flags import (
 )
 from jaxllm.config.kernels import CompilationConfig
 from jaxllm.config.kv_events import KVEventsConfig
+from jaxllm.config.kv_transfer import DEFAULT_HOST_TIER_GIB, KVTransferConfig
 
 _DTYPES = {
     "float32": "float32",
@@ -170,11 +171,23 @@ class CacheConfig:
     the prefix cache's changes (blocks stored and removed, resets) in vLLM's format over
     ZeroMQ, for prefix-aware routers (`jaxllm.engine.kv_events`); "encoding": "map" writes
     each event as a map (vLLM since mid-2026) instead of an array (vLLM's example subscriber)."""
+    kv_transfer_config: dict | None = None
+    """vLLM's JSON for prefill/decode disaggregation: {"kv_connector": "JaxTransferConnector"
+    (or vLLM's "NixlConnector", served the same way), "kv_role": "kv_producer" | "kv_consumer"
+    | "kv_both", "kv_ip": ..., "kv_port": ...}. A producer keeps a request sent with
+    kv_transfer_params {"do_remote_decode": true} in its KV cache once prefilled and answers
+    with the params a decoder needs; a consumer given them pulls those blocks instead of
+    computing the prompt (`jaxllm.engine.kv_transfer`). Pulled blocks land in the host KV
+    tier, which a role gets by default (2 GiB unless kv_offloading_size sets it)."""
 
     def __post_init__(self) -> None:
         parse_json_field(self, "kv_events_config")
+        parse_json_field(self, "kv_transfer_config")
         check_types(self)
         KVEventsConfig.parse(self.kv_events_config)  # a bad field raises, named
+        transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        if transfer is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_transfer_config needs prefix caching (enable_prefix_caching): pulled blocks are found as cached prefixes")  # fmt: skip
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -189,6 +202,13 @@ class CacheConfig:
             raise ValueError(f"kv_offloading_size must be >= 0, got {self.kv_offloading_size}")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs prefix caching (enable_prefix_caching)")
+
+    @property
+    def host_tier_gib(self) -> float:
+        """The host KV tier's size: kv_offloading_size, or a KV transfer role's default."""
+        if self.kv_offloading_size or self.kv_transfer_config is None:
+            return self.kv_offloading_size
+        return DEFAULT_HOST_TIER_GIB
 
 
 @dataclasses.dataclass(frozen=True)

@@ -403,6 +403,7 @@ class AsyncLLM:
             outputs=[out],
             finished=out.finish_reason is not None,
             prompt_logprobs=self.output_processor.prompt_logprobs(request_id),
+            kv_transfer_params=self.output_processor.kv_transfer_params(request_id),
         )
 
     async def _watchdog(self) -> None:

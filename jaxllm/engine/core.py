@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jaxllm.classifier import ClassifierHead
 from jaxllm.config import EngineConfig, ModelConfig
-from jaxllm.engine.core_outputs import RequestUpdate, Stats, StepEvents
+from jaxllm.engine.core_outputs import FinishReason, RequestUpdate, Stats, StepEvents
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
 from jaxllm.engine.request import Request
@@ -46,6 +46,7 @@ from jaxllm.worker import SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxllm.engine.kv_events import ZmqEventPublisher
+    from jaxllm.engine.kv_transfer import KVTransfer
     from jaxllm.models.vision import VisionConfig
     from jaxllm.worker import EnginePlan, InflightStep, ModelRunner
 
@@ -85,6 +86,7 @@ class EngineCore:
         is_worker: bool = False,
         warmup_seconds: float | None = None,
         kv_events: ZmqEventPublisher | None = None,
+        kv_transfer: KVTransfer | None = None,
     ):
         """The core over a scheduler and a runner; `served`: what `from_config` loaded and
         planned (None for a core over parts made by hand: no input checks, no pooling). A
@@ -98,6 +100,9 @@ class EngineCore:
         self.is_worker = is_worker
         self.warmup_seconds = warmup_seconds
         self.kv_events = kv_events  # publishes each step's KV events (`kv_events.py`)
+        # Prefill/decode disaggregation (`kv_transfer.py`): holds, serves and pulls blocks.
+        self.kv_transfer = kv_transfer
+        scheduler.kv_transfer = kv_transfer
         self.num_steps = 0
         self.last_step = StepEvents()  # what metrics need of the last `step`
         self._inflight: tuple[SchedulerOutput, InflightStep] | None = None
@@ -136,12 +141,14 @@ class EngineCore:
         from jaxllm.compilation_cache import setup_compilation_cache
         from jaxllm.config import resolve_dtype
         from jaxllm.config.kv_events import KVEventsConfig
+        from jaxllm.config.kv_transfer import KVTransferConfig
         from jaxllm.engine import multihost
         from jaxllm.engine.block_hashing import BlockHasher
         from jaxllm.engine.encoder_cache import EncoderCache
         from jaxllm.engine.host_blocks import HostBlockPool
         from jaxllm.engine.kv_cache_manager import KVCacheManager
         from jaxllm.engine.kv_events import ZmqEventPublisher
+        from jaxllm.engine.kv_transfer import KVTransfer
         from jaxllm.loaders import load_model
         from jaxllm.model_files import cache_dir
         from jaxllm.sharding import make_mesh
@@ -268,6 +275,15 @@ class EngineCore:
         publisher = None
         if kv.events is not None and jax.process_index() == 0:  # the scheduler's host
             publisher = ZmqEventPublisher(events, parallel.data_parallel_rank)
+        transfer = None
+        if cache.kv_transfer_config is not None:  # a host tier is planned for it
+            transfer = KVTransfer(
+                KVTransferConfig.parse(cache.kv_transfer_config),
+                kv,
+                runner.offloader,
+                rank=parallel.data_parallel_rank,
+                tp_size=tp,
+            )
         return cls(
             scheduler,
             runner,
@@ -277,6 +293,7 @@ class EngineCore:
             is_worker=multi and jax.process_index() != 0,
             warmup_seconds=warmup_seconds,
             kv_events=publisher,
+            kv_transfer=transfer,
         )
 
     @property
@@ -311,7 +328,34 @@ class EngineCore:
             if self.scheduler.loras is None:
                 raise ValueError("lora_request: this engine serves no LoRA adapters (enable_lora)")
             self.scheduler.loras.prepare(request.lora)
+        transfer = self.kv_transfer
+        if transfer is not None and transfer.wants_pull(request):
+            if request.request_id in self.scheduler.requests or transfer.pulling(request.request_id):  # fmt: skip
+                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            if transfer.start_pull(request):
+                return  # queued once its blocks are in (`poll_transfers`)
         self.scheduler.add_request(request)
+
+    def poll_transfers(self) -> list[RequestUpdate]:
+        """Prefill/decode disaggregation's work between steps (`kv_transfer.KVTransfer.poll`):
+        serves decoders' pulls, and queues the requests whose own pulls ended. Returns the
+        updates of requests a failed pull failed."""
+        if self.kv_transfer is None:
+            return []
+        ready, failed = self.kv_transfer.poll()
+        updates = [
+            RequestUpdate(r.request_id, [], finish_reason=FinishReason.ERROR) for r in failed
+        ]
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except Exception as e:  # (a grammar that does not compile)
+                logger.warning("request %s refused: %s", request.request_id, e)
+                self.scheduler.kv.forget(request)
+                updates.append(
+                    RequestUpdate(request.request_id, [], finish_reason=FinishReason.ERROR)
+                )
+        return updates
 
     @property
     def is_pooling(self) -> bool:
@@ -353,6 +397,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        if self.kv_transfer is not None:
+            self.kv_transfer.abort(request_ids)
 
     def running_request_ids(self) -> list[str]:
         """The requests a step in progress holds (a failed step fails them)."""
@@ -370,6 +416,8 @@ class EngineCore:
         empty), the cached prefixes point at nothing: forget them. Call it once the failed
         requests are aborted (a reset needs every block free of requests)."""
         if self.runner.kv_cache_lost:
+            if self.kv_transfer is not None:  # the blocks held for decoders are gone too
+                self.kv_transfer.release_all()
             self.scheduler.kv.reset_prefix_cache()
             self.runner.kv_cache_lost = False
 
@@ -382,11 +430,13 @@ class EngineCore:
         tier's; compiled programs are kept. A ValueError if requests are unfinished or `level` is not 1 or 2."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
-        if self.has_unfinished_requests():
+        if self.has_unfinished_requests() or (self.kv_transfer and self.kv_transfer.num_pulling):
             raise ValueError("the engine has unfinished requests: sleep when it is idle")
         if self.sleep_level:
             return
         self.drain()
+        if self.kv_transfer is not None:  # the device's blocks go: decoders recompute
+            self.kv_transfer.release_all()
         # The host KV tier's copies stay: the same weights come back (level 2 reloads them
         # from the checkpoint), so a prefix they hold is right after waking.
         self.scheduler.kv.reset_prefix_cache(host=False)
@@ -433,7 +483,8 @@ class EngineCore:
         scheduler, kv = self.scheduler, self.scheduler.kv
         return Stats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting)
+            + (self.kv_transfer.num_pulling if self.kv_transfer else 0),
             kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_pages,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -449,6 +500,7 @@ class EngineCore:
             sleep_level=self.sleep_level,
             **_lora_stats(scheduler),
             **_encoder_cache_stats(scheduler.encoder_cache),
+            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
         )
 
     def step(self) -> list[RequestUpdate]:
@@ -532,6 +584,8 @@ class EngineCore:
                 self.hook.close()
             if self.kv_events is not None:
                 self.kv_events.shutdown()
+            if self.kv_transfer is not None:
+                self.kv_transfer.close()
 
     def _announce(self, scheduled: SchedulerOutput, *, wait: bool) -> None:
         if self.hook is not None:

@@ -29,6 +29,8 @@ class RequestUpdate(msgspec.Struct):
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     new_prompt_logprobs: list[PromptTokenLogprobs] | None = None
     pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
+    # A prefiller's finished request (`kv_transfer`): what its decoder needs to pull its KV.
+    kv_transfer_params: dict | None = None
 
 
 class StepEvents(msgspec.Struct):
@@ -106,3 +108,15 @@ class Stats(msgspec.Struct):
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_usage: float = 0.0
+    # Prefill/decode disaggregation (kv_transfer_config), since start: blocks decoders pulled
+    # from this engine; blocks it pulled and landed, their bytes, failed pulls (prompts
+    # recomputed) and seconds spent pulling; prompt tokens of its remote-prefill requests
+    # and how many of them it pulled (vLLM's external prefix cache); requests held now.
+    kv_transfer_sent_blocks: int = 0
+    kv_transfer_received_blocks: int = 0
+    kv_transfer_received_bytes: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_seconds: float = 0.0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_transfer_held: int = 0

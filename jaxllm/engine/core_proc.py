@@ -41,6 +41,7 @@ from jaxllm.engine.request import Request
 logger = logging.getLogger("jaxllm.engine.core")
 
 _IDLE_POLL_MS = 200
+_PULL_POLL_MS = 2  # idle, but waiting for a pull's blocks (P/D)
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore | EncoderEngineCore:
@@ -85,16 +86,21 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             return
         outputs.send(encoder.encode(engine.ready()))
         loop = CoreLoop(engine)
+        # An idle core wakes for a message, or for a decoder's pull (P/D, `kv_transfer`).
+        poller = zmq.Poller()
+        for sock in [inputs, *loop.sockets]:
+            poller.register(sock, zmq.POLLIN)
         while True:
-            timeout = 0 if engine.has_unfinished_requests() else _IDLE_POLL_MS
+            timeout = 0 if engine.has_unfinished_requests() else loop.idle_poll_ms
             received = False
-            while inputs.poll(timeout):
+            while inputs in dict(poller.poll(timeout)):
                 received = True
                 message = input_decoder.decode(inputs.recv())
                 if isinstance(message, Shutdown):
                     return
                 loop.handle(message)
                 timeout = 0
+            received |= loop.poll()
             if os.getppid() != parent:
                 logger.warning("front end is gone; exiting")
                 return
@@ -207,6 +213,7 @@ class CoreLoop:
                     lora=message.lora_request,
                     mm_items=message.mm_items,
                     cache_salt=message.cache_salt,
+                    kv_transfer_params=message.kv_transfer_params,
                 )
             )
         except Exception as e:  # fails this request only
@@ -214,6 +221,36 @@ class CoreLoop:
             self._refused.append(
                 RequestUpdate(message.request_id, [], finish_reason=FinishReason.ERROR)
             )
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """Sockets besides the input whose messages `poll` serves."""
+        transfer = getattr(self.engine, "kv_transfer", None)
+        return [] if transfer is None else transfer.sockets
+
+    @property
+    def idle_poll_ms(self) -> int:
+        """How long an idle core may block on its sockets: not long while a request waits
+        for its pulled blocks (they arrive on no socket of the core's)."""
+        transfer = getattr(self.engine, "kv_transfer", None)
+        return _PULL_POLL_MS if transfer is not None and transfer.num_pulling else _IDLE_POLL_MS
+
+    def poll(self) -> bool:
+        """Prefill/decode disaggregation's work between steps (`EngineCore.poll_transfers`);
+        True if it changed what the next `step` reports or runs."""
+        transfer = getattr(self.engine, "kv_transfer", None)
+        if transfer is None:
+            return False
+        before = self.engine.has_unfinished_requests(), transfer.stats()
+        try:
+            failed = self.engine.poll_transfers()
+        except Exception:
+            logger.exception("KV transfer failed")
+            return False
+        self._refused += failed
+        # (Pulls served or holds released change the stats metrics read.)
+        after = self.engine.has_unfinished_requests(), transfer.stats()
+        return bool(failed) or after != before
 
     def step(self) -> StepOutputs:
         engine = self.engine

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxllm.config.kv_transfer import check_kv_transfer_params
 from jaxllm.engine.messages import AddRequest, Ready
 from jaxllm.errors import InputError
 from jaxllm.lora import LoRARequest
@@ -342,6 +343,7 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AddRequest:
         """Completion `index` of a checked prompt, resolved for the core: its output bound
         (max_tokens, never past the context), its seed, the model's EOS ids. `mm_items`: its
@@ -352,6 +354,9 @@ class InputProcessor:
                     "prompt: it holds image placeholder tokens but no image was given",
                     "prompt",
                 )
+        problem = check_kv_transfer_params(kv_transfer_params)
+        if problem is not None:
+            raise InputError(problem, "kv_transfer_params")
         room = self.max_model_len - len(prompt_token_ids)
         return AddRequest(
             request_id,
@@ -365,6 +370,7 @@ class InputProcessor:
             lora_request=lora_request,
             mm_items=list(mm_items),
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
 
     def fan_out(
@@ -375,6 +381,9 @@ class InputProcessor:
         cached prompt (`prefix_parent`), so the prompt is computed once."""
         if params.n == 1:
             return [(0, self.request(request_id, prompt_token_ids, params, **kwargs))]
+        if kwargs.get("kv_transfer_params"):
+            # One prefill's blocks serve one decode (vLLM's proxies send n = 1).
+            raise InputError("kv_transfer_params: n must be 1 with prefill/decode disaggregation", "n")  # fmt: skip
         first = f"{request_id}-0"
         return [
             (

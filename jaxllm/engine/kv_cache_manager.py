@@ -121,6 +121,9 @@ class KVCacheManager:
         # This step's copies: (device block, host slot) stores, (host slot, device block) loads.
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        # Finished requests' tables kept for a decoder to read (`hold`), by hold id.
+        self._held: dict[int, list[list[int]]] = {}
+        self._next_hold = 0
 
     @property
     def num_groups(self) -> int:
@@ -504,16 +507,19 @@ class KVCacheManager:
             self._loads = [(slot, b) for slot, b in self._loads if b != block]
             return
         if self.host.lookup(key) is None:
-            victim = self.host.next_victim()
-            self._stores.append((block, self.host.store(key)))
-            if self.events is not None:
-                if victim is not None:
-                    self.events.removed(
-                        [self._external(victim[1])], medium=MEDIUM_CPU, group=victim[0]
-                    )
-                    self._forget_stored(victim[1])
-                if key[1] in self._stored:
-                    self._emit_stored([key[1]], MEDIUM_CPU, key[0])
+            self._stores.append((block, self._host_store(key)))
+            if self.events is not None and key[1] in self._stored:
+                self._emit_stored([key[1]], MEDIUM_CPU, key[0])
+
+    def _host_store(self, key: Key) -> int:
+        """A host slot for `key`'s block, evicting the least recently used key (told to KV
+        event subscribers) when every slot is held."""
+        victim = self.host.next_victim()
+        slot = self.host.store(key)
+        if self.events is not None and victim is not None:
+            self.events.removed([self._external(victim[1])], medium=MEDIUM_CPU, group=victim[0])
+            self._forget_stored(victim[1])
+        return slot
 
     def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies the step being built needs, stores then loads (see `HostBlockPool`)."""
@@ -543,6 +549,58 @@ class KVCacheManager:
         if self.snapshots is not None:
             self.snapshots.forget(request.request_id)
 
+    # ---- prefill/decode disaggregation (`kv_transfer.py`) ------------------------------
+
+    def block_chain(self, request: Request) -> list[bytes]:
+        """The vLLM hashes of the request's full blocks (what another engine's books call
+        them, if it hashes alike)."""
+        self._block_hashes(request)
+        return list(self._chains[request.request_id])
+
+    def hold(self, request: Request) -> int:
+        """Takes a finishing request's blocks out of its hands without freeing them: they stay
+        out of the pool, cached ones findable, until `release_hold` of the returned id (a
+        decoder reads them meanwhile). The caller forgets the request as usual."""
+        rid = request.request_id
+        tables = self.block_tables.pop(rid, None) or [[] for _ in self.windows]
+        self._num_cached_blocks.pop(rid, None)
+        self._first_live.pop(rid, None)
+        if self.snapshots is not None:
+            self.snapshots.release(rid)
+        hold, self._next_hold = self._next_hold, self._next_hold + 1
+        self._held[hold] = tables
+        return hold
+
+    def release_hold(self, hold: int) -> None:
+        """Frees the blocks `hold` kept, the sequence's last first (as `free`)."""
+        tables = self._held.pop(hold, None)
+        if tables:
+            for i in range(len(tables[0]) - 1, -1, -1):
+                for table in tables:
+                    if table[i] != NULL_BLOCK:
+                        self._release(table[i])
+
+    def land_pulled(self, request: Request, blocks: list[tuple[int, int]]) -> list[int]:
+        """Host-tier slots for blocks another engine computed for this request ((group, index)
+        each), keyed as the request's own would be, so its prefix lookup finds them there: per
+        block, the slot its data goes to, or -1 where none is needed (cached here already) or
+        none is left (more blocks than the tier holds: the first ones are kept, a prefix being
+        found from the start). The caller writes the data before the next step."""
+        hashes = self._block_hashes(request)
+        slots, landed, room = [], {}, self.host.num_blocks
+        for g, i in blocks:
+            key = (g, hashes[i])
+            if self._found(key) or not room:
+                slots.append(-1)
+                continue
+            slots.append(self._host_store(key))
+            landed.setdefault(g, []).append(i)
+            room -= 1
+        if self.events is not None:
+            for g, indices in landed.items():
+                self._tell_stored(request, g, sorted(indices), MEDIUM_CPU)
+        return slots
+
     def get_block_table(self, request_id: str) -> list[list[int]]:
         """The request's table per group (`NULL_BLOCK` where a sliding group holds none)."""
         return self.block_tables.get(request_id) or [[] for _ in self.windows]
@@ -557,7 +615,7 @@ class KVCacheManager:
         is free exactly when unreferenced; the cache map and the block keys agree; every
         group's table as long as the others."""
         owners = [0] * self.num_pages
-        for tables in self.block_tables.values():
+        for tables in [*self.block_tables.values(), *self._held.values()]:
             assert len(tables) == self.num_groups, "a request without a table per group"
             assert len({len(t) for t in tables}) == 1, "groups' tables of different lengths"
             held = [b for table in tables for b in table if b != NULL_BLOCK]

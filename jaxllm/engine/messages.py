@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     lora_request: LoRARequest | None = None  # its LoRA adapter
     mm_items: list[MultiModalItem] = []  # its images (an image-text model)
     cache_salt: str | None = None  # see Request.cache_salt
+    kv_transfer_params: dict | None = None  # prefill/decode disaggregation (`kv_transfer`)
 
 
 class AddPooling(msgspec.Struct, tag="pool"):

@@ -23,6 +23,7 @@ class _State:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer_params: dict | None = None  # a prefiller's answer (`kv_transfer`)
 
 
 class OutputProcessor:
@@ -81,6 +82,8 @@ class OutputProcessor:
                     state.stop_reason = state.detokenizer.stop_reason
                     to_abort.append(u.request_id)
                     break
+            if u.kv_transfer_params is not None:
+                state.kv_transfer_params = u.kv_transfer_params
             if state.finish_reason is None and u.finish_reason is not None:
                 state.finish_reason, state.stop_reason = u.finish_reason, u.stop_reason
                 check = len(state.token_ids) > state.params.min_tokens
@@ -101,6 +104,9 @@ class OutputProcessor:
 
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def kv_transfer_params(self, request_id: str) -> dict | None:
+        return self.states[request_id].kv_transfer_params
 
     def prompt_logprobs(self, request_id: str) -> list[dict[int, Logprob] | None] | None:
         return self.states[request_id].prompt_logprobs

@@ -65,6 +65,7 @@ class Request:
         lora: LoRARequest | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,6 +89,10 @@ class Request:
         self.mm_items = sorted(mm_items, key=lambda item: item.offset)
         # vLLM's cache salt: only requests of the same salt share cached prefixes.
         self.cache_salt = cache_salt
+        # Prefill/decode disaggregation (`kv_transfer`): the client's params, and the ones
+        # a prefiller answers with once it finishes.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_out: dict | None = None
         # The next prompt position whose logprob is owed (prompt_logprobs): position 0 has
         # none; positions scored before a preemption are not scored again.
         self.next_prompt_logprob = 1

@@ -61,6 +61,7 @@ from jaxllm.worker import (
 
 if TYPE_CHECKING:
     from jaxllm.engine.encoder_cache import EncoderCache
+    from jaxllm.engine.kv_transfer import KVTransfer
     from jaxllm.engine.lora_manager import LoRAManager
     from jaxllm.structured_outputs import StructuredOutputManager
 
@@ -90,6 +91,9 @@ class Scheduler:
         self.structured_outputs = structured_outputs
         self.loras = loras
         self.encoder_cache = encoder_cache
+        # Prefill/decode disaggregation: a producer keeps some finished requests' blocks
+        # (`kv_transfer.KVTransfer.on_finish`); set by the engine core.
+        self.kv_transfer: KVTransfer | None = None
         self.grammar_bitmask_seconds = 0.0  # host time filling bitmasks, since start
         self.grammar_bitmask_steps = 0
         # Requests failed outside a step (a grammar that did not compile): the engine core
@@ -137,7 +141,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        held = self.kv_transfer is not None and self.kv_transfer.on_finish(request, status)
+        if not held:
+            self.kv.free(request)
         self.kv.forget(request)
         if self.encoder_cache is not None:
             self.encoder_cache.free(request)
@@ -561,6 +567,7 @@ class Scheduler:
                     finish_reason=status.finish_reason if status else None,
                     stop_reason=request.stop_reason,
                     new_prompt_logprobs=scored,
+                    kv_transfer_params=request.kv_transfer_out if status else None,
                 )
             )
         return updates

@@ -109,6 +109,27 @@ class KVOffloader(Feature):
             data = [h[rows] for h in self.host]  # copies: a later store may reuse the slots
             self.device.kv_cache = self._scatter(self.device.kv_cache, pages, data)
 
+    def read(self, pages: list[int]) -> list[np.ndarray]:
+        """Device blocks `pages` of every layer as host arrays, [n, L, ...] per array of the
+        cache (a decoder's pull, `jaxllm.engine.kv_transfer`). Waits for them: the steps in
+        flight run first."""
+        parts = []
+        for chunk in _chunks(list(pages)):
+            gathered = self._gather(self.device.kv_cache, _padded(chunk, 0))
+            parts.append([np.asarray(a)[: len(chunk)] for a in gathered])
+        return [
+            np.concatenate([p[k] for p in parts]) if parts else np.zeros((0, *h.shape[1:]), h.dtype)
+            for k, h in enumerate(self.host)
+        ]
+
+    def write(self, slots: list[int], blocks: list[np.ndarray]) -> None:
+        """Writes blocks ([n, L, ...] per array of the cache) into host slots `slots`, after
+        the stores under way (which could otherwise land on them later)."""
+        self.land()
+        if slots:
+            for h, b in zip(self.host, blocks, strict=True):
+                h[slots] = b
+
     def land(self) -> None:
         """Writes the stores under way into host memory, in the order they were made (a slot
         stored twice keeps the later block)."""

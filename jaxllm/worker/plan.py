@@ -151,18 +151,22 @@ def encoder_plan(vision: VisionConfig | QwenVisionConfig, config: EngineConfig) 
 
 
 def host_blocks(cache: CacheConfig, block_bytes: int, *, multi: bool, draft: bool) -> int:
-    """Blocks of the prefix cache's host tier (`kv_offloading_size` GiB over a whole block:
-    a page of the cache's layer slots, every device's shard); 0 when off."""
-    if not cache.kv_offloading_size:
+    """Blocks of the prefix cache's host tier (`kv_offloading_size` GiB, or a KV transfer
+    role's default, over a whole block: a page of the cache's layer slots, every device's
+    shard); 0 when off."""
+    gib = cache.host_tier_gib
+    if not gib:
         return 0
+    # The tier is what a KV transfer role lands pulled blocks in: name what asked for it.
+    name = "kv_offloading_size" if cache.kv_offloading_size else "kv_transfer_config"
     if multi:
-        raise ValueError("kv_offloading_size is not supported in a multi-host run")
+        raise ValueError(f"{name} is not supported in a multi-host run")
     if draft:
-        raise ValueError("kv_offloading_size with a draft model is not supported")
-    blocks = int(cache.kv_offloading_size * 2**30 // block_bytes)
+        raise ValueError(f"{name} with a draft model is not supported")
+    blocks = int(gib * 2**30 // block_bytes)
     if blocks < 1:
         raise ValueError(
-            f"kv_offloading_size {cache.kv_offloading_size} GiB holds no block of "
+            f"{name}: a host tier of {gib} GiB holds no block of "
             f"{block_bytes / 2**20:.2f} MiB (one page of {cache.page_size} tokens)"
         )
     return blocks
@@ -213,6 +217,11 @@ def _hybrid_rules(config: EngineConfig, model_config: ModelConfig) -> EngineConf
         raise ValueError(
             f"kv_offloading_size: {model_config.architecture} has linear-attention layers, "
             "whose saved states the host tier does not keep yet"
+        )
+    if config.cache.kv_transfer_config is not None:
+        raise ValueError(
+            f"kv_transfer_config: {model_config.architecture} has linear-attention layers, "
+            "whose states are not transferred yet"
         )
     cache = config.cache
     if cache.enable_prefix_caching and (

@@ -78,6 +78,7 @@ class CompletionResponse(_Response):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefiller's answer (vLLM's)
 
 
 class CompletionStreamResponse(_Response):
@@ -147,6 +148,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefiller's answer (vLLM's)
 
 
 class DeltaFunctionCall(_Response):

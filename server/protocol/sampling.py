@@ -148,6 +148,9 @@ class _SamplingRequest(_Model):
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance decodes all
     # vLLM's: only requests of the same salt share cached prompt prefixes (tenant isolation).
     cache_salt: str | None = None
+    # vLLM's prefill/decode disaggregation (`jaxllm.engine.kv_transfer`): {"do_remote_decode":
+    # true} to a prefiller; the params its response carries, to a decoder.
+    kv_transfer_params: dict[str, Any] | None = None
 
     # The constraint of the fields above (and of chat's tool_choice), built and checked when
     # the request is parsed.

@@ -1,0 +1,144 @@
+"""A prefill/decode proxy: one OpenAI endpoint in front of prefill servers and decode servers
+(`jaxllm serve --kv-transfer-config`), driving vLLM's two-step protocol as vLLM's toy proxy and
+llm-d's routing sidecar do:
+
+1. the request goes to a prefiller with `max_tokens` 1, not streamed, and `kv_transfer_params`
+   `{"do_remote_decode": true}`; its response carries the params a decoder needs;
+2. the original request goes to a decoder with those params, and its response (streamed or
+   not) is the client's.
+
+The prefiller is the one the `x-prefiller-host-port` header names (llm-d's inference scheduler
+sets it), else the next of `--prefill` in turn; decoders are taken in turn. A prefiller that
+fails (down, 5xx) costs the decode server the prompt, not the request: the decoder is sent the
+request without params and computes it. A prefiller's 4xx (a bad request) is the client's
+answer. Works with any server that speaks the protocol (vLLM with NixlConnector too).
+
+    python scripts/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import uuid
+from contextlib import asynccontextmanager
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+logger = logging.getLogger("pd_proxy")
+
+# The prefill step's request: one token, not streamed; what a prefiller cannot use dropped.
+_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = None) -> FastAPI:
+    """The proxy over prefill servers `prefill` and decode servers `decode` (base URLs)."""
+    if not prefill or not decode:
+        raise ValueError("the proxy needs at least one prefill and one decode server")
+    clients: dict[str, httpx.AsyncClient] = {}
+
+    def client(base: str) -> httpx.AsyncClient:
+        if base not in clients:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            clients[base] = httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits)
+        return clients[base]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        for c in clients.values():
+            await c.aclose()
+
+    app = FastAPI(lifespan=lifespan)
+    prefillers, decoders = itertools.cycle(prefill), itertools.cycle(decode)
+
+    def headers(request: Request, request_id: str) -> dict[str, str]:
+        out = {"X-Request-Id": request_id}
+        if "authorization" in request.headers:
+            out["Authorization"] = request.headers["authorization"]
+        return out
+
+    async def two_steps(path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": {"message": "the body is not JSON", "type": "BadRequestError", "code": 400}}, 400)  # fmt: skip
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "BadRequestError", "code": 400}}, 400)  # fmt: skip
+        request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
+        named = request.headers.get("x-prefiller-host-port")
+        prefiller = f"http://{named}" if named else next(prefillers)
+        step = dict(body, kv_transfer_params=dict(_PREFILL_PARAMS), stream=False, max_tokens=1)
+        if "max_completion_tokens" in step:
+            step["max_completion_tokens"] = 1
+        for name in ("stream_options", "min_tokens", "min_completion_tokens"):
+            step.pop(name, None)
+        params = None
+        try:
+            answer = await client(prefiller).post(path, json=step, headers=headers(request, request_id))  # fmt: skip
+            if 400 <= answer.status_code < 500:  # the request is bad: the client's answer
+                return Response(answer.content, answer.status_code, media_type="application/json")  # fmt: skip
+            answer.raise_for_status()
+            params = answer.json().get("kv_transfer_params")
+        except (httpx.HTTPError, ValueError) as e:
+            logger.warning("prefill on %s failed (%s): the decoder computes the prompt", prefiller, e)  # fmt: skip
+        if params:
+            body = dict(body, kv_transfer_params=params)
+        decoder = client(next(decoders))
+        sent = decoder.build_request("POST", path, json=body, headers=headers(request, request_id))
+        try:
+            reply = await decoder.send(sent, stream=True)
+        except httpx.HTTPError as e:
+            return JSONResponse({"error": {"message": f"the decode server failed: {e}", "type": "InternalServerError", "code": 502}}, 502)  # fmt: skip
+        return StreamingResponse(
+            reply.aiter_raw(),
+            status_code=reply.status_code,
+            media_type=reply.headers.get("content-type"),
+            background=BackgroundTask(reply.aclose),
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await two_steps("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await two_steps("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        answer = await client(decode[0]).get("/v1/models", headers=headers(request, "models"))
+        return Response(answer.content, answer.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        return {"prefill": prefill, "decode": decode}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill", action="append", required=True, help="a prefill server's base URL (repeat for more)")  # fmt: skip
+    parser.add_argument("--decode", action="append", required=True, help="a decode server's base URL (repeat for more)")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
