@@ -655,6 +655,7 @@ def test_completion_response_json():
         "choices",
         "usage",
         "system_fingerprint",
+        "kv_transfer_params",  # vLLM's: a prefiller's answer, else null
     }
     assert data["id"].startswith("cmpl-") and data["object"] == "text_completion"
     assert isinstance(data["created"], int) and data["system_fingerprint"] is None

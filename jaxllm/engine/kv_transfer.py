@@ -49,7 +49,7 @@ from jaxllm.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from jaxllm.engine.kv_cache_manager import KVCacheManager
-    from jaxllm.worker.kv_offload import KVOffloader
+    from jaxllm.worker import KVOffloader
 
 logger = logging.getLogger(__name__)
 

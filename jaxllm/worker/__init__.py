@@ -28,6 +28,7 @@ _HOMES = {
     "preallocate_gpu_memory": "jaxllm.worker.kv_sizing",
     "resolve_kv_cache_dtype": "jaxllm.worker.kv_sizing",
     "KVCacheGroups": "jaxllm.worker.kv_groups",
+    "KVOffloader": "jaxllm.worker.kv_offload",
     "engine_kv_groups": "jaxllm.worker.kv_groups",
     "EnginePlan": "jaxllm.worker.plan",
     "NoRoom": "jaxllm.worker.plan",
@@ -55,6 +56,7 @@ __all__ = [
     "EncoderInput",
     "EncoderRunner",
     "KVCacheGroups",
+    "KVOffloader",
     "GrammarBitmask",
     "InflightStep",
     "ModelRunner",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
     from jaxllm.worker.compiler import CompiledProgram, cache_copy_ops
     from jaxllm.worker.encoder_runner import EncoderRunner
     from jaxllm.worker.kv_groups import KVCacheGroups, engine_kv_groups
+    from jaxllm.worker.kv_offload import KVOffloader
     from jaxllm.worker.kv_sizing import (
         DeviceMemory,
         device_page_bytes,
