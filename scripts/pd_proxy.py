@@ -8,12 +8,16 @@ llm-d's routing sidecar do:
    not) is the client's.
 
 The prefiller is the one the `x-prefiller-host-port` header names (llm-d's inference scheduler
-sets it), else the next of `--prefill` in turn; decoders are taken in turn. A prefiller that
-fails (down, 5xx) costs the decode server the prompt, not the request: the decoder is sent the
-request without params and computes it. A prefiller's 4xx (a bad request) is the client's
-answer. Works with any server that speaks the protocol (vLLM with NixlConnector too).
+sets it), else the next of `--prefill` in turn; with neither, the decoder serves the request
+alone (llm-d's single-node path). Decoders are taken in turn. A prefiller that fails (down,
+5xx) costs the decode server the prompt, not the request: the decoder is sent the request
+without params and computes it. A prefiller's 4xx (a bad request) is the client's answer.
+Every other path (/health, /metrics, /v1/models, ...) is the first decoder's, so the proxy can
+stand in front of a decode pod's server as llm-d's routing sidecar does. Works with any server
+that speaks the protocol (vLLM with NixlConnector too).
 
     python scripts/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+    python scripts/pd_proxy.py --decode http://127.0.0.1:8200 --port 8000   # a decode pod's sidecar
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ _PREFILL_PARAMS = {
 
 
 def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = None) -> FastAPI:
-    """The proxy over prefill servers `prefill` and decode servers `decode` (base URLs)."""
-    if not prefill or not decode:
-        raise ValueError("the proxy needs at least one prefill and one decode server")
+    """The proxy over prefill servers `prefill` (none: only those the header names) and decode
+    servers `decode` (base URLs)."""
+    if not decode:
+        raise ValueError("the proxy needs at least one decode server")
     clients: dict[str, httpx.AsyncClient] = {}
 
     def client(base: str) -> httpx.AsyncClient:
@@ -62,7 +67,7 @@ def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = 
             await c.aclose()
 
     app = FastAPI(lifespan=lifespan)
-    prefillers, decoders = itertools.cycle(prefill), itertools.cycle(decode)
+    prefillers, decoders = itertools.cycle(prefill or [None]), itertools.cycle(decode)
 
     def headers(request: Request, request_id: str) -> dict[str, str]:
         out = {"X-Request-Id": request_id}
@@ -80,6 +85,9 @@ def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = 
         request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
         named = request.headers.get("x-prefiller-host-port")
         prefiller = f"http://{named}" if named else next(prefillers)
+        decoder = client(next(decoders))
+        if prefiller is None:
+            return await _forward(decoder, decoder.build_request("POST", path, json=body, headers=headers(request, request_id)))  # fmt: skip
         step = dict(body, kv_transfer_params=dict(_PREFILL_PARAMS), stream=False, max_tokens=1)
         if "max_completion_tokens" in step:
             step["max_completion_tokens"] = 1
@@ -96,18 +104,7 @@ def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = 
             logger.warning("prefill on %s failed (%s): the decoder computes the prompt", prefiller, e)  # fmt: skip
         if params:
             body = dict(body, kv_transfer_params=params)
-        decoder = client(next(decoders))
-        sent = decoder.build_request("POST", path, json=body, headers=headers(request, request_id))
-        try:
-            reply = await decoder.send(sent, stream=True)
-        except httpx.HTTPError as e:
-            return JSONResponse({"error": {"message": f"the decode server failed: {e}", "type": "InternalServerError", "code": 502}}, 502)  # fmt: skip
-        return StreamingResponse(
-            reply.aiter_raw(),
-            status_code=reply.status_code,
-            media_type=reply.headers.get("content-type"),
-            background=BackgroundTask(reply.aclose),
-        )
+        return await _forward(decoder, decoder.build_request("POST", path, json=body, headers=headers(request, request_id)))  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -117,21 +114,35 @@ def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = 
     async def chat_completions(request: Request):
         return await two_steps("/v1/chat/completions", request)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        answer = await client(decode[0]).get("/v1/models", headers=headers(request, "models"))
-        return Response(answer.content, answer.status_code, media_type="application/json")
-
-    @app.get("/health")
-    async def health():
-        return {"prefill": prefill, "decode": decode}
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def other(path: str, request: Request):
+        """Anything else is the first decoder's (its health, metrics, models, tokenizer)."""
+        decoder = client(decode[0])
+        kept = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type", "accept")}  # fmt: skip
+        sent = decoder.build_request(request.method, f"/{path}", params=request.query_params,
+                                     content=await request.body(), headers=kept)  # fmt: skip
+        return await _forward(decoder, sent)
 
     return app
 
 
+async def _forward(client: httpx.AsyncClient, sent: httpx.Request) -> Response:
+    """The answer to `sent`, streamed back as it comes."""
+    try:
+        reply = await client.send(sent, stream=True)
+    except httpx.HTTPError as e:
+        return JSONResponse({"error": {"message": f"the decode server failed: {e}", "type": "InternalServerError", "code": 502}}, 502)  # fmt: skip
+    return StreamingResponse(
+        reply.aiter_raw(),
+        status_code=reply.status_code,
+        media_type=reply.headers.get("content-type"),
+        background=BackgroundTask(reply.aclose),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefill", action="append", required=True, help="a prefill server's base URL (repeat for more)")  # fmt: skip
+    parser.add_argument("--prefill", action="append", default=[], help="a prefill server's base URL (repeat for more); none: only the one a request's x-prefiller-host-port header names")  # fmt: skip
     parser.add_argument("--decode", action="append", required=True, help="a decode server's base URL (repeat for more)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

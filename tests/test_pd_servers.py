@@ -147,6 +147,42 @@ def test_the_prefill_response_carries_the_params(pd):
     assert _metric(prefill, "jaxllm:kv_transfer_held_requests") == 0
 
 
+def test_the_proxy_as_a_decode_pods_sidecar(pd):
+    """llm-d's way: the proxy in front of one decode server, the prefiller named per request
+    by the scheduler's x-prefiller-host-port header (none: the decoder serves alone); every
+    other path is the decode server's."""
+    import asyncio
+    import importlib.util
+
+    _, prefill, decode, _ = pd
+    spec = importlib.util.spec_from_file_location("pd_proxy", ROOT / "scripts" / "pd_proxy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    app = module.build_app([], [decode])
+    prompt = [(13 * j) % 240 + 6 for j in range(90)]  # new to the decoder
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    ref = httpx.post(f"{decode}/v1/completions", json=dict(body, cache_salt="alone3"), timeout=60).json()  # fmt: skip
+
+    async def run():
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://sidecar", timeout=60
+        ) as c:
+            hits = _metric(decode, "vllm:external_prefix_cache_hits_total")
+            named = {"x-prefiller-host-port": prefill.removeprefix("http://")}
+            split = (await c.post("/v1/completions", json=body, headers=named)).json()
+            pulled = _metric(decode, "vllm:external_prefix_cache_hits_total") - hits
+            alone = (await c.post("/v1/completions", json=dict(body, cache_salt="s"))).json()
+            metrics = await c.get("/metrics")
+            return split, pulled, alone, metrics
+
+    split, pulled, alone, metrics = asyncio.run(run())
+    assert split["choices"][0]["text"] == alone["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert pulled == (len(prompt) - 1) // PAGE * PAGE
+    assert metrics.status_code == 200 and "vllm:external_prefix_cache_hits_total" in metrics.text
+
+
+# Last: it stops the prefill server.
 def test_a_prefiller_gone_costs_the_prompt_not_the_answer(pd):
     proxy, prefill, decode, prefill_proc = pd
     alone = _client(decode)
