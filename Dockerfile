@@ -34,6 +34,8 @@ COPY pyproject.toml README.md ./
 COPY jaxllm ./jaxllm
 COPY pallas_kernels ./pallas_kernels
 COPY server ./server
+# The prefill/decode routing sidecar (the Helm chart's disaggregation.sidecar).
+COPY scripts/pd_proxy.py ./scripts/pd_proxy.py
 # jinja2 renders chat templates; pyproject.toml does not list it yet (in development it comes
 # with torch), and without it every chat completion fails.
 RUN pip install --no-cache-dir . "jax[${JAX_EXTRA}]==${JAX_VERSION}" "jinja2>=3.1" \

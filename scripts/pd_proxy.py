@@ -140,13 +140,17 @@ async def _forward(client: httpx.AsyncClient, sent: httpx.Request) -> Response:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", action="append", default=[], help="a prefill server's base URL (repeat for more); none: only the one a request's x-prefiller-host-port header names")  # fmt: skip
     parser.add_argument("--decode", action="append", required=True, help="a decode server's base URL (repeat for more)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port)
 

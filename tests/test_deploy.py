@@ -521,6 +521,9 @@ def container_argv(container: dict, params: dict[str, str]) -> list[str]:
             ref = entry["valueFrom"]["configMapKeyRef"]
             assert ref["name"].startswith("jaxllm-params"), ref
             env[entry["name"]] = params[ref["key"]]
+        elif "fieldRef" in entry.get("valueFrom", {}):  # the pod's own fields, known at run time
+            path = entry["valueFrom"]["fieldRef"]["fieldPath"]
+            env[entry["name"]] = {"status.podIP": "10.8.0.7"}.get(path, f"<{path}>")
 
     def expand(arg: str) -> str:
         for name in re.findall(r"\$\((\w+)\)", arg):
@@ -530,11 +533,11 @@ def container_argv(container: dict, params: dict[str, str]) -> list[str]:
     return [expand(a) for a in container["args"]]
 
 
-def check_probes_and_scrape(container: dict, pod: dict, port: int) -> None:
-    """The serving container's probes ask /health on its http port, and its pod's annotations
-    let Prometheus scrape /metrics there."""
+def check_probes_and_scrape(container: dict, pod: dict, port: int, name: str = "http") -> None:
+    """The serving container's probes ask /health on its own port (`name`), and its pod's
+    annotations let Prometheus scrape /metrics on the pod's HTTP port `port`."""
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+        assert container[probe]["httpGet"] == {"path": "/health", "port": name}, probe
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(port)
@@ -550,8 +553,18 @@ def check_deployment(docs: list[dict], params: dict[str, str]) -> dict:
     assert argv[0] == "serve"
     check_serve_argv(argv[1:])
     port = int(argv[argv.index("--port") + 1])
-    assert container["ports"] == [{"name": "http", "containerPort": port}]
-    check_probes_and_scrape(container, pod, port)
+    # Behind the chart's routing sidecar (a decode pod of prefill/decode disaggregation), the
+    # server's port is "engine" and the pod's HTTP port, "http", the sidecar's.
+    sidecar = [c for c in spec["containers"] if c["name"] == "routing-sidecar"]
+    name = "engine" if sidecar else "http"
+    assert container["ports"][0] == {"name": name, "containerPort": port}
+    assert [p["name"] for p in container["ports"][1:]] in ([], ["kv-transfer"])
+    http = port
+    if sidecar:
+        (http_port,) = sidecar[0]["ports"]
+        assert http_port["name"] == "http"
+        http = http_port["containerPort"]
+    check_probes_and_scrape(container, pod, http, name)
     # The grace period covers the preStop pause, the drain and the engine core's stop.
     pause = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
     drain = float(argv[argv.index("--shutdown-timeout") + 1])
@@ -631,7 +644,9 @@ def test_kubernetes_gpu_overlay_renders():
 
 # ---- Docker ----------------------------------------------------------------------------------
 
-ALLOWED_CONTEXT = ("pyproject.toml", "README.md", "jaxllm/", "pallas_kernels/", "server/")
+# The package's sources, and the prefill/decode routing sidecar (the chart's).
+ALLOWED_CONTEXT = ("pyproject.toml", "README.md", "jaxllm/", "pallas_kernels/", "server/",
+                   "scripts/pd_proxy.py")  # fmt: skip
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".npz", ".msgpack")
 
 

@@ -33,6 +33,7 @@ from test_deploy import (
     check_gcloud_flags,
     check_probes_and_scrape,
     container_argv,
+    dockerfile_instructions,
     k8s_params,
     kustomize,
     load_yaml_docs,
@@ -53,6 +54,8 @@ INSTALLS = {
     "gpu": ["values-gpu.yaml"],
     "cpu": ["values-cpu.yaml"],
     "tpu-multihost": ["values-tpu.yaml", "values-tpu-multihost.yaml"],
+    "pd-prefill": ["values-gpu.yaml", "values-pd-prefill.yaml"],
+    "pd-decode": ["values-gpu.yaml", "values-pd-decode.yaml"],
 }
 VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_]\w*)+)")
 OTHER_TOOLS = re.compile(r"\b(gcloud|kubectl|helm|docker|openssl)\b")
@@ -356,6 +359,16 @@ def test_values_are_all_read_and_known():
             assert has_path(defaults, p) or passed_on, f"{path.name}: unknown key {'.'.join(p)}"
 
 
+def proxy_module():
+    """scripts/pd_proxy.py, imported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pd_proxy", ROOT / "scripts" / "pd_proxy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def deploy_files() -> list[Path]:
     chart = [p for p in CHART.rglob("*") if p.is_file()]
     return sorted(chart + [p for p in MULTIHOST.iterdir() if p.is_file()])
@@ -364,9 +377,10 @@ def deploy_files() -> list[Path]:
 def test_flags_are_real():
     """Every --flag in the chart and the multi-host manifests is `jaxllm serve`'s, except on
     lines that run another tool: the init container's gcloud (checked against gcloud's help
-    where gcloud is installed) and the kubectl, helm and docker commands of comments and
-    NOTES.txt."""
+    where gcloud is installed), the kubectl, helm and docker commands of comments and
+    NOTES.txt, and the routing sidecar's (scripts/pd_proxy.py's own)."""
     serve_flags, gcloud_lines = set(), set()
+    proxy_flags = {f for a in proxy_module().build_parser()._actions for f in a.option_strings}
     for path in deploy_files():
         for line in path.read_text().splitlines():
             flags = set(FLAG.findall(line))
@@ -375,7 +389,7 @@ def test_flags_are_real():
             if "gcloud storage rsync" in line:
                 gcloud_lines.add(line.strip())
             elif not OTHER_TOOLS.search(line):
-                unknown = flags - serve_help_flags()
+                unknown = flags - serve_help_flags() - proxy_flags
                 assert not unknown, f"{path.relative_to(ROOT)}: `jaxllm serve` has no {unknown}"
                 serve_flags |= flags
     assert {"--coordinator-address", "--num-processes", "--process-id"} <= serve_flags
@@ -578,7 +592,7 @@ def test_helm_lint_and_template(target):
     assert argv[argv.index("--max-num-seqs") + 1] == str(values["engine"]["maxNumSeqs"])
     one(docs, "ServiceAccount")
     assert ("google.com/tpu" in str(leader["resources"])) == target.startswith("tpu")
-    assert ("nvidia.com/gpu" in str(leader["resources"])) == (target == "gpu")
+    assert ("nvidia.com/gpu" in str(leader["resources"])) == ("values-gpu.yaml" in INSTALLS[target])
 
 
 @needs_helm
@@ -651,6 +665,92 @@ def test_helm_options():
     ],
 )
 def test_helm_rejects_settings_that_cannot_work(target, sets, message):
+    files = [a for name in INSTALLS[target] for a in ("-f", name)]
+    proc = helm("template", "jaxllm", ".", *files, *(a for s in sets for a in ("--set", s)))
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def _serve_config(argv: list[str]):
+    """The engine config a container's `jaxllm serve` argv makes (its JSON flags checked)."""
+    from jaxllm.cli import build_parser
+    from jaxllm.config import EngineConfig
+
+    return EngineConfig.from_cli(build_parser().parse_args(argv))
+
+
+@needs_helm
+def test_helm_disaggregation_and_llm_d():
+    """A prefill and a decode release (values-pd-*.yaml): vLLM's --kv-transfer-config and
+    --kv-events-config as the engine parses them, the address decoders pull from (the pod's),
+    llm-d's labels, and on the decode pods the routing sidecar in front of the server."""
+    from jaxllm.config.kv_events import KVEventsConfig
+    from jaxllm.config.kv_transfer import KVTransferConfig
+
+    for target, role, kv_role in (("pd-prefill", "prefill", "kv_producer"),
+                                  ("pd-decode", "decode", "kv_consumer")):  # fmt: skip
+        docs = helm_template(target)
+        container = check_deployment(docs, {})
+        pod = one(docs, "Deployment")["spec"]["template"]
+        config = _serve_config(container["argv"])
+        transfer = KVTransferConfig.parse(config.cache.kv_transfer_config)
+        assert (transfer.kv_role, transfer.kv_ip, transfer.kv_port) == (kv_role, "0.0.0.0", 5600)
+        events = KVEventsConfig.parse(config.cache.kv_events_config)
+        assert events.enabled and events.topic == "kv@10.8.0.7@smollm2-135m"
+        assert config.cache.prefix_caching_hash_algo == "sha256_cbor"
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
+        assert list(env).index("POD_IP") < list(env).index("VLLM_NIXL_SIDE_CHANNEL_HOST")
+        assert env["PYTHONHASHSEED"]["value"] == "42"
+        labels = pod["metadata"]["labels"]
+        assert labels["llm-d.ai/role"] == role and labels["llm-d.ai/inferenceServing"] == "true"
+        assert labels["llm-d.ai/model"] == "smollm2-135m"
+        serves_blocks = {"name": "kv-transfer", "containerPort": 5600} in container["ports"]
+        assert serves_blocks == (role == "prefill")
+        sidecars = [c for c in pod["spec"]["containers"] if c["name"] == "routing-sidecar"]
+        assert bool(sidecars) == (role == "decode")
+
+    # The decode pod: the sidecar on the pod's port, the server behind it.
+    (sidecar,) = sidecars
+    args = proxy_module().build_parser().parse_args(sidecar["args"])
+    argv = container["argv"]
+    assert args.decode == [f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"]
+    assert args.prefill == ["http://prefill-jaxllm:8000"] and args.port == 8000
+    assert sidecar["image"] == container["image"]
+    # The script is where the image puts it.
+    (workdir, *_), copies = (
+        [a for k, a in dockerfile_instructions() if k == "WORKDIR"],
+        [a.split() for k, a in dockerfile_instructions() if k == "COPY"],
+    )
+    assert sidecar["command"][1] in {f"{workdir}/{dest.removeprefix('./')}" for *_, dest in copies}
+
+    # Data parallelism, and llm-d's labels on a release without disaggregation.
+    docs = helm_template("gpu", "engine.dataParallelSize=2", "llmd.enabled=true",
+                         "model.servedModelName=meta-llama/Llama-3.1-8B-Instruct")  # fmt: skip
+    container = check_deployment(docs, {})
+    assert _serve_config(container["argv"]).parallel.data_parallel_size == 2
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert labels["llm-d.ai/role"] == "both"
+    assert labels["llm-d.ai/model"] == "meta-llama-Llama-3.1-8B-Instruct"  # a label value
+    assert "--kv-transfer-config" not in container["argv"]
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    "target, sets, message",
+    [
+        (
+            "default",
+            ["disaggregation.role=prefiller"],
+            "disaggregation.role must be prefill, decode or both",
+        ),  # fmt: skip
+        ("pd-prefill", ["disaggregation.sidecar.enabled=true"], "sidecar runs on decode pods"),
+        ("pd-decode", ["disaggregation.sidecar.serverPort=8000"], "must differ from server.port"),
+        ("tpu-multihost", ["disaggregation.role=decode"], "not served across hosts"),
+        ("tpu-multihost", ["engine.dataParallelSize=2"], "not with multiHost"),
+    ],
+)
+def test_helm_rejects_disaggregation_that_cannot_work(target, sets, message):
     files = [a for name in INSTALLS[target] for a in ("-f", name)]
     proc = helm("template", "jaxllm", ".", *files, *(a for s in sets for a in ("--set", s)))
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -75,7 +75,7 @@ and this pod's index (0 on the leader).
 - --host
 - 0.0.0.0
 - --port
-- {{ .Values.server.port | int | quote }}
+- {{ include "jaxllm.enginePort" . | quote }}
 - --max-num-seqs
 - {{ .Values.engine.maxNumSeqs | int | quote }}
 - --max-num-batched-tokens
@@ -94,6 +94,20 @@ and this pod's index (0 on the leader).
 - --tensor-parallel-size
 - {{ . | int | quote }}
 {{- end }}
+{{- with .Values.engine.dataParallelSize }}
+- --data-parallel-size
+- {{ . | int | quote }}
+{{- end }}
+{{- if .Values.kvEvents.enabled }}
+- --kv-events-config
+- {{ include "jaxllm.kvEventsConfig" . | quote }}
+- --prefix-caching-hash-algo
+- {{ .Values.kvEvents.hashAlgo | quote }}
+{{- end }}
+{{- if .Values.disaggregation.role }}
+- --kv-transfer-config
+- {{ include "jaxllm.kvTransferConfig" . | quote }}
+{{- end }}
 {{- if .Values.multiHost.enabled }}
 - --coordinator-address
 - {{ printf "$(LWS_LEADER_ADDRESS):%d" (.Values.multiHost.coordinatorPort | int) | quote }}
@@ -107,12 +121,40 @@ and this pod's index (0 on the leader).
 {{- end }}
 {{- end }}
 
+{{/* The port `jaxllm serve` listens on: server.port, or behind a routing sidecar its own. */}}
+{{- define "jaxllm.enginePort" -}}
+{{- if .Values.disaggregation.sidecar.enabled }}{{ .Values.disaggregation.sidecar.serverPort | int }}{{ else }}{{ .Values.server.port | int }}{{ end }}
+{{- end }}
+
+{{/* vLLM's --kv-events-config JSON. */}}
+{{- define "jaxllm.kvEventsConfig" -}}
+{{- $c := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" .Values.kvEvents.endpoint "topic" .Values.kvEvents.topic }}
+{{- with .Values.kvEvents.replayEndpoint }}{{ $_ := set $c "replay_endpoint" . }}{{ end }}
+{{- toJson $c }}
+{{- end }}
+
+{{/* vLLM's --kv-transfer-config JSON: blocks served on every interface of the pod. */}}
+{{- define "jaxllm.kvTransferConfig" -}}
+{{- $roles := dict "prefill" "kv_producer" "decode" "kv_consumer" "both" "kv_both" }}
+{{- toJson (dict "kv_connector" .Values.disaggregation.connector "kv_role" (get $roles .Values.disaggregation.role) "kv_ip" "0.0.0.0" "kv_port" (.Values.disaggregation.port | int)) }}
+{{- end }}
+
+{{/* llm-d's pod labels. */}}
+{{- define "jaxllm.llmdLabels" -}}
+llm-d.ai/inferenceServing: "true"
+llm-d.ai/model: {{ .Values.llmd.model | default (.Values.model.servedModelName | replace "/" "-" | trunc 63 | trimSuffix "-") | quote }}
+llm-d.ai/role: {{ .Values.disaggregation.role | default "both" | quote }}
+{{- end }}
+
 {{/* The pod template (metadata and spec) of ROLE; see the top of this file. */}}
 {{- define "jaxllm.podTemplate" -}}
 {{- $root := .root }}
 {{- $role := .role }}
 {{- $serves := ne $role "worker" }}
 {{- with $root }}
+{{- $sidecar := and $serves .Values.disaggregation.sidecar.enabled }}
+{{- /* Behind a sidecar the server's port is "engine", and the sidecar's "http". */}}
+{{- $port := ternary "engine" "http" $sidecar }}
 {{- $annotations := dict }}
 {{- if and $serves .Values.metrics.podAnnotations }}
 {{- $_ := set $annotations "prometheus.io/scrape" "true" }}
@@ -123,6 +165,9 @@ and this pod's index (0 on the leader).
 metadata:
   labels:
     {{- include "jaxllm.selectorLabels" . | nindent 4 }}
+    {{- if and $serves .Values.llmd.enabled }}
+    {{- include "jaxllm.llmdLabels" . | nindent 4 }}
+    {{- end }}
     {{- with .Values.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -194,6 +239,21 @@ spec:
       env:
         - name: JAXLLM_CACHE_DIR
           value: /data/cache
+        {{- if or .Values.kvEvents.enabled .Values.disaggregation.role }}
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        {{- end }}
+        {{- if .Values.disaggregation.role }}
+        # The address decoders are told to pull this pod's blocks from.
+        - name: VLLM_NIXL_SIDE_CHANNEL_HOST
+          value: $(POD_IP)
+        {{- end }}
+        {{- if .Values.kvEvents.enabled }}
+        - name: PYTHONHASHSEED
+          value: {{ .Values.kvEvents.hashSeed | quote }}
+        {{- end }}
         {{- if and $serves .Values.apiKey.secretName }}
         - name: JAXLLM_API_KEY
           valueFrom:
@@ -207,8 +267,12 @@ spec:
         {{- end }}
       {{- if $serves }}
       ports:
-        - name: http
-          containerPort: {{ .Values.server.port | int }}
+        - name: {{ $port }}
+          containerPort: {{ include "jaxllm.enginePort" . }}
+        {{- if has .Values.disaggregation.role (list "prefill" "both") }}
+        - name: kv-transfer
+          containerPort: {{ .Values.disaggregation.port | int }}
+        {{- end }}
         {{- if eq $role "leader" }}
         - name: coordinator
           containerPort: {{ .Values.multiHost.coordinatorPort | int }}
@@ -216,13 +280,13 @@ spec:
           containerPort: {{ add .Values.multiHost.coordinatorPort 1 }}
         {{- end }}
       startupProbe:
-        httpGet: {path: /health, port: http}
+        httpGet: {path: /health, port: {{ $port }}}
         {{- toYaml .Values.probes.startup | nindent 8 }}
       readinessProbe:
-        httpGet: {path: /health, port: http}
+        httpGet: {path: /health, port: {{ $port }}}
         {{- toYaml .Values.probes.readiness | nindent 8 }}
       livenessProbe:
-        httpGet: {path: /health, port: http}
+        httpGet: {path: /health, port: {{ $port }}}
         {{- toYaml .Values.probes.liveness | nindent 8 }}
       lifecycle:
         # Let the endpoints controller take the pod out of the Service before SIGTERM closes
@@ -250,6 +314,37 @@ spec:
       volumeMounts:
         - name: data
           mountPath: /data
+    {{- if $sidecar }}
+    # The routing sidecar (scripts/pd_proxy.py): the pod's HTTP port; a request goes to a
+    # prefiller first, then to the server beside it; every other path (/health, /metrics)
+    # straight to the server.
+    - name: routing-sidecar
+      image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command: [python, /opt/jaxllm/scripts/pd_proxy.py]
+      args:
+        - --decode
+        - {{ printf "http://127.0.0.1:%d" (.Values.disaggregation.sidecar.serverPort | int) | quote }}
+        {{- with .Values.disaggregation.sidecar.prefill }}
+        - --prefill
+        - {{ . | quote }}
+        {{- end }}
+        - --host
+        - 0.0.0.0
+        - --port
+        - {{ .Values.server.port | int | quote }}
+      ports:
+        - name: http
+          containerPort: {{ .Values.server.port | int }}
+      {{- with .Values.disaggregation.sidecar.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with .Values.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    {{- end }}
   {{- /* With multiHost and persistence, the LeaderWorkerSet's claim template makes "data". */}}
   {{- if not (and .Values.multiHost.enabled .Values.persistence.enabled) }}
   volumes:
@@ -269,7 +364,26 @@ spec:
 {{- if and .Values.model.gcsUri (not (hasPrefix "/data/" .Values.model.path)) }}
 {{- fail (printf "model.path (%s) must be under /data, the volume model.gcsUri is copied onto" .Values.model.path) }}
 {{- end }}
+{{- with .Values.disaggregation.role }}
+{{- if not (has . (list "prefill" "decode" "both")) }}
+{{- fail (printf "disaggregation.role must be prefill, decode or both (or empty), not %s" .) }}
+{{- end }}
+{{- end }}
+{{- if .Values.disaggregation.sidecar.enabled }}
+{{- if not (has .Values.disaggregation.role (list "decode" "both")) }}
+{{- fail "disaggregation.sidecar runs on decode pods: set disaggregation.role to decode or both" }}
+{{- end }}
+{{- if eq (int .Values.disaggregation.sidecar.serverPort) (int .Values.server.port) }}
+{{- fail "disaggregation.sidecar.serverPort must differ from server.port, which the sidecar takes" }}
+{{- end }}
+{{- end }}
 {{- if .Values.multiHost.enabled }}
+{{- if .Values.disaggregation.role }}
+{{- fail "disaggregation is not served across hosts: leave multiHost.enabled off for a prefill or decode release" }}
+{{- end }}
+{{- if .Values.engine.dataParallelSize }}
+{{- fail "engine.dataParallelSize runs engine cores on one host: not with multiHost" }}
+{{- end }}
 {{- if lt (int .Values.multiHost.hosts) 2 }}
 {{- fail "multiHost.hosts must be 2 or more; for one host leave multiHost.enabled off" }}
 {{- end }}
