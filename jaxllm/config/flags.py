@@ -52,6 +52,28 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def json_section(cls: type, value: Any, name: str) -> Any:
+    """A dataclass `cls` from a flag's JSON object (or a dict; None and `cls` pass through),
+    checked by its `check()`: vLLM's JSON configs (`--kv-events-config`, ...). A clear error
+    names `name` and any unknown field."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"{name}: unknown fields {unknown}; known: {sorted(names)}")
+    config = cls(**value)
+    config.check()
+    return config
+
+
 def parse_json_field(config: Any, name: str) -> None:
     """A dict field given as JSON text (as its flag takes it), parsed in place."""
     value = getattr(config, name)

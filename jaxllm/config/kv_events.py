@@ -5,7 +5,8 @@ engine."""
 from __future__ import annotations
 
 import dataclasses
-import json
+
+from jaxllm.config.flags import json_section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,22 +26,7 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
         """From the flag's JSON (or a dict); a clear error names a bad field."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown fields {unknown}; known: {sorted(names)}")
-        config = cls(**value)
-        config.check()
-        return config
+        return json_section(cls, value, "kv_events_config")
 
     def check(self) -> None:
         if self.publisher not in (None, "zmq", "null"):

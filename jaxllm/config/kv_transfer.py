@@ -5,10 +5,11 @@ can check it without importing the engine."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import uuid
 from typing import Any
+
+from jaxllm.config.flags import json_section
 
 CONNECTOR = "JaxTransferConnector"
 # vLLM's connector names that deployments made for vLLM carry (llm-d's manifests name NIXL):
@@ -49,22 +50,7 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
         """From the flag's JSON (or a dict); a clear error names a bad field."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown fields {unknown}; known: {sorted(names)}")  # fmt: skip
-        config = cls(**value)
-        config.check()
-        return config
+        return json_section(cls, value, "kv_transfer_config")
 
     def check(self) -> None:
         known = (CONNECTOR, *ALIASES)

@@ -531,16 +531,19 @@ class KVCacheManager:
         """Releases the request's blocks, the sequence's last first in every group (the tail,
         least likely shared, is evicted first); cached ones stay findable until evicted."""
         rid = request.request_id
-        tables = self.block_tables.pop(rid, None)
+        self._release_tables(self.block_tables.pop(rid, None))
+        self._num_cached_blocks.pop(rid, None)
+        self._first_live.pop(rid, None)
+        if self.snapshots is not None:
+            self.snapshots.release(rid)
+
+    def _release_tables(self, tables: list[list[int]] | None) -> None:
+        """Releases a request's blocks, the sequence's last first in every group."""
         if tables:
             for i in range(len(tables[0]) - 1, -1, -1):
                 for table in tables:
                     if table[i] != NULL_BLOCK:
                         self._release(table[i])
-        self._num_cached_blocks.pop(rid, None)
-        self._first_live.pop(rid, None)
-        if self.snapshots is not None:
-            self.snapshots.release(rid)
 
     def forget(self, request: Request) -> None:
         """Drops the per-request memos once the request is gone for good."""
@@ -573,12 +576,7 @@ class KVCacheManager:
 
     def release_hold(self, hold: int) -> None:
         """Frees the blocks `hold` kept, the sequence's last first (as `free`)."""
-        tables = self._held.pop(hold, None)
-        if tables:
-            for i in range(len(tables[0]) - 1, -1, -1):
-                for table in tables:
-                    if table[i] != NULL_BLOCK:
-                        self._release(table[i])
+        self._release_tables(self._held.pop(hold, None))
 
     def land_pulled(self, request: Request, blocks: list[tuple[int, int]]) -> list[int]:
         """Host-tier slots for blocks another engine computed for this request ((group, index)
