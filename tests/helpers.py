@@ -721,3 +721,27 @@ class QwenVLProcessor:
         if return_tensors == "pt":
             out = {k: torch.from_numpy(np.asarray(v)) for k, v in out.items()}
         return out
+
+
+# ---- the KV cache manager's books, driven as the scheduler drives them -----------------------
+
+
+def book_request(rid: str, tokens: list[int], max_tokens: int = 8, **kwargs):
+    """A greedy request for a `KVCacheManager` made by hand (no engine)."""
+    from jaxllm import SamplingParams
+    from jaxllm.engine.request import Request
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, tokens, params, eos_token_ids=(), max_tokens=max_tokens, seed=0, **kwargs)
+
+
+def admit(kv, req) -> int:
+    """Admits and fully computes a request's prompt, like the scheduler would; returns the
+    tokens its prefix-cache hit covered."""
+    blocks, cached = kv.get_computed_blocks(req)
+    req.num_computed_tokens = cached
+    assert kv.allocate_slots(req, req.num_tokens - cached, blocks)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req)
+    kv.check_invariants()
+    return cached

@@ -27,7 +27,7 @@ from jaxllm.config.kv_events import KVEventsConfig
 from jaxllm.engine.block_hashing import BlockHasher
 from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
+from tests.helpers import admit, book_request
 
 
 # --- vLLM's format, as its example subscriber declares it ------------------------------------
@@ -103,19 +103,6 @@ def vllm_hashes(
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=4, seed=0)
-
-
-def _admit(kv: KVCacheManager, req: Request) -> None:
-    blocks, cached = kv.get_computed_blocks(req)
-    req.num_computed_tokens = cached
-    assert kv.allocate_slots(req, req.num_tokens - cached, blocks)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_full_blocks(req)
-    kv.check_invariants()
-
-
 def _roundtrip(events) -> list:
     """The events through the wire format and vLLM's decoder."""
     from jaxllm.engine.kv_events import KVEventBatch as Ours
@@ -130,7 +117,7 @@ def test_block_hashes_are_vllms(algo):
     vLLM's sha256 algorithms (prompt and decode blocks alike)."""
     tokens = list(range(100, 137))
     kv = KVCacheManager(num_pages=16, page_size=8, hasher=BlockHasher(algo), events=True)
-    _admit(kv, _request("a", tokens))
+    admit(kv, book_request("a", tokens))
     (stored,) = _roundtrip(kv.take_events())
     assert stored.block_hashes == vllm_hashes(tokens, 8, algo)
 
@@ -143,9 +130,9 @@ def test_an_adapters_blocks_carry_its_name():
     from jaxllm.lora import LoRARequest
 
     kv = KVCacheManager(num_pages=8, page_size=4, hasher=BlockHasher("sha256_cbor"), events=True)
-    req = _request("a", list(range(12)))
+    req = book_request("a", list(range(12)))
     req.lora = LoRARequest("sql", 3, "/adapters/sql")
-    _admit(kv, req)
+    admit(kv, req)
     events = kv.take_events()
     (stored,) = _roundtrip(events)
     assert stored.block_hashes == vllm_hashes(list(range(12)), 4, extra=("sql",))
@@ -161,16 +148,16 @@ def test_an_adapter_reloaded_under_its_name_does_not_hit_the_old_ones_blocks():
     from jaxllm.lora import LoRARequest
 
     kv = KVCacheManager(num_pages=8, page_size=4, hasher=BlockHasher("sha256_cbor"), events=True)
-    old = _request("a", list(range(12)))
+    old = book_request("a", list(range(12)))
     old.lora = LoRARequest("sql", 1, "/adapters/sql-v1")
-    _admit(kv, old)
-    new = _request("b", list(range(12)))
+    admit(kv, old)
+    new = book_request("b", list(range(12)))
     new.lora = LoRARequest("sql", 2, "/adapters/sql-v2")
     assert kv.get_computed_blocks(new) == (None, 0)
-    same = _request("c", list(range(12)))
+    same = book_request("c", list(range(12)))
     same.lora = LoRARequest("sql", 1, "/adapters/sql-v1")
     assert kv.get_computed_blocks(same)[1] == 8
-    _admit(kv, new)
+    admit(kv, new)
     first, second = _roundtrip(kv.take_events())
     assert first.block_hashes == second.block_hashes
 
@@ -180,8 +167,8 @@ def test_a_cache_salt_keys_the_first_block():
     requests share cached prefixes only under the same salt."""
     kv = KVCacheManager(num_pages=16, page_size=4, hasher=BlockHasher("sha256_cbor"), events=True)
     tokens = list(range(12))
-    a = Request("a", tokens, GREEDY, eos_token_ids=(), max_tokens=4, seed=0, cache_salt="t1")
-    _admit(kv, a)
+    a = book_request("a", tokens, cache_salt="t1")
+    admit(kv, a)
     (stored,) = _roundtrip(kv.take_events())
     digest = lambda x: hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()  # noqa: E731
     parent = digest(os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
@@ -189,7 +176,7 @@ def test_a_cache_salt_keys_the_first_block():
     second = digest((first, tuple(tokens[4:8]), None))
     assert stored.block_hashes[:2] == [int.from_bytes(h[-8:], "big") for h in (first, second)]
     for rid, salt, hit in (("b", "t2", 0), ("c", None, 0), ("d", "t1", 8)):
-        req = Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=4, seed=0, cache_salt=salt)
+        req = book_request(rid, tokens, cache_salt=salt)
         assert kv.get_computed_blocks(req)[1] == hit, salt
 
 
@@ -199,9 +186,9 @@ def test_events_tell_the_prefix_caches_changes():
     hashes; a reset: AllBlocksCleared."""
     kv = KVCacheManager(num_pages=6, page_size=4, hasher=BlockHasher("sha256_cbor"), events=True)
     a = [*range(10)]
-    _admit(kv, _request("a", a))
+    admit(kv, book_request("a", a))
     b = [*range(8), 50, 51, 52, 53, 54]
-    _admit(kv, _request("b", b))
+    admit(kv, book_request("b", b))
     first, second = _roundtrip(kv.take_events())
     ha, hb = vllm_hashes(a, 4), vllm_hashes(b, 4)
     assert isinstance(first, BlockStored) and first.medium == "GPU"
@@ -214,13 +201,13 @@ def test_events_tell_the_prefix_caches_changes():
         b[8:12],
     )
     for rid in ("a", "b"):
-        kv.free(_request(rid, []))
-    _admit(kv, _request("c", list(range(1000, 1024))))  # 6 blocks: every cached one evicted
+        kv.free(book_request(rid, []))
+    admit(kv, book_request("c", list(range(1000, 1024))))  # 6 blocks: every cached one evicted
     events = _roundtrip(kv.take_events())
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert sorted(removed) == sorted(ha + hb[2:])
     assert all(e.medium == "GPU" for e in events)
-    kv.free(_request("c", []))
+    kv.free(book_request("c", []))
     assert kv.reset_prefix_cache()
     assert [type(e) for e in _roundtrip(kv.take_events())] == [AllBlocksCleared]
 
@@ -233,11 +220,11 @@ def test_the_host_tier_is_a_medium_of_its_own():
         events=True,
     )  # fmt: skip
     a = list(range(8))
-    _admit(kv, _request("a", a))  # two full blocks
-    kv.free(_request("a", []))
+    admit(kv, book_request("a", a))  # two full blocks
+    kv.free(book_request("a", []))
     kv.take_events()
     h = vllm_hashes(a, 4)
-    _admit(kv, _request("c", list(range(50, 58))))  # both a's blocks evicted, one host slot
+    admit(kv, book_request("c", list(range(50, 58))))  # both a's blocks evicted, one host slot
     events = _roundtrip(kv.take_events())
     cpu = [(type(e).__name__, e.block_hashes) for e in events if e.medium == "CPU"]
     gpu_removed = [x for e in events if e.medium == "GPU" and isinstance(e, BlockRemoved)

@@ -16,7 +16,7 @@ from jaxllm.config.kv_transfer import KVTransferConfig, check_kv_transfer_params
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.core_outputs import FinishReason
 from jaxllm.engine.request import Request
-from jaxllm.sampling_params import SamplingParams
+from tests.helpers import book_request
 
 ENGINE = dict(max_model_len=256, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64)
 PAGE = 16
@@ -47,9 +47,7 @@ def engines(tiny_model_dir):
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, params: dict | None) -> Request:
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return Request(rid, prompt, sp, eos_token_ids=(), max_tokens=max_tokens, seed=0,
-                   kv_transfer_params=params)  # fmt: skip
+    return book_request(rid, prompt, max_tokens, kv_transfer_params=params)
 
 
 def _run(engine: EngineCore, *serving: EngineCore, ids: set[str]) -> dict[str, list]:

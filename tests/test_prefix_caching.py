@@ -11,24 +11,9 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.block_hashing import BlockHasher
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
+from tests.helpers import admit, book_request
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, GREEDY, eos_token_ids=(), max_tokens=8, seed=0)
-
-
-def _admit(kv: KVCacheManager, req: Request) -> int:
-    """Admits and fully computes a request's prompt, like the scheduler would."""
-    blocks, cached = kv.get_computed_blocks(req)
-    req.num_computed_tokens = cached
-    assert kv.allocate_slots(req, req.num_tokens - cached, blocks)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_full_blocks(req)
-    kv.check_invariants()
-    return cached
 
 
 def test_keys_chain_through_the_parent():
@@ -41,48 +26,48 @@ def test_keys_chain_through_the_parent():
 
 def test_hits_sharing_and_lru_eviction():
     kv = KVCacheManager(num_pages=6, page_size=4)
-    first = _request("a", list(range(10)))  # 2 full blocks + 2 tokens
-    assert _admit(kv, first) == 0
-    second = _request("b", [*range(8), 77, 78, 79])  # same first 2 blocks
-    assert _admit(kv, second) == 8
+    first = book_request("a", list(range(10)))  # 2 full blocks + 2 tokens
+    assert admit(kv, first) == 0
+    second = book_request("b", [*range(8), 77, 78, 79])  # same first 2 blocks
+    assert admit(kv, second) == 8
     shared = kv.get_block_table("a")[0][:2]
     assert kv.get_block_table("b")[0][:2] == shared
     assert all(kv.ref_counts[b] == 2 for b in shared)
     # A prompt that is exactly cached still computes its last token.
-    third = _request("c", list(range(8)))
-    assert _admit(kv, third) == 4
+    third = book_request("c", list(range(8)))
+    assert admit(kv, third) == 4
     for r in (first, second, third):
         kv.free(r)
     kv.check_invariants()
     assert kv.num_free_blocks == 6 and len(kv.cached) == 2  # freed, but still cached
     # A new request revives the cached blocks from the free queue.
-    fourth = _request("d", [*range(8), 5])
-    assert _admit(kv, fourth) == 8
+    fourth = book_request("d", [*range(8), 5])
+    assert admit(kv, fourth) == 8
     kv.free(fourth)
     # Filling the pool with unrelated blocks evicts the cached ones.
-    big = _request("e", list(range(100, 124)))  # 6 blocks: the whole pool
-    assert _admit(kv, big) == 0
+    big = book_request("e", list(range(100, 124)))  # 6 blocks: the whole pool
+    assert admit(kv, big) == 0
     assert not kv.cached or all(b in kv.get_block_table("e")[0] for b in kv.cached.values())
     kv.free(big)
-    assert _admit(kv, _request("f", [*range(8), 5])) == 0  # the old prefix was evicted
+    assert admit(kv, book_request("f", [*range(8), 5])) == 0  # the old prefix was evicted
 
 
 def test_reset_prefix_cache():
     kv = KVCacheManager(num_pages=4, page_size=4)
-    req = _request("a", list(range(9)))
-    _admit(kv, req)
+    req = book_request("a", list(range(9)))
+    admit(kv, req)
     assert kv.reset_prefix_cache() is False  # blocks in use
     kv.free(req)
     assert kv.reset_prefix_cache() is True
     assert not kv.cached
     kv.check_invariants()
-    assert _admit(kv, _request("b", list(range(9)))) == 0
+    assert admit(kv, book_request("b", list(range(9)))) == 0
 
 
 def test_allocation_failure_changes_nothing():
     kv = KVCacheManager(num_pages=3, page_size=4)
-    _admit(kv, _request("a", list(range(8))))
-    req = _request("b", list(range(100, 120)))
+    admit(kv, book_request("a", list(range(8))))
+    req = book_request("b", list(range(100, 120)))
     before = (list(kv.free_queue), dict(kv.block_tables))
     assert not kv.allocate_slots(req, 20)
     assert (list(kv.free_queue), dict(kv.block_tables)) == before
