@@ -374,16 +374,7 @@ def write_kv(
     # elements as its own 4096-long dot product: 355 us per layer, 11 of the 21 ms of an
     # 8B decode step on an H200 (benchmarks/results/gpu-h200-checks.md).
     kv, scales = jax.lax.optimization_barrier((kv, scales))
-    if num_tokens == 1:
-        # XLA rewrites a one-row scatter as a dynamic-update-slice that reads the old row back
-        # (to keep it if the slot is out of range), and that second use of the cache makes it
-        # copy the whole cache, every step (measured: 1.1 GB of temporaries and seconds per
-        # decode step for the demo model). A second, dropped row keeps it a scatter.
-        kv = jnp.concatenate([kv, kv])
-        scales = None if scales is None else jnp.concatenate([scales, scales])
-        slot_mapping = jnp.concatenate(
-            [slot_mapping, jnp.full((1,), num_pages * page_size, slot_mapping.dtype)]
-        )
+    kv, scales, slot_mapping = keep_a_scatter(kv, scales, slot_mapping, num_pages * page_size)
     # A padding slot's page is past the last one, so FILL_OR_DROP drops its row.
     page, offset = slot_mapping // page_size, slot_mapping % page_size
     layers = jnp.broadcast_to(jnp.asarray(layer, slot_mapping.dtype), slot_mapping.shape)
@@ -412,13 +403,39 @@ def write_kv(
     # Token t's 2K scales go to lanes (2k + j) * page_size + offset of its page's row.
     lanes = jnp.arange(2 * num_kv_heads, dtype=slot_mapping.dtype) * page_size
     lanes = lanes[None, :] + offset[:, None]  # [T, 2K]
-    index = jnp.broadcast_to(
-        jnp.stack([layers, page], axis=-1)[:, None, :], (*lanes.shape, 2)
-    )  # [T, 2K, 2]: (layer, page)
-    new_scales = jax.lax.scatter(
-        cache.scales,
-        jnp.concatenate([index, lanes[..., None]], axis=-1),  # [T, 2K, 3]: (layer, page, lane)
-        scales.reshape(-1, 2 * num_kv_heads, 1),  # [T, 2K, 1]: the size-1 axis 2 of scales
+    new_scales = scatter_scales(cache.scales, layers, page, lanes, scales.reshape(-1, 2 * num_kv_heads))  # fmt: skip
+    return KVCache(data, new_scales)
+
+
+def keep_a_scatter(
+    rows: jax.Array, scales: jax.Array | None, slot_mapping: jax.Array, num_slots: int
+):
+    """A cache write's (rows, scales, slot_mapping), with a second row, dropped, when it writes
+    one token. XLA rewrites a one-row scatter as a dynamic-update-slice that reads the old row
+    back (to keep it if the slot is out of range), and that second use of the cache makes it
+    copy the whole cache, every step (measured: 1.1 GB of temporaries and seconds per decode
+    step for the demo model). `num_slots`: the pool's, the dropped row's slot."""  # fmt: skip
+    if slot_mapping.shape[0] != 1:
+        return rows, scales, slot_mapping
+    rows = jnp.concatenate([rows, rows])
+    scales = None if scales is None else jnp.concatenate([scales, scales])
+    slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), num_slots, slot_mapping.dtype)])
+    return rows, scales, slot_mapping
+
+
+def scatter_scales(
+    scales: jax.Array,  # [L, num_pages, 1, lanes]  an 8-bit cache's scale rows
+    layers: jax.Array,  # i32[T]  each token's layer slot
+    page: jax.Array,  # i32[T]  its page (past the pool: dropped)
+    lanes: jax.Array,  # i32[T, N]  the lanes of its page's row its scales go to
+    values: jax.Array,  # [T, N]  its scales
+) -> jax.Array:
+    """Writes each token's scales into their lanes of its page's scale row."""
+    index = jnp.stack(jnp.broadcast_arrays(layers[:, None], page[:, None], lanes), axis=-1)
+    return jax.lax.scatter(
+        scales,
+        index,  # [T, N, 3]: (layer, page, lane)
+        values[..., None],  # [T, N, 1]: the size-1 axis 2 of scales
         jax.lax.ScatterDimensionNumbers(
             update_window_dims=(2,),
             inserted_window_dims=(0, 1, 3),
@@ -426,7 +443,6 @@ def write_kv(
         ),
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
     )
-    return KVCache(data, new_scales)
 
 
 def attention_cost(

@@ -39,7 +39,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_cache import KVCache, as_kv_cache, quantize_kv, widen_kv
+from pallas_kernels.kv_cache import (
+    KVCache,
+    as_kv_cache,
+    keep_a_scatter,
+    quantize_kv,
+    scatter_scales,
+    widen_kv,
+)
 from pallas_kernels.mla_attention_gpu import mla_paged_attention_gpu
 from pallas_kernels.mla_attention_tpu import mla_paged_attention_tpu
 from pallas_kernels.target import current_platform
@@ -229,12 +236,7 @@ def write_latent(
     else:
         rows, scales = rows.astype(cache.data.dtype), None
     rows, scales = jax.lax.optimization_barrier((rows, scales))  # see write_kv
-    if num_tokens == 1:  # see write_kv: a second, dropped row keeps it a scatter
-        rows = jnp.concatenate([rows, rows])
-        scales = None if scales is None else jnp.concatenate([scales, scales])
-        slot_mapping = jnp.concatenate(
-            [slot_mapping, jnp.full((1,), num_pages * page_size, slot_mapping.dtype)]
-        )
+    rows, scales, slot_mapping = keep_a_scatter(rows, scales, slot_mapping, num_pages * page_size)
     page, offset = slot_mapping // page_size, slot_mapping % page_size
     odd = offset % 2
     layers = jnp.broadcast_to(jnp.asarray(layer, slot_mapping.dtype), slot_mapping.shape)
@@ -259,17 +261,5 @@ def write_latent(
         )
     if scales is None:
         return data if not isinstance(kv_cache, KVCache) else KVCache(data)
-    lane = heads[None, :] * page_size + offset[:, None]  # [T, K]
-    parts = jnp.broadcast_arrays(layers[:, None], page[:, None], lane)
-    new_scales = jax.lax.scatter(
-        cache.scales,
-        jnp.stack(parts, axis=-1),  # [T, K, 3]: (layer, page, lane)
-        scales[..., None],  # [T, K, 1]: the size-1 axis 2 of scales
-        jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(2,),
-            inserted_window_dims=(0, 1, 3),
-            scatter_dims_to_operand_dims=(0, 1, 3),
-        ),
-        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-    )
-    return KVCache(data, new_scales)
+    lane = heads[None, :] * page_size + offset[:, None]  # [T, K]: one scale a row
+    return KVCache(data, scatter_scales(cache.scales, layers, page, lane, scales))
