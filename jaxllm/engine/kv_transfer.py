@@ -213,7 +213,6 @@ class KVTransfer:
             return Reply(False, "the decoder's prompt blocks are not this request's (another prompt, adapter, salt or PYTHONHASHSEED)"), []  # fmt: skip
         if [tuple(x) for x in pull.layout] != [tuple(x) for x in self.layout]:
             return Reply(False, f"KV block layouts differ: the decoder's {pull.layout}, the prefiller's {self.layout}"), []  # fmt: skip
-        self._release(pull.request_id)
         blocks = [
             (g, i)
             for i in range(max(pull.first_block, 0), n)
@@ -221,6 +220,7 @@ class KVTransfer:
             if table[i] >= 0
         ]
         arrays = self.offloader.read([held.tables[g][i] for g, i in blocks])
+        self._release(pull.request_id)  # read: the pool may have them back
         self.num_sent_blocks += len(blocks)
         return Reply(True, blocks=blocks), arrays
 
@@ -291,6 +291,9 @@ class KVTransfer:
                 raise ValueError(reply.error)
             if len(frames) != 1 + len(self.layout):
                 raise ValueError(f"{len(frames) - 1} arrays for {len(self.layout)} cache arrays")
+            groups, wanted = self.kv.num_groups, range(pull.first_block, len(pull.block_hashes))
+            if any(not (0 <= g < groups and i in wanted) for g, i in reply.blocks):
+                raise ValueError("blocks that were not asked for")
             arrays = [
                 np.frombuffer(frame, _dtype(dtype)).reshape(len(reply.blocks), *shape)
                 for frame, (shape, dtype) in zip(frames[1:], self.layout, strict=True)
