@@ -35,6 +35,10 @@ def _serve(args: argparse.Namespace) -> int:
         engine_config.lora.enable_lora
     ):
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if config.headless:  # another host's data-parallel ranks: engine cores, no HTTP
+        from jaxllm.engine.dp_client import run_headless
+
+        return run_headless(engine_config)
     worker = multihost_worker(engine_config)  # hosts other than 0 serve no HTTP
     if worker is not None:
         return worker

@@ -30,6 +30,10 @@ class ServerConfig:
     directory holding a generation_config.json."""
     shutdown_timeout: float = 30.0
     """Seconds to drain in-flight requests on SIGTERM."""
+    headless: bool = False
+    """Run this host's data-parallel engine cores (--data-parallel-start-rank and
+    --data-parallel-size-local of --data-parallel-size) for the API server on another host
+    (--data-parallel-address, --data-parallel-rpc-port), and no API server (vLLM's flag)."""
     enable_auto_tool_choice: bool = False
     """Allow tool_choice "auto": the model decides whether to call tools, and
     --tool-call-parser reads its calls out of the text."""

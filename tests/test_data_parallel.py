@@ -93,3 +93,91 @@ def test_ranks_kv_event_ports_must_not_collide(tiny_model_dir):
     with pytest.raises(ValueError, match="kv_events_config"):
         _check_event_endpoints(config("tcp://*:5558"), 2)
     _check_event_endpoints(config("tcp://*:5567"), 2)
+
+
+def _rpc_port() -> int:
+    """A base port whose rank-1 ports (base + 2, base + 3) are free."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port - 2
+    raise RuntimeError("no two free ports in a row")
+
+
+def _headless(model, port: int):
+    """`jaxllm serve --headless`: rank 1 of 2, as another host would run it."""
+    import subprocess
+    import sys
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    cmd = [sys.executable, "-m", "jaxllm.cli", "serve", str(model), "--headless", "-dp", "2",
+           "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
+           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port), *flags]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def test_a_rank_on_another_host(tiny_model_dir, tiny_llm, monkeypatch):
+    """--data-parallel-size-local 1 on the API server's host and rank 1 from `jaxllm serve
+    --headless` (another host's, here a process that reaches it over TCP): the same greedy
+    tokens, both ranks serving, and the API server's shutdown stops the headless host's core.
+    Then a headless host that dies: once it is silent past the timeout its requests fail and
+    rank 0 goes on."""
+    from jaxllm.engine import dp_client
+
+    monkeypatch.setattr(dp_client, "_REMOTE_TIMEOUT_S", 3.0)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids
+        for o in tiny_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    ]  # fmt: skip
+
+    async def serve(port, kill=None):
+        eng = await AsyncLLM.create(str(tiny_model_dir), data_parallel_size=2,
+                                    data_parallel_size_local=1, data_parallel_rpc_port=port,
+                                    **ENGINE)  # fmt: skip
+        try:
+
+            async def one(ids, max_tokens=12):
+                p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                return [o async for o in eng.generate(ids, p)][-1].outputs[0].token_ids
+
+            assert await asyncio.gather(*(one(p) for p in PROMPTS)) == expected
+            assert all(s.num_steps > 0 for s in eng.engine_stats), eng.engine_stats
+            if kill is not None:
+                tasks = [asyncio.ensure_future(one(p, max_tokens=220)) for p in PROMPTS]
+                for _ in range(20_000):
+                    if eng.engine_stats[1].num_running:
+                        break
+                    await asyncio.sleep(0.001)
+                kill()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                assert failed and len(failed) < len(results), results
+                assert all(isinstance(e, RequestFailedError | EngineDeadError) for e in failed)
+                assert not eng.dead
+                assert await asyncio.gather(*(one(p) for p in PROMPTS[:3])) == expected[:3]
+        finally:
+            await eng.shutdown()
+
+    port = _rpc_port()
+    headless = _headless(tiny_model_dir, port)
+    try:
+        asyncio.run(serve(port))
+        assert headless.wait(60) == 0, headless.stdout.read()[-3000:]  # stopped by the server
+    finally:
+        headless.kill()
+
+    port = _rpc_port()
+    headless = _headless(tiny_model_dir, port)
+    try:
+        asyncio.run(serve(port, kill=lambda: os.killpg(headless.pid, signal.SIGKILL)))
+    finally:
+        headless.kill()

@@ -270,6 +270,18 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     """This engine core's rank among `data_parallel_size` (set by the API server for each
     core it starts)."""
+    data_parallel_size_local: int | None = None
+    """Engine cores on this host (vLLM's flag); default: all `data_parallel_size`. The API
+    server's host runs ranks [0, this); the others run on other hosts, started there by
+    `jaxllm serve --headless`, and connect to the API server at `data_parallel_address`."""
+    data_parallel_start_rank: int = 0
+    """The first rank this host runs: 0 on the API server's host; a headless host's first."""
+    data_parallel_address: str = "127.0.0.1"
+    """The API server's host address, which other hosts' engine cores connect to (vLLM's
+    flag). The API server listens for them on every interface."""
+    data_parallel_rpc_port: int = 29550
+    """The first of the API server's ports for other hosts' engine cores (vLLM's flag):
+    rank r's requests go out on this + 2r, its outputs come back on this + 2r + 1."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -280,8 +292,22 @@ class ParallelConfig:
                 f"data_parallel_rank must be in [0, {self.data_parallel_size}), got "
                 f"{self.data_parallel_rank}"
             )
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        if local is not None and not 1 <= local <= self.data_parallel_size:
+            raise ValueError(f"data_parallel_size_local must be in [1, {self.data_parallel_size}], got {local}")  # fmt: skip
+        if not 0 <= start < self.data_parallel_size or start + (local or 0) > self.data_parallel_size:  # fmt: skip
+            raise ValueError(
+                f"data_parallel_start_rank {start} with data_parallel_size_local {local} does "
+                f"not fit data_parallel_size {self.data_parallel_size}"
+            )
+        if not 0 < self.data_parallel_rpc_port < 65536 - 2 * self.data_parallel_size:
+            raise ValueError(f"data_parallel_rpc_port must leave room for {2 * self.data_parallel_size} ports, got {self.data_parallel_rpc_port}")  # fmt: skip
         if self.data_parallel_size > 1 and self.multihost:
-            raise ValueError("data_parallel_size > 1 is not served across hosts yet")
+            raise ValueError(
+                "data_parallel_size > 1 runs whole engines per rank: not with a multi-host "
+                "engine (distributed); spread ranks over hosts with --data-parallel-size-local "
+                "and --headless"
+            )
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_processes is not None and self.num_processes < 1:
@@ -295,6 +321,17 @@ class ParallelConfig:
         return self.distributed or any(
             v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)
         )
+
+    @property
+    def local_ranks(self) -> range:
+        """The data-parallel ranks this host runs."""
+        start = self.data_parallel_start_rank
+        return range(start, start + (self.data_parallel_size_local or self.data_parallel_size - start))  # fmt: skip
+
+    def rank_ports(self, rank: int) -> tuple[int, int]:
+        """The API server's (input, output) ports for another host's rank `rank`."""
+        port = self.data_parallel_rpc_port + 2 * rank
+        return port, port + 1
 
 
 @dataclasses.dataclass(frozen=True)

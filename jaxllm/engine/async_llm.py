@@ -333,7 +333,10 @@ class AsyncLLM:
     def _apply(self, out) -> None:
         self.stats = self.engine_stats[out.engine] = out.stats
         self._outputs_seen += 1
-        stats = IterationStats(step=out.step, engine=out.engine)
+        # An idle core's report (stats alone: another host's heartbeat, or after aborts) is
+        # no engine step for metrics.
+        idle = out.step.host_seconds is None and not out.updates and not out.step.scheduled
+        stats = IterationStats(step=None if idle else out.step, engine=out.engine)
         for rid, queued_seconds, at in out.step.scheduled:
             if (times := self._times.get(rid)) is not None:
                 times.queued_seconds, times.scheduled = queued_seconds, at

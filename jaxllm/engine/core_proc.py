@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import traceback
 
 import msgspec
@@ -55,9 +56,15 @@ def build_engine_core(config: EngineConfig) -> EngineCore | EncoderEngineCore:
     return core.from_config(config)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    heartbeat_s: float | None = None,
+) -> None:
     """Entry point of the core process (started with the "spawn" method), or of its thread
-    in in-process mode."""
+    in in-process mode. `heartbeat_s`: a core on another host than its front end (which sees
+    no process of it) reports its stats at least this often, idle or not, to show it lives."""
     in_thread = threading.current_thread() is not threading.main_thread()
     if not in_thread:
         # A process of its own: the front end decides when to stop (a Ctrl-C or a SIGTERM to
@@ -77,7 +84,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     engine = None
     try:
         try:
-            if not in_thread and config.parallel.data_parallel_size > 1:
+            if not in_thread and len(config.parallel.local_ranks) > 1:
                 claim_rank_devices(config.parallel)  # before JAX starts in this process
             engine = build_engine_core(config)
         except Exception as e:  # a bad model path or flag: tell the front end, then exit
@@ -90,6 +97,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         poller = zmq.Poller()
         for sock in [inputs, *loop.sockets]:
             poller.register(sock, zmq.POLLIN)
+        sent = time.monotonic()
         while True:
             timeout = 0 if engine.has_unfinished_requests() else loop.idle_poll_ms
             received = False
@@ -105,8 +113,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                 logger.warning("front end is gone; exiting")
                 return
             # Idle after messages (e.g. the last requests were aborted): the idle stats.
-            if received or engine.has_unfinished_requests():
+            beat = heartbeat_s is not None and time.monotonic() - sent > heartbeat_s
+            if received or beat or engine.has_unfinished_requests():
                 outputs.send(encoder.encode(loop.step()))
+                sent = time.monotonic()
     finally:
         if engine is not None:
             try:
@@ -119,13 +129,15 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 def claim_rank_devices(parallel) -> None:
-    """Gives a data-parallel engine core its share of the host's devices, before JAX starts:
-    GPUs `[rank * tp, (rank + 1) * tp)` of the visible ones (CUDA_VISIBLE_DEVICES); on a TPU
-    VM chip `rank` (one chip an engine, as JAX runs several processes on one host); on the
-    CPU its share of the cores (affinity), so ranks do not contend for them."""
+    """Gives a data-parallel engine core its share of this host's devices, before JAX
+    starts, by its place among the host's ranks (`ParallelConfig.local_ranks`): the i-th gets
+    GPUs `[i * tp, (i + 1) * tp)` of the visible ones (CUDA_VISIBLE_DEVICES); on a TPU VM chip
+    i (one chip an engine, as JAX runs several processes on one host); on the CPU its share of
+    the cores (affinity), so ranks do not contend for them."""
     import glob
 
-    rank, size = parallel.data_parallel_rank, parallel.data_parallel_size
+    local = parallel.local_ranks
+    rank, size = parallel.data_parallel_rank - local.start, len(local)
     tp = parallel.tensor_parallel_size or 1
     gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
     if gpus:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import time
 
 import msgspec
 import zmq
@@ -31,22 +33,45 @@ from jaxllm.config.kv_events import KVEventsConfig
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.core_outputs import FinishReason, RequestUpdate
 from jaxllm.engine.kv_events import offset_endpoint_port
-from jaxllm.engine.messages import AddPooling, AddRequest, Ready, StepOutputs
+from jaxllm.engine.messages import (
+    Abort,
+    AddPooling,
+    AddRequest,
+    Failed,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    encoder,
+    output_decoder,
+)
 from jaxllm.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 _WAITING_WEIGHT = 4
 _LIVENESS_S = 0.1  # how often a quiet wait looks for dead cores
+# Another host's core reports at least every _HEARTBEAT_S; silent for _REMOTE_TIMEOUT_S once
+# ready, it counts as dead.
+_HEARTBEAT_S = 1.0
+_REMOTE_TIMEOUT_S = 30.0
 
 
 class DPEngineCoreClient:
     def __init__(self, config: EngineConfig, *, in_process: bool = False):
         if in_process:
             raise ValueError("data_parallel_size > 1 runs its engine cores as processes")
-        size = config.parallel.data_parallel_size
+        parallel = config.parallel
+        size = parallel.data_parallel_size
+        if parallel.data_parallel_start_rank != 0:
+            raise ValueError("the API server runs data-parallel rank 0 (data_parallel_start_rank 0); other hosts run theirs with --headless")  # fmt: skip
         _check_event_endpoints(config, size)
-        self.clients = [EngineCoreClient(config.replace(data_parallel_rank=r)) for r in range(size)]
+        local = parallel.local_ranks
+        self.clients = [
+            EngineCoreClient(config.replace(data_parallel_rank=r))
+            if r in local
+            else RemoteEngineCoreClient(config.replace(data_parallel_rank=r))
+            for r in range(size)
+        ]
         self.ready: list[Ready | None] = [None] * size
         self.stats: list = [None] * size  # each core's last Stats
         self._owner: dict[str, int] = {}  # request id -> rank, until it finishes or is aborted
@@ -179,6 +204,135 @@ class DPEngineCoreClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(c.shutdown(timeout) for c in self.clients))
+
+
+class RemoteEngineCoreClient:
+    """The front end's handle on an engine core that another host runs (`run_headless`): the
+    same interface as `EngineCoreClient`, over TCP. The front end binds the rank's two ports
+    (`ParallelConfig.rank_ports`) on every interface and the core connects to them; with no
+    process to watch, the core counts as alive while it reports (its heartbeat)."""
+
+    def __init__(self, config: EngineConfig):
+        parallel = config.parallel
+        self.rank = parallel.data_parallel_rank
+        self._ctx = zmq.asyncio.Context()
+        self._inputs = self._ctx.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._outputs = self._ctx.socket(zmq.PULL)
+        ports = parallel.rank_ports(self.rank)
+        try:
+            self._inputs.bind(f"tcp://*:{ports[0]}")
+            self._outputs.bind(f"tcp://*:{ports[1]}")
+        except zmq.ZMQError as e:
+            self._ctx.destroy(linger=0)
+            raise ValueError(f"data_parallel_rpc_port: rank {self.rank}'s ports {ports} are taken: {e}") from None  # fmt: skip
+        self._last = None  # time.monotonic() of its last message, once ready
+        self._gone = False  # shut down, or silent too long
+
+    async def wait_ready(self) -> Ready:
+        """Waits, for as long as it takes another host to start, for the core's `Ready`."""
+        waited = 0
+        while True:
+            if await self._outputs.poll(500):
+                message = output_decoder.decode(await self._outputs.recv())
+                if isinstance(message, Ready):
+                    self._last = time.monotonic()
+                    return message
+                if isinstance(message, Failed):
+                    raise RuntimeError(f"engine core {self.rank} failed to start: {message.message}")  # fmt: skip
+            waited += 1
+            if waited % 60 == 0:
+                logger.info("waiting for data-parallel rank %d (another host's --headless)", self.rank)  # fmt: skip
+
+    def is_alive(self) -> bool:
+        if self._gone:
+            return False
+        if self._outputs.get(zmq.EVENTS) & zmq.POLLIN:  # it spoke; not read yet
+            self._last = time.monotonic()
+        elif self._last is not None and time.monotonic() - self._last > _REMOTE_TIMEOUT_S:
+            self._gone = True  # late outputs are not believed any more
+        return not self._gone
+
+    @property
+    def output_socket(self) -> zmq.asyncio.Socket:
+        return self._outputs
+
+    @property
+    def exit_status(self) -> str:
+        return f"no word from it for {_REMOTE_TIMEOUT_S:.0f} s" if self._gone else "running"
+
+    def add_request(self, request: AddRequest | AddPooling) -> None:
+        self._send(request)
+
+    def send(self, message) -> None:
+        self._send(message)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.is_alive():
+            self._send(Abort(request_ids))
+
+    def _send(self, message) -> None:
+        if not self.is_alive():
+            raise EngineDeadError(f"engine core {self.rank} is not running")
+        try:
+            self._inputs.send(encoder.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:  # its host went away and took the connection with it
+            self._gone = True
+            raise EngineDeadError(f"engine core {self.rank} is not connected") from None
+
+    async def get_output(self, timeout: float = 0.5) -> StepOutputs | None:
+        if self._gone or not await self._outputs.poll(int(timeout * 1000)):
+            return None
+        message = output_decoder.decode(await self._outputs.recv())
+        self._last = time.monotonic()
+        return message if isinstance(message, StepOutputs) else None
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if not self._gone:
+            try:
+                self._inputs.send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+                await asyncio.sleep(0.1)  # (sent before the socket closes)
+            except zmq.ZMQError:
+                pass
+        self._gone = True
+        self._inputs.close(linger=1000)
+        self._outputs.close(linger=0)
+        self._ctx.term()
+
+
+def run_headless(config: EngineConfig) -> int:
+    """`jaxllm serve --headless`: this host's data-parallel ranks (`local_ranks`), each an
+    engine core process that connects to the API server on another host
+    (`data_parallel_address`, its rank's ports) and serves no HTTP. Returns when they have all
+    exited (the API server shut them down, or they failed)."""
+    from jaxllm import host_memory
+    from jaxllm.engine.core_proc import run_engine_core
+
+    parallel = config.parallel
+    if 0 in parallel.local_ranks:
+        raise ValueError("--headless runs ranks other than 0 (the API server's): set --data-parallel-start-rank")  # fmt: skip
+    host_memory.set_for_children()
+    processes = []
+    for rank in parallel.local_ranks:
+        ports = parallel.rank_ports(rank)
+        address = parallel.data_parallel_address
+        args = (config.replace(data_parallel_rank=rank), f"tcp://{address}:{ports[0]}", f"tcp://{address}:{ports[1]}", _HEARTBEAT_S)  # fmt: skip
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=args, name=f"jaxllm-engine-core-{rank}"
+        )
+        process.start()
+        processes.append(process)
+    logger.info("headless: ranks %s serve the API server at %s", list(parallel.local_ranks), parallel.data_parallel_address)  # fmt: skip
+    try:
+        for process in processes:
+            process.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for process in processes:  # (the cores ignore SIGINT and SIGTERM)
+            if process.is_alive():
+                process.kill()
+    return max((p.exitcode or 0) for p in processes)
 
 
 def _check_event_endpoints(config: EngineConfig, size: int) -> None:
