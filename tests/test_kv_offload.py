@@ -12,27 +12,26 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.host_blocks import HostBlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from tests.helpers import tensor_parallel_report
-from tests.test_prefix_caching import _admit, _request
+from tests.helpers import admit, book_request, tensor_parallel_report
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def test_evicted_blocks_go_to_the_host_and_come_back():
     kv = KVCacheManager(num_pages=4, page_size=4, host=HostBlockPool(8))
-    a = _request("a", list(range(9)))  # 2 full blocks + 1 token
-    assert _admit(kv, a) == 0
+    a = book_request("a", list(range(9)))  # 2 full blocks + 1 token
+    assert admit(kv, a) == 0
     kv.free(a)
     assert kv.take_transfers() == ([], [])
-    b = _request("b", list(range(100, 116)))  # 4 blocks: evicts a's two cached ones
-    _admit(kv, b)
+    b = book_request("b", list(range(100, 116)))  # 4 blocks: evicts a's two cached ones
+    admit(kv, b)
     stores, loads = kv.take_transfers()
     assert len(stores) == 2 and not loads and len(kv.host) == 2
     kv.free(b)
     # `a` again: its two blocks miss on the device and hit in the host tier, into fresh
     # device blocks that are keyed at once (b's evicted ones go to the host meanwhile).
-    again = _request("a2", list(range(9)))
-    assert _admit(kv, again) == 8
+    again = book_request("a2", list(range(9)))
+    assert admit(kv, again) == 8
     stores, loads = kv.take_transfers()
     table = kv.get_block_table("a2")[0]
     assert [block for _, block in loads] == table[:2]
@@ -40,23 +39,23 @@ def test_evicted_blocks_go_to_the_host_and_come_back():
     assert all(kv.block_keys[b] is not None for b in table[:2])
     assert kv.host.num_loaded == 2 and kv.host.hit_tokens == 8
     # The device now holds them: a third request hits there, with no copy.
-    third = _request("a3", [*range(8), 50])
-    assert _admit(kv, third) == 8
+    third = book_request("a3", [*range(8), 50])
+    assert admit(kv, third) == 8
     assert kv.take_transfers()[1] == []
 
 
 def test_a_block_loaded_and_evicted_in_one_step_is_neither_loaded_nor_stored():
     kv = KVCacheManager(num_pages=2, page_size=4, host=HostBlockPool(4))
-    a = _request("a", list(range(5)))
-    _admit(kv, a)
+    a = book_request("a", list(range(5)))
+    admit(kv, a)
     kv.free(a)
-    _admit(kv, b := _request("b", list(range(20, 28))))  # evicts a's block to the host
+    admit(kv, b := book_request("b", list(range(20, 28))))  # evicts a's block to the host
     kv.free(b)
     kv.take_transfers()
-    hit = _request("c", list(range(5)))
-    assert _admit(kv, hit) == 4
+    hit = book_request("c", list(range(5)))
+    assert admit(kv, hit) == 4
     kv.free(hit)  # preempted within the same step: its blocks are free again
-    _admit(kv, _request("d", list(range(40, 48))))  # takes both, the loaded one too
+    admit(kv, book_request("d", list(range(40, 48))))  # takes both, the loaded one too
     stores, loads = kv.take_transfers()
     loaded_block = kv.get_block_table("d")[0]
     assert loads == [], "a load into a block taken over in the same step"
@@ -76,9 +75,9 @@ def test_the_host_tier_is_bounded_and_least_recently_used_goes_first():
 
 def test_reset_prefix_cache_forgets_the_host_tier():
     kv = KVCacheManager(num_pages=2, page_size=4, host=HostBlockPool(4))
-    _admit(kv, a := _request("a", list(range(5))))
+    admit(kv, a := book_request("a", list(range(5))))
     kv.free(a)
-    _admit(kv, b := _request("b", list(range(20, 28))))
+    admit(kv, b := book_request("b", list(range(20, 28))))
     kv.free(b)
     assert len(kv.host) == 1 and kv.reset_prefix_cache() and len(kv.host) == 0
 
