@@ -10,8 +10,10 @@ llm-d's routing sidecar do:
 The prefiller is the one the `x-prefiller-host-port` header names (llm-d's inference scheduler
 sets it), else the next of `--prefill` in turn; with neither, the decoder serves the request
 alone (llm-d's single-node path). Decoders are taken in turn. A prefiller that fails (down,
-5xx) costs the decode server the prompt, not the request: the decoder is sent the request
-without params and computes it. A prefiller's 4xx (a bad request) is the client's answer.
+5xx, 429, past --prefill-timeout) costs the decode server the prompt, not the request: the
+decoder is sent the request without params and computes it. A prefiller's refusal of the
+request itself (400, 401, 403, 413, 422) is the client's answer. A request for n > 1
+completions goes to the decoder alone (one prefill serves one decode).
 Every other path (/health, /metrics, /v1/models, ...) is the first decoder's, so the proxy can
 stand in front of a decode pod's server as llm-d's routing sidecar does. Works with any server
 that speaks the protocol (vLLM with NixlConnector too).
@@ -47,9 +49,16 @@ _PREFILL_PARAMS = {
 }
 
 
-def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = None) -> FastAPI:
+def build_app(
+    prefill: list[str],
+    decode: list[str],
+    *,
+    prefill_timeout: float = 300.0,
+    allowed_prefillers: list[str] | None = None,
+) -> FastAPI:
     """The proxy over prefill servers `prefill` (none: only those the header names) and decode
-    servers `decode` (base URLs)."""
+    servers `decode` (base URLs). `allowed_prefillers`: the host:port values the header may
+    name (None: any; the header comes from whoever reaches the proxy)."""
     if not decode:
         raise ValueError("the proxy needs at least one decode server")
     clients: dict[str, httpx.AsyncClient] = {}
@@ -57,7 +66,8 @@ def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = 
     def client(base: str) -> httpx.AsyncClient:
         if base not in clients:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-            clients[base] = httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits)
+            # Decodes stream for as long as they take; a prefill gets `prefill_timeout`.
+            clients[base] = httpx.AsyncClient(base_url=base, timeout=None, limits=limits)
         return clients[base]
 
     @asynccontextmanager
@@ -84,9 +94,12 @@ def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = 
             return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "BadRequestError", "code": 400}}, 400)  # fmt: skip
         request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
         named = request.headers.get("x-prefiller-host-port")
+        if named and allowed_prefillers is not None and named not in allowed_prefillers:
+            logger.warning("x-prefiller-host-port %s is not an allowed prefiller: ignored", named)
+            named = None
         prefiller = f"http://{named}" if named else next(prefillers)
         decoder = client(next(decoders))
-        if prefiller is None:
+        if prefiller is None or (body.get("n") or 1) != 1:  # one prefill serves one decode
             return await _forward(decoder, decoder.build_request("POST", path, json=body, headers=headers(request, request_id)))  # fmt: skip
         step = dict(body, kv_transfer_params=dict(_PREFILL_PARAMS), stream=False, max_tokens=1)
         if "max_completion_tokens" in step:
@@ -95,8 +108,8 @@ def build_app(prefill: list[str], decode: list[str], *, timeout: float | None = 
             step.pop(name, None)
         params = None
         try:
-            answer = await client(prefiller).post(path, json=step, headers=headers(request, request_id))  # fmt: skip
-            if 400 <= answer.status_code < 500:  # the request is bad: the client's answer
+            answer = await client(prefiller).post(path, json=step, headers=headers(request, request_id), timeout=prefill_timeout)  # fmt: skip
+            if answer.status_code in (400, 401, 403, 413, 422):  # the request's fault: its answer
                 return Response(answer.content, answer.status_code, media_type="application/json")  # fmt: skip
             answer.raise_for_status()
             params = answer.json().get("kv_transfer_params")
@@ -133,7 +146,7 @@ async def _forward(client: httpx.AsyncClient, sent: httpx.Request) -> Response:
     except httpx.HTTPError as e:
         return JSONResponse({"error": {"message": f"the decode server failed: {e}", "type": "InternalServerError", "code": 502}}, 502)  # fmt: skip
     return StreamingResponse(
-        reply.aiter_raw(),
+        reply.aiter_bytes(),  # decoded: the content-encoding is not passed on
         status_code=reply.status_code,
         media_type=reply.headers.get("content-type"),
         background=BackgroundTask(reply.aclose),
@@ -144,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", action="append", default=[], help="a prefill server's base URL (repeat for more); none: only the one a request's x-prefiller-host-port header names")  # fmt: skip
     parser.add_argument("--decode", action="append", required=True, help="a decode server's base URL (repeat for more)")  # fmt: skip
+    parser.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds a prefill may take before the decoder computes the prompt itself")  # fmt: skip
+    parser.add_argument("--allowed-prefillers", nargs="+", default=None, help="the host:port values x-prefiller-host-port may name (default: any)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     return parser
@@ -152,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port)
+    app = build_app(args.prefill, args.decode, prefill_timeout=args.prefill_timeout,
+                    allowed_prefillers=args.allowed_prefillers)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,9 @@ class _Generation:
         """`lora`: the LoRA adapter `model` names (`ServerState.lora_request`), or None.
         `mm_items`: the images of a chat's one prompt."""
         self.req, self.model, self.jobs, self.eng = req, model, jobs, eng
+        if getattr(req, "kv_transfer_params", None) and len(jobs) > 1:
+            # One prefill's blocks serve one decode, and the response carries one answer.
+            raise InputError("kv_transfer_params: one prompt per request with prefill/decode disaggregation", "prompt")  # fmt: skip
         self.prompt_logprobs: dict[int, list] = {}  # choice -> the engine's prompt_logprobs
         self.kv_transfer_params: dict | None = None  # a prefiller's answer (`kv_transfer`)
         # The response model's own id form ("cmpl-...", "chatcmpl-..."), one for all chunks.

@@ -171,6 +171,40 @@ def test_a_failed_pull_is_a_recompute(engines):
     assert producer.reset_prefix_cache()
 
 
+def test_limits_on_both_sides(engines):
+    """A decoder pulls only from its allowed prefillers (when it lists them); a prefiller holds
+    at most its share of the pool for decoders. Past either, the decoder computes the prompt."""
+    producer, consumer = engines
+    expected = _reference(consumer)
+    params = _prefill(producer, {"l3": PROMPTS[3]})
+    transfer = consumer.kv_transfer
+    transfer._allowed = {"10.0.0.9"}  # kv_connector_extra_config.allowed_prefillers
+    try:
+        failures = consumer.stats().kv_transfer_failures
+        consumer.add_request(_request("l3", PROMPTS[3], MAX_TOKENS, params["l3"]))
+        assert not transfer.num_pulling  # not even tried
+        out = _run(consumer, producer, ids={"l3"})
+        assert _tokens(out["l3"]) == expected[3]
+        assert consumer.stats().kv_transfer_failures == failures + 1
+    finally:
+        transfer._allowed = None
+    assert consumer.reset_prefix_cache()
+    # Release the hold (a pull of what it has), then hold no more than 8 blocks.
+    consumer.add_request(_request("l3b", PROMPTS[3], MAX_TOKENS, params["l3"]))
+    _run(consumer, producer, ids={"l3b"})
+    assert producer.stats().kv_transfer_held == 0
+    producer.kv_transfer._max_held_blocks = 8
+    try:
+        capped = _prefill(producer, {"c0": PROMPTS[0], "c3": PROMPTS[3]})
+    finally:
+        producer.kv_transfer._max_held_blocks = producer.scheduler.kv.num_pages // 2
+    assert len(capped["c0"]["remote_block_ids"]) == 4  # held
+    assert capped["c3"]["remote_block_ids"] == []  # 9 more would pass 8: not held
+    assert producer.stats().kv_transfer_held == 1
+    producer.kv_transfer.release_all()
+    assert consumer.reset_prefix_cache() and producer.reset_prefix_cache()
+
+
 def test_unpulled_blocks_are_released_after_the_hold_timeout(engines):
     producer, _ = engines
     transfer = producer.kv_transfer

@@ -118,6 +118,9 @@ def test_the_proxy_answers_as_one_server(pd):
     direct = alone.completions.create(model="tiny", prompt=PROMPTS[2][:100], max_tokens=12, temperature=0,
                                       extra_body={"cache_salt": "alone", "ignore_eos": True})  # fmt: skip
     assert text == direct.choices[0].text
+    # n > 1 through the proxy: the decode server alone serves it.
+    many = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, n=2, temperature=0)  # fmt: skip
+    assert len(many.choices) == 2
     # Nothing compiled after warmup on either server.
     assert [_metric(u, "jaxllm:num_compilations_total") for u in (prefill, decode)] == compiled
 
@@ -141,6 +144,9 @@ def test_the_prefill_response_carries_the_params(pd):
     assert r.status_code == 400 and "remote_port" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{decode}/v1/completions", json=dict(body, n=2, kv_transfer_params=params), timeout=60)  # fmt: skip
     assert r.status_code == 400 and "n must be 1" in r.json()["error"]["message"], r.text
+    two = dict(body, prompt=[PROMPTS[0], PROMPTS[1]])
+    r = httpx.post(f"{prefill}/v1/completions", json=two, timeout=60)
+    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"], r.text
     # The decoder takes them (releasing the hold).
     r = httpx.post(f"{decode}/v1/completions", json=dict(body, max_tokens=4, kv_transfer_params=params), timeout=60)  # fmt: skip
     assert r.status_code == 200, r.text

@@ -278,7 +278,8 @@ class ParallelConfig:
     """The first rank this host runs: 0 on the API server's host; a headless host's first."""
     data_parallel_address: str = "127.0.0.1"
     """The API server's host address, which other hosts' engine cores connect to (vLLM's
-    flag). The API server listens for them on every interface."""
+    flag). The API server listens for them on it (on every interface if it is no IP of its
+    host's)."""
     data_parallel_rpc_port: int = 29550
     """The first of the API server's ports for other hosts' engine cores (vLLM's flag):
     rank r's requests go out on this + 2r, its outputs come back on this + 2r + 1."""

@@ -28,9 +28,11 @@ class KVTransferConfig:
     connectors read (buffer sizes, ranks, module paths) are accepted and unused.
 
     Ours, in `kv_connector_extra_config`: "pull_timeout_s" (how long a decoder waits for a
-    prefiller's blocks before computing the prompt itself; default 30) and "hold_timeout_s"
+    prefiller's blocks before computing the prompt itself; default 30), "hold_timeout_s"
     (how long a prefiller keeps a finished request's blocks for a decoder that does not come;
-    default 480, vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
+    default 480, vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT) and "allowed_prefillers" (the hosts,
+    or host:port, a decoder pulls from; default any: a client that can reach the decoder
+    directly can name a prefiller of its own, whose blocks enter the shared prefix cache)."""
 
     kv_connector: str | None = None
     kv_role: str | None = None
@@ -70,6 +72,9 @@ class KVTransferConfig:
         extra = self.kv_connector_extra_config
         if not isinstance(extra, dict):
             raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object")
+        allowed = extra.get("allowed_prefillers")
+        if allowed is not None and (not isinstance(allowed, list) or not all(isinstance(a, str) and a for a in allowed)):  # fmt: skip
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.allowed_prefillers must be a list of hosts or host:port")  # fmt: skip
         for name in ("pull_timeout_s", "hold_timeout_s"):
             value = extra.get(name, 1)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

@@ -215,17 +215,21 @@ class RemoteEngineCoreClient:
     def __init__(self, config: EngineConfig):
         parallel = config.parallel
         self.rank = parallel.data_parallel_rank
-        self._ctx = zmq.asyncio.Context()
-        self._inputs = self._ctx.socket(zmq.PUSH)
+        # Sends on a plain socket: one that cannot go out raises here (an asyncio socket's
+        # would only fail a future nobody awaits).
+        self._send_ctx, self._ctx = zmq.Context(), zmq.asyncio.Context()
+        self._inputs = self._send_ctx.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._outputs = self._ctx.socket(zmq.PULL)
         ports = parallel.rank_ports(self.rank)
+        host = _bind_host(parallel.data_parallel_address)
         try:
-            self._inputs.bind(f"tcp://*:{ports[0]}")
-            self._outputs.bind(f"tcp://*:{ports[1]}")
+            self._inputs.bind(f"tcp://{host}:{ports[0]}")
+            self._outputs.bind(f"tcp://{host}:{ports[1]}")
         except zmq.ZMQError as e:
+            self._send_ctx.destroy(linger=0)
             self._ctx.destroy(linger=0)
-            raise ValueError(f"data_parallel_rpc_port: rank {self.rank}'s ports {ports} are taken: {e}") from None  # fmt: skip
+            raise ValueError(f"data_parallel_rpc_port: rank {self.rank}'s ports {ports} on {host}: {e}") from None  # fmt: skip
         self._last = None  # time.monotonic() of its last message, once ready
         self._gone = False  # shut down, or silent too long
 
@@ -285,6 +289,10 @@ class RemoteEngineCoreClient:
             return None
         message = output_decoder.decode(await self._outputs.recv())
         self._last = time.monotonic()
+        if isinstance(message, Ready):  # a new core: the one that had its requests is gone
+            logger.error("data-parallel rank %d started again; its requests are lost", self.rank)
+            self._gone = True
+            return None
         return message if isinstance(message, StepOutputs) else None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -297,7 +305,26 @@ class RemoteEngineCoreClient:
         self._gone = True
         self._inputs.close(linger=1000)
         self._outputs.close(linger=0)
+        self._send_ctx.term()
         self._ctx.term()
+
+
+def _bind_host(address: str) -> str:
+    """Where the API server listens for other hosts' cores: `address` if it is an IP of this
+    host's (ZeroMQ binds interfaces, not names), else every interface."""
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return "*"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.bind((address, 0))
+    except OSError:
+        return "*"  # not this host's (e.g. a NAT'd or load-balanced address)
+    return f"[{address}]" if ":" in address else address
 
 
 def run_headless(config: EngineConfig) -> int:

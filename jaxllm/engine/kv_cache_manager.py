@@ -585,7 +585,13 @@ class KVCacheManager:
         none is left (more blocks than the tier holds: the first ones are kept, a prefix being
         found from the start). The caller writes the data before the next step."""
         hashes = self._block_hashes(request)
-        slots, landed, room = [], {}, self.host.num_blocks
+        # The request's own blocks before the pulled ones, found in the host tier, become the
+        # most recently used: landing must not evict the prefix it continues.
+        first = min((i for _, i in blocks), default=0)
+        kept = sum(
+            self.host.lookup((g, h)) is not None for g in range(self.num_groups) for h in hashes[:first]
+        )  # fmt: skip
+        slots, landed, room = [], {}, self.host.num_blocks - kept
         for g, i in blocks:
             key = (g, hashes[i])
             if self._found(key) or not room:

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from jaxllm.worker import KVOffloader
 
 logger = logging.getLogger(__name__)
+
+_PULL_THREADS = 16
 
 
 # ---- the wire ------------------------------------------------------------------------------
@@ -134,8 +136,15 @@ class KVTransfer:
             )
         self.layout = [(list(h.shape[1:]), str(h.dtype)) for h in offloader.host]
         self._held: dict[str, _Held] = {}
+        # Held blocks stop being taken past this share of the pool (a decoder that never
+        # comes must not starve the prefiller): such a request's decoder computes the prompt.
+        self._max_held_blocks = self.kv.num_pages // 2
         self._pulls: dict[str, Request] = {}  # consumer: requests waiting for their blocks
         self._done: queue.SimpleQueue[_Pulled] = queue.SimpleQueue()
+        # The pulls under way at once (each a socket); more wait their turn.
+        self._pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="kv-pull")
+        allowed = config.kv_connector_extra_config.get("allowed_prefillers")
+        self._allowed = None if allowed is None else set(allowed)
         # Counters since start, for metrics.
         self.num_sent_blocks = 0  # producer: blocks decoders pulled
         self.num_received_blocks = 0  # consumer: blocks pulled and landed
@@ -163,6 +172,9 @@ class KVTransfer:
         tables = self.kv.get_block_table(request.request_id)
         chain = self.kv.block_chain(request)[:n]
         held = n > 0 and len(chain) == n and request.request_id not in self._held
+        if held and self._num_held_blocks() + n * len(tables) > self._max_held_blocks:
+            logger.warning("request %s: half the KV pool is held for decoders already; its decoder will compute the prompt", request.request_id)  # fmt: skip
+            held = False
         request.kv_transfer_out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -180,6 +192,9 @@ class KVTransfer:
         deadline = time.monotonic() + self.config.hold_timeout_s
         self._held[request.request_id] = _Held(hold, [t[:n] for t in tables], chain, deadline)
         return True
+
+    def _num_held_blocks(self) -> int:
+        return sum(b >= 0 for h in self._held.values() for t in h.tables for b in t)
 
     def _serve(self) -> None:
         """Answers the pulls waiting on the producer's socket."""
@@ -253,6 +268,12 @@ class KVTransfer:
         chain = chain[: len(params.get("remote_block_ids") or [])]
         if not chain:
             return False
+        host, port = params["remote_host"], params["remote_port"]
+        if self._allowed is not None and host not in self._allowed and f"{host}:{port}" not in self._allowed:  # fmt: skip
+            # A client named a prefiller this decoder does not trust with its prefix cache.
+            logger.warning("request %s: prefiller %s:%d is not in allowed_prefillers; computing the prompt", request.request_id, host, port)  # fmt: skip
+            self.num_failed += 1
+            return False
         # Blocks cached here already are not pulled (but the pull still releases the
         # prefiller's hold).
         _, cached = self.kv.get_computed_blocks(request)
@@ -265,22 +286,19 @@ class KVTransfer:
             self.kv.hasher.algo,
             self.layout,
         )
-        address = f"tcp://{_host(params['remote_host'])}:{params['remote_port']}"
+        address = f"tcp://{_host(host)}:{port}"
+        self._pool.submit(self._pull, request.request_id, address, pull)
         self._pulls[request.request_id] = request
-        threading.Thread(
-            target=self._pull,
-            args=(request.request_id, address, pull),
-            name=f"kv-pull-{request.request_id}",
-            daemon=True,
-        ).start()
         return True
 
     def _pull(self, request_id: str, address: str, pull: Pull) -> None:
-        """A pulling thread: one round trip to the prefiller, its result queued for `poll`."""
-        start = time.monotonic()
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        """A pulling thread: one round trip to the prefiller, its result queued for `poll`
+        whatever happens."""
+        start, sock = time.monotonic(), None
+        result = _Pulled(request_id, [], [], "the pull was interrupted", 0.0)
         try:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             sock.send(_encoder.encode(pull))
             if not sock.poll(int(self.config.pull_timeout_s * 1000)):
@@ -302,8 +320,9 @@ class KVTransfer:
         except Exception as e:  # any failure is a recompute (or a failed request)
             result = _Pulled(request_id, [], [], f"{type(e).__name__}: {e}", 0.0)
         finally:
-            sock.close()
-        self._done.put(result._replace(seconds=time.monotonic() - start))
+            if sock is not None:
+                sock.close()
+            self._done.put(result._replace(seconds=time.monotonic() - start))
 
     def abort(self, request_ids: list[str]) -> None:
         """Drops requests still waiting for their blocks (their pulls end unused)."""
@@ -387,6 +406,7 @@ class KVTransfer:
 
     def close(self) -> None:
         self.release_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.ctx.destroy(linger=0)
 
 
