@@ -37,7 +37,23 @@ from jaxllm.errors import EngineDeadError
 logger = logging.getLogger(__name__)
 
 
-class EngineCoreClient:
+class CoreMessages:
+    """What a handle on an engine core sends, over its `_send` (which raises
+    `EngineDeadError` when the core is gone) and `is_alive`."""
+
+    def add_request(self, request: AddRequest | AddPooling) -> None:
+        self._send(request)
+
+    def send(self, message) -> None:
+        """A control message (`Sleep`, `WakeUp`)."""
+        self._send(message)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.is_alive():
+            self._send(Abort(request_ids))
+
+
+class EngineCoreClient(CoreMessages):
     """`in_process=True` runs the same core loop on a thread of this process instead of a
     child process (for tests and notebooks: one process, same code path, same sockets)."""
 
@@ -89,17 +105,6 @@ class EngineCoreClient:
     def exit_status(self) -> str:
         code = getattr(self.process, "exitcode", None)
         return "thread ended" if code is None else f"exit code {code}"
-
-    def add_request(self, request: AddRequest | AddPooling) -> None:
-        self._send(request)
-
-    def send(self, message) -> None:
-        """A control message (`Sleep`, `WakeUp`)."""
-        self._send(message)
-
-    def abort(self, request_ids: list[str]) -> None:
-        if request_ids and self.is_alive():
-            self._send(Abort(request_ids))
 
     def _send(self, message) -> None:
         if not self.is_alive():

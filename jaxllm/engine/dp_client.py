@@ -30,11 +30,10 @@ import zmq.asyncio
 
 from jaxllm.config import EngineConfig
 from jaxllm.config.kv_events import KVEventsConfig
-from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.core_client import CoreMessages, EngineCoreClient
 from jaxllm.engine.core_outputs import FinishReason, RequestUpdate
 from jaxllm.engine.kv_events import offset_endpoint_port
 from jaxllm.engine.messages import (
-    Abort,
     AddPooling,
     AddRequest,
     Failed,
@@ -206,7 +205,7 @@ class DPEngineCoreClient:
         await asyncio.gather(*(c.shutdown(timeout) for c in self.clients))
 
 
-class RemoteEngineCoreClient:
+class RemoteEngineCoreClient(CoreMessages):
     """The front end's handle on an engine core that another host runs (`run_headless`): the
     same interface as `EngineCoreClient`, over TCP. The front end binds the rank's two ports
     (`ParallelConfig.rank_ports`) on every interface and the core connects to them; with no
@@ -264,16 +263,6 @@ class RemoteEngineCoreClient:
     @property
     def exit_status(self) -> str:
         return f"no word from it for {_REMOTE_TIMEOUT_S:.0f} s" if self._gone else "running"
-
-    def add_request(self, request: AddRequest | AddPooling) -> None:
-        self._send(request)
-
-    def send(self, message) -> None:
-        self._send(message)
-
-    def abort(self, request_ids: list[str]) -> None:
-        if request_ids and self.is_alive():
-            self._send(Abort(request_ids))
 
     def _send(self, message) -> None:
         if not self.is_alive():
