@@ -208,8 +208,9 @@ class DPEngineCoreClient:
 class RemoteEngineCoreClient(CoreMessages):
     """The front end's handle on an engine core that another host runs (`run_headless`): the
     same interface as `EngineCoreClient`, over TCP. The front end binds the rank's two ports
-    (`ParallelConfig.rank_ports`) on every interface and the core connects to them; with no
-    process to watch, the core counts as alive while it reports (its heartbeat)."""
+    (`ParallelConfig.rank_ports`) on `data_parallel_address` (`_bind_host`) and the core
+    connects to them; with no process to watch, the core counts as alive while it reports
+    (its heartbeat)."""
 
     def __init__(self, config: EngineConfig):
         parallel = config.parallel

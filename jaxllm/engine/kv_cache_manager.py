@@ -530,12 +530,17 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Releases the request's blocks, the sequence's last first in every group (the tail,
         least likely shared, is evicted first); cached ones stay findable until evicted."""
+        self._release_tables(self._take_tables(request))
+
+    def _take_tables(self, request: Request) -> list[list[int]] | None:
+        """The request's tables, taken from it with its other holdings (how far they are
+        keyed, where they start, a saved state under way)."""
         rid = request.request_id
-        self._release_tables(self.block_tables.pop(rid, None))
         self._num_cached_blocks.pop(rid, None)
         self._first_live.pop(rid, None)
         if self.snapshots is not None:
             self.snapshots.release(rid)
+        return self.block_tables.pop(rid, None)
 
     def _release_tables(self, tables: list[list[int]] | None) -> None:
         """Releases a request's blocks, the sequence's last first in every group."""
@@ -564,12 +569,7 @@ class KVCacheManager:
         """Takes a finishing request's blocks out of its hands without freeing them: they stay
         out of the pool, cached ones findable, until `release_hold` of the returned id (a
         decoder reads them meanwhile). The caller forgets the request as usual."""
-        rid = request.request_id
-        tables = self.block_tables.pop(rid, None) or [[] for _ in self.windows]
-        self._num_cached_blocks.pop(rid, None)
-        self._first_live.pop(rid, None)
-        if self.snapshots is not None:
-            self.snapshots.release(rid)
+        tables = self._take_tables(request) or [[] for _ in self.windows]
         hold, self._next_hold = self._next_hold, self._next_hold + 1
         self._held[hold] = tables
         return hold
