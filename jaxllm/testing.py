@@ -164,6 +164,93 @@ def write_tiny_checkpoint(
     return path
 
 
+def write_tiny_eagle3_head(
+    path: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    draft_vocab_size: int | None = None,
+    draft_ids: list[int] | None = None,
+    aux_layers: list[int] | None = None,
+    embeddings: bool = False,
+    norm_before_residual: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A random EAGLE-3 head for the checkpoint at `target_dir`, in the layout EAGLE's and
+    SpecForge's training write and vLLM loads: config.json (`LlamaForCausalLMEagle3`,
+    `draft_vocab_size`, `target_hidden_size`, `eagle_config` with the aux layer ids) and
+    model.safetensors with `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t` and `t2d` (with
+    `draft_vocab_size` smaller than the target's: the draft vocabulary is a random subset of
+    the target's ids, or `draft_ids`; `d2t` their offsets), and `embed_tokens` with
+    `embeddings`. `aux_layers`: the target layers read (None: not named, vLLM's default)."""
+    from safetensors.numpy import save_file
+
+    path, target = Path(path), json.loads((Path(target_dir) / "config.json").read_text())
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    vocab, target_d = target["vocab_size"], target["hidden_size"]
+    draft_vocab = len(draft_ids) if draft_ids else draft_vocab_size or vocab
+    d, f, n, k, h = hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    ids = np.sort(draft_ids or rng.choice(vocab, draft_vocab, replace=False))
+    t2d = np.zeros(vocab, np.bool_)
+    t2d[ids] = True
+    p = "midlayer."
+    tensors = {
+        "fc.weight": w(d, 3 * target_d),
+        "norm.weight": 1 + w(d, scale=0.1),
+        "lm_head.weight": w(draft_vocab, d, scale=0.5),
+        "d2t": (ids - np.arange(draft_vocab)).astype(np.int64),
+        "t2d": t2d,
+        p + "input_layernorm.weight": 1 + w(d, scale=0.1),
+        p + "hidden_norm.weight": 1 + w(d, scale=0.1),
+        p + "post_attention_layernorm.weight": 1 + w(d, scale=0.1),
+        p + "self_attn.q_proj.weight": w(n * h, 2 * d),
+        p + "self_attn.k_proj.weight": w(k * h, 2 * d),
+        p + "self_attn.v_proj.weight": w(k * h, 2 * d),
+        p + "self_attn.o_proj.weight": w(d, n * h),
+        p + "mlp.gate_proj.weight": w(f, d),
+        p + "mlp.up_proj.weight": w(f, d),
+        p + "mlp.down_proj.weight": w(d, f),
+    }
+    if embeddings:
+        tensors["embed_tokens.weight"] = w(vocab, d, scale=1.0)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_d,
+        "hidden_size": d,
+        "intermediate_size": f,
+        "num_hidden_layers": 1,
+        "num_attention_heads": n,
+        "num_key_value_heads": k,
+        "head_dim": h,
+        "hidden_act": "silu",
+        "max_position_embeddings": target.get("max_position_embeddings", 2048),
+        "rms_norm_eps": 1e-5,
+        "rope_theta": target.get("rope_theta", 10000.0),
+        "tie_word_embeddings": False,
+        "norm_before_residual": norm_before_residual,
+        "eagle_config": {"use_aux_hidden_state": True},
+        "torch_dtype": "float32",
+    }
+    if aux_layers is not None:
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = aux_layers
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def random_qarray(rng, fmt: str, o: int, i: int, groups: int, offset: bool, scale_dtype):
     """A `jaxllm.quantization.QArray` [o, i] with random codes (numpy leaves): `groups`
     scales (and with `offset`, offsets) a row, in `scale_dtype`."""

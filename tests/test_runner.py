@@ -182,7 +182,7 @@ def test_whole_step_lowers_for_tpu_and_cuda(tiny_model_dir, platform, quantizati
             layout=batch_template.layout,
         )  # fmt: skip
         text = forward.lower(lowering_platforms=(platform,)).as_text()
-        _, hidden, _ = forward.out_info
+        _, hidden, _, _ = forward.out_info
         rows = jax.ShapeDtypeStruct((num_logits, *hidden.shape[1:]), hidden.dtype)
         for program in runner.head_and_sample.values():
             traced = program.trace(

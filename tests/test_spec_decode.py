@@ -83,7 +83,7 @@ def test_config_follows_vllm_and_names_what_is_wrong():
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
           "prompt_lookup_max": 2}, "prompt_lookup_min (4) must be <="),
-        ({"method": "eagle9", "num_speculative_tokens": 2}, "method must be ngram or draft_model"),
+        ({"method": "eagle9", "num_speculative_tokens": 2}, "method must be ngram, draft_model or eagle3"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 1}, "unknown key(s) lookup"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
         ("{not json", "not valid JSON"),

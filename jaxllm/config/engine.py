@@ -339,11 +339,12 @@ class ParallelConfig:
 class SpecMethod:
     """A validated speculative decoding setup (`SpeculativeConfig.method`)."""
 
-    method: str  # "ngram" or "draft_model"
+    method: str  # "ngram", "draft_model" or "eagle3"
     num_speculative_tokens: int  # k: the most draft tokens verified per request and step
     prompt_lookup_min: int = 0  # ngram: the shortest and longest suffix n-gram looked up
     prompt_lookup_max: int = 0
-    model: str | None = None  # draft_model: its checkpoint (any `model` this engine loads)
+    # draft_model: its checkpoint (any `model` this engine loads); eagle3: the head's directory
+    model: str | None = None
 
 
 MAX_SPECULATIVE_TOKENS = 16
@@ -358,7 +359,8 @@ class SpeculativeConfig:
     """vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
     "prompt_lookup_min": m} proposes the k tokens that followed the latest earlier occurrence
     of the sequence's last n..m tokens; {"model": PATH, "num_speculative_tokens": k} runs a
-    draft model with the target's vocabulary. The target verifies the drafts in its next step:
+    draft model with the target's vocabulary; {"method": "eagle3", "model": HEAD,
+    "num_speculative_tokens": k} an EAGLE-3 head in the layout vLLM loads. The target verifies the drafts in its next step:
     the output is the one without speculation (each step runs synchronously)."""
 
     def __post_init__(self) -> None:
@@ -407,16 +409,17 @@ class SpeculativeConfig:
                     f"prompt_lookup_max ({hi})"
                 )
             return SpecMethod("ngram", k, lo, hi)
-        if method == "draft_model":
+        if method in ("draft_model", "eagle3"):
+            what = "a draft model" if method == "draft_model" else "eagle3"
             if not isinstance(model, str) or not model:
-                raise ValueError("speculative_config: a draft model needs model (its path)")
+                raise ValueError(f"speculative_config: {what} needs model (its path)")
             extra = {"prompt_lookup_min", "prompt_lookup_max"} & set(c)
             if extra:
                 raise ValueError(f"speculative_config: {', '.join(sorted(extra))} is for ngram")
-            return SpecMethod("draft_model", k, model=model)
+            return SpecMethod(method, k, model=model)
         raise ValueError(
-            f"speculative_config: method must be ngram or draft_model (or give a model), got "
-            f"{method!r}"
+            f"speculative_config: method must be ngram, draft_model or eagle3 (or give a "
+            f"model), got {method!r}"
         )
 
 

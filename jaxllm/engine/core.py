@@ -174,10 +174,25 @@ class EngineCore:
         loaded = _load_weights(config, mesh)
         vision = _load_vision(config, mesh)
         spec = config.speculative.method
-        if vision is not None and spec is not None and spec.method == "draft_model":
-            raise ValueError("speculative_config: a draft model with image inputs is not supported")
-        draft = None
-        if spec is not None and spec.method == "draft_model":
+        if vision is not None and spec is not None and spec.method in ("draft_model", "eagle3"):
+            raise ValueError(
+                f"speculative_config: {spec.method} with image inputs is not supported"
+            )
+        # The proposer's model and its config, and the config of its KV cache, which shares the
+        # target's pages (an EAGLE-3 head's one layer).
+        draft, draft_kv = None, None
+        if spec is not None and spec.method == "eagle3":
+            from jaxllm.loaders.eagle3 import load_eagle3_head
+
+            draft = load_eagle3_head(
+                spec.model,
+                loaded.config,
+                dtype=loaded.model.embed_tokens.get_value().dtype,
+                compilation=config.compilation,
+                mesh=mesh,
+            )
+            draft_kv = draft[1].layer
+        elif spec is not None and spec.method == "draft_model":
             from jaxllm.worker import check_draft_config
 
             draft = load_model(
@@ -189,6 +204,7 @@ class EngineCore:
                 load_format=config.load.load_format,
             )
             check_draft_config(loaded.config, draft.config)
+            draft, draft_kv = (draft.model, draft.config), draft.config
         # What is left of the device once the weights are on it: the plan sizes the rest.
         device = jax.local_devices()[0]
         plan = plan_engine(
@@ -198,7 +214,7 @@ class EngineCore:
             dtype=loaded.model.embed_tokens.get_value().dtype,
             mesh=mesh,
             device=device,
-            draft_config=None if draft is None else draft.config,
+            draft_config=draft_kv,
             vision=None if vision is None else vision.config,
             multi=multi,
         )
@@ -210,7 +226,7 @@ class EngineCore:
             loaded.config,
             plan,
             mesh=mesh,
-            draft_model=None if draft is None else (draft.model, draft.config),
+            draft_model=draft,
             vision=vision,
         )
         encoder_cache = None

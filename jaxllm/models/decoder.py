@@ -261,12 +261,24 @@ class DecoderForCausalLM(nnx.Module):
         self.rope_scale = 1.0 if scaling is None else scaling.attention_factor
         self.mrope_section = config.mrope_section
         self.final_logit_softcapping = config.final_logit_softcapping
+        # EAGLE-3's target: the residual stream entering these layers (num_layers: the last
+        # layer's output before the norm) is returned beside the hidden states (static; see
+        # `set_aux_hidden_state_layers`).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = param(
                 rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dtype
             )
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Makes the forward pass return, after the cache, the residual stream entering each
+        of `layers` (vLLM's ids: j is layer j - 1's output; `num_layers` the last layer's)
+        concatenated, [T, len(layers) * D]: what an EAGLE-3 head reads."""
+        if not all(0 <= i <= len(self.layers) for i in layers):
+            raise ValueError(f"aux hidden state layers {list(layers)} past the model's layers")
+        self.aux_hidden_state_layers = tuple(layers)
 
     def __call__(
         self,
@@ -275,9 +287,10 @@ class DecoderForCausalLM(nnx.Module):
         cache: ModelCache,
         meta: AttentionMetadata,
         extras: StepExtras | None = None,
-    ) -> tuple[jax.Array, ModelCache]:  # [T, D], the updated cache
+    ) -> tuple[jax.Array, ModelCache] | tuple[jax.Array, ModelCache, jax.Array]:
         """The hidden states of a step's tokens and the cache with their keys and values
-        written. `extras`: the served features' inputs (adapters, image embeddings)."""
+        written (and the aux states, with `aux_hidden_state_layers`). `extras`: the served
+        features' inputs (adapters, image embeddings)."""
         extras = extras or StepExtras()
         with using_kernels(self.compilation):
             cache = dataclasses.replace(cache, kv=as_kv_cache(cache.kv))
@@ -310,7 +323,10 @@ class DecoderForCausalLM(nnx.Module):
             p = positions.astype(jnp.float32)
             c = self.config
             q_scale = jnp.log1p(jnp.floor((p + 1.0) / c.floor_scale)) * c.attn_scale + 1.0
+        aux = {}
         for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                aux[i] = x
             with jax.named_scope(f"layer{i}"):
                 x, cache = layer(
                     x,
@@ -323,7 +339,11 @@ class DecoderForCausalLM(nnx.Module):
                     q_scale,
                     None if per_layer is None else per_layer[:, i],
                 )
-        return self.norm(x), cache
+        if not self.aux_hidden_state_layers:
+            return self.norm(x), cache
+        aux[len(self.layers)] = x
+        states = [aux[i] for i in self.aux_hidden_state_layers]
+        return self.norm(x), cache, jnp.concatenate(states, axis=-1)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]
         with using_kernels(self.compilation):

@@ -44,7 +44,7 @@ from jaxllm.config import ModelConfig, using_kernels
 from jaxllm.models import ModelCache, StepExtras
 from jaxllm.models.linear_attention import LinearState
 from jaxllm.models.vision import VisionEncoder
-from jaxllm.quantization import QArray, matmul_implementation
+from jaxllm.quantization import QUANTIZED, QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
 from jaxllm.worker.device_state import DeviceState
@@ -61,6 +61,7 @@ from jaxllm.worker.sampler import SamplerVariant
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
 from jaxllm.worker.spec_decode import Proposer
 from jaxllm.worker.spec_decode.draft_model import DraftModelProposer
+from jaxllm.worker.spec_decode.eagle3 import Eagle3Proposer
 from jaxllm.worker.spec_decode.ngram import NgramProposer
 from jaxllm.worker.spec_decode.verification import accepted_rows
 from jaxllm.worker.step_data import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -88,7 +89,7 @@ class ModelRunner:
         plan: EnginePlan,
         *,
         mesh: Mesh | None = None,
-        draft_model: tuple[nnx.Module, ModelConfig] | None = None,
+        draft_model: tuple[nnx.Module, Any] | None = None,
         vision: VisionEncoder | None = None,
     ):
         """The runner of `model` (of `config`, as sharded) as `plan` says (see
@@ -96,7 +97,8 @@ class ModelRunner:
         layer groups, the host tier's blocks, the encoder cache, the serving kind). `mesh`:
         the tensor-parallel mesh the model was loaded onto (the KV cache is split over its kv
         heads the same way); None for one device. `draft_model`: the draft model (loaded onto
-        the same mesh) of the draft_model speculative method. `vision`: an image-text model's
+        the same mesh) and its `ModelConfig`, of the draft_model speculative method; the
+        EAGLE-3 head and its `Eagle3Config`, of eagle3. `vision`: an image-text model's
         vision encoder (see `mm_encoder`)."""
         engine = plan.config
         sched = engine.scheduler
@@ -113,6 +115,14 @@ class ModelRunner:
         )
         # The head-and-sampler programs, by rows sampled (`logit_rows` of each shape).
         self.logit_buckets = sorted({logit_rows(shape, k) for shape in self.shapes})
+        if speculative is not None and speculative.method == "eagle3":
+            if draft_model is None:
+                raise ValueError("speculative_config: the eagle3 method needs the head")
+            if not hasattr(model, "set_aux_hidden_state_layers"):
+                raise ValueError(
+                    f"speculative_config: eagle3 does not serve {config.architecture} targets"
+                )
+            model.set_aux_hidden_state_layers(draft_model[1].aux_layers)
         self.graphdef, state = nnx.split(model)
         self.params, self._params_def = jax.tree.flatten(state)
         platform = next(iter(self.params[0].sharding.device_set)).platform  # the target's
@@ -197,7 +207,8 @@ class ModelRunner:
         out_shardings = None
         if mesh is not None:
             cache = jax.tree.map(lambda x: x.sharding, self.device.cache)
-            out_shardings = (self.device.replicated, self.device.replicated, cache)
+            rep = self.device.replicated
+            out_shardings = (rep, rep, cache, rep)
         # Each takes its step's buffer with the layout (static) that says where its inputs lie.
         self.forward = jax.jit(
             functools.partial(forward, *bound),
@@ -232,6 +243,10 @@ class ModelRunner:
             if draft_model is None:
                 raise ValueError("speculative_config: the draft_model method needs the draft")
             self.proposer = DraftModelProposer(*draft_model, self.inputs, self.compiler)
+        elif speculative is not None and speculative.method == "eagle3":
+            self.proposer = Eagle3Proposer(
+                *draft_model, self.inputs, self.compiler, self._embed_table(model)
+            )
         # The features this engine serves, driven through one interface (see `features`), in
         # the order their work runs in a step: host blocks back, images encoded, then what
         # reads the hidden states.
@@ -307,7 +322,7 @@ class ModelRunner:
         # compiled later for the same inputs reuses it (with the host's kernels, were it not).
         with device.traced_for_target():
             layout = self.inputs.batch_template(*self.shapes[0]).layout
-            _, hidden, _ = jax.eval_shape(
+            _, hidden, _, _ = jax.eval_shape(
                 functools.partial(self.forward, layout=layout),
                 self.params,
                 device.cache,
@@ -440,7 +455,7 @@ class ModelRunner:
                 feature.before_forward(out)
             batch, sampling = device.put(step.buffers)  # the step's inputs, in one transfer
             batch_layout, head_layout = step.layouts
-            last, hidden, device.cache = self.forward(
+            last, hidden, device.cache, aux = self.forward(
                 self.params,
                 device.cache,
                 device.last_tokens,
@@ -454,7 +469,9 @@ class ModelRunner:
             )
             drafts = None
             if self.proposer is not None:
-                drafts = self.proposer.launch(step, batch, rows, result[0].sampled, result[1])
+                drafts = self.proposer.launch(
+                    step, batch, rows, result[0].sampled, result[1], aux=aux
+                )
             launched = LaunchedForward(out, self.params, hidden, len(step.batch.input_ids))
             handles = [feature.after_forward(launched) for feature in self.features]
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
@@ -567,8 +584,21 @@ class ModelRunner:
         )
 
     def _other_caches(self) -> list:
-        """Holders of model caches beside the target's (a draft model's), for recovery."""
-        return [self.proposer] if isinstance(self.proposer, DraftModelProposer) else []
+        """Holders of model caches beside the target's (a draft model's, an EAGLE-3 head's),
+        for recovery."""
+        return [self.proposer] if hasattr(self.proposer, "cache") else []
+
+    def _embed_table(self, model: nnx.Module):
+        """The target's embedding table as the runner holds it now (sleep and wake replace
+        the parameter arrays), for a head that shares it."""
+        table = model.embed_tokens.get_value()
+        if isinstance(table, QUANTIZED):
+            raise ValueError(
+                "speculative_config: an eagle3 head without embed_tokens shares the target's, "
+                "which is quantized here; load the target unquantized"
+            )
+        index = next(i for i, p in enumerate(self.params) if p is table)
+        return lambda: self.params[index]
 
 
 @dataclasses.dataclass

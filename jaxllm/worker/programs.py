@@ -64,7 +64,7 @@ def forward(
     layout: Layout | None = None,
 ):
     """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
-    the updated cache). `batch`: the step's inputs, or with `layout` (static) the buffer that
+    the updated cache, the states an EAGLE-3 head reads [T, 3D] or None). `batch`: the step's inputs, or with `layout` (static) the buffer that
     holds them. `resident`: the served features' arrays kept on the devices (adapter slots,
     the encoder cache's rows; see `StepExtras`), joined to the step's own extras."""
     if layout is not None:
@@ -73,10 +73,13 @@ def forward(
     src = batch.token_src
     input_ids = jnp.where(src >= 0, last_tokens[jnp.maximum(src, 0)], batch.input_ids)
     extras = batch.extras.merged(resident)
-    hidden, cache = model(input_ids, batch.positions, cache, batch.attn, extras)
+    hidden, cache, *aux = model(input_ids, batch.positions, cache, batch.attn, extras)
+    aux = aux[0] if aux else None
     if mesh is not None:
         hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
-    return hidden[batch.logits_indices], hidden, cache
+        if aux is not None:
+            aux = jax.lax.with_sharding_constraint(aux, sharding.replicated(mesh))
+    return hidden[batch.logits_indices], hidden, cache, aux
 
 
 def head_and_sample(

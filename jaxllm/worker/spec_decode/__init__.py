@@ -25,19 +25,21 @@ from typing import Any, Protocol
 
 import numpy as np
 
-# The proposers live in `ngram` and `draft_model`, the verification in `verification`; this
+# The proposers live in `ngram`, `draft_model` and `eagle3`, the verification in `verification`; this
 # package's own module holds only what they share, so importing one imports no other.
 
 
 class Proposer(Protocol):
     """How the runner asks for drafts. `launch` runs when a step is dispatched, with its
-    inputs (the prepared step, and its forward pass's buffer on the device) and its sampled
-    tokens still on the device (a draft model dispatches its own program there); `propose`
+    inputs (the prepared step, and its forward pass's buffer on the device), its sampled
+    tokens and (for an EAGLE-3 head) the target's aux hidden states, still on the device (a draft model dispatches its own program there); `propose`
     runs when the step's output is back, for the requests that sampled and still hold their
     batch rows: `held` is (request id, index in the step's requests, batch row) each, and the
     result the drafts for each request's next step. A proposer is also one of the runner's
     features (`jaxllm.worker.features.Feature`), for its programs."""
 
-    def launch(self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any) -> Any: ...
+    def launch(
+        self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any, aux: Any = None
+    ) -> Any: ...
 
     def propose(self, launched: Any, held: list[tuple[str, int, int]]) -> dict[str, list[int]]: ...

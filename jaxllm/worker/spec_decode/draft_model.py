@@ -143,6 +143,7 @@ class DraftModelProposer(Feature):
         rows: np.ndarray,
         sampled: jax.Array,
         kept: jax.Array,
+        aux: jax.Array | None = None,
     ) -> jax.Array:
         """Dispatches the draft's step: its cache gets the batch's tokens, and every request
         that sampled gets k drafts, i32[R, k] on the device (junk in the other rows). `step`:
@@ -198,7 +199,7 @@ def _draft_step(
 ):
     """The draft model over the batch, then k greedy draft tokens per request from the last
     token the step kept: (i32[R, k], the draft's cache)."""
-    _, _, cache = forward(
+    _, _, cache, _ = forward(
         graphdef, params_def, mesh, params, cache, last_tokens, batch, StepExtras(), layout=layout
     )
     model = merge(graphdef, params_def, params)

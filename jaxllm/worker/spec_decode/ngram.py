@@ -20,7 +20,9 @@ class NgramProposer(Feature):
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self.input_batch = input_batch
 
-    def launch(self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any) -> None:
+    def launch(
+        self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any, aux: Any = None
+    ) -> None:
         return None
 
     def propose(self, launched: None, held: list[tuple[str, int, int]]) -> dict[str, list[int]]:
