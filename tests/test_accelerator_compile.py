@@ -641,6 +641,23 @@ def _tiny_config(
     return path
 
 
+def _eagle3_config(path: Path, target: Path) -> Path:
+    """An EAGLE-3 head's config.json alone for the target at `target` (its width, a draft
+    vocabulary of 256, layers 0, 1 and the output)."""
+    t = json.loads((target / "config.json").read_text())
+    path.mkdir(parents=True)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": t["hidden_size"],
+        "intermediate_size": 256,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "vocab_size": t["vocab_size"], "draft_vocab_size": 256,
+        "target_hidden_size": t["hidden_size"], "rms_norm_eps": 1e-5,
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 # (target, model, engine settings): TP 1 and 4 on v5e and v6e, TP 1 and 2 on an H100;
 # quantized weights, 8-bit caches, mixture of experts (ragged_dot), speculative decoding, the
 # host KV tier's copy programs, a decoder's pooler and LoRA slots spread over them. The sampler with its grammar bitmask and draft verification is in every
@@ -660,6 +677,11 @@ ENGINES = [
     pytest.param("h100x2", "moe", dict(kv_offloading_size=1, enable_lora=True, max_loras=2,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                  id="h100x2"),
+    # An EAGLE-3 head (a config.json alone): the target's aux states out of the forward
+    # pass, the head's step over the batch and its drafting, on the target's pages.
+    pytest.param("h100x2", "llama", dict(speculative_config="eagle3"), id="h100x2-eagle3"),
+    pytest.param("v5e-1", "llama", dict(speculative_config="eagle3"), marks=SLOW,
+                 id="v5e-1-eagle3"),
     # The hybrid KV cache: a table and slot mapping per layer group, the cache's layer axis
     # a group's slots.
     pytest.param("v5e-1", "gemma", dict(kv_offloading_size=1), id="v5e-1-hybrid"),
@@ -727,6 +749,11 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
         deepseek=model == "deepseek",
     )
     settings = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=65536) | settings
+    if settings.get("speculative_config") == "eagle3":
+        settings["speculative_config"] = {
+            "method": "eagle3", "model": str(_eagle3_config(tmp_path / "head", path)),
+            "num_speculative_tokens": 3,
+        }  # fmt: skip
     config = EngineConfig.create(path, **settings)
     engine = compile_engine(config, _target(target), progress=False, keep_executables=True)
     runner = engine.runner
@@ -737,6 +764,8 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     assert ("hidden_pooler" in names) == (settings.get("runner") == "pooling")
     if model in ("gemma", "gemma3-vl"):
         assert runner.kv_groups.num_groups == 4 and runner.kv_cache.shape[0] == 1
+    if "eagle3" in str(settings.get("speculative_config")):
+        assert {p.shape for p in runner.programs if p.name == "eagle3_step"} == set(runner.shapes)
     if model == "gemma4":  # 1 full layer with KV of its own; 3 sliding ones x 2 slots
         assert runner.kv_groups.windows == (None,) + (64,) * 6
         shape = runner.kv_cache.shape
@@ -754,8 +783,9 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     # A hybrid's recurrent state is updated in place too (XLA:TPU copied the convolution's
     # state in every forward program while it had its taps as an axis of their own).
     assert not [(p.name, p.shape, p.state_copy_ops) for p in steps if p.state_copy_ops]
-    for p in steps:
-        assert p.alias_bytes >= runner.kv_cache_device_bytes, p
+    for p in steps:  # (a proposer's step updates its own, smaller cache)
+        own = p.cache_bytes if p.name in ("eagle3_step", "draft_step") else 0
+        assert p.alias_bytes >= (own or runner.kv_cache_device_bytes), p
     data = as_kv_cache(runner.device.kv_cache).data
     cache_shape = data.sharding.shard_shape(data.shape)
     for p in (p for p in steps if p.name == "forward"):  # the host tier's loads write blocks

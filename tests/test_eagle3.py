@@ -312,3 +312,74 @@ def test_names_as_vllm_reads_them(tmp_path, tiny_model_dir, head_dir):
     (binary / "pytorch_model.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match="PyTorch .bin weights only"):
         LLM(tiny_model_dir, speculative_config=_spec(binary), **ENGINE)
+
+
+_TP_SCRIPT = """
+import json, sys
+from jaxllm import LLM, SamplingParams
+target, head = sys.argv[1], sys.argv[2]
+spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+prompts = [{"prompt_token_ids": list(range(5 + 9 * i, 30 + 9 * i))} for i in range(4)]
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+out = {}
+for tp in (1, 4):
+    llm = LLM(target, max_model_len=128, num_pages=64, max_num_seqs=4,
+              max_num_batched_tokens=64, tensor_parallel_size=tp, speculative_config=spec)
+    drafts = []
+    propose = llm.runner.proposer.propose
+    llm.runner.proposer.propose = lambda *a: drafts.append(propose(*a)) or drafts[-1]
+    compiled = llm.runner.num_compilations
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    out[tp] = dict(tokens=tokens, drafts=[sorted(d.values()) for d in drafts],
+                   compiled=llm.runner.num_compilations - compiled)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_tensor_parallel(tmp_path, tokenizer_dir, tiny_model_dir, head_dir):
+    """TP 4 on 4 CPU devices (the target's and the head's 2 kv heads each repeated twice; the
+    draft vocabulary split over the devices): TP 1's tokens and drafts, nothing compiled."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", _TP_SCRIPT, str(tiny_model_dir), str(head_dir)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line.removeprefix("RESULT "))
+    assert out["1"]["tokens"] == out["4"]["tokens"]
+    assert out["1"]["drafts"] == out["4"]["drafts"] and len(out["1"]["drafts"]) > 5
+    assert out["1"]["compiled"] == out["4"]["compiled"] == 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mixtral"])
+def test_hybrid_kv_cache(tmp_path, family):
+    """Gemma 3 (sliding and full layers: the hybrid KV manager's groups kept, the head on the
+    full group's pages) and Mixtral (every layer sliding: one group freeing blocks behind the
+    window, the head attending within it), prompts past the window: the target's output,
+    nothing compiled after warmup."""
+    from helpers import write_family_checkpoint
+
+    target = tmp_path / "t"
+    write_family_checkpoint(family, target)
+    head = write_tiny_eagle3_head(tmp_path / "h", target, draft_vocab_size=100)
+    engine = dict(max_model_len=128, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32)
+    plain = LLM(target, **engine)
+    llm = LLM(target, speculative_config=_spec(head), **engine)
+    groups = llm.runner.kv_groups
+    assert (groups.num_groups > 1) == (family == "gemma3")
+    assert (groups.windows[0] is None) == (family == "gemma3")
+    compiled = llm.runner.num_compilations
+    prompts = _prompts(seed=8)[:4]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
+        plain.generate(prompts, params, use_tqdm=False)
+    )
+    assert llm.runner.num_compilations == compiled
+    assert llm.engine.stats().spec_decoding.num_draft_tokens > 100
+    llm.kv_cache_manager.check_invariants()

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,8 @@ class AbstractModel:
     weight_bytes: int  # per device, logical
     weight_device_bytes: int | None  # per device, as laid out; None: over the device's memory
     expert_bytes: int = 0  # of weight_bytes, the experts' (which quantization leaves float)
+    # An EAGLE-3 head's `Eagle3Config` (`config` is then its layer's, whose KV shares the pages)
+    proposer_config: Any = None
 
 
 @dataclasses.dataclass
@@ -147,6 +150,8 @@ def compile_engine(
     spec = config.speculative.method
     if spec is not None and spec.method == "draft_model":
         weights.append(abstract_model(spec.model, dtype, comp, mesh, devices[0], None, memory))
+    elif spec is not None and spec.method == "eagle3":
+        weights.append(abstract_eagle3(spec.model, model.config, dtype, comp, mesh, devices[0]))
     if any(w.weight_device_bytes is None for w in weights):
         logical = sum(w.weight_bytes for w in weights)
         page_bytes = _page_bytes(config, model.config, weights, mesh, devices[0])
@@ -190,7 +195,9 @@ def compile_engine(
         model.config,
         plan,
         mesh=mesh,
-        draft_model=None if len(weights) == 1 else (weights[1].model, weights[1].config),
+        draft_model=None
+        if len(weights) == 1
+        else (weights[1].model, weights[1].proposer_config or weights[1].config),
         vision=None if vision is None else vision.model,
     )
     build_seconds = time.perf_counter() - start
@@ -300,6 +307,29 @@ def abstract_vision(
     logical = sum(_shard_bytes(a) for a in leaves)
     encoder = nnx.merge(graphdef, state)
     return AbstractModel(None, encoder, logical, _device_bytes(leaves) or logical)
+
+
+def abstract_eagle3(
+    model: str, target: ModelConfig, dtype, compilation: CompilationConfig, mesh, device
+) -> AbstractModel:
+    """An EAGLE-3 head (its config.json is all that is read) with abstract parameters placed
+    as `abstract_model` places the target's."""
+    from jaxllm.loaders.eagle3 import abstract_head, load_eagle3_config
+
+    config = load_eagle3_config(resolve_model(model), target, weights=False)
+    config, graphdef, state = abstract_head(config, dtype, compilation, mesh)
+    shardings = _placements(state, mesh, device)
+    flat = [
+        (path, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path])))
+        for path, var in nnx.to_flat_state(state)
+    ]
+    state = nnx.from_flat_state(flat)
+    leaves = jax.tree.leaves(state)
+    logical = sum(_shard_bytes(a) for a in leaves)
+    head = nnx.merge(graphdef, state)
+    return AbstractModel(
+        config.layer, head, logical, _device_bytes(leaves) or logical, proposer_config=config
+    )
 
 
 def _placements(abstract_state, mesh, device: jax.Device) -> dict:

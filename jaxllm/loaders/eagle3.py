@@ -36,7 +36,11 @@ def checkpoint_name(name: str) -> str:
     return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
 
 
-def _tensor_names(path: Path) -> set[str]:
+def _tensor_names(path: Path, weights: bool) -> set[str]:
+    """The checkpoint's tensor names as vLLM reads them; without `weights` (a config.json
+    alone, as `jaxllm compile` takes) the ones a head of a smaller draft vocabulary has."""
+    if not weights and not any(path.glob("*.safetensors")):
+        return {"d2t"}
     if not any(path.glob("*.safetensors")) and any(path.glob("*.bin")):
         raise ValueError(
             f"speculative_config: the eagle3 head {path} has PyTorch .bin weights only; "
@@ -49,11 +53,13 @@ def _tensor_names(path: Path) -> set[str]:
     return names
 
 
-def load_eagle3_config(path: Path, target: ModelConfig) -> Eagle3Config:
+def load_eagle3_config(path: Path, target: ModelConfig, *, weights: bool = True) -> Eagle3Config:
+    """The head's config for `target`; `weights`: the directory must hold its weights."""
     config = path / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"speculative_config: the eagle3 head {path} has no config.json")
-    return Eagle3Config.from_hf_config(json.loads(config.read_text()), target, _tensor_names(path))
+    names = _tensor_names(path, weights)
+    return Eagle3Config.from_hf_config(json.loads(config.read_text()), target, names)
 
 
 def abstract_head(

@@ -127,7 +127,7 @@ class ModelRunner:
         self.params, self._params_def = jax.tree.flatten(state)
         platform = next(iter(self.params[0].sharding.device_set)).platform  # the target's
         self.kv_groups = kv_groups
-        if draft_model is not None and kv_groups.num_groups > 1:
+        if speculative and speculative.method == "draft_model" and kv_groups.num_groups > 1:
             raise ValueError("a draft model shares the block tables: one KV cache group only")
         cache_shape = get_kv_cache_shape(
             kv_groups.num_slots,
@@ -245,7 +245,11 @@ class ModelRunner:
             self.proposer = DraftModelProposer(*draft_model, self.inputs, self.compiler)
         elif speculative is not None and speculative.method == "eagle3":
             self.proposer = Eagle3Proposer(
-                *draft_model, self.inputs, self.compiler, self._embed_table(model)
+                *draft_model,
+                self.inputs,
+                self.compiler,
+                self._embed_table(model),
+                window=kv_groups.windows[0],
             )
         # The features this engine serves, driven through one interface (see `features`), in
         # the order their work runs in a step: host blocks back, images encoded, then what

@@ -265,7 +265,11 @@ def page_layout(
     tp = config.parallel.tensor_parallel_size or 1
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, config.load.dtype, platform)
     placement = kv_cache_placement(mesh, kv_dtype, device)
-    groups = engine_kv_groups(model_config, cache, draft=draft_config is not None)
+    # A draft model shares the block tables for all its layers: one full group. An EAGLE-3
+    # head's one layer reads the first group's (full attention where the model has any).
+    spec = config.speculative.method
+    draft_model = spec is not None and spec.method == "draft_model"
+    groups = engine_kv_groups(model_config, cache, draft=draft_model)
     page_bytes = device_page_bytes(
         model_config, cache.page_size, kv_dtype, placement, tp, groups.num_slots
     )

@@ -8,8 +8,8 @@ program (`_eagle_step`) runs on the device:
 1. the head over the step's batch, position p reading the target's states at p and the token
    at p + 1 (the next row's input; at a request's last kept row, the token the step sampled;
    at the end of a prefill chunk that does not sample, the next prompt token). The head's KV
-   cache then holds every scheduled position, on the target's pages (the same page ids, block
-   tables and slot mapping; the pool is sized for both): rejected drafts' positions are
+   cache then holds every scheduled position, on the target's pages (the page ids, block
+   table and slot mapping of the target's first layer group; the pool is sized for both): rejected drafts' positions are
    written again next step, as the target's are. Its output at the request's last kept row
    gives the first draft.
 2. per request that sampled, k - 1 more drafts, one token per request each, in an unrolled
@@ -74,6 +74,8 @@ class Eagle3Proposer(Feature):
         inputs: StepInputs,
         compiler: Compiler,
         embed_table: Callable[[], jax.Array],
+        *,
+        window: int | None = None,
     ):
         self.config = config
         self.inputs = inputs
@@ -81,6 +83,10 @@ class Eagle3Proposer(Feature):
         self.embed_table = embed_table
         self.device = device = compiler.device
         self.k = inputs.num_speculative_tokens
+        # Its layer reads the target's first layer group's block table: full attention where
+        # the target has any (`kv_groups`); a model of sliding layers only frees the blocks
+        # behind its window, and the head then attends within that window too.
+        head.self_attn.sliding_window = window
         self.graphdef, state = nnx.split(head)
         self._params, self._params_def = jax.tree.flatten(state)
         layer = config.layer
@@ -168,7 +174,7 @@ class Eagle3Proposer(Feature):
         ends = np.minimum(step.batch.attn.seq_lens[:num_reqs], ib.token_ids.shape[1] - 1)
         nxt = ib.token_ids[rows, ends]
         inputs.next_tokens[:num_reqs] = np.where((nxt >= 0) & (nxt < ib.vocab_size), nxt, 0)
-        tables[:num_reqs] = ib.block_table[0, rows]  # one layer group: see `kv_cache_groups`
+        tables[:num_reqs] = ib.block_table[0, rows]  # the first layer group's (see above)
         drafts, self.cache = self._step(
             self._params,
             self.embed_table(),
@@ -241,7 +247,13 @@ def _eagle_step(
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
         return head.to_target(jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
-    attn = dataclasses.replace(b.attn, layer_slots=None)  # the head's one layer: slot 0
+    # The head's one layer (its cache's slot 0) on the first layer group's pages.
+    attn = dataclasses.replace(
+        b.attn,
+        slot_mapping=b.attn.slot_mapping[:1],
+        block_tables=b.attn.block_tables[:1],
+        layer_slots=None,
+    )
     normed, prenorm, cache = head(shifted, b.positions, head.combine(aux), cache, attn, embed_table)
     if mesh is not None:
         normed = jax.lax.with_sharding_constraint(normed, sharding.replicated(mesh))
