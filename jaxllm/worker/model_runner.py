@@ -44,7 +44,7 @@ from jaxllm.config import ModelConfig, using_kernels
 from jaxllm.models import ModelCache, StepExtras
 from jaxllm.models.linear_attention import LinearState
 from jaxllm.models.vision import VisionEncoder
-from jaxllm.quantization import QUANTIZED, QArray, matmul_implementation
+from jaxllm.quantization import QArray, matmul_implementation
 from jaxllm.worker.buckets import logit_rows, make_buckets
 from jaxllm.worker.compiler import CompileCounter, CompiledProgram, Compiler
 from jaxllm.worker.device_state import DeviceState
@@ -595,14 +595,10 @@ class ModelRunner:
     def _embed_table(self, model: nnx.Module):
         """The target's embedding table as the runner holds it now (sleep and wake replace
         the parameter arrays), for a head that shares it."""
-        table = model.embed_tokens.get_value()
-        if isinstance(table, QUANTIZED):
-            raise ValueError(
-                "speculative_config: an eagle3 head without embed_tokens shares the target's, "
-                "which is quantized here; load the target unquantized"
-            )
-        index = next(i for i, p in enumerate(self.params) if p is table)
-        return lambda: self.params[index]
+        leaves, treedef = jax.tree.flatten(model.embed_tokens.get_value())  # (a QArray: several)
+        start = next(i for i, p in enumerate(self.params) if p is leaves[0])
+        stop = start + len(leaves)
+        return lambda: jax.tree.unflatten(treedef, self.params[start:stop])
 
 
 @dataclasses.dataclass
