@@ -128,3 +128,33 @@ def test_written_head_is_what_vllms_loader_reads(trained, tiny_model_dir):
     assert d2t.dtype == np.int64 and t2d.dtype == np.bool_ and len(t2d) == config["vocab_size"]
     ids = np.arange(len(d2t)) + d2t  # vLLM: target id = draft id + d2t[draft id]
     assert (np.diff(ids) > 0).all() and t2d[ids].all() and t2d.sum() == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--epochs", "0", "--epochs must be an integer >= 1"),
+     ("--num-speculative-tokens", "17", "at most 16"),
+     ("--learning-rate", "-1", "--learning-rate must be > 0"),
+     ("--tokens-per-batch", "8", "--tokens-per-batch must be an integer >= 64")],
+)  # fmt: skip
+def test_bad_settings_are_named(tmp_path, tiny_model_dir, capsys, flag, value, message):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    args = ["train-draft", str(tiny_model_dir), "--prompts", str(prompts), "--out",
+            str(tmp_path / "o"), flag, value]  # fmt: skip
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_prompt_files(tmp_path):
+    from jaxllm.training.eagle3 import read_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n"b"\nc d\n{"messages": [{"role": "user", "content": "e"}]}\n')
+    assert [c[-1]["content"] for c in read_prompts(f)] == ["a", "b", "c d", "e"]
+    f.write_text('{"other": 1}\n')
+    with pytest.raises(ValueError, match="line 1: neither messages, prompt nor text"):
+        read_prompts(f)
+    f.write_text("\n")
+    with pytest.raises(ValueError, match="has no prompts"):
+        read_prompts(f)

@@ -296,17 +296,8 @@ def abstract_vision(
         return None
     module = encoder_class(config)
     abstract = nnx.eval_shape(lambda: module(config, dtype=dtype, rngs=None))
-    graphdef, state = nnx.split(abstract)
-    shardings = _placements(state, mesh, device)
-    flat = [
-        (path, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path])))
-        for path, var in nnx.to_flat_state(state)
-    ]
-    state = nnx.from_flat_state(flat)
-    leaves = jax.tree.leaves(state)
-    logical = sum(_shard_bytes(a) for a in leaves)
-    encoder = nnx.merge(graphdef, state)
-    return AbstractModel(None, encoder, logical, _device_bytes(leaves) or logical)
+    encoder, logical, device_bytes = _placed(*nnx.split(abstract), mesh, device)
+    return AbstractModel(None, encoder, logical, device_bytes)
 
 
 def abstract_eagle3(
@@ -318,6 +309,13 @@ def abstract_eagle3(
 
     config = load_eagle3_config(resolve_model(model), target, weights=False)
     config, graphdef, state = abstract_head(config, dtype, compilation, mesh)
+    head, logical, device_bytes = _placed(graphdef, state, mesh, device)
+    return AbstractModel(config.layer, head, logical, device_bytes, proposer_config=config)
+
+
+def _placed(graphdef, state, mesh, device) -> tuple[nnx.Module, int, int]:
+    """A module of abstract parameters placed on `mesh` or `device` (see `_placements`),
+    with its bytes on one device: logical, and as the target lays them out."""
     shardings = _placements(state, mesh, device)
     flat = [
         (path, var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path])))
@@ -326,10 +324,7 @@ def abstract_eagle3(
     state = nnx.from_flat_state(flat)
     leaves = jax.tree.leaves(state)
     logical = sum(_shard_bytes(a) for a in leaves)
-    head = nnx.merge(graphdef, state)
-    return AbstractModel(
-        config.layer, head, logical, _device_bytes(leaves) or logical, proposer_config=config
-    )
+    return nnx.merge(graphdef, state), logical, _device_bytes(leaves) or logical
 
 
 def _placements(abstract_state, mesh, device: jax.Device) -> dict:

@@ -17,3 +17,23 @@ class TrainOptions:
     held_out_prompts: str | None = None  # a file of prompts to measure on instead
     seed: int = 0  # of the split, the batches' order and the head's new weights
     resume: bool = False
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("num_speculative_tokens", 1),
+            ("epochs", 1),
+            ("tokens_per_batch", 64),
+            ("max_tokens", 1),
+            ("draft_vocab_size", 1),
+            ("held_out", 0),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(
+                f"--num-speculative-tokens must be at most 16, got {self.num_speculative_tokens}"
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning-rate must be > 0, got {self.learning_rate!r}")

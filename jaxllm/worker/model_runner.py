@@ -390,7 +390,7 @@ class ModelRunner:
         if self.asleep:
             return
         if self._other_caches():
-            raise ValueError("sleep mode with a draft model is not supported")
+            raise ValueError("sleep mode with a draft model or an EAGLE-3 head is not supported")
         # Each weight's placement, and whether it was committed to it: the programs were
         # compiled for exactly these (an uncommitted weight put back committed recompiles).
         shardings = [p.sharding if p.committed else None for p in self.params]

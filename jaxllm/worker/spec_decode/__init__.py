@@ -23,10 +23,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-# The proposers live in `ngram`, `draft_model` and `eagle3`, the verification in `verification`; this
-# package's own module holds only what they share, so importing one imports no other.
+from jaxllm.models import AttentionMetadata
+
+# The proposers live in `ngram`, `draft_model` and `eagle3`, the verification in
+# `verification`; this package's own module holds only what they share, so importing one
+# imports no other.
 
 
 class Proposer(Protocol):
@@ -43,3 +48,41 @@ class Proposer(Protocol):
     ) -> Any: ...
 
     def propose(self, launched: Any, held: list[tuple[str, int, int]]) -> dict[str, list[int]]: ...
+
+
+# ---- on the device, inside a proposer's program ------------------------------------------------
+
+
+def last_kept(kept: jax.Array, first_rows: jax.Array, num_rows: jax.Array) -> tuple:
+    """Per request (its first logit row, its rows): (the rows the verification kept, its last
+    kept logit row), from the step's bool[L] `kept`."""
+    counts = jnp.cumsum(kept.astype(jnp.int32))
+    before = counts[first_rows] - kept[first_rows].astype(jnp.int32)
+    num_kept = counts[first_rows + num_rows - 1] - before
+    return num_kept, jnp.maximum(first_rows + num_kept - 1, 0)
+
+
+def one_token_metadata(
+    positions: jax.Array,  # i32[R]: each request's drafting position
+    writes: jax.Array,  # bool[R]: the rows that write their KV (that sampled, within slots)
+    block_tables: jax.Array,  # i32[R, P]
+    page_size: int,
+    dropped_slot: int,
+) -> tuple[jax.Array, AttentionMetadata]:
+    """(the positions as read, the attention metadata) of a drafting step of one token per
+    request. Past the block table's reach (drafts past max_model_len, cut by the scheduler) a
+    row reads as if at its last position, writing nothing."""
+    num_reqs = positions.shape[0]
+    at = jnp.minimum(positions, block_tables.shape[1] * page_size - 1)
+    page = block_tables[
+        jnp.arange(num_reqs), jnp.minimum(at // page_size, block_tables.shape[1] - 1)
+    ]
+    slots = jnp.where(writes, page * page_size + at % page_size, dropped_slot)
+    meta = AttentionMetadata(
+        slot_mapping=slots[None],
+        seq_lens=at + 1,
+        block_tables=block_tables[None],
+        cu_q_lens=jnp.arange(num_reqs + 1, dtype=jnp.int32),
+        num_seqs=jnp.full((1,), num_reqs, jnp.int32),
+    )
+    return at, meta

@@ -31,11 +31,12 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.config import ModelConfig
-from jaxllm.models import AttentionMetadata, ModelCache, StepExtras
+from jaxllm.models import ModelCache, StepExtras
 from jaxllm.worker.features import Feature, Warmup
 from jaxllm.worker.packing import Layout
 from jaxllm.worker.programs import forward, merge
 from jaxllm.worker.sampler import argmax
+from jaxllm.worker.spec_decode import last_kept, one_token_metadata
 from pallas_kernels import get_kv_cache_shape
 
 if TYPE_CHECKING:
@@ -204,33 +205,16 @@ def _draft_step(
     )
     model = merge(graphdef, params_def, params)
     num_reqs = inputs.first_rows.shape[0]
-    rows = jnp.arange(num_reqs)
-    counts = jnp.cumsum(kept.astype(jnp.int32))
-    before = counts[inputs.first_rows] - kept[inputs.first_rows].astype(jnp.int32)
-    num_kept = counts[inputs.first_rows + inputs.num_rows - 1] - before
-    last = jnp.maximum(inputs.first_rows + num_kept - 1, 0)
+    num_kept, last = last_kept(kept, inputs.first_rows, inputs.num_rows)
     tokens = jnp.where(inputs.active, sampled[last], 0)
     # The last kept token sits after the step's accepted tokens; rows that did not sample run
     # at position 0 and write nothing.
     positions = jnp.where(inputs.active, inputs.positions + num_kept - 1, 0)
-    max_page = block_tables.shape[1] - 1
-    last_position = block_tables.shape[1] * page_size - 1
 
     def step(j, carry):
         tokens, positions, cache, drafts = carry
-        # Past the block table's reach (drafts past max_model_len, cut by the scheduler) a row
-        # reads as if at its last position, writing nothing.
-        at = jnp.minimum(positions, last_position)
-        page = block_tables[rows, jnp.minimum(at // page_size, max_page)]
         writes = inputs.active & (positions < inputs.num_slots)
-        slots = jnp.where(writes, page * page_size + at % page_size, dropped_slot)
-        meta = AttentionMetadata(
-            slot_mapping=slots[None],
-            seq_lens=at + 1,
-            block_tables=block_tables[None],
-            cu_q_lens=jnp.arange(num_reqs + 1, dtype=jnp.int32),
-            num_seqs=jnp.full((1,), num_reqs, jnp.int32),
-        )
+        at, meta = one_token_metadata(positions, writes, block_tables, page_size, dropped_slot)
         hidden, cache = model(tokens, at, cache, meta)
         logits = model.compute_logits(hidden)
         if mesh is not None:

@@ -36,11 +36,12 @@ import numpy as np
 from flax import nnx
 
 from jaxllm import sharding
-from jaxllm.models import AttentionMetadata, ModelCache
+from jaxllm.models import ModelCache
 from jaxllm.models.eagle3 import Eagle3Config
 from jaxllm.worker.features import Feature, Warmup
 from jaxllm.worker.packing import Layout
 from jaxllm.worker.programs import merge, unpack_batch
+from jaxllm.worker.spec_decode import last_kept, one_token_metadata
 from pallas_kernels import get_kv_cache_shape
 
 if TYPE_CHECKING:
@@ -228,12 +229,8 @@ def _eagle_step(
     ids = jnp.where(b.token_src >= 0, last_tokens[jnp.maximum(b.token_src, 0)], b.input_ids)
     num_tokens = ids.shape[0]
     num_reqs = inputs.first_rows.shape[0]
-    rows = jnp.arange(num_reqs)
-    # Each request's last kept logit row (see `draft_model._draft_step`) and its token row.
-    counts = jnp.cumsum(kept.astype(jnp.int32))
-    before = counts[inputs.first_rows] - kept[inputs.first_rows].astype(jnp.int32)
-    num_kept = counts[inputs.first_rows + inputs.num_rows - 1] - before
-    last = jnp.maximum(inputs.first_rows + num_kept - 1, 0)
+    # Each request's last kept logit row and its token row.
+    _, last = last_kept(kept, inputs.first_rows, inputs.num_rows)
     chunk_end = b.attn.cu_q_lens[1:] - 1
     last_row = jnp.where(inputs.active, b.logits_indices[last], chunk_end)
     nxt = jnp.where(inputs.active, sampled[last], inputs.next_tokens)
@@ -261,26 +258,12 @@ def _eagle_step(
     tokens = draft(normed[last_row])
     hidden = prenorm[last_row]
     base = jnp.where(inputs.active, b.positions[last_row], 0)
-    max_page = block_tables.shape[1] - 1
-    last_position = block_tables.shape[1] * page_size - 1
     drafts = jnp.zeros((num_reqs, k), jnp.int32).at[:, 0].set(tokens)
     # Unrolled: a GPU runs a `while` by asking the host at each trip.
     for j in range(1, k):
-        positions = base + j
-        # Past the block table's reach (drafts past max_model_len, cut by the scheduler) a
-        # row reads as if at its last position, writing nothing; rows that did not sample
-        # write nothing.
-        at = jnp.minimum(positions, last_position)
-        page = block_tables[rows, jnp.minimum(at // page_size, max_page)]
+        positions = base + j  # rows that did not sample write nothing
         writes = inputs.active & (positions < inputs.num_slots)
-        slots = jnp.where(writes, page * page_size + at % page_size, dropped_slot)
-        meta = AttentionMetadata(
-            slot_mapping=slots[None],
-            seq_lens=at + 1,
-            block_tables=block_tables[None],
-            cu_q_lens=jnp.arange(num_reqs + 1, dtype=jnp.int32),
-            num_seqs=jnp.full((1,), num_reqs, jnp.int32),
-        )
+        at, meta = one_token_metadata(positions, writes, block_tables, page_size, dropped_slot)
         normed, hidden, cache = head(tokens, at, hidden, cache, meta, embed_table)
         if mesh is not None:
             normed = jax.lax.with_sharding_constraint(normed, sharding.replicated(mesh))
