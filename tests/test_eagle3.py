@@ -123,12 +123,12 @@ class _ReferenceHead:
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_drafts_equal_the_reference(tmp_path, tokenizer_dir, norm_before_residual):
-    """A 4-layer target and a head naming no layers (vLLM's default: 2, 2, 1), with its own
+    """An 8-layer target and a head naming no layers (vLLM's default: 2, 4, 5), with its own
     embeddings or not: the first step's drafts for each prompt equal the reference's."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    target = write_tiny_checkpoint(tmp_path / "t", tokenizer_dir, num_layers=4, seed=3)
+    target = write_tiny_checkpoint(tmp_path / "t", tokenizer_dir, num_layers=8, seed=3)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64)
     embeddings = not norm_before_residual  # a head of its own width needs its own
     head = write_tiny_eagle3_head(
@@ -149,7 +149,7 @@ def test_drafts_equal_the_reference(tmp_path, tokenizer_dir, norm_before_residua
         (drafts,) = proposed[0].values()
         with torch.no_grad():
             out = hf(torch.tensor([prompt]), output_hidden_states=True)
-        states = [out.hidden_states[i][0].numpy() for i in default_aux_layers(4)]
+        states = [out.hidden_states[i][0].numpy() for i in default_aux_layers(8)]
         nxt = int(out.logits[0, -1].argmax())
         t = load_file(head / "model.safetensors")
         fused = np.concatenate(states, -1) @ t["fc.weight"].astype(np.float64).T
@@ -276,7 +276,11 @@ def _edit(head, tmp_path, *, config=None, tensors=None):
         (dict(num_hidden_layers=2), None, "num_hidden_layers 2; heads of 1 layer only"),
         (dict(architectures=["LlamaForCausalLM"]), None, "not an EAGLE-3 head"),
         (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1]}), None,
-         "must be 3 layer ids"),
+         "must be 3 distinct layer ids"),
+        (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}), None,
+         "must be 3 distinct layer ids"),
+        (dict(draft_vocab_size=99999), None, "draft_vocab_size 99999 must be in"),
+        (None, {"d2t": np.full(200, 1000, np.int64)}, "maps draft ids outside"),
         (None, {"d2t": None}, "has no d2t map"),
         (None, {"extra.weight": np.zeros(3, np.float32)}, "has tensor 'extra.weight'"),
         (None, {"fc.weight": np.zeros((64, 10), np.float32)}, "fc.weight is [64, 10]"),
@@ -287,6 +291,20 @@ def test_bad_heads_are_named(tmp_path, tiny_model_dir, head_dir, config, tensors
     bad = _edit(head_dir, tmp_path, config=config, tensors=tensors)
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         LLM(tiny_model_dir, speculative_config=_spec(bad), **ENGINE)
+
+
+def test_a_head_over_the_whole_vocabulary(tmp_path, tiny_model_dir, plain):
+    """No d2t (its ids are the target's), its layers named out of order: loads and serves."""
+    head = write_tiny_eagle3_head(tmp_path / "h", tiny_model_dir, aux_layers=[2, 0, 1])
+    t = load_file(head / "model.safetensors")
+    del t["d2t"], t["t2d"]
+    save_file(t, str(head / "model.safetensors"))
+    llm = LLM(tiny_model_dir, speculative_config=_spec(head), **ENGINE)
+    assert llm.runner.proposer.config.aux_layers == (0, 1, 2)
+    prompts, params = _prompts(seed=7)[:3], SamplingParams(temperature=0, max_tokens=12)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
+        plain.generate(prompts, params, use_tqdm=False)
+    )
 
 
 def test_names_as_vllm_reads_them(tmp_path, tiny_model_dir, head_dir):
@@ -367,7 +385,9 @@ def test_hybrid_kv_cache(tmp_path, family):
 
     target = tmp_path / "t"
     write_family_checkpoint(family, target)
-    head = write_tiny_eagle3_head(tmp_path / "h", target, draft_vocab_size=100)
+    head = write_tiny_eagle3_head(
+        tmp_path / "h", target, draft_vocab_size=100, aux_layers=[0, 2, 4]
+    )
     engine = dict(max_model_len=128, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32)
     plain = LLM(target, **engine)
     llm = LLM(target, speculative_config=_spec(head), **engine)

@@ -126,6 +126,14 @@ def load_eagle3_head(
             )
         key, value = _ours(name, np.asarray(w), config)
         arrays[key] = value
+    if not config.has_d2t:  # a head over the whole vocabulary: its ids are the target's
+        arrays[("d2t",)] = np.zeros(config.draft_vocab_size, np.int32)
+    ids = np.arange(config.draft_vocab_size) + arrays[("d2t",)]
+    if ids.min() < 0 or ids.max() >= target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the eagle3 head {path}'s d2t maps draft ids outside the "
+            f"target's vocabulary [0, {target.vocab_size})"
+        )
     shardings = None if mesh is None else param_shardings(abstract, mesh)
     filled = []
     for path_, var in nnx.to_flat_state(abstract):

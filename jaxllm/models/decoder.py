@@ -275,7 +275,7 @@ class DecoderForCausalLM(nnx.Module):
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """Makes the forward pass return, after the cache, the residual stream entering each
         of `layers` (vLLM's ids: j is layer j - 1's output; `num_layers` the last layer's)
-        concatenated, [T, len(layers) * D]: what an EAGLE-3 head reads."""
+        concatenated in layer order, [T, len(layers) * D]: what an EAGLE-3 head reads."""
         if not all(0 <= i <= len(self.layers) for i in layers):
             raise ValueError(f"aux hidden state layers {list(layers)} past the model's layers")
         self.aux_hidden_state_layers = tuple(layers)
@@ -342,7 +342,7 @@ class DecoderForCausalLM(nnx.Module):
         if not self.aux_hidden_state_layers:
             return self.norm(x), cache
         aux[len(self.layers)] = x
-        states = [aux[i] for i in self.aux_hidden_state_layers]
+        states = [aux[i] for i in sorted(set(self.aux_hidden_state_layers))]  # (vLLM's order)
         return self.norm(x), cache, jnp.concatenate(states, axis=-1)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [R, D] -> f32[R, V]

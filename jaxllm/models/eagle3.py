@@ -79,6 +79,10 @@ class Eagle3Config:
         eagle = raw.get("eagle_config") or {}
         if not eagle.get("use_aux_hidden_state", True):
             raise ValueError(f"{where}: use_aux_hidden_state false (EAGLE-1/2 style) is not served")
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size")
+                   if k not in layer]  # fmt: skip
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)}")
         num_layers = layer.get("num_hidden_layers", 1)
         if num_layers != 1:
             raise ValueError(f"{where}: num_hidden_layers {num_layers}; heads of 1 layer only")
@@ -100,11 +104,12 @@ class Eagle3Config:
             or eagle.get("eagle_aux_hidden_state_layer_ids")
             or default_aux_layers(target.num_layers)
         )
-        aux = tuple(int(i) for i in aux)
-        if len(aux) != 3 or not all(0 <= i <= target.num_layers for i in aux):
+        aux = tuple(sorted(int(i) for i in aux))  # vLLM takes them in layer order
+        if len(set(aux)) != 3 or not all(0 <= i <= target.num_layers for i in aux):
             raise ValueError(
-                f"{where}: eagle_aux_hidden_state_layer_ids {list(aux)} must be 3 layer ids in "
-                f"[0, {target.num_layers}] (the target's layers)"
+                f"{where}: eagle_aux_hidden_state_layer_ids {list(aux)} must be 3 distinct layer "
+                f"ids in [0, {target.num_layers}] (the target's layers; vLLM's default for "
+                f"{target.num_layers} layers is {list(default_aux_layers(target.num_layers))})"
             )
         has_embeddings = "embed_tokens.weight" in tensor_names
         if not has_embeddings and layer["hidden_size"] != target.hidden_size:
@@ -116,6 +121,11 @@ class Eagle3Config:
         layer["vocab_size"] = target.vocab_size
         layer.pop("sliding_window", None)
         has_d2t = "d2t" in tensor_names
+        if not 1 <= draft_vocab <= target.vocab_size:
+            raise ValueError(
+                f"{where}: draft_vocab_size {draft_vocab} must be in [1, {target.vocab_size}] "
+                "(the target's vocabulary)"
+            )
         if draft_vocab != target.vocab_size and not has_d2t:
             raise ValueError(
                 f"{where}: draft_vocab_size {draft_vocab} is not the target's vocabulary "

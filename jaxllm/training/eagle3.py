@@ -195,6 +195,34 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> np.nd
 # ---- the head ---------------------------------------------------------------------------------
 
 
+def train_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers a head trained here reads: vLLM's default, or for a target of under 7
+    layers (where that repeats a layer) the first, middle and last layer's inputs."""
+    ids = default_aux_layers(num_layers)
+    if len(set(ids)) == 3 and min(ids) >= 0:
+        return ids
+    return (0, num_layers // 2, num_layers)
+
+
+def check_target(target: ModelConfig) -> None:
+    """Refuses, before any work, a target whose layer the head cannot start from here."""
+    why = None
+    if target.rope_scaling is not None:
+        why = "scaled RoPE (the head's config would need the scaling's record)"
+    elif target.num_experts:
+        why = "mixture-of-experts layers"
+    elif target.linear_attention is not None or target.latent_attention is not None:
+        why = "linear-attention or latent-attention layers"
+    elif target.heads_vary_by_layer or target.norm_offset:
+        why = "layers of several shapes or offset (Gemma) norms"
+    elif target.kv_head_replicas > 1:
+        why = "kv heads repeated for tensor parallelism (train with --tensor-parallel-size 1)"
+    if why:
+        raise ValueError(
+            f"train-draft: {target.architecture} has {why}; heads for it are not trained here yet"
+        )
+
+
 def head_hf_config(target: ModelConfig, draft_ids: np.ndarray, aux: tuple[int, ...]) -> dict:
     """The head's config.json (`LlamaForCausalLMEagle3`, vLLM's layout): one layer shaped as
     the target's."""
@@ -219,11 +247,6 @@ def head_hf_config(target: ModelConfig, draft_ids: np.ndarray, aux: tuple[int, .
         "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": aux},
         "torch_dtype": "float32",
     }
-    if target.rope_scaling is not None:
-        raise ValueError(
-            "train-draft: targets with scaled RoPE are not trained here yet (the head's config "
-            "would need the scaling's record)"
-        )
     return config
 
 
@@ -391,17 +414,22 @@ def train_draft(
     """Trains and writes the head (see the module docstring); returns the report. `engine`:
     the target engine's settings (`LLM`'s keyword arguments; by default sized for a small
     model)."""
-    options = options or TrainOptions()
+    import shutil
+
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
 
     from jaxllm import LLM
     from jaxllm.loaders.eagle3 import load_eagle3_config
 
+    options = options or TrainOptions()
     start = time.perf_counter()
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save lines
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if not options.resume:  # a fresh run: nothing of an earlier one in `out` is reused
+        shutil.rmtree(out / "checkpoint", ignore_errors=True)
+        (out / "answers.npz").unlink(missing_ok=True)
     convs = read_prompts(prompts)
     rng = np.random.default_rng(options.seed)
     order = rng.permutation(len(convs))
@@ -418,17 +446,18 @@ def train_draft(
     engine = {k: v for k, v in engine.items() if k != "speculative_config"}
     llm = LLM(model, **engine)
     target = llm.runner.config
+    check_target(target)
     target_model = nnx.merge(llm.runner.graphdef, llm.runner.state)
-    aux_layers = default_aux_layers(target.num_layers)
-    if min(aux_layers) < 0:
-        aux_layers = (0, target.num_layers // 2, target.num_layers)
+    aux_layers = train_aux_layers(target.num_layers)
     data = out / "answers.npz"
     if options.resume and data.is_file():  # the answers and states of the run resumed
         samples, states = _load_data(data)
     else:
         logger.info("train-draft: the target answers %d prompts", len(train_convs))
         samples = answer(llm, train_convs, options.max_tokens, progress)
-        states_of = TargetStates(llm.runner, aux_layers)
+        # Whole sequences: as long as the engine allows.
+        budget = max(2048, max(len(x.tokens) for x in samples))
+        states_of = TargetStates(llm.runner, aux_layers, budget=budget)
         bar = tqdm(total=len(samples), desc="target states", disable=not progress, unit="seq")
         states = states_of(samples, bar)
         bar.close()
@@ -441,6 +470,9 @@ def train_draft(
     t2d = np.full(target.vocab_size, -1, np.int32)
     t2d[draft_ids] = np.arange(len(draft_ids))
     t2d = jnp.asarray(t2d)
+    # The serving engine's device memory (weights, KV pool) goes before training.
+    llm.engine.shutdown()
+    del llm, target_model
     graphdef, trainable, rest = _split(head)
     steps = options.num_speculative_tokens
     max_len = options.max_tokens + max(s.prompt_len for s in samples)
@@ -484,6 +516,8 @@ def train_draft(
     )  # fmt: skip
     history = []
     for epoch in range(first_epoch, options.epochs):
+        if epoch:
+            rng.shuffle(plan)
         for idx, width, size in plan:
             tokens, aux, lengths, prompt_lens = _pack(samples, states, idx, width, size, dim3)
             trainable, opt_state, loss, accs = train_step(
@@ -494,6 +528,7 @@ def train_draft(
         history.append({"epoch": epoch, "loss": float(loss), "accuracy": np.asarray(accs).tolist()})
         checkpoints.save(epoch, args=ocp.args.StandardSave({"params": trainable, "opt": opt_state}))
         checkpoints.wait_until_finished()
+    checkpoints.close()
     bar.close()
     head = nnx.merge(graphdef, trainable, rest)
     export(head, raw, draft_ids, out)
@@ -508,7 +543,6 @@ def train_draft(
         "epochs": history,
         "train_seconds": train_seconds,
     }
-    llm.engine.shutdown()
     if held_convs:
         report["held_out"] = evaluate(
             model, out, held_convs, options.num_speculative_tokens, options.max_tokens,

@@ -162,7 +162,7 @@ def host_blocks(cache: CacheConfig, block_bytes: int, *, multi: bool, draft: boo
     if multi:
         raise ValueError(f"{name} is not supported in a multi-host run")
     if draft:
-        raise ValueError(f"{name} with a draft model is not supported")
+        raise ValueError(f"{name} with a draft model or an EAGLE-3 head is not supported")
     blocks = int(gib * 2**30 // block_bytes)
     if blocks < 1:
         raise ValueError(
@@ -259,7 +259,7 @@ def page_layout(
     device: jax.Device,
 ) -> tuple[jnp.dtype, KVCacheGroups, int]:
     """(the KV cache's dtype, its layer groups, one page's bytes on one device with the draft
-    model's cache included) of an engine of `config` (tensor_parallel_size resolved) on
+    model's or EAGLE-3 head's cache included) of an engine of `config` (tensor_parallel_size resolved) on
     `device`'s platform, or `mesh`."""
     cache, platform = config.cache, device.platform
     tp = config.parallel.tensor_parallel_size or 1
@@ -293,7 +293,7 @@ def plan_engine(
     """The plan of an engine of `config` (its attention backend resolved) serving a model of
     `model_config` (as sharded) whose weights are in `dtype`, on `device` (default: the first
     local one) or `mesh`, with `memory` of each device; `draft_config`: a draft model's
-    (speculative decoding), `vision`: an image-text model's vision side, `multi`: a multi-host
+    or an EAGLE-3 head's layer's (speculative decoding: its KV shares the pages), `vision`: an image-text model's vision side, `multi`: a multi-host
     run. Raises `NoRoom` (a ValueError naming the setting) when the pool cannot hold a
     sequence, or one of max_model_len."""
     device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
