@@ -22,7 +22,7 @@ ENGINE = dict(max_model_len=256, num_pages=96, max_num_seqs=8, max_num_batched_t
 
 
 def _spec(head, k: int = 3) -> dict:
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "adaptive": False}
 
 
 def _prompts(seed: int) -> list[dict]:
@@ -336,7 +336,7 @@ _TP_SCRIPT = """
 import json, sys
 from jaxllm import LLM, SamplingParams
 target, head = sys.argv[1], sys.argv[2]
-spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
 prompts = [{"prompt_token_ids": list(range(5 + 9 * i, 30 + 9 * i))} for i in range(4)]
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 out = {}

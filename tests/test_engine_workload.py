@@ -105,7 +105,7 @@ def alone_outputs():
     return get
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_random_workload_no_recompilation_and_outputs_match_alone(
         pytest.skip("slow: run with -m slow (test_spec_decode.py checks the draft model)")
     name, model = model, model_dirs(model)
     if spec == "draft":
-        spec = {"model": str(model), "num_speculative_tokens": 2}
+        spec = {"model": str(model), "num_speculative_tokens": 2, "adaptive": False}
     llm = LLM(
         model,
         max_model_len=MAX_MODEL_LEN,

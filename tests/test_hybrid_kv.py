@@ -391,7 +391,10 @@ def test_gemma3_ngram_speculation_with_the_hybrid_cache(gemma3):
     ]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     outs = []
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+    for spec in (
+        None,
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False},
+    ):
         llm = LLM(
             path,
             dtype="float32",

@@ -35,7 +35,7 @@ def _reference(name: str, demo, prompts):
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}  # fmt: skip
+         "prompt_lookup_min": 2, "adaptive": False}  # fmt: skip
 
 
 @pytest.mark.parametrize(

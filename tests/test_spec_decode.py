@@ -18,7 +18,9 @@ from jaxllm.testing import write_tiny_checkpoint
 from jaxllm.worker.spec_decode.ngram import NgramProposer
 
 ENGINE = dict(max_model_len=256, num_pages=96, max_num_seqs=8, max_num_batched_tokens=64)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# Speculation in every step (`adaptive` would pause it where it does not pay: see
+# tests/test_spec_policy.py): these tests are of the verification.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
 
 
 def _prompts(seed: int = 0) -> list[dict]:
@@ -211,7 +213,7 @@ def test_draft_model(tiny_model_dir, draft_dir, plain):
         SamplingParams(temperature=0.8, seed=9, max_tokens=24, ignore_eos=True),
     ]
     for draft in (draft_dir, tiny_model_dir):
-        llm = LLM(tiny_model_dir, speculative_config={"model": str(draft),
+        llm = LLM(tiny_model_dir, speculative_config={"model": str(draft), "adaptive": False,
                   "num_speculative_tokens": 3}, **ENGINE)  # fmt: skip
         compiled = llm.runner.num_compilations
         for p in params:
@@ -260,7 +262,8 @@ def test_distribution_equals_the_targets(tiny_model_dir, plain, n, request):
                 probs[a, b, c] = pa * pb * pc
     llm = LLM(tiny_model_dir, max_model_len=64, num_pages=600, max_num_seqs=256,
               max_num_batched_tokens=1024,
-              speculative_config={"model": str(tiny_model_dir), "num_speculative_tokens": 2})  # fmt: skip
+              speculative_config={"model": str(tiny_model_dir), "num_speculative_tokens": 2,
+                                  "adaptive": False})  # fmt: skip
     outs = llm.generate([prompt] * n, [SamplingParams(seed=s, **params) for s in range(n)],
                         use_tqdm=False)  # fmt: skip
     counts: dict[tuple[int, ...], int] = {}

@@ -200,7 +200,7 @@ def test_speculative_decoding_verifies_against_the_grammar(tiny_model_dir, llm):
     """n-gram drafts are cut where the grammar refuses them and verified against masked rows:
     the outputs equal the engine's without speculation, and drafts were accepted."""
     spec = LLM(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-               "prompt_lookup_min": 1}, **ENGINE)  # fmt: skip
+               "prompt_lookup_min": 1, "adaptive": False}, **ENGINE)  # fmt: skip
     # Prompts that repeat what the grammar wants, so n-gram drafts are proposed.
     tok = spec.tokenizer
     prompts = [{"prompt_token_ids": tok.encode("ab ab ab ab cd cd 12 " * 3)}] * 3

@@ -345,10 +345,27 @@ class SpecMethod:
     prompt_lookup_max: int = 0
     # draft_model: its checkpoint (any `model` this engine loads); eagle3: the head's directory
     model: str | None = None
+    # Speculate only where measured to pay (`jaxllm.engine.spec_policy`); and never in a step
+    # of this many running requests or more (vLLM's disable_by_batch_size).
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None
+
+    @property
+    def may_pause(self) -> bool:
+        """Whether some steps may run without speculating."""
+        return self.adaptive or self.disable_by_batch_size is not None
 
 
 MAX_SPECULATIVE_TOKENS = 16
-_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+_SPEC_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "adaptive",
+    "disable_by_batch_size",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,8 +377,12 @@ class SpeculativeConfig:
     "prompt_lookup_min": m} proposes the k tokens that followed the latest earlier occurrence
     of the sequence's last n..m tokens; {"model": PATH, "num_speculative_tokens": k} runs a
     draft model with the target's vocabulary; {"method": "eagle3", "model": HEAD,
-    "num_speculative_tokens": k} an EAGLE-3 head in the layout vLLM loads. The target verifies the drafts in its next step:
-    the output is the one without speculation (each step runs synchronously)."""
+    "num_speculative_tokens": k} an EAGLE-3 head in the layout vLLM loads. The target verifies
+    the drafts in its next step: the output is the one without speculation (a speculating step
+    runs synchronously). Any method also takes "disable_by_batch_size": n (vLLM's: no
+    speculation in a step of n running requests or more) and "adaptive" (default true:
+    speculate only at batch sizes where it was measured to give more tokens a second than plain
+    decode, see `jaxllm.engine.spec_policy`; false: always)."""
 
     def __post_init__(self) -> None:
         parse_json_field(self, "speculative_config")
@@ -393,6 +414,15 @@ class SpeculativeConfig:
             return value
 
         k = integer("num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        adaptive = c.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(
+                f"speculative_config: adaptive must be true or false, got {adaptive!r}"
+            )
+        limit = c.get("disable_by_batch_size")
+        if limit is not None:
+            limit = integer("disable_by_batch_size", limit, 1, 1 << 20)
+        policy = {"adaptive": adaptive, "disable_by_batch_size": limit}
         model = c.get("model")
         method = c.get("method", "draft_model" if model is not None else None)
         if method == "ngram":
@@ -408,7 +438,7 @@ class SpeculativeConfig:
                     f"speculative_config: prompt_lookup_min ({lo}) must be <= "
                     f"prompt_lookup_max ({hi})"
                 )
-            return SpecMethod("ngram", k, lo, hi)
+            return SpecMethod("ngram", k, lo, hi, **policy)
         if method in ("draft_model", "eagle3"):
             what = "a draft model" if method == "draft_model" else "eagle3"
             if not isinstance(model, str) or not model:
@@ -416,7 +446,7 @@ class SpeculativeConfig:
             extra = {"prompt_lookup_min", "prompt_lookup_max"} & set(c)
             if extra:
                 raise ValueError(f"speculative_config: {', '.join(sorted(extra))} is for ngram")
-            return SpecMethod(method, k, model=model)
+            return SpecMethod(method, k, model=model, **policy)
         raise ValueError(
             f"speculative_config: method must be ngram, draft_model or eagle3 (or give a "
             f"model), got {method!r}"

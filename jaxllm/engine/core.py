@@ -32,6 +32,7 @@ from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Ready
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.spec_policy import SpeculationPolicy
 from jaxllm.engine.state_snapshots import StateSnapshots
 from jaxllm.multimodal.processor import check_mm_items
 from jaxllm.pooling import (
@@ -252,12 +253,18 @@ class EngineCore:
             structured_outputs=_structured_outputs(config.load.model, loaded.config),
             loras=_lora_manager(config, runner, multi=multi),
             encoder_cache=encoder_cache,
+            speculation=None
+            if spec is None
+            else SpeculationPolicy(
+                adaptive=spec.adaptive, disable_by_batch_size=spec.disable_by_batch_size
+            ),
         )
         if runner.num_speculative_tokens:
             logger.info(
-                "speculative decoding (%s, %d tokens): each step runs synchronously",
+                "speculative decoding (%s, %d tokens%s): a speculating step runs synchronously",
                 spec.method,
                 runner.num_speculative_tokens,
+                ", where measured to pay" if spec.adaptive else "",
             )
         if plan.pooler is not None:
             logger.info(
@@ -612,7 +619,8 @@ class EngineCore:
         running, the next step waits for the previous one's tokens. So do draft tokens
         (speculative decoding): a step's grants depend on how many the previous one accepted;
         and grammars (structured outputs): a step's bitmask follows every token before it."""
-        return self.runner.num_speculative_tokens > 0 or any(
+        speculating = self.runner.num_speculative_tokens > 0 and self.scheduler.speculates()
+        return speculating or any(
             r.sampling_params.uses_penalties or r.grammar is not None
             for r in self.scheduler.running
         )

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from jaxllm.engine.encoder_cache import EncoderCache
     from jaxllm.engine.kv_transfer import KVTransfer
     from jaxllm.engine.lora_manager import LoRAManager
+    from jaxllm.engine.spec_policy import SpeculationPolicy
     from jaxllm.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,10 @@ class Scheduler:
         structured_outputs: StructuredOutputManager | None = None,
         loras: LoRAManager | None = None,
         encoder_cache: EncoderCache | None = None,
+        speculation: SpeculationPolicy | None = None,
     ):
-        """`loras`: the LoRA adapters' slots, when LoRA is served: a request with an adapter
+        """`speculation`: with speculative decoding, which steps verify drafts and have the
+        next ones proposed (`spec_policy`; None: every step). `loras`: the LoRA adapters' slots, when LoRA is served: a request with an adapter
         is admitted only when its adapter has (or can take) a slot. `encoder_cache`: an
         image-text model's encoded images on the device: a chunk reaching an image is granted
         only when the image is cached or can be encoded in its step."""
@@ -100,6 +103,7 @@ class Scheduler:
         # reports them with its next step's updates.
         self.failed: list[RequestUpdate] = []
         self.spec_decoding = SpecDecodingStats()
+        self.speculation = speculation
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -172,9 +176,15 @@ class Scheduler:
         preempted.append(request.request_id)
         return granted.pop(request, 0)
 
+    def speculates(self) -> bool:
+        """Whether the next step verifies drafts and has the next ones proposed (with
+        speculative decoding; such a step runs synchronously)."""
+        return self.speculation is None or self.speculation.speculate(len(self.running))
+
     def schedule(self) -> SchedulerOutput:
         self._fail_broken_grammars()
         budget = self.config.max_num_batched_tokens
+        speculate = self.speculates()
         granted: dict[Request, int] = {}  # in batch order
         drafts: dict[Request, list[int]] = {}  # the draft tokens among a request's grant
         admitted: list[Request] = []  # entering the batch: the runner gets their full data
@@ -198,7 +208,7 @@ class Scheduler:
             n = self._chunk(request, request.num_computed_tokens, min(n, budget))
             if n == 0:
                 continue  # its chunk starts at an image this step cannot encode
-            spec = self._drafts(request, n, budget)
+            spec = self._drafts(request, n, budget) if speculate else []
             n += len(spec)
             while not self._allocate(request, n):
                 victim = self._pick_victim(granted)
@@ -298,6 +308,7 @@ class Scheduler:
             kv_stores=stores,
             kv_loads=loads,
             encoder_inputs=encodes,
+            propose_drafts=speculate,
         )
         # The grants count as computed from now on, so the next step can be scheduled before
         # this one's output is back; `update_from_output` confirms them.
@@ -517,6 +528,7 @@ class Scheduler:
         """Advances each scheduled request by its grant; appends the token sampled for each
         request whose chunk reached the end of its sequence, and finishes it if it stops."""
         updates = []
+        num_tokens = 0
         for s in scheduled.requests:
             rid = s.request_id
             request = self.requests.get(rid)
@@ -544,6 +556,7 @@ class Scheduler:
                     updates.append(RequestUpdate(rid, [], new_prompt_logprobs=scored))
                 continue
             logprobs = output.logprobs.get(rid)
+            num_tokens += len(tokens)
             request.num_pending_tokens -= 1
             status = None
             for i, token in enumerate(tokens):
@@ -569,6 +582,14 @@ class Scheduler:
                     new_prompt_logprobs=scored,
                     kv_transfer_params=request.kv_transfer_out if status else None,
                 )
+            )
+        if self.speculation is not None:
+            decodes = not scheduled.new_requests and all(
+                s.num_scheduled_tokens == 1 + len(s.spec_token_ids) and not s.pool
+                for s in scheduled.requests
+            )
+            self.speculation.observe(
+                len(scheduled.requests) if decodes else None, scheduled.propose_drafts, num_tokens
             )
         return updates
 

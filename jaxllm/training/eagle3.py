@@ -618,7 +618,8 @@ def evaluate(
     accepted drafts per verification) and each position's acceptance rate."""
     from jaxllm import LLM, SamplingParams
 
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    # Every step speculates: acceptance is what is measured here, not whether it pays.
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "adaptive": False}
     llm = LLM(model, **(engine or {}) | {"speculative_config": spec})
     try:
         llm.chat(convs, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)

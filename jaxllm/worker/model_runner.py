@@ -242,7 +242,9 @@ class ModelRunner:
         elif speculative is not None and speculative.method == "draft_model":
             if draft_model is None:
                 raise ValueError("speculative_config: the draft_model method needs the draft")
-            self.proposer = DraftModelProposer(*draft_model, self.inputs, self.compiler)
+            self.proposer = DraftModelProposer(
+                *draft_model, self.inputs, self.compiler, fills=speculative.may_pause
+            )
         elif speculative is not None and speculative.method == "eagle3":
             self.proposer = Eagle3Proposer(
                 *draft_model,
@@ -250,6 +252,7 @@ class ModelRunner:
                 self.compiler,
                 self._embed_table(model),
                 window=kv_groups.windows[0],
+                fills=speculative.may_pause,
             )
         # The features this engine serves, driven through one interface (see `features`), in
         # the order their work runs in a step: host blocks back, images encoded, then what
@@ -459,10 +462,13 @@ class ModelRunner:
                 feature.before_forward(out)
             batch, sampling = device.put(step.buffers)  # the step's inputs, in one transfer
             batch_layout, head_layout = step.layouts
+            # The tokens the previous steps sampled, as this step's inputs read them (its
+            # placeholders); the head replaces the device's with this step's.
+            tokens_in = device.last_tokens
             last, hidden, device.cache, aux = self.forward(
                 self.params,
                 device.cache,
-                device.last_tokens,
+                tokens_in,
                 batch,
                 self.resident(),
                 layout=batch_layout,
@@ -474,8 +480,9 @@ class ModelRunner:
             drafts = None
             if self.proposer is not None:
                 drafts = self.proposer.launch(
-                    step, batch, rows, result[0].sampled, result[1], aux=aux
-                )
+                    step, batch, tokens_in, rows, result[0].sampled, result[1], aux=aux,
+                    propose=out.propose_drafts,
+                )  # fmt: skip
             launched = LaunchedForward(out, self.params, hidden, len(step.batch.input_ids))
             handles = [feature.after_forward(launched) for feature in self.features]
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
@@ -546,7 +553,8 @@ class ModelRunner:
                 ib.token_ids[row, end : pos + k] = self.config.vocab_size  # rejected drafts
                 ib.num_tokens[row] = end
         drafts = {}
-        if self.proposer is not None:  # after the tokens: the n-gram proposer reads them
+        if self.proposer is not None and step.out.propose_drafts:  # after the tokens: the
+            # n-gram proposer reads them
             held_rows = [(ids[n], int(reqs[n]), int(rows[n])) for n in np.flatnonzero(held)]
             drafts = self.proposer.propose(launched_drafts, held_rows)
         logprobs = {}

@@ -141,6 +141,9 @@ class SchedulerOutput(msgspec.Struct):
     kv_loads: list[tuple[int, int]] = []  # (host slot, device block)
     # Images to encode before the step's programs, into the encoder cache (vision models).
     encoder_inputs: list[EncoderInput] = []
+    # Whether the proposer (speculative decoding) drafts after this step for the next: the
+    # scheduler's `spec_policy` may pause speculation (the proposer then only keeps its KV).
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

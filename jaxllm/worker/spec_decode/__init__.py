@@ -36,15 +36,28 @@ from jaxllm.models import AttentionMetadata
 
 class Proposer(Protocol):
     """How the runner asks for drafts. `launch` runs when a step is dispatched, with its
-    inputs (the prepared step, and its forward pass's buffer on the device), its sampled
-    tokens and (for an EAGLE-3 head) the target's aux hidden states, still on the device (a draft model dispatches its own program there); `propose`
-    runs when the step's output is back, for the requests that sampled and still hold their
-    batch rows: `held` is (request id, index in the step's requests, batch row) each, and the
-    result the drafts for each request's next step. A proposer is also one of the runner's
-    features (`jaxllm.worker.features.Feature`), for its programs."""
+    inputs (the prepared step, its forward pass's buffer on the device and the earlier
+    sampled tokens its placeholders read, as the forward pass read them), its sampled
+    tokens and (for an EAGLE-3 head) the target's aux hidden states, still on the device (a
+    draft model dispatches its own program there); `propose` runs when the step's output is
+    back, for the requests that sampled and still hold their batch rows: `held` is (request
+    id, index in the step's requests, batch row) each, and the result the drafts for each
+    request's next step. A step that does not speculate (`SchedulerOutput.propose_drafts`,
+    see `jaxllm.engine.spec_policy`) launches with `propose` False: a proposer with a cache
+    then only writes the step's KV into it (its `fill` program, compiled where `fills`), and
+    `propose` is not called. A proposer is also one of the runner's features
+    (`jaxllm.worker.features.Feature`), for its programs."""
 
     def launch(
-        self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any, aux: Any = None
+        self,
+        step: Any,
+        batch: Any,
+        last_tokens: Any,
+        rows: np.ndarray,
+        sampled: Any,
+        kept: Any,
+        aux: Any = None,
+        propose: bool = True,
     ) -> Any: ...
 
     def propose(self, launched: Any, held: list[tuple[str, int, int]]) -> dict[str, list[int]]: ...

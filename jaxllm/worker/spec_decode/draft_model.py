@@ -15,7 +15,11 @@ device right after the target's, without a host round trip in between:
    `num_lookahead_tokens` slots the scheduler reserved past the grant; positions past them (the
    request's end) are dropped, and the drafts from there are cut by the scheduler.
 
-Programs: one per compiled shape of the target's, all compiled at warmup.
+A step that does not speculate (`jaxllm.engine.spec_policy`) runs step 1 alone (`draft_fill`),
+so that the draft's cache stays whole for when speculation resumes.
+
+Programs: one per compiled shape of the target's (two where speculation may pause), all
+compiled at warmup.
 """
 
 from __future__ import annotations
@@ -71,9 +75,17 @@ class DraftModelProposer(Feature):
     lives on the runner's devices."""
 
     def __init__(
-        self, model: nnx.Module, config: ModelConfig, inputs: StepInputs, compiler: Compiler
+        self,
+        model: nnx.Module,
+        config: ModelConfig,
+        inputs: StepInputs,
+        compiler: Compiler,
+        *,
+        fills: bool = False,
     ):
+        """`fills`: compile the KV-only programs too (speculation may pause)."""
         self.config = config
+        self.fills = fills
         self.inputs = inputs
         self.compiler = compiler
         self.device = device = compiler.device
@@ -101,18 +113,19 @@ class DraftModelProposer(Feature):
                 inputs.num_pages * inputs.page_size,
             ),
             donate_argnums=(1,),
-            static_argnames=("layout",),
+            static_argnames=("layout", "propose"),
         )
 
     @property
     def num_programs(self) -> int:
-        return len(self.inputs.shapes)
+        return len(self.inputs.shapes) * (2 if self.fills else 1)
 
     def warmup_jobs(self, warm: Warmup) -> list:
-        """One compile job per program: one per compiled shape of the target's."""
+        """One compile job per program: one per compiled shape of the target's (and its
+        KV-only twin where speculation may pause)."""
         device = self.device
 
-        def compile_step(shape):
+        def compile_step(shape, propose):
             template = self.inputs.batch_template(*shape)
             n = len(template.new()[1].logits_indices)
             sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=device.replicated)
@@ -120,12 +133,18 @@ class DraftModelProposer(Feature):
             inputs, tables = self._padding_inputs(shape[1])
             batch = template.layout.abstract(device.replicated)
             self.compiler.compile(
-                "draft_step", shape, self._step, self._params, self.cache,
-                device.last_tokens, batch, sampled, kept, inputs, tables, updates_cache=True,
-                cache=self.cache, static={"layout": template.layout},
+                "draft_step" if propose else "draft_fill", shape, self._step, self._params,
+                self.cache, device.last_tokens, batch, sampled, kept, inputs, tables,
+                updates_cache=True, cache=self.cache,
+                static={"layout": template.layout, "propose": propose},
             )  # fmt: skip
 
-        return [functools.partial(compile_step, shape) for shape in self.inputs.shapes]
+        kinds = (True, False) if self.fills else (True,)
+        return [
+            functools.partial(compile_step, shape, propose)
+            for shape in self.inputs.shapes
+            for propose in kinds
+        ]
 
     def _padding_inputs(self, r: int) -> tuple[ProposeInputs, np.ndarray]:
         inputs = ProposeInputs(
@@ -141,15 +160,19 @@ class DraftModelProposer(Feature):
         self,
         step: PreparedStep,
         batch: jax.Array,
+        last_tokens: jax.Array,
         rows: np.ndarray,
         sampled: jax.Array,
         kept: jax.Array,
         aux: jax.Array | None = None,
-    ) -> jax.Array:
+        propose: bool = True,
+    ) -> jax.Array | None:
         """Dispatches the draft's step: its cache gets the batch's tokens, and every request
         that sampled gets k drafts, i32[R, k] on the device (junk in the other rows). `step`:
-        the runner's step, launched, `batch` its forward pass's buffer on the device;
-        `sampled`, `kept`: its verification output."""
+        the runner's step, launched, `batch` its forward pass's buffer on the device,
+        `last_tokens` what its placeholders read;
+        `sampled`, `kept`: its verification output. With `propose` False (and `fills`): the
+        cache only, None."""
         ib = self.inputs.input_batch
         r_pad = len(step.batch.attn.seq_lens)
         num_reqs = len(rows)
@@ -163,15 +186,16 @@ class DraftModelProposer(Feature):
         drafts, self.cache = self._step(
             self._params,
             self.cache,
-            self.device.last_tokens,
+            last_tokens,
             batch,
             sampled,
             kept,
             inputs,
             tables,
             layout=step.layouts[0],
+            propose=propose or not self.fills,
         )
-        return drafts
+        return drafts if propose else None
 
     def propose(
         self, launched: jax.Array, held: list[tuple[str, int, int]]
@@ -197,12 +221,15 @@ def _draft_step(
     block_tables: jax.Array,  # i32[R, P]
     *,
     layout: Layout,
+    propose: bool = True,
 ):
     """The draft model over the batch, then k greedy draft tokens per request from the last
-    token the step kept: (i32[R, k], the draft's cache)."""
+    token the step kept: (i32[R, k], the draft's cache); not `propose`: (None, the cache)."""
     _, _, cache, _ = forward(
         graphdef, params_def, mesh, params, cache, last_tokens, batch, StepExtras(), layout=layout
     )
+    if not propose:
+        return None, cache
     model = merge(graphdef, params_def, params)
     num_reqs = inputs.first_rows.shape[0]
     num_kept, last = last_kept(kept, inputs.first_rows, inputs.num_rows)

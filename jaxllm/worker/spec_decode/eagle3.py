@@ -20,7 +20,12 @@ program (`_eagle_step`) runs on the device:
 Drafts are the head's greedy tokens mapped to the target's vocabulary (`d2t`); the target's
 verification makes the output the target's own, greedy or random (see the package docstring).
 
-Programs: one per compiled shape of the target's, all compiled at warmup.
+A step that does not speculate (`jaxllm.engine.spec_policy`) runs step 1 alone, for the head's
+KV (`eagle3_fill`: no drafts; XLA drops what the KV does not need), so that speculation
+resumes over a whole cache.
+
+Programs: one per compiled shape of the target's (two where speculation may pause), all
+compiled at warmup.
 """
 
 from __future__ import annotations
@@ -77,8 +82,11 @@ class Eagle3Proposer(Feature):
         embed_table: Callable[[], jax.Array],
         *,
         window: int | None = None,
+        fills: bool = False,
     ):
+        """`fills`: compile the KV-only programs too (speculation may pause)."""
         self.config = config
+        self.fills = fills
         self.inputs = inputs
         self.compiler = compiler
         self.embed_table = embed_table
@@ -107,18 +115,19 @@ class Eagle3Proposer(Feature):
                 inputs.num_pages * inputs.page_size,
             ),
             donate_argnums=(2,),
-            static_argnames=("layout",),
+            static_argnames=("layout", "propose"),
         )
 
     @property
     def num_programs(self) -> int:
-        return len(self.inputs.shapes)
+        return len(self.inputs.shapes) * (2 if self.fills else 1)
 
     def warmup_jobs(self, warm: Warmup) -> list:
-        """One compile job per program: one per compiled shape of the target's."""
+        """One compile job per program: one per compiled shape of the target's (and its
+        KV-only twin where speculation may pause)."""
         device = self.device
 
-        def compile_step(shape):
+        def compile_step(shape, propose):
             template = self.inputs.batch_template(*shape)
             n = len(template.new()[1].logits_indices)
             sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=device.replicated)
@@ -130,12 +139,18 @@ class Eagle3Proposer(Feature):
             inputs, tables = self._padding_inputs(shape[1])
             batch = template.layout.abstract(device.replicated)
             self.compiler.compile(
-                "eagle3_step", shape, self._step, self._params, self.embed_table(), self.cache,
-                device.last_tokens, batch, aux, sampled, kept, inputs, tables,
-                updates_cache=True, cache=self.cache, static={"layout": template.layout},
+                "eagle3_step" if propose else "eagle3_fill", shape, self._step, self._params,
+                self.embed_table(), self.cache, device.last_tokens, batch, aux, sampled, kept,
+                inputs, tables, updates_cache=True, cache=self.cache,
+                static={"layout": template.layout, "propose": propose},
             )  # fmt: skip
 
-        return [functools.partial(compile_step, shape) for shape in self.inputs.shapes]
+        kinds = (True, False) if self.fills else (True,)
+        return [
+            functools.partial(compile_step, shape, propose)
+            for shape in self.inputs.shapes
+            for propose in kinds
+        ]
 
     def _padding_inputs(self, r: int) -> tuple[EagleInputs, np.ndarray]:
         inputs = EagleInputs(
@@ -152,15 +167,18 @@ class Eagle3Proposer(Feature):
         self,
         step: PreparedStep,
         batch: jax.Array,
+        last_tokens: jax.Array,
         rows: np.ndarray,
         sampled: jax.Array,
         kept: jax.Array,
         aux: jax.Array | None = None,
-    ) -> jax.Array:
+        propose: bool = True,
+    ) -> jax.Array | None:
         """Dispatches the head's step: its cache gets the batch's positions, and every request
-        that sampled gets k drafts, i32[R, k] on the device (junk in the other rows). `batch`:
-        the forward pass's buffer on the device, `aux` its target states; `sampled`, `kept`:
-        the verification's output."""
+        that sampled gets k drafts, i32[R, k] on the device (junk in the other rows); with
+        `propose` False (and `fills`) the cache only, None. `batch`: the forward pass's buffer
+        on the device, `last_tokens` what its placeholders read, `aux` its target states;
+        `sampled`, `kept`: the verification's output."""
         ib = self.input_batch
         r_pad = len(step.batch.attn.seq_lens)
         num_reqs = len(rows)
@@ -180,7 +198,7 @@ class Eagle3Proposer(Feature):
             self._params,
             self.embed_table(),
             self.cache,
-            self.device.last_tokens,
+            last_tokens,
             batch,
             aux,
             sampled,
@@ -188,8 +206,9 @@ class Eagle3Proposer(Feature):
             inputs,
             tables,
             layout=step.layouts[0],
+            propose=propose or not self.fills,
         )
-        return drafts
+        return drafts if propose else None
 
     @property
     def input_batch(self):
@@ -221,9 +240,10 @@ def _eagle_step(
     block_tables: jax.Array,  # i32[R, P]
     *,
     layout: Layout,
+    propose: bool = True,
 ):
     """The head over the batch, then k - 1 more drafts per request from its own states:
-    (i32[R, k], the head's cache)."""
+    (i32[R, k], the head's cache); not `propose`: (None, the head's cache)."""
     b = unpack_batch(layout, batch)
     head = merge(graphdef, params_def, params)
     ids = jnp.where(b.token_src >= 0, last_tokens[jnp.maximum(b.token_src, 0)], b.input_ids)
@@ -252,6 +272,8 @@ def _eagle_step(
         layer_slots=None,
     )
     normed, prenorm, cache = head(shifted, b.positions, head.combine(aux), cache, attn, embed_table)
+    if not propose:
+        return None, cache
     if mesh is not None:
         normed = jax.lax.with_sharding_constraint(normed, sharding.replicated(mesh))
         prenorm = jax.lax.with_sharding_constraint(prenorm, sharding.replicated(mesh))

@@ -21,7 +21,15 @@ class NgramProposer(Feature):
         self.input_batch = input_batch
 
     def launch(
-        self, step: Any, batch: Any, rows: np.ndarray, sampled: Any, kept: Any, aux: Any = None
+        self,
+        step: Any,
+        batch: Any,
+        last_tokens: Any,
+        rows: np.ndarray,
+        sampled: Any,
+        kept: Any,
+        aux: Any = None,
+        propose: bool = True,
     ) -> None:
         return None
 

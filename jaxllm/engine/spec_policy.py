@@ -1,0 +1,122 @@
+"""When speculation pays: the scheduler verifies drafts (and has the next ones proposed) only in
+steps where measurement says it gives more tokens a second than plain decode at that batch size.
+
+Speculation trades a wider step (each request's drafts are verified in the same forward pass)
+for more tokens per step. Whether that pays depends on the head's acceptance on today's traffic
+and on how the step's cost grows with its width on this machine: on a GPU at batch 1 a step of
+4 tokens costs about what a step of 1 does, on a CPU or at batch 64 it costs up to 4 times as
+much. Neither is known in advance, so the policy measures both as one figure, the tokens a
+second that decode steps deliver with and without speculation, per batch size (rounded up to a
+power of two), and takes the better (an epsilon-greedy bandit with two arms per batch size):
+
+- a batch size not seen yet speculates for `probe_steps` measured steps, then runs plain for as
+  many; from then on it takes the faster, and every `reprobe_steps` steps of a batch size it
+  measures the other again for `probe_steps` (acceptance changes with the traffic);
+- only steps of decodes alone are measured (a prompt chunk's cost says nothing of either), from
+  one step's output to the next, and only when the step before ran the same way (the first
+  speculating step after plain ones has no drafts yet: it only proposes);
+- rates are decayed sums (a step's weight halves after about 35 steps), so they follow the
+  traffic.
+
+vLLM's `disable_by_batch_size` is honoured as a fixed bound on top: a step with that many
+running requests or more never speculates. `adaptive: false` keeps speculation always on (the
+output is the same either way: drafts are only ever verified).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+_DECAY = 0.98
+
+
+@dataclasses.dataclass
+class _Arm:
+    """Decayed sums of one way of running steps at one batch size."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0  # measured steps since start
+    last: int = 0  # the policy's step count at its last measurement
+    target: int = 0  # measure until `samples` reaches it (probing), whatever the rates say
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, tokens: int, seconds: float, step: int) -> None:
+        self.tokens = self.tokens * _DECAY + tokens
+        self.seconds = self.seconds * _DECAY + seconds
+        self.samples += 1
+        self.last = step
+
+
+class SpeculationPolicy:
+    def __init__(
+        self,
+        *,
+        adaptive: bool = True,
+        disable_by_batch_size: int | None = None,
+        probe_steps: int = 16,
+        reprobe_steps: int = 1024,
+        clock=time.perf_counter,
+    ):
+        self.adaptive = adaptive
+        self.disable_by_batch_size = disable_by_batch_size
+        self.probe_steps = probe_steps
+        self.reprobe_steps = reprobe_steps
+        self.clock = clock
+        self.arms: dict[tuple[int, bool], _Arm] = {}
+        self.num_steps = 0  # measured steps
+        self._last: tuple[tuple[int, bool] | None, float] | None = None
+
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        return 1 << max(0, num_requests - 1).bit_length()
+
+    def speculate(self, num_running: int) -> bool:
+        """Whether a step over `num_running` requests verifies drafts and has the next ones
+        proposed."""
+        limit = self.disable_by_batch_size
+        if limit is not None and num_running >= limit:
+            return False
+        if not self.adaptive:
+            return True
+        b = self.bucket(num_running)
+        on, off = self._arm(b, True), self._arm(b, False)
+        if on.samples < max(on.target, self.probe_steps):
+            return True
+        if off.samples < max(off.target, self.probe_steps):
+            return False
+        return on.rate >= off.rate
+
+    def observe(self, num_decodes: int | None, speculated: bool, num_tokens: int) -> None:
+        """A step's output is back: `num_decodes` its requests if all were decodes (None if
+        any ran a prompt chunk), `speculated` whether it ran speculating, `num_tokens` the
+        tokens it gave."""
+        now = self.clock()
+        key = None if num_decodes is None else (self.bucket(num_decodes), speculated)
+        last, self._last = self._last, (key, now)
+        if key is None or last is None or last[0] != key:
+            return
+        self.num_steps += 1
+        arm = self._arm(*key)
+        arm.add(num_tokens, now - last[1], self.num_steps)
+        # The other way at this batch size, measured again once it has not been for long.
+        other = self._arm(key[0], not speculated)
+        stale = self.num_steps - other.last > self.reprobe_steps
+        if other.samples >= max(other.target, self.probe_steps) and stale:
+            other.tokens = other.seconds = 0.0  # its old figure would outweigh the new
+            other.target = other.samples + self.probe_steps
+
+    def _arm(self, bucket: int, speculated: bool) -> _Arm:
+        return self.arms.setdefault((bucket, speculated), _Arm())
+
+    def rates(self) -> dict[str, float]:
+        """Tokens a second by batch size and way (for logs and benchmarks)."""
+        return {
+            f"{b}:{'spec' if s else 'plain'}": round(arm.rate, 2)
+            for (b, s), arm in sorted(self.arms.items())
+            if arm.samples
+        }

@@ -1,0 +1,216 @@
+"""Speculation that never costs (`jaxllm.engine.spec_policy`): the scheduler speculates only at
+batch sizes where speculating steps were measured to give more tokens a second, and a paused
+proposer keeps its cache whole, so the output is the target's and the drafts after a pause are
+the drafts of a run that never paused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import SpeculativeConfig
+from jaxllm.engine.spec_policy import SpeculationPolicy
+from jaxllm.testing import write_tiny_checkpoint, write_tiny_eagle3_head
+
+ENGINE = dict(max_model_len=256, num_pages=96, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(policy, clock, steps, *, batch, tokens_on, cost_on, tokens_off=1, cost_off=1.0):
+    """`steps` decode steps of `batch` requests: the ways each step runs."""
+    ways = []
+    for _ in range(steps):
+        on = policy.speculate(batch)
+        clock.now += cost_on if on else cost_off
+        policy.observe(batch, on, batch * (tokens_on if on else tokens_off))
+        ways.append(on)
+    return ways
+
+
+def test_takes_the_faster_way_after_probing_both():
+    clock = _Clock()
+    policy = SpeculationPolicy(probe_steps=4, reprobe_steps=10_000, clock=clock)
+    # Speculating: 2.5 tokens a step at 1.5 times the cost: it pays.
+    ways = _run(policy, clock, 40, batch=1, tokens_on=2.5, cost_on=1.5)
+    # 4 measured steps each way (the first step of each way is not measured), then the faster.
+    assert ways[:5] == [True] * 5 and ways[5:10] == [False] * 5
+    assert all(ways[10:])
+    # At batch 32 the same head does not pay (wider steps cost 3 times as much): plain.
+    ways = _run(policy, clock, 40, batch=32, tokens_on=2.5, cost_on=3.0)
+    assert ways[:5] == [True] * 5 and not any(ways[10:])
+    # Batch sizes are bucketed by powers of two: 20 requests run as 32 do.
+    assert not policy.speculate(20) and policy.speculate(1)
+    assert policy.rates() == {"1:plain": 1.0, "1:spec": 1.67, "32:plain": 32.0, "32:spec": 26.67}
+
+
+def test_measures_the_other_way_again_and_follows_the_traffic():
+    clock = _Clock()
+    policy = SpeculationPolicy(probe_steps=4, reprobe_steps=50, clock=clock)
+    ways = _run(policy, clock, 30, batch=4, tokens_on=1.1, cost_on=2.0)  # a poor head
+    assert not any(ways[10:])
+    # The traffic turns copy-heavy: once the stale figure is measured again, it speculates.
+    ways = _run(policy, clock, 80, batch=4, tokens_on=3.5, cost_on=2.0)
+    first = ways.index(True)
+    assert 20 <= first <= 35 and all(ways[first : first + 40])
+
+
+def test_steps_that_say_nothing_are_not_measured():
+    clock = _Clock()
+    policy = SpeculationPolicy(probe_steps=2, clock=clock)
+    for _ in range(10):  # prompt chunks in every step: nothing is learned
+        clock.now += 1
+        policy.observe(None, True, 1)
+    assert policy.num_steps == 0 and policy.speculate(1)
+    # The first step of a way, and a step after a gap of another batch size, are not measured.
+    for batch in (1, 2, 1, 2):
+        clock.now += 1
+        policy.observe(batch, True, batch)
+    assert policy.num_steps == 0
+
+
+def test_disable_by_batch_size_and_not_adaptive():
+    always = SpeculationPolicy(adaptive=False)
+    assert always.speculate(1) and always.speculate(512)
+    bounded = SpeculationPolicy(adaptive=False, disable_by_batch_size=8)
+    assert bounded.speculate(7) and not bounded.speculate(8)
+    spec = SpeculativeConfig(
+        {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}
+    ).method
+    assert (spec.adaptive, spec.disable_by_batch_size, spec.may_pause) == (True, 4, True)
+    spec = SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 2, "adaptive": False})
+    assert not spec.method.may_pause
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"adaptive": "yes"}, "adaptive must be true or false"),
+        ({"disable_by_batch_size": 0}, r"disable_by_batch_size must be an integer in \[1,"),
+        ({"disable_by_batch_size": 2.5}, "disable_by_batch_size must be an integer"),
+    ],
+)
+def test_bad_settings_are_named(extra, message):
+    with pytest.raises(ValueError, match=message):
+        _ = SpeculativeConfig({"method": "ngram", "num_speculative_tokens": 2, **extra}).method
+
+
+# ---- in the engine ---------------------------------------------------------------------------
+
+
+class _Pattern(SpeculationPolicy):
+    """Speculates in 3 steps, then pauses for 2, by the steps whose output came back."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = self.paused = 0
+
+    def speculate(self, num_running: int) -> bool:
+        return self.steps % 5 < 3
+
+    def observe(self, num_decodes, speculated, num_tokens) -> None:
+        self.steps += 1
+        self.paused += not speculated
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return LLM(tiny_model_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def proposers(tmp_path_factory, tiny_model_dir, tokenizer_dir):
+    draft = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("draft"), tokenizer_dir, num_layers=1, hidden_size=32,
+        intermediate_size=64, num_heads=2, num_kv_heads=1, seed=7,
+    )  # fmt: skip
+    head = write_tiny_eagle3_head(
+        tmp_path_factory.mktemp("head"), tiny_model_dir, draft_vocab_size=200,
+        aux_layers=[0, 1, 2],
+    )  # fmt: skip
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "draft_model": {"model": str(draft), "num_speculative_tokens": 3},
+        "eagle3": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+    }
+
+
+def _prompts(seed: int, n: int = 6) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    # Repeats inside, so that n-gram drafts exist and are sometimes accepted.
+    return [
+        {"prompt_token_ids": np.tile(rng.integers(3, 300, size=int(rng.integers(4, 12))), 3)
+         .tolist()}
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def _recorded(llm) -> dict[tuple[int, int], list[int]]:
+    """The drafts `llm`'s proposer returns from now on, by (batch row's request order, the
+    sequence length they follow)."""
+    proposed: dict[tuple[str, int], list[int]] = {}
+    runner = llm.runner
+    propose = runner.proposer.propose
+
+    def recording(launched, held):
+        drafts = propose(launched, held)
+        for rid, _, row in held:
+            proposed[(rid, int(runner.input_batch.num_tokens[row]))] = drafts[rid]
+        return drafts
+
+    runner.proposer.propose = recording
+    return proposed
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_paused_speculation_is_exact(tiny_model_dir, plain, proposers, method):
+    """Steps that speculate and steps that do not, in turns (plain ones scheduled ahead, as
+    the engine does without speculation): greedy and seeded output equal the target's alone,
+    the fill programs were compiled at warmup and nothing after, and the drafts proposed after
+    a pause equal those of a run that never paused (the proposer's cache stayed whole, and its
+    fill read the tokens the target read where steps overlap)."""
+    spec = proposers[method]
+    llm = LLM(tiny_model_dir, speculative_config=spec, **ENGINE)
+    names = {p.name for p in llm.runner.compiler.programs}
+    if method != "ngram":
+        fill = "eagle3_fill" if method == "eagle3" else "draft_fill"
+        assert fill in names
+    compiled = llm.runner.num_compilations
+    pattern = _Pattern()
+    llm.engine.scheduler.speculation = pattern
+    drafts = _recorded(llm)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True),
+    ]
+    prompts = _prompts(3)
+    for p in params:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, p)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+        assert got == want
+    assert pattern.paused > 10 and llm.engine.stats().spec_decoding.num_drafts > 10
+    assert llm.runner.num_compilations == compiled
+    if method == "ngram":
+        return  # its drafts are read from the sequence: no cache to keep
+    # The same greedy requests with speculation in every step: the same drafts where both
+    # proposed. A proposer that skipped its cache in paused steps fails this.
+    always = LLM(tiny_model_dir, speculative_config=spec | {"adaptive": False}, **ENGINE)
+    reference = _recorded(always)
+    greedy = params[:1]
+    drafts.clear()
+    llm.generate(prompts, greedy[0])
+    always.generate(prompts, greedy[0])
+    order = {rid: i for i, rid in enumerate(sorted({r for r, _ in drafts}, key=int))}
+    order_ref = {rid: i for i, rid in enumerate(sorted({r for r, _ in reference}, key=int))}
+    mine = {(order[r], n): d for (r, n), d in drafts.items()}
+    theirs = {(order_ref[r], n): d for (r, n), d in reference.items()}
+    both = sorted(set(mine) & set(theirs))
+    assert len(both) > 20
+    assert all(mine[key] == theirs[key] for key in both)
