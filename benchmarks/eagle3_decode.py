@@ -1,6 +1,7 @@
 """An EAGLE-3 head against plain decode, in one process: batch 1 (each held-out prompt alone)
-and a batch of all of them, greedy, the same tokens checked. Printed as JSON (and written to
---json).
+and a batch of all of them, greedy, the same tokens checked; the head speculating in every step
+(`"adaptive": false`) and as the engine runs it by default (only where measured to pay,
+`jaxllm.engine.spec_policy`). Printed as JSON (and written to --json).
 
     .venv/bin/python benchmarks/eagle3_decode.py --head DIR --prompts held.jsonl \
         [--model smollm2-135m] [--k 3] [--max-tokens 128] [--batch-1-prompts 8] [--json FILE]
@@ -83,7 +84,12 @@ def main() -> None:
     convs = read_prompts(args.prompts)
     spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
     results = {}
-    for name, extra in (("plain", {}), ("eagle3", {"speculative_config": spec})):
+    runs = (
+        ("plain", {}),
+        ("eagle3", {"speculative_config": spec | {"adaptive": False}}),
+        ("eagle3_adaptive", {"speculative_config": spec}),
+    )
+    for name, extra in runs:
         llm = LLM(args.model, quantization=args.quantization, **ENGINE, **extra)
         run(llm, convs[:2], 8)  # first calls' one-time costs
         results[name] = measure(llm, convs, args.batch_1_prompts, args.max_tokens)
@@ -91,9 +97,14 @@ def main() -> None:
     # Greedy tokens equal, per batch size (a float32 step of another shape may round a
     # near-tie the other way: counted, not hidden).
     same = {}
+    for name, _ in runs[1:]:
+        for key in results["plain"]:
+            a, b = results["plain"][key]["_tokens"], results[name][key].pop("_tokens")
+            same[f"{name}.{key}"] = (
+                f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)} sequences"
+            )
     for key in results["plain"]:
-        a, b = results["plain"][key].pop("_tokens"), results["eagle3"][key].pop("_tokens")
-        same[key] = f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)} sequences"
+        results["plain"][key].pop("_tokens")
     report = {
         "model": args.model,
         "head": args.head,
@@ -105,7 +116,9 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {jax.devices()[0].platform}",
         **results,
         "speedup": {
-            key: results["eagle3"][key]["decode_tok_s"] / results["plain"][key]["decode_tok_s"]
+            f"{name}.{key}": results[name][key]["decode_tok_s"]
+            / results["plain"][key]["decode_tok_s"]
+            for name, _ in runs[1:]
             for key in results["plain"]
         },
     }

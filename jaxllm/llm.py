@@ -31,6 +31,7 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.errors import InputError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
+from jaxllm.metrics_reader import Metric, metrics_of
 from jaxllm.model_files import resolve_model
 from jaxllm.multimodal.chat import split_images
 from jaxllm.multimodal.processor import ImageProcessor
@@ -134,6 +135,17 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False (nothing done) while requests hold blocks."""
         return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges since start, as vLLM's `LLM.get_metrics()`
+        returns them (`jaxllm.metrics_reader`: `Counter`, `Gauge`, `Vector`), under the
+        server's `/metrics` names: with speculative decoding
+        `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
+        the vector `..._num_accepted_tokens_per_pos` (mean acceptance length: 1 + accepted /
+        drafts)."""
+        spec = self.config.speculative.method
+        k = spec.num_speculative_tokens if spec is not None else 0
+        return metrics_of(self.engine.stats(), str(self.config.load.model), k)
 
     @property
     def max_model_len(self) -> int:

@@ -219,6 +219,27 @@ def test_bench_latency_prints_percentiles_and_writes_json(tiny_model_dir, tmp_pa
     assert min(res["latencies"]) <= res["percentiles"]["50"] <= max(res["latencies"])
 
 
+def test_bench_reports_speculative_decoding(tiny_model_dir, tmp_path, capsys):
+    """With --speculative-config, `vllm bench serve`'s section: acceptance rate and length,
+    the counts and the acceptance per position, over the measured run."""
+    import json
+
+    path = tmp_path / "throughput.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+    spec += '"adaptive": false}'
+    argv = ["bench", "throughput", "--model", str(tiny_model_dir), "--num-prompts", "4"]
+    argv += ["--input-len", "8", "--output-len", "48", "--output-json", str(path)]
+    argv += ["--speculative-config", spec, "--max-num-seqs", "4", "--disable-tqdm"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    res = json.loads(path.read_text())["spec_decode"]
+    assert res["drafts"] > 0 and res["draft_tokens"] >= res["drafts"]
+    assert res["acceptance_length"] == pytest.approx(1 + res["accepted_tokens"] / res["drafts"])
+    assert len(res["per_position_acceptance_rate"]) == 3
+    assert "-- Speculative Decoding --" in out and "Acceptance length:" in out
+    assert "  Position 2:" in out
+
+
 def test_malloc_settings_for_the_core_process(monkeypatch):
     """The core process starts with glibc malloc settings that keep XLA's CPU temporaries
     resident, unless an accelerator may run JAX or the operator set malloc tunables."""

@@ -51,6 +51,23 @@ def test_takes_the_faster_way_after_probing_both():
     assert policy.rates() == {"1:plain": 1.0, "1:spec": 1.67, "32:plain": 32.0, "32:spec": 26.67}
 
 
+def test_batch_sizes_not_measured_follow_the_measured_ones():
+    clock = _Clock()
+    policy = SpeculationPolicy(probe_steps=4, reprobe_steps=10_000, clock=clock)
+    _run(policy, clock, 20, batch=4, tokens_on=1.2, cost_on=2.0)  # plain is faster at 4
+    # Wider batches gain less from speculating: 8 and 64 run plain without probing.
+    assert not any(_run(policy, clock, 20, batch=8, tokens_on=1.2, cost_on=2.0))
+    assert not policy.speculate(64)
+    # A narrower one is probed.
+    assert _run(policy, clock, 20, batch=2, tokens_on=3.0, cost_on=1.2)[:5] == [True] * 5
+    assert policy.speculate(2)
+    # Where a wider batch speculates, narrower ones do without probing plain.
+    clock2 = _Clock()
+    other = SpeculationPolicy(probe_steps=4, clock=clock2)
+    _run(other, clock2, 20, batch=32, tokens_on=3.0, cost_on=1.5)
+    assert all(_run(other, clock2, 20, batch=3, tokens_on=3.0, cost_on=1.5))
+
+
 def test_measures_the_other_way_again_and_follows_the_traffic():
     clock = _Clock()
     policy = SpeculationPolicy(probe_steps=4, reprobe_steps=50, clock=clock)
@@ -214,3 +231,29 @@ def test_paused_speculation_is_exact(tiny_model_dir, plain, proposers, method):
     both = sorted(set(mine) & set(theirs))
     assert len(both) > 20
     assert all(mine[key] == theirs[key] for key in both)
+
+
+def test_get_metrics_as_vllm_reads_them(tiny_model_dir, proposers):
+    """vLLM's offline spec-decode example reads `LLM.get_metrics()` this way."""
+    from jaxllm.metrics_reader import Counter, Vector
+
+    llm = LLM(tiny_model_dir, speculative_config=proposers["ngram"] | {"adaptive": False},
+              **ENGINE)  # fmt: skip
+    llm.generate(_prompts(4), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    drafts = draft_tokens = accepted = 0
+    per_pos = [0] * 3
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            assert isinstance(metric, Counter)
+            drafts += metric.value
+        elif metric.name == "vllm:spec_decode_num_draft_tokens":
+            draft_tokens += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            assert isinstance(metric, Vector) and len(metric.values) == 3
+            per_pos = [a + b for a, b in zip(per_pos, metric.values, strict=True)]
+    stats = llm.engine.stats().spec_decoding
+    assert drafts == stats.num_drafts > 0 and draft_tokens == stats.num_draft_tokens
+    assert accepted == stats.num_accepted_tokens == sum(per_pos) > 0
+    assert per_pos[0] >= per_pos[1] >= per_pos[2]

@@ -57,10 +57,12 @@ def run(llm, args: argparse.Namespace) -> dict:
         range(args.num_iters_warmup), desc="Warmup iterations", disable=args.disable_tqdm
     ):
         iteration()
+    spec_before = llm.engine.stats().spec_decoding
     latencies = [
         iteration()
         for _ in tqdm(range(args.num_iters), desc="Profiling iterations", disable=args.disable_tqdm)
     ]
+    spec = throughput.spec_decode(llm, spec_before)
     values = np.percentile(latencies, PERCENTILES)
     print(f"Avg latency: {np.mean(latencies)} seconds")
     for p, v in zip(PERCENTILES, values, strict=True):
@@ -73,7 +75,9 @@ def run(llm, args: argparse.Namespace) -> dict:
         "avg_latency": float(np.mean(latencies)),
         "latencies": latencies,
         "percentiles": {str(p): float(v) for p, v in zip(PERCENTILES, values, strict=True)},
+        **spec,
     }
+    throughput.print_spec_decode(res)
     if args.output_json:
         write_json(args.output_json, res)
     return res

@@ -78,6 +78,7 @@ def measure(llm, prompts: list[list[int]], output_len: int, *, use_tqdm: bool, p
     params = dataclasses.replace(params, max_tokens=output_len, ignore_eos=True)
     llm.reset_prefix_cache()  # a repeated run must prefill again
     steps, compilations = llm.engine.num_steps, llm.runner.num_compilations
+    spec_before = llm.engine.stats().spec_decoding
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
@@ -95,7 +96,59 @@ def measure(llm, prompts: list[list[int]], output_len: int, *, use_tqdm: bool, p
         "output_tokens_per_second": num_output_tokens / elapsed,
         "num_steps": llm.engine.num_steps - steps,
         "compilations_during_run": llm.runner.num_compilations - compilations,
+        **spec_decode(llm, spec_before),
     }
+
+
+def spec_decode(llm, before) -> dict:
+    """With speculative decoding, what it did since `before` (a `SpecDecodingStats`), as `vllm
+    bench serve` reports it: {"spec_decode": {...}}; else {}."""
+    spec = llm.config.speculative.method
+    if spec is None:
+        return {}
+    after, k = llm.engine.stats().spec_decoding, spec.num_speculative_tokens
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [
+        (after.num_accepted_per_pos[j] if j < len(after.num_accepted_per_pos) else 0)
+        - (before.num_accepted_per_pos[j] if j < len(before.num_accepted_per_pos) else 0)
+        for j in range(k)
+    ]
+    return {
+        "spec_decode": {
+            "method": spec.method,
+            "num_speculative_tokens": k,
+            "adaptive": spec.adaptive,
+            "drafts": drafts,
+            "draft_tokens": draft_tokens,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "per_position_acceptance_rate": [a / drafts if drafts else None for a in per_pos],
+        }
+    }
+
+
+def print_spec_decode(res: dict) -> None:
+    """The speculative decoding section of a result, as `vllm bench serve` prints it."""
+    spec = res.get("spec_decode")
+    if spec is None:
+        return
+    print("{s:{c}^50}".format(s=" Speculative Decoding ", c="-"))
+
+    def pct(v):
+        return "n/a" if v is None else f"{100 * v:.2f}"
+
+    length = spec["acceptance_length"]
+    print(f"{'Acceptance rate (%):':<40}{pct(spec['acceptance_rate']):>10}")
+    print(f"{'Acceptance length:':<40}{'n/a' if length is None else f'{length:.2f}':>10}")
+    print(f"{'Drafts:':<40}{spec['drafts']:>10}")
+    print(f"{'Draft tokens:':<40}{spec['draft_tokens']:>10}")
+    print(f"{'Accepted tokens:':<40}{spec['accepted_tokens']:>10}")
+    print("Per-position acceptance (%):")
+    for j, rate in enumerate(spec["per_position_acceptance_rate"]):
+        print(f"{f'  Position {j}:':<40}{pct(rate):>10}")
 
 
 def describe(llm, args: argparse.Namespace) -> dict[str, Any]:
@@ -122,6 +175,7 @@ def run(llm, args: argparse.Namespace) -> dict:
     )
     print(f"Total num prompt tokens:  {res['total_prompt_tokens']}")
     print(f"Total num output tokens:  {res['total_output_tokens']}")
+    print_spec_decode(res)
     res = {
         **describe(llm, args),
         "input_len": args.input_len,

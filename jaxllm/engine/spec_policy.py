@@ -9,9 +9,12 @@ much. Neither is known in advance, so the policy measures both as one figure, th
 second that decode steps deliver with and without speculation, per batch size (rounded up to a
 power of two), and takes the better (an epsilon-greedy bandit with two arms per batch size):
 
-- a batch size not seen yet speculates for `probe_steps` measured steps, then runs plain for as
-  many; from then on it takes the faster, and every `reprobe_steps` steps of a batch size it
-  measures the other again for `probe_steps` (acceptance changes with the traffic);
+- a batch size not measured yet both ways follows what was measured at others, where that says
+  something: plain if a smaller batch runs plain, speculating if a larger batch speculates (a
+  wider batch gains less: its verification costs more of the device); otherwise it speculates
+  for `probe_steps` measured steps, then runs plain for as many, and from then on it takes the
+  faster, measuring the other again for `probe_steps` once it has not for `reprobe_steps`
+  steps (acceptance changes with the traffic);
 - only steps of decodes alone are measured (a prompt chunk's cost says nothing of either), from
   one step's output to the next, and only when the step before ran the same way (the first
   speculating step after plain ones has no drafts yet: it only proposes);
@@ -26,7 +29,10 @@ output is the same either way: drafts are only ever verified).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+
+logger = logging.getLogger(__name__)
 
 _DECAY = 0.98
 
@@ -58,7 +64,7 @@ class SpeculationPolicy:
         *,
         adaptive: bool = True,
         disable_by_batch_size: int | None = None,
-        probe_steps: int = 16,
+        probe_steps: int = 8,
         reprobe_steps: int = 1024,
         clock=time.perf_counter,
     ):
@@ -70,6 +76,7 @@ class SpeculationPolicy:
         self.arms: dict[tuple[int, bool], _Arm] = {}
         self.num_steps = 0  # measured steps
         self._last: tuple[tuple[int, bool] | None, float] | None = None
+        self._chosen: dict[int, bool] = {}  # by batch size: the way last logged as faster
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -85,11 +92,28 @@ class SpeculationPolicy:
             return True
         b = self.bucket(num_running)
         on, off = self._arm(b, True), self._arm(b, False)
-        if on.samples < max(on.target, self.probe_steps):
+        if on.samples < self.probe_steps or off.samples < self.probe_steps:
+            guess = self._guess(b)
+            return on.samples < self.probe_steps if guess is None else guess
+        if on.samples < on.target:
             return True
-        if off.samples < max(off.target, self.probe_steps):
+        if off.samples < off.target:
             return False
         return on.rate >= off.rate
+
+    def _guess(self, bucket: int) -> bool | None:
+        """What the batch sizes measured both ways say of `bucket`: False if a smaller one
+        runs plain, True if a larger one speculates, else None."""
+        for b in sorted({b for b, _ in self.arms}):
+            on, off = self.arms.get((b, True)), self.arms.get((b, False))
+            if b == bucket or not on or not off:
+                continue
+            if min(on.samples, off.samples) < self.probe_steps:
+                continue
+            faster = on.rate >= off.rate
+            if (b < bucket and not faster) or (b > bucket and faster):
+                return faster
+        return None
 
     def observe(self, num_decodes: int | None, speculated: bool, num_tokens: int) -> None:
         """A step's output is back: `num_decodes` its requests if all were decodes (None if
@@ -103,12 +127,28 @@ class SpeculationPolicy:
         self.num_steps += 1
         arm = self._arm(*key)
         arm.add(num_tokens, now - last[1], self.num_steps)
+        self._log_choice(key[0])
         # The other way at this batch size, measured again once it has not been for long.
         other = self._arm(key[0], not speculated)
         stale = self.num_steps - other.last > self.reprobe_steps
         if other.samples >= max(other.target, self.probe_steps) and stale:
             other.tokens = other.seconds = 0.0  # its old figure would outweigh the new
             other.target = other.samples + self.probe_steps
+
+    def _log_choice(self, bucket: int) -> None:
+        on, off = self._arm(bucket, True), self._arm(bucket, False)
+        if min(on.samples, off.samples) < self.probe_steps:
+            return
+        faster = on.rate >= off.rate
+        if self._chosen.get(bucket) != faster:
+            self._chosen[bucket] = faster
+            logger.info(
+                "speculative decoding at batch <= %d: %s (%.1f tok/s speculating, %.1f plain)",
+                bucket,
+                "speculating" if faster else "plain decode",
+                on.rate,
+                off.rate,
+            )
 
     def _arm(self, bucket: int, speculated: bool) -> _Arm:
         return self.arms.setdefault((bucket, speculated), _Arm())
