@@ -51,6 +51,20 @@ def test_takes_the_faster_way_after_probing_both():
     assert policy.rates() == {"1:plain": 1.0, "1:spec": 1.67, "32:plain": 32.0, "32:spec": 26.67}
 
 
+def test_a_stalled_step_does_not_decide():
+    clock = _Clock()
+    policy = SpeculationPolicy(probe_steps=8, clock=clock)
+    ways = []
+    for i in range(40):
+        on = policy.speculate(1)
+        # Speculating pays less (1.2 tokens at 1.5 times the cost), but one plain step of the
+        # probe stalls for 10 steps' time.
+        clock.now += 1.5 if on else (10.0 if i == 12 else 1.0)
+        policy.observe(1, on, 1.2 if on else 1)
+        ways.append(on)
+    assert not any(ways[18:])
+
+
 def test_batch_sizes_not_measured_follow_the_measured_ones():
     clock = _Clock()
     policy = SpeculationPolicy(probe_steps=4, reprobe_steps=10_000, clock=clock)

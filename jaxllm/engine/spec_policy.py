@@ -18,8 +18,9 @@ power of two), and takes the better (an epsilon-greedy bandit with two arms per 
 - only steps of decodes alone are measured (a prompt chunk's cost says nothing of either), from
   one step's output to the next, and only when the step before ran the same way (the first
   speculating step after plain ones has no drafts yet: it only proposes);
-- rates are decayed sums (a step's weight halves after about 35 steps), so they follow the
-  traffic.
+- a rate is the mean tokens of an arm's last 32 measured steps over their median duration:
+  it follows the traffic, and a step the machine stalled (another process, a page fault)
+  does not decide for 8.
 
 vLLM's `disable_by_batch_size` is honoured as a fixed bound on top: a step with that many
 running requests or more never speculates. `adaptive: false` keeps speculation always on (the
@@ -28,34 +29,47 @@ output is the same either way: drafts are only ever verified).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import statistics
 import time
 
 logger = logging.getLogger(__name__)
 
-_DECAY = 0.98
+_WINDOW = 32
 
 
 @dataclasses.dataclass
 class _Arm:
-    """Decayed sums of one way of running steps at one batch size."""
+    """One way of running steps at one batch size: its last measured steps."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
+    tokens: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_WINDOW)
+    )
+    seconds: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_WINDOW)
+    )
     samples: int = 0  # measured steps since start
     last: int = 0  # the policy's step count at its last measurement
     target: int = 0  # measure until `samples` reaches it (probing), whatever the rates say
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """Tokens a second: mean tokens a step over the median step."""
+        if not self.seconds:
+            return 0.0
+        return statistics.fmean(self.tokens) / max(statistics.median(self.seconds), 1e-9)
 
     def add(self, tokens: int, seconds: float, step: int) -> None:
-        self.tokens = self.tokens * _DECAY + tokens
-        self.seconds = self.seconds * _DECAY + seconds
+        self.tokens.append(tokens)
+        self.seconds.append(seconds)
         self.samples += 1
         self.last = step
+
+    def forget(self) -> None:
+        self.tokens.clear()
+        self.seconds.clear()
 
 
 class SpeculationPolicy:
@@ -132,7 +146,7 @@ class SpeculationPolicy:
         other = self._arm(key[0], not speculated)
         stale = self.num_steps - other.last > self.reprobe_steps
         if other.samples >= max(other.target, self.probe_steps) and stale:
-            other.tokens = other.seconds = 0.0  # its old figure would outweigh the new
+            other.forget()  # its old steps would outweigh the new
             other.target = other.samples + self.probe_steps
 
     def _log_choice(self, bucket: int) -> None:
