@@ -192,6 +192,28 @@ def test_output_is_the_targets(tiny_model_dir, head_dir, plain):
     assert stats.num_draft_tokens > 2.5 * stats.num_drafts > 1500  # (cut at max_tokens)
 
 
+def test_a_prefix_hit_gives_the_drafts_of_a_fresh_engine(tiny_model_dir, head_dir):
+    """The head's KV at a position is computed with the token after it: a prompt sharing only
+    its first blocks with an earlier one must not reuse the last block's (vLLM drops the last
+    block of a hit). Its drafts then equal those of an engine that never saw the other."""
+    page = LLM(tiny_model_dir, speculative_config=_spec(head_dir), **ENGINE)
+    page_size = page.kv_cache_manager.page_size
+    rng = np.random.default_rng(8)
+    shared = rng.integers(3, 300, size=2 * page_size).tolist()
+    first = {"prompt_token_ids": shared + rng.integers(3, 300, size=9).tolist()}
+    second = {"prompt_token_ids": shared + rng.integers(3, 300, size=9).tolist()}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    page.generate([first], params, use_tqdm=False)
+    hits = page.engine.stats().prefix_cache_hits
+    proposed = _recorded(page)
+    page.generate([second], params, use_tqdm=False)
+    assert page.engine.stats().prefix_cache_hits - hits == page_size  # the first block only
+    fresh = LLM(tiny_model_dir, speculative_config=_spec(head_dir), **ENGINE)
+    reference = _recorded(fresh)
+    fresh.generate([second], params, use_tqdm=False)
+    assert [list(d.values()) for d in proposed] == [list(d.values()) for d in reference]
+
+
 def test_chunked_preempted_and_prefix_hits(tiny_model_dir, head_dir, plain):
     """A 16-token budget chunks every prompt (the head reads the next chunk's first token at
     each chunk's end); 14 pages cannot hold 8 growing requests, so some are preempted and

@@ -244,6 +244,7 @@ class EngineCore:
             ),
             hasher=BlockHasher(cache.prefix_caching_hash_algo),
             events=events is not None and events.enabled,
+            drop_last_hit_block=spec is not None and spec.method == "eagle3",
         )
         lookahead = runner.num_speculative_tokens if draft is not None else 0
         scheduler = Scheduler(

@@ -87,11 +87,14 @@ class KVCacheManager:
         snapshots: StateSnapshots | None = None,
         hasher: BlockHasher | None = None,
         events: bool = False,
+        drop_last_hit_block: bool = False,
     ):
         """`windows`: per layer group (`KVCacheGroups.windows`), its sliding window or None.
         `snapshots`: a hybrid model's saved states (with prefix caching). `hasher`: the
         block hash (default vLLM's default, sha256); `events`: collect KV events
-        (`take_events`)."""
+        (`take_events`). `drop_last_hit_block`: a hit gives up its last block, computed
+        again (an EAGLE-3 head's KV at a position is computed with the token after it,
+        which a request sharing only the prefix does not share; vLLM does the same)."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
@@ -99,6 +102,7 @@ class KVCacheManager:
         self.windows = windows
         self._sliding = any(w is not None for w in windows)  # a group frees behind a window
         self.enable_prefix_caching = enable_prefix_caching
+        self.drop_last_hit_block = drop_last_hit_block
         self.ref_counts = [0] * num_pages
         self.block_keys: list[Key | None] = [None] * num_pages
         # Free blocks, least recently freed first; cached ones keep their key until evicted.
@@ -176,6 +180,8 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):  # every full group: a run from the start
             if window is None:
                 n = next((i for i, h in enumerate(hashes[:n]) if not self._found((g, h))), n)
+        if self.drop_last_hit_block:
+            n = max(n - 1, 0)
         sliding = [g for g, w in enumerate(self.windows) if w is not None]
         # Each sliding group: the blocks the window after the hit sees, found; shrink the hit
         # until every group agrees (a hit that suits one group may not suit another).
