@@ -65,20 +65,25 @@ def measure(llm: LLM, convs: list, batch_1: int, max_tokens: int) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """The flags this script shares with spec_policy_ab.py."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--head", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--batch-1-prompts", type=int, default=8)
     parser.add_argument(
         "--quantization",
         help="the model's weights (the demo GGUF's are kept 4-bit on the CPU, whose kernel's "
         "rounding differs between a one-token step and a verification's: `float` for equal "
         "tokens)",
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(parser)
+    parser.add_argument("--batch-1-prompts", type=int, default=8)
     parser.add_argument("--json")
     args = parser.parse_args()
     convs = read_prompts(args.prompts)

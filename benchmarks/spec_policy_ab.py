@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from eagle3_decode import ENGINE, run
+from eagle3_decode import ENGINE, add_args, run
 
 from jaxllm import LLM
 from jaxllm.training.eagle3 import read_prompts
@@ -21,13 +21,8 @@ from jaxllm.training.eagle3 import read_prompts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--head", required=True)
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--quantization")
+    add_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     convs = read_prompts(args.prompts)
     spec = {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k}
