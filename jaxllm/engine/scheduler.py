@@ -12,7 +12,9 @@ With speculative decoding, a decoding request that has draft tokens (proposed by
 after its previous step) is granted 1 + drafts tokens, as the budget and its length allow; a
 draft model also gets `num_lookahead_tokens` more slots, where it writes the KV of the drafts it
 proposes. After the step, `num_computed_tokens` is rolled back to the tokens accepted, so the
-next step rewrites the rejected positions; the prefix cache keys only accepted tokens.
+next step rewrites the rejected positions; the prefix cache keys only accepted tokens. A step
+speculates only where `spec_policy` measured it to pay at that batch size; one that does not
+verifies no drafts and has none proposed (`SchedulerOutput.propose_drafts`).
 
 A new request first looks up its longest cached prefix (see `KVCacheManager`): a hit simply
 starts it with `num_computed_tokens > 0`. A hybrid model's hit also needs the linear layers'
