@@ -24,94 +24,96 @@ class _Clock:
         return self.now
 
 
-def _run(policy, clock, steps, *, batch, tokens_on, cost_on, tokens_off=1, cost_off=1.0):
-    """`steps` decode steps of `batch` requests: the ways each step runs."""
-    ways = []
-    for _ in range(steps):
-        on = policy.speculate(batch)
-        clock.now += cost_on if on else cost_off
-        policy.observe(batch, on, batch * (tokens_on if on else tokens_off))
-        ways.append(on)
-    return ways
+def _run(policy, clock, steps, *, batch, ways, stall=None):
+    """`steps` decode steps of `batch` requests, each way w costing `ways[w]` = (tokens a
+    request gets, seconds a step), step `stall` 10 seconds more: the ways the steps ran."""
+    ran = []
+    for i in range(steps):
+        w = policy.speculate(batch)
+        tokens, seconds = ways[w]
+        clock.now += seconds + (10.0 if i == stall else 0.0)
+        policy.observe(batch, w, batch * tokens)
+        ran.append(w)
+    return ran
 
 
-def test_takes_the_faster_way_after_probing_both():
+# k = 3 drafts: 2.5 tokens a step; 1 draft: 1.6; plain: 1.
+GPU_LIKE = {3: (2.5, 1.2), 1: (1.6, 1.05), 0: (1, 1.0)}  # wider steps cost little
+CPU_LIKE = {3: (2.5, 3.0), 1: (1.6, 1.4), 0: (1, 1.0)}  # they cost their width
+
+
+def test_takes_the_fastest_way_after_probing_each():
     clock = _Clock()
-    policy = SpeculationPolicy(probe_steps=4, reprobe_steps=10_000, clock=clock)
-    # Speculating: 2.5 tokens a step at 1.5 times the cost: it pays.
-    ways = _run(policy, clock, 40, batch=1, tokens_on=2.5, cost_on=1.5)
-    # 4 measured steps each way (the first step of each way is not measured), then the faster.
-    assert ways[:5] == [True] * 5 and ways[5:10] == [False] * 5
-    assert all(ways[10:])
-    # At batch 32 the same head does not pay (wider steps cost 3 times as much): plain.
-    ways = _run(policy, clock, 40, batch=32, tokens_on=2.5, cost_on=3.0)
-    assert ways[:5] == [True] * 5 and not any(ways[10:])
+    policy = SpeculationPolicy(3, probe_steps=4, reprobe_steps=10_000, clock=clock)
+    ran = _run(policy, clock, 40, batch=1, ways=GPU_LIKE)
+    # 4 measured steps each way, k drafts first (the first step of a way is not measured),
+    # then the fastest: every draft.
+    assert ran[:15] == [3] * 5 + [1] * 5 + [0] * 5 and set(ran[15:]) == {3}
+    # At batch 32 the same proposer pays only with one draft (1.6 / 1.4 > 1 > 2.5 / 3).
+    ran = _run(policy, clock, 40, batch=32, ways=CPU_LIKE)
+    assert ran[:15] == [3] * 5 + [1] * 5 + [0] * 5 and set(ran[15:]) == {1}
     # Batch sizes are bucketed by powers of two: 20 requests run as 32 do.
-    assert not policy.speculate(20) and policy.speculate(1)
-    assert policy.rates() == {"1:plain": 1.0, "1:spec": 1.67, "32:plain": 32.0, "32:spec": 26.67}
+    assert policy.speculate(20) == 1 and policy.speculate(1) == 3
+    assert policy.rates() == {
+        "1:0": 1.0, "1:1": 1.52, "1:3": 2.08, "32:0": 32.0, "32:1": 36.57, "32:3": 26.67
+    }  # fmt: skip
 
 
 def test_a_stalled_step_does_not_decide():
     clock = _Clock()
-    policy = SpeculationPolicy(probe_steps=8, clock=clock)
-    ways = []
-    for i in range(40):
-        on = policy.speculate(1)
-        # Speculating pays less (1.2 tokens at 1.5 times the cost), but one plain step of the
-        # probe stalls for 10 steps' time.
-        clock.now += 1.5 if on else (10.0 if i == 12 else 1.0)
-        policy.observe(1, on, 1.2 if on else 1)
-        ways.append(on)
-    assert not any(ways[18:])
+    policy = SpeculationPolicy(3, probe_steps=8, clock=clock)
+    # Plain decode is faster, but one of its probe's steps stalls for 10 steps' time.
+    ways = {3: (1.2, 2.0), 1: (1.1, 1.5), 0: (1, 1.0)}
+    ran = _run(policy, clock, 60, batch=1, ways=ways, stall=21)
+    assert ran[21] == 0 and set(ran[27:]) == {0}
 
 
 def test_batch_sizes_not_measured_follow_the_measured_ones():
     clock = _Clock()
-    policy = SpeculationPolicy(probe_steps=4, reprobe_steps=10_000, clock=clock)
-    _run(policy, clock, 20, batch=4, tokens_on=1.2, cost_on=2.0)  # plain is faster at 4
-    # Wider batches gain less from speculating: 8 and 64 run plain without probing.
-    assert not any(_run(policy, clock, 20, batch=8, tokens_on=1.2, cost_on=2.0))
-    assert not policy.speculate(64)
-    # A narrower one is probed.
-    assert _run(policy, clock, 20, batch=2, tokens_on=3.0, cost_on=1.2)[:5] == [True] * 5
-    assert policy.speculate(2)
-    # Where a wider batch speculates, narrower ones do without probing plain.
-    clock2 = _Clock()
-    other = SpeculationPolicy(probe_steps=4, clock=clock2)
-    _run(other, clock2, 20, batch=32, tokens_on=3.0, cost_on=1.5)
-    assert all(_run(other, clock2, 20, batch=3, tokens_on=3.0, cost_on=1.5))
+    policy = SpeculationPolicy(3, probe_steps=4, reprobe_steps=10_000, clock=clock)
+    _run(policy, clock, 20, batch=4, ways=CPU_LIKE)  # one draft is fastest at 4
+    # Wider batches gain less: 8 tries one draft and none, not three.
+    ran = _run(policy, clock, 20, batch=8, ways={3: (2.5, 3.0), 1: (1.6, 2.0), 0: (1, 1.0)})
+    assert ran[:10] == [1] * 5 + [0] * 5 and set(ran[10:]) == {0}
+    # 64 neither (only batch sizes measured every way say something of others).
+    ran = _run(policy, clock, 20, batch=64, ways={3: (2.5, 3.0), 1: (1.6, 2.0), 0: (1, 1.0)})
+    assert 3 not in ran and set(ran[10:]) == {0}
+    # Narrower: 2 tries three drafts and one, not none.
+    ran = _run(policy, clock, 20, batch=2, ways=GPU_LIKE)
+    assert ran[:10] == [3] * 5 + [1] * 5 and set(ran[10:]) == {3}
 
 
-def test_measures_the_other_way_again_and_follows_the_traffic():
+def test_measures_the_other_ways_again_and_follows_the_traffic():
     clock = _Clock()
-    policy = SpeculationPolicy(probe_steps=4, reprobe_steps=50, clock=clock)
-    ways = _run(policy, clock, 30, batch=4, tokens_on=1.1, cost_on=2.0)  # a poor head
-    assert not any(ways[10:])
-    # The traffic turns copy-heavy: once the stale figure is measured again, it speculates.
-    ways = _run(policy, clock, 80, batch=4, tokens_on=3.5, cost_on=2.0)
-    first = ways.index(True)
-    assert 20 <= first <= 35 and all(ways[first : first + 40])
+    policy = SpeculationPolicy(3, probe_steps=4, reprobe_steps=50, clock=clock)
+    poor = {3: (1.1, 2.0), 1: (1.05, 1.4), 0: (1, 1.0)}  # a poor proposer
+    assert set(_run(policy, clock, 30, batch=4, ways=poor)[15:]) == {0}
+    # The traffic turns copy-heavy: once the stale figures are measured again, it speculates.
+    ran = _run(policy, clock, 100, batch=4, ways={3: (3.5, 2.0), 1: (1.9, 1.4), 0: (1, 1.0)})
+    first = ran.index(3)
+    assert 20 <= first <= 45 and set(ran[first + 15 : first + 45]) == {3}
 
 
 def test_steps_that_say_nothing_are_not_measured():
     clock = _Clock()
-    policy = SpeculationPolicy(probe_steps=2, clock=clock)
+    policy = SpeculationPolicy(3, probe_steps=2, clock=clock)
     for _ in range(10):  # prompt chunks in every step: nothing is learned
         clock.now += 1
-        policy.observe(None, True, 1)
-    assert policy.num_steps == 0 and policy.speculate(1)
-    # The first step of a way, and a step after a gap of another batch size, are not measured.
-    for batch in (1, 2, 1, 2):
+        policy.observe(None, 3, 1)
+    assert policy.num_steps == 0 and policy.speculate(1) == 3
+    # The first step of a way, and a step after one of another batch size, are not measured.
+    for batch, way in ((1, 3), (2, 3), (1, 3), (1, 0), (2, 0)):
         clock.now += 1
-        policy.observe(batch, True, batch)
+        policy.observe(batch, way, batch)
     assert policy.num_steps == 0
 
 
 def test_disable_by_batch_size_and_not_adaptive():
-    always = SpeculationPolicy(adaptive=False)
-    assert always.speculate(1) and always.speculate(512)
-    bounded = SpeculationPolicy(adaptive=False, disable_by_batch_size=8)
-    assert bounded.speculate(7) and not bounded.speculate(8)
+    always = SpeculationPolicy(4, adaptive=False)
+    assert always.speculate(1) == always.speculate(512) == 4
+    bounded = SpeculationPolicy(4, adaptive=False, disable_by_batch_size=8)
+    assert bounded.speculate(7) == 4 and bounded.speculate(8) == 0
+    assert SpeculationPolicy(1).ways == (1, 0)
     spec = SpeculativeConfig(
         {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}
     ).method
@@ -137,18 +139,19 @@ def test_bad_settings_are_named(extra, message):
 
 
 class _Pattern(SpeculationPolicy):
-    """Speculates in 3 steps, then pauses for 2, by the steps whose output came back."""
+    """Verifies every draft in 2 steps, one draft in 1, then pauses for 2, by the steps whose
+    output came back."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(3)
         self.steps = self.paused = 0
 
-    def speculate(self, num_running: int) -> bool:
-        return self.steps % 5 < 3
+    def speculate(self, num_running: int) -> int:
+        return (3, 3, 1, 0, 0)[self.steps % 5]
 
-    def observe(self, num_decodes, speculated, num_tokens) -> None:
+    def observe(self, num_decodes, num_drafts, num_tokens) -> None:
         self.steps += 1
-        self.paused += not speculated
+        self.paused += not num_drafts
 
 
 @pytest.fixture(scope="module")

@@ -380,9 +380,9 @@ class SpeculativeConfig:
     "num_speculative_tokens": k} an EAGLE-3 head in the layout vLLM loads. The target verifies
     the drafts in its next step: the output is the one without speculation (a speculating step
     runs synchronously). Any method also takes "disable_by_batch_size": n (vLLM's: no
-    speculation in a step of n running requests or more) and "adaptive" (default true:
-    speculate only at batch sizes where it was measured to give more tokens a second than plain
-    decode, see `jaxllm.engine.spec_policy`; false: always)."""
+    speculation in a step of n running requests or more) and "adaptive" (default true: verify
+    k drafts, one or none at each batch size, whichever was measured to give the most tokens a
+    second, see `jaxllm.engine.spec_policy`; false: k always)."""
 
     def __post_init__(self) -> None:
         parse_json_field(self, "speculative_config")

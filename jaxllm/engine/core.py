@@ -257,7 +257,9 @@ class EngineCore:
             speculation=None
             if spec is None
             else SpeculationPolicy(
-                adaptive=spec.adaptive, disable_by_batch_size=spec.disable_by_batch_size
+                spec.num_speculative_tokens,
+                adaptive=spec.adaptive,
+                disable_by_batch_size=spec.disable_by_batch_size,
             ),
         )
         if runner.num_speculative_tokens:
@@ -620,7 +622,7 @@ class EngineCore:
         running, the next step waits for the previous one's tokens. So do draft tokens
         (speculative decoding): a step's grants depend on how many the previous one accepted;
         and grammars (structured outputs): a step's bitmask follows every token before it."""
-        speculating = self.runner.num_speculative_tokens > 0 and self.scheduler.speculates()
+        speculating = self.runner.num_speculative_tokens > 0 and self.scheduler.max_drafts() != 0
         return speculating or any(
             r.sampling_params.uses_penalties or r.grammar is not None
             for r in self.scheduler.running

@@ -13,8 +13,8 @@ after its previous step) is granted 1 + drafts tokens, as the budget and its len
 draft model also gets `num_lookahead_tokens` more slots, where it writes the KV of the drafts it
 proposes. After the step, `num_computed_tokens` is rolled back to the tokens accepted, so the
 next step rewrites the rejected positions; the prefix cache keys only accepted tokens. A step
-speculates only where `spec_policy` measured it to pay at that batch size; one that does not
-verifies no drafts and has none proposed (`SchedulerOutput.propose_drafts`).
+verifies at most the drafts `spec_policy` measured to pay best at that batch size; one allowed
+none verifies none and has none proposed (`SchedulerOutput.max_drafts`).
 
 A new request first looks up its longest cached prefix (see `KVCacheManager`): a hit simply
 starts it with `num_computed_tokens > 0`. A hybrid model's hit also needs the linear layers'
@@ -178,15 +178,16 @@ class Scheduler:
         preempted.append(request.request_id)
         return granted.pop(request, 0)
 
-    def speculates(self) -> bool:
-        """Whether the next step verifies drafts and has the next ones proposed (with
-        speculative decoding; such a step runs synchronously)."""
-        return self.speculation is None or self.speculation.speculate(len(self.running))
+    def max_drafts(self) -> int:
+        """The most drafts a request verifies in the next step (speculative decoding's policy;
+        -1: no limit, 0: the step neither verifies drafts nor has any proposed). A step that
+        speculates runs synchronously."""
+        return -1 if self.speculation is None else self.speculation.speculate(len(self.running))
 
     def schedule(self) -> SchedulerOutput:
         self._fail_broken_grammars()
         budget = self.config.max_num_batched_tokens
-        speculate = self.speculates()
+        max_drafts = self.max_drafts()
         granted: dict[Request, int] = {}  # in batch order
         drafts: dict[Request, list[int]] = {}  # the draft tokens among a request's grant
         admitted: list[Request] = []  # entering the batch: the runner gets their full data
@@ -210,7 +211,7 @@ class Scheduler:
             n = self._chunk(request, request.num_computed_tokens, min(n, budget))
             if n == 0:
                 continue  # its chunk starts at an image this step cannot encode
-            spec = self._drafts(request, n, budget) if speculate else []
+            spec = self._drafts(request, n, budget, max_drafts)
             n += len(spec)
             while not self._allocate(request, n):
                 victim = self._pick_victim(granted)
@@ -310,7 +311,7 @@ class Scheduler:
             kv_stores=stores,
             kv_loads=loads,
             encoder_inputs=encodes,
-            propose_drafts=speculate,
+            max_drafts=max_drafts,
         )
         # The grants count as computed from now on, so the next step can be scheduled before
         # this one's output is back; `update_from_output` confirms them.
@@ -355,12 +356,15 @@ class Scheduler:
         if self.encoder_cache is not None and request.mm_items:
             spans[request] = self.encoder_cache.take(request, request.num_computed_tokens, n)
 
-    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+    def _drafts(self, request: Request, n: int, budget: int, max_drafts: int) -> list[int]:
         """The draft tokens to verify with a decode grant of `n`: the request's proposals, as
-        many as the budget holds and as could still be accepted before its end."""
-        if not request.spec_token_ids or n != 1 or request.num_pending_tokens:
+        many as the budget holds, as could still be accepted before its end, and at most
+        `max_drafts` (-1: all)."""
+        if not request.spec_token_ids or n != 1 or request.num_pending_tokens or not max_drafts:
             return []
         room = request.max_len - request.num_tokens - 1  # the last token is sampled
+        if max_drafts > 0:
+            room = min(room, max_drafts)
         spec = request.spec_token_ids[: max(0, min(room, budget - 1))]
         if request.grammar is not None and spec:
             if not request.grammar_live:
@@ -591,7 +595,7 @@ class Scheduler:
                 for s in scheduled.requests
             )
             self.speculation.observe(
-                len(scheduled.requests) if decodes else None, scheduled.propose_drafts, num_tokens
+                len(scheduled.requests) if decodes else None, scheduled.max_drafts, num_tokens
             )
         return updates
 

@@ -1,30 +1,33 @@
-"""When speculation pays: the scheduler verifies drafts (and has the next ones proposed) only in
-steps where measurement says it gives more tokens a second than plain decode at that batch size.
+"""When speculation pays, and how far: each step the scheduler verifies at most `speculate(n)`
+drafts per request (0: none, and none are proposed), the number measured to give the most
+tokens a second at that batch size.
 
 Speculation trades a wider step (each request's drafts are verified in the same forward pass)
-for more tokens per step. Whether that pays depends on the head's acceptance on today's traffic
-and on how the step's cost grows with its width on this machine: on a GPU at batch 1 a step of
-4 tokens costs about what a step of 1 does, on a CPU or at batch 64 it costs up to 4 times as
-much. Neither is known in advance, so the policy measures both as one figure, the tokens a
-second that decode steps deliver with and without speculation, per batch size (rounded up to a
-power of two), and takes the better (an epsilon-greedy bandit with two arms per batch size):
+for more tokens per step. Whether that pays, and for how many drafts, depends on the
+proposer's acceptance on today's traffic (later drafts are accepted less often) and on how the
+step's cost grows with its width on this machine: on a GPU at batch 1 a step of 4 tokens costs
+about what a step of 1 does, on a CPU or at batch 64 it costs up to 4 times as much. Neither is
+known in advance, so the policy measures both as one figure, the tokens a second that decode
+steps deliver, per batch size (rounded up to a power of two) and per way of running them: k
+drafts (the configured number), 1 draft, or plain decode (an arm each of a bandit):
 
-- a batch size not measured yet both ways follows what was measured at others, where that says
-  something: plain if a smaller batch runs plain, speculating if a larger batch speculates (a
-  wider batch gains less: its verification costs more of the device); otherwise it speculates
-  for `probe_steps` measured steps, then runs plain for as many, and from then on it takes the
-  faster, measuring the other again for `probe_steps` once it has not for `reprobe_steps`
-  steps (acceptance changes with the traffic);
+- a batch size not measured yet follows what was measured at others, where that says
+  something: at most the best way of a smaller batch, at least that of a larger one (a wider
+  batch gains less: its verification costs more of the device), so only the ways left are
+  tried (none, where one is left); the ways left are tried in turn, k drafts first, for
+  `probe_steps` measured steps each, then the fastest runs, and a way not measured for
+  `reprobe_steps` steps is measured again for `probe_steps` (acceptance changes with the
+  traffic);
 - only steps of decodes alone are measured (a prompt chunk's cost says nothing of either), from
   one step's output to the next, and only when the step before ran the same way (the first
   speculating step after plain ones has no drafts yet: it only proposes);
-- a rate is the mean tokens of an arm's last 32 measured steps over their median duration:
-  it follows the traffic, and a step the machine stalled (another process, a page fault)
-  does not decide for 8.
+- a rate is the mean tokens of a way's last 32 measured steps over their median duration: it
+  follows the traffic, and a step the machine stalled (another process, a page fault) does
+  not decide for 8.
 
 vLLM's `disable_by_batch_size` is honoured as a fixed bound on top: a step with that many
-running requests or more never speculates. `adaptive: false` keeps speculation always on (the
-output is the same either way: drafts are only ever verified).
+running requests or more never speculates. `adaptive: false` verifies every draft in every
+step. The output is the same either way: drafts are only ever verified.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class _Arm:
 class SpeculationPolicy:
     def __init__(
         self,
+        num_speculative_tokens: int,
         *,
         adaptive: bool = True,
         disable_by_batch_size: int | None = None,
@@ -82,95 +86,102 @@ class SpeculationPolicy:
         reprobe_steps: int = 1024,
         clock=time.perf_counter,
     ):
+        self.k = num_speculative_tokens
+        # The ways tried, most drafts first: k, 1 and none.
+        self.ways = tuple(sorted({num_speculative_tokens, 1, 0}, reverse=True))
         self.adaptive = adaptive
         self.disable_by_batch_size = disable_by_batch_size
         self.probe_steps = probe_steps
         self.reprobe_steps = reprobe_steps
         self.clock = clock
-        self.arms: dict[tuple[int, bool], _Arm] = {}
+        self.arms: dict[tuple[int, int], _Arm] = {}
         self.num_steps = 0  # measured steps
-        self._last: tuple[tuple[int, bool] | None, float] | None = None
-        self._chosen: dict[int, bool] = {}  # by batch size: the way last logged as faster
+        self._last: tuple[tuple[int, int] | None, float] | None = None
+        self._chosen: dict[int, int] = {}  # by batch size: the way last logged as fastest
 
     @staticmethod
     def bucket(num_requests: int) -> int:
         return 1 << max(0, num_requests - 1).bit_length()
 
-    def speculate(self, num_running: int) -> bool:
-        """Whether a step over `num_running` requests verifies drafts and has the next ones
-        proposed."""
+    def speculate(self, num_running: int) -> int:
+        """The most drafts a request verifies in a step over `num_running` requests (0: the
+        step verifies none and has none proposed)."""
         limit = self.disable_by_batch_size
         if limit is not None and num_running >= limit:
-            return False
+            return 0
         if not self.adaptive:
-            return True
+            return self.k
         b = self.bucket(num_running)
-        on, off = self._arm(b, True), self._arm(b, False)
-        if on.samples < self.probe_steps or off.samples < self.probe_steps:
-            guess = self._guess(b)
-            return on.samples < self.probe_steps if guess is None else guess
-        if on.samples < on.target:
-            return True
-        if off.samples < off.target:
-            return False
-        return on.rate >= off.rate
+        ways = self._candidates(b)
+        if len(ways) == 1:
+            return ways[0]
+        arms = {w: self._arm(b, w) for w in ways}
+        for w in ways:  # probing: each way its first `probe_steps` (or a re-measurement's)
+            if arms[w].samples < max(arms[w].target, self.probe_steps):
+                return w
+        return max(ways, key=lambda w: arms[w].rate)
 
-    def _guess(self, bucket: int) -> bool | None:
-        """What the batch sizes measured both ways say of `bucket`: False if a smaller one
-        runs plain, True if a larger one speculates, else None."""
-        for b in sorted({b for b, _ in self.arms}):
-            on, off = self.arms.get((b, True)), self.arms.get((b, False))
-            if b == bucket or not on or not off:
+    def _candidates(self, bucket: int) -> tuple[int, ...]:
+        """The ways worth trying at `bucket`, from the batch sizes measured every way: at most
+        the fastest of a smaller one, at least the fastest of a larger one."""
+        low, high = 0, self.k
+        for b in {b for b, _ in self.arms} - {bucket}:
+            best = self._fastest(b)
+            if best is None:
                 continue
-            if min(on.samples, off.samples) < self.probe_steps:
-                continue
-            faster = on.rate >= off.rate
-            if (b < bucket and not faster) or (b > bucket and faster):
-                return faster
-        return None
+            if b < bucket:
+                high = min(high, best)
+            else:
+                low = max(low, best)
+        ways = tuple(w for w in self.ways if low <= w <= high)
+        return ways or (high,)
 
-    def observe(self, num_decodes: int | None, speculated: bool, num_tokens: int) -> None:
+    def _fastest(self, bucket: int) -> int | None:
+        """The fastest way at `bucket`, once every way was measured there."""
+        arms = [self.arms.get((bucket, w)) for w in self.ways]
+        if any(a is None or a.samples < self.probe_steps for a in arms):
+            return None
+        return max(self.ways, key=lambda w: self.arms[bucket, w].rate)
+
+    def observe(self, num_decodes: int | None, num_drafts: int, num_tokens: int) -> None:
         """A step's output is back: `num_decodes` its requests if all were decodes (None if
-        any ran a prompt chunk), `speculated` whether it ran speculating, `num_tokens` the
+        any ran a prompt chunk), `num_drafts` what `speculate` allowed it, `num_tokens` the
         tokens it gave."""
         now = self.clock()
-        key = None if num_decodes is None else (self.bucket(num_decodes), speculated)
+        key = None if num_decodes is None else (self.bucket(num_decodes), num_drafts)
         last, self._last = self._last, (key, now)
         if key is None or last is None or last[0] != key:
             return
         self.num_steps += 1
-        arm = self._arm(*key)
-        arm.add(num_tokens, now - last[1], self.num_steps)
-        self._log_choice(key[0])
-        # The other way at this batch size, measured again once it has not been for long.
-        other = self._arm(key[0], not speculated)
-        stale = self.num_steps - other.last > self.reprobe_steps
-        if other.samples >= max(other.target, self.probe_steps) and stale:
-            other.forget()  # its old steps would outweigh the new
-            other.target = other.samples + self.probe_steps
+        bucket = key[0]
+        self._arm(*key).add(num_tokens, now - last[1], self.num_steps)
+        self._log_choice(bucket)
+        # The other ways at this batch size, measured again once they have not been for long.
+        for w in self._candidates(bucket):
+            other = self._arm(bucket, w)
+            probed = other.samples >= max(other.target, self.probe_steps)
+            if w != num_drafts and probed and self.num_steps - other.last > self.reprobe_steps:
+                other.forget()  # its old steps would outweigh the new
+                other.target = other.samples + self.probe_steps
 
     def _log_choice(self, bucket: int) -> None:
-        on, off = self._arm(bucket, True), self._arm(bucket, False)
-        if min(on.samples, off.samples) < self.probe_steps:
-            return
-        faster = on.rate >= off.rate
-        if self._chosen.get(bucket) != faster:
-            self._chosen[bucket] = faster
+        best = self._fastest(bucket)
+        if best is not None and self._chosen.get(bucket) != best:
+            self._chosen[bucket] = best
             logger.info(
-                "speculative decoding at batch <= %d: %s (%.1f tok/s speculating, %.1f plain)",
+                "speculative decoding at batch <= %d: %s (tok/s by drafts verified: %s)",
                 bucket,
-                "speculating" if faster else "plain decode",
-                on.rate,
-                off.rate,
+                f"{best} drafts" if best else "plain decode",
+                ", ".join(f"{w}: {self.arms[bucket, w].rate:.1f}" for w in self.ways),
             )
 
-    def _arm(self, bucket: int, speculated: bool) -> _Arm:
-        return self.arms.setdefault((bucket, speculated), _Arm())
+    def _arm(self, bucket: int, num_drafts: int) -> _Arm:
+        return self.arms.setdefault((bucket, num_drafts), _Arm())
 
     def rates(self) -> dict[str, float]:
-        """Tokens a second by batch size and way (for logs and benchmarks)."""
+        """Tokens a second by batch size and drafts verified (for logs and benchmarks)."""
         return {
-            f"{b}:{'spec' if s else 'plain'}": round(arm.rate, 2)
-            for (b, s), arm in sorted(self.arms.items())
+            f"{b}:{w}": round(arm.rate, 2)
+            for (b, w), arm in sorted(self.arms.items())
             if arm.samples
         }

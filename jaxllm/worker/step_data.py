@@ -141,9 +141,14 @@ class SchedulerOutput(msgspec.Struct):
     kv_loads: list[tuple[int, int]] = []  # (host slot, device block)
     # Images to encode before the step's programs, into the encoder cache (vision models).
     encoder_inputs: list[EncoderInput] = []
-    # Whether the proposer (speculative decoding) drafts after this step for the next: the
-    # scheduler's `spec_policy` may pause speculation (the proposer then only keeps its KV).
-    propose_drafts: bool = True
+    # Speculative decoding: the most drafts a request verifies in this step (-1: no limit), as
+    # the scheduler's `spec_policy` chose; 0: none, and the proposer drafts nothing after this
+    # step (it only keeps its KV).
+    max_drafts: int = -1
+
+    @property
+    def propose_drafts(self) -> bool:
+        return self.max_drafts != 0
 
     @property
     def is_empty(self) -> bool:
