@@ -104,6 +104,7 @@ def main() -> None:
         "num_speculative_tokens": args.k,
         "prompt_lookup_max": args.lookup_max,
         "prompt_lookup_min": args.lookup_min,
+        "adaptive": False,  # what n-gram drafts give in every step, not the policy's choice
     }
     plain = LLM(args.model, **common)
     ngram = LLM(args.model, speculative_config=spec, **common)
