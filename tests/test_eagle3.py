@@ -214,6 +214,45 @@ def test_a_prefix_hit_gives_the_drafts_of_a_fresh_engine(tiny_model_dir, head_di
     assert [list(d.values()) for d in proposed] == [list(d.values()) for d in reference]
 
 
+def _by_length(llm) -> list[tuple[int, list[int]]]:
+    """The drafts `llm`'s proposer returns from now on, each with the length of the sequence
+    it follows (one request at a time)."""
+    proposed: list[tuple[int, list[int]]] = []
+    runner = llm.runner
+    propose = runner.proposer.propose
+
+    def recording(launched, held):
+        drafts = propose(launched, held)
+        proposed.extend((int(runner.input_batch.num_tokens[row]), drafts[r]) for r, _, row in held)
+        return drafts
+
+    runner.proposer.propose = recording
+    return proposed
+
+
+def test_drafts_after_many_steps_are_a_fresh_prompts(tiny_model_dir, head_dir):
+    """The head's cache after steps of accepted and rejected drafts holds what a prefill of the
+    same sequence writes: the drafts proposed after n tokens equal those a fresh request whose
+    prompt is the first n - 1 gets after its first step (which the reference test checks)."""
+    llm = LLM(tiny_model_dir, speculative_config=_spec(head_dir), **ENGINE)
+    proposed = _by_length(llm)
+    prompt = _prompts(seed=11)[0]["prompt_token_ids"]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    sequence = prompt + list(out[0].outputs[0].token_ids)
+    fresh = LLM(tiny_model_dir, speculative_config=_spec(head_dir), enable_prefix_caching=False,
+                **ENGINE)  # fmt: skip
+    first = _by_length(fresh)
+    later = [(n, d) for n, d in proposed if len(prompt) + 1 < n < len(sequence)]
+    assert len(later) >= 8
+    once = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for n, drafts in later:
+        first.clear()
+        # Its first step samples token n (greedy: the same), then the head drafts after n.
+        fresh.generate([{"prompt_token_ids": sequence[: n - 1]}], once, use_tqdm=False)
+        assert first[0] == (n, drafts)
+
+
 def test_chunked_preempted_and_prefix_hits(tiny_model_dir, head_dir, plain):
     """A 16-token budget chunks every prompt (the head reads the next chunk's first token at
     each chunk's end); 14 pages cannot hold 8 growing requests, so some are preempted and
