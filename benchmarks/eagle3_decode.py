@@ -98,6 +98,9 @@ def main() -> None:
         llm = LLM(args.model, quantization=args.quantization, **ENGINE, **extra)
         run(llm, convs[:2], 8)  # first calls' one-time costs
         results[name] = measure(llm, convs, args.batch_1_prompts, args.max_tokens)
+        policy = llm.engine.scheduler.speculation
+        if policy is not None and policy.adaptive:  # tok/s by "batch size:drafts verified"
+            results[name]["policy_rates"] = policy.rates()
         llm.engine.shutdown()
     # Greedy tokens equal, per batch size (a float32 step of another shape may round a
     # near-tie the other way: counted, not hidden).

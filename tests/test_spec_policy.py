@@ -46,10 +46,12 @@ def test_takes_the_fastest_way_after_probing_each():
     clock = _Clock()
     policy = SpeculationPolicy(3, probe_steps=4, reprobe_steps=10_000, clock=clock)
     ran = _run(policy, clock, 40, batch=1, ways=GPU_LIKE)
-    # 4 measured steps each way, k drafts first (the first step of a way is not measured),
-    # then the fastest: every draft.
-    assert ran[:15] == [3] * 5 + [1] * 5 + [0] * 5 and set(ran[15:]) == {3}
-    # At batch 32 the same proposer pays only with one draft (1.6 / 1.4 > 1 > 2.5 / 3).
+    # 4 measured steps of k drafts (the first step of a way is not measured); one draft and
+    # none give under 80% of its rate after 3 steps: their probes end there; then the
+    # fastest, every draft.
+    assert ran[:13] == [3] * 5 + [1] * 4 + [0] * 4 and set(ran[13:]) == {3}
+    # At batch 32 the same proposer pays only with one draft (1.6 / 1.4 > 1 > 2.5 / 3): k
+    # drafts first (the fastest at batch 1), then one, then none.
     ran = _run(policy, clock, 40, batch=32, ways=CPU_LIKE)
     assert ran[:15] == [3] * 5 + [1] * 5 + [0] * 5 and set(ran[15:]) == {1}
     # Batch sizes are bucketed by powers of two: 20 requests run as 32 do.
@@ -57,6 +59,10 @@ def test_takes_the_fastest_way_after_probing_each():
     assert policy.rates() == {
         "1:0": 1.0, "1:1": 1.52, "1:3": 2.08, "32:0": 32.0, "32:1": 36.57, "32:3": 26.67
     }  # fmt: skip
+    # Batch 8 (between them, so no fewer than one draft) first tries one, the fastest at the
+    # nearest measured size; k drafts, clearly slower, end their probe after 3 steps.
+    ran = _run(policy, clock, 30, batch=8, ways=CPU_LIKE | {3: (2.5, 6.0)})
+    assert ran[:9] == [1] * 5 + [3] * 4 and set(ran[9:]) == {1}
 
 
 def test_a_stalled_step_does_not_decide():
@@ -78,9 +84,9 @@ def test_batch_sizes_not_measured_follow_the_measured_ones():
     # 64 neither (only batch sizes measured every way say something of others).
     ran = _run(policy, clock, 20, batch=64, ways={3: (2.5, 3.0), 1: (1.6, 2.0), 0: (1, 1.0)})
     assert 3 not in ran and set(ran[10:]) == {0}
-    # Narrower: 2 tries three drafts and one, not none.
+    # Narrower: 2 tries one draft (the fastest at 4, the nearest) and three, not none.
     ran = _run(policy, clock, 20, batch=2, ways=GPU_LIKE)
-    assert ran[:10] == [3] * 5 + [1] * 5 and set(ran[10:]) == {3}
+    assert ran[:10] == [1] * 5 + [3] * 5 and set(ran[10:]) == {3}
 
 
 def test_measures_the_other_ways_again_and_follows_the_traffic():

@@ -14,10 +14,11 @@ drafts (the configured number), 1 draft, or plain decode (an arm each of a bandi
 - a batch size not measured yet follows what was measured at others, where that says
   something: at most the best way of a smaller batch, at least that of a larger one (a wider
   batch gains less: its verification costs more of the device), so only the ways left are
-  tried (none, where one is left); the ways left are tried in turn, k drafts first, for
-  `probe_steps` measured steps each, then the fastest runs, and a way not measured for
-  `reprobe_steps` steps is measured again for `probe_steps` (acceptance changes with the
-  traffic);
+  tried (none, where one is left); the ways left are tried in turn for `probe_steps` measured
+  steps each (the fastest at the nearest batch size measured first, else k drafts), a way that
+  gives under 80% of a measured one's rate after 3 steps is dropped there, then the fastest
+  runs, and a way not measured for `reprobe_steps` steps is measured again (acceptance
+  changes with the traffic);
 - only steps of decodes alone are measured (a prompt chunk's cost says nothing of either), from
   one step's output to the next, and only when the step before ran the same way (the first
   speculating step after plain ones has no drafts yet: it only proposes);
@@ -55,7 +56,15 @@ class _Arm:
     )
     samples: int = 0  # measured steps since start
     last: int = 0  # the policy's step count at its last measurement
-    target: int = 0  # measure until `samples` reaches it (probing), whatever the rates say
+    owed: int = -1  # measured steps its probe still takes, whatever the rates say (-1: unset)
+
+    @property
+    def probing(self) -> bool:
+        return self.owed != 0
+
+    @property
+    def known(self) -> bool:
+        return self.owed == 0 and bool(self.seconds)
 
     @property
     def rate(self) -> float:
@@ -69,6 +78,7 @@ class _Arm:
         self.seconds.append(seconds)
         self.samples += 1
         self.last = step
+        self.owed = max(self.owed - 1, 0)
 
     def forget(self) -> None:
         self.tokens.clear()
@@ -116,10 +126,33 @@ class SpeculationPolicy:
         if len(ways) == 1:
             return ways[0]
         arms = {w: self._arm(b, w) for w in ways}
-        for w in ways:  # probing: each way its first `probe_steps` (or a re-measurement's)
-            if arms[w].samples < max(arms[w].target, self.probe_steps):
+        for w in self._probe_order(b, ways):  # each way's probe, or a re-measurement's
+            arm = arms[w]
+            if arm.owed < 0:
+                arm.owed = self.probe_steps
+            if arm.probing and not self._losing(arm, arms.values()):
                 return w
+            arm.owed = 0  # (a probe cut short: it loses clearly)
         return max(ways, key=lambda w: arms[w].rate)
+
+    def _probe_order(self, bucket: int, ways: tuple[int, ...]) -> list[int]:
+        """The order ways are first tried at `bucket`: the fastest at the nearest batch size
+        measured every way first (likely the fastest here too), else k drafts first (what was
+        asked for); then the others, most drafts first."""
+        measured = [b for b in {b for b, _ in self.arms} if self._fastest(b) is not None]
+        if not measured:
+            return list(ways)
+        nearest = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+        first = self._fastest(nearest)
+        return sorted(ways, key=lambda w: (w != first, -w))
+
+    def _losing(self, arm: _Arm, arms) -> bool:
+        """Whether a way being probed already gives under 80% of a known way's rate, after 3
+        measured steps (a clearly slower way is not measured for all its probe)."""
+        if len(arm.seconds) < 3:
+            return False
+        best = max((a.rate for a in arms if a is not arm and a.known), default=0.0)
+        return arm.rate < 0.8 * best
 
     def _candidates(self, bucket: int) -> tuple[int, ...]:
         """The ways worth trying at `bucket`, from the batch sizes measured every way: at most
@@ -139,7 +172,7 @@ class SpeculationPolicy:
     def _fastest(self, bucket: int) -> int | None:
         """The fastest way at `bucket`, once every way was measured there."""
         arms = [self.arms.get((bucket, w)) for w in self.ways]
-        if any(a is None or a.samples < self.probe_steps for a in arms):
+        if any(a is None or not a.known for a in arms):
             return None
         return max(self.ways, key=lambda w: self.arms[bucket, w].rate)
 
@@ -159,10 +192,9 @@ class SpeculationPolicy:
         # The other ways at this batch size, measured again once they have not been for long.
         for w in self._candidates(bucket):
             other = self._arm(bucket, w)
-            probed = other.samples >= max(other.target, self.probe_steps)
-            if w != num_drafts and probed and self.num_steps - other.last > self.reprobe_steps:
+            if w != num_drafts and other.known and self.num_steps - other.last > self.reprobe_steps:
                 other.forget()  # its old steps would outweigh the new
-                other.target = other.samples + self.probe_steps
+                other.owed = self.probe_steps
 
     def _log_choice(self, bucket: int) -> None:
         best = self._fastest(bucket)
