@@ -17,8 +17,9 @@ drafts (the configured number), 1 draft, or plain decode (an arm each of a bandi
   tried (none, where one is left); the ways left are tried in turn for `probe_steps` measured
   steps each (the fastest at the nearest batch size measured first, else k drafts), a way that
   gives under 80% of a measured one's rate after 3 steps is dropped there, then the fastest
-  runs, and a way not measured for `reprobe_steps` steps is measured again (acceptance
-  changes with the traffic);
+  runs (within 5%, the one of fewer drafts), and a way not measured for `reprobe_steps` steps
+  (an eighth of that where it came within 80%) is measured again (acceptance changes with
+  the traffic, and a close call may have been noise);
 - only steps of decodes alone are measured (a prompt chunk's cost says nothing of either), from
   one step's output to the next, and only when the step before ran the same way (the first
   speculating step after plain ones has no drafts yet: it only proposes);
@@ -133,7 +134,7 @@ class SpeculationPolicy:
             if arm.probing and not self._losing(arm, arms.values()):
                 return w
             arm.owed = 0  # (a probe cut short: it loses clearly)
-        return max(ways, key=lambda w: arms[w].rate)
+        return _fastest_of(arms)
 
     def _probe_order(self, bucket: int, ways: tuple[int, ...]) -> list[int]:
         """The order ways are first tried at `bucket`: the fastest at the nearest batch size
@@ -171,10 +172,10 @@ class SpeculationPolicy:
 
     def _fastest(self, bucket: int) -> int | None:
         """The fastest way at `bucket`, once every way was measured there."""
-        arms = [self.arms.get((bucket, w)) for w in self.ways]
-        if any(a is None or not a.known for a in arms):
+        arms = {w: self.arms.get((bucket, w)) for w in self.ways}
+        if any(a is None or not a.known for a in arms.values()):
             return None
-        return max(self.ways, key=lambda w: self.arms[bucket, w].rate)
+        return _fastest_of(arms)
 
     def observe(self, num_decodes: int | None, num_drafts: int, num_tokens: int) -> None:
         """A step's output is back: `num_decodes` its requests if all were decodes (None if
@@ -189,10 +190,14 @@ class SpeculationPolicy:
         bucket = key[0]
         self._arm(*key).add(num_tokens, now - last[1], self.num_steps)
         self._log_choice(bucket)
-        # The other ways at this batch size, measured again once they have not been for long.
+        # The other ways at this batch size, measured again once they have not been for long
+        # (sooner where they came close: a few noisy steps may have decided).
+        arm = self._arm(*key)
         for w in self._candidates(bucket):
             other = self._arm(bucket, w)
-            if w != num_drafts and other.known and self.num_steps - other.last > self.reprobe_steps:
+            close = other.rate >= 0.8 * arm.rate
+            wait = self.reprobe_steps // 8 if close else self.reprobe_steps
+            if w != num_drafts and other.known and self.num_steps - other.last > wait:
                 other.forget()  # its old steps would outweigh the new
                 other.owed = self.probe_steps
 
@@ -217,3 +222,10 @@ class SpeculationPolicy:
             for (b, w), arm in sorted(self.arms.items())
             if arm.samples
         }
+
+
+def _fastest_of(arms: dict[int, _Arm]) -> int:
+    """The way with the most tokens a second; within 5% of it, the fewest drafts (a tie goes
+    to the narrower step, which also lets plain steps overlap)."""
+    best = max(arm.rate for arm in arms.values())
+    return min(w for w, arm in arms.items() if arm.rate >= best / 1.05)
