@@ -67,12 +67,7 @@ class _Arm:
     def known(self) -> bool:
         return self.owed == 0 and bool(self.seconds)
 
-    @property
-    def rate(self) -> float:
-        """Tokens a second: mean tokens a step over the median step."""
-        if not self.seconds:
-            return 0.0
-        return statistics.fmean(self.tokens) / max(statistics.median(self.seconds), 1e-9)
+    rate: float = 0.0  # tokens a second: mean tokens a step over the median step
 
     def add(self, tokens: int, seconds: float, step: int) -> None:
         self.tokens.append(tokens)
@@ -80,10 +75,13 @@ class _Arm:
         self.samples += 1
         self.last = step
         self.owed = max(self.owed - 1, 0)
+        median = statistics.median(self.seconds)
+        self.rate = statistics.fmean(self.tokens) / max(median, 1e-9)
 
     def forget(self) -> None:
         self.tokens.clear()
         self.seconds.clear()
+        self.rate = 0.0
 
 
 class SpeculationPolicy:
@@ -109,6 +107,7 @@ class SpeculationPolicy:
         self.num_steps = 0  # measured steps
         self._last: tuple[tuple[int, int] | None, float] | None = None
         self._chosen: dict[int, int] = {}  # by batch size: the way last logged as fastest
+        self._decided: dict[int, int] = {}  # by batch size, until the next measurement
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -123,6 +122,11 @@ class SpeculationPolicy:
         if not self.adaptive:
             return self.k
         b = self.bucket(num_running)
+        if b not in self._decided:  # (the engine asks twice a step: whether to sync, then)
+            self._decided[b] = self._decide(b)
+        return self._decided[b]
+
+    def _decide(self, b: int) -> int:
         ways = self._candidates(b)
         if len(ways) == 1:
             return ways[0]
@@ -187,6 +191,7 @@ class SpeculationPolicy:
         if key is None or last is None or last[0] != key:
             return
         self.num_steps += 1
+        self._decided.clear()
         bucket = key[0]
         self._arm(*key).add(num_tokens, now - last[1], self.num_steps)
         self._log_choice(bucket)
