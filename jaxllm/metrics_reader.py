@@ -37,13 +37,6 @@ class Vector(Metric):
     values: list[int]
 
 
-@dataclasses.dataclass
-class Histogram(Metric):
-    count: int
-    sum: float
-    buckets: dict[str, int]
-
-
 def metrics_of(stats: Stats, model_name: str, num_speculative_tokens: int) -> list[Metric]:
     """The metrics of one engine core's `stats`."""
     labels = {"model_name": model_name, "engine": "0"}

@@ -193,11 +193,11 @@ class SpeculationPolicy:
         self.num_steps += 1
         self._decided.clear()
         bucket = key[0]
-        self._arm(*key).add(num_tokens, now - last[1], self.num_steps)
+        arm = self._arm(*key)
+        arm.add(num_tokens, now - last[1], self.num_steps)
         self._log_choice(bucket)
         # The other ways at this batch size, measured again once they have not been for long
         # (sooner where they came close: a few noisy steps may have decided).
-        arm = self._arm(*key)
         for w in self._candidates(bucket):
             other = self._arm(bucket, w)
             close = other.rate >= 0.8 * arm.rate

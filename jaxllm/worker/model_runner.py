@@ -553,8 +553,8 @@ class ModelRunner:
                 ib.token_ids[row, end : pos + k] = self.config.vocab_size  # rejected drafts
                 ib.num_tokens[row] = end
         drafts = {}
-        if self.proposer is not None and step.out.propose_drafts:  # after the tokens: the
-            # n-gram proposer reads them
+        # After the tokens: the n-gram proposer reads them.
+        if self.proposer is not None and step.out.propose_drafts:
             held_rows = [(ids[n], int(reqs[n]), int(rows[n])) for n in np.flatnonzero(held)]
             drafts = self.proposer.propose(launched_drafts, held_rows)
         logprobs = {}
