@@ -565,6 +565,7 @@ def _tiny_config(
             "num_experts_per_tok": 2,
             "first_k_dense_replace": 1,
             "routed_scaling_factor": 2.5,
+            "num_nextn_predict_layers": 1,  # an MTP layer (read with method mtp)
             "rope_scaling": {
                 "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -720,6 +721,9 @@ ENGINES = [
     # sync; the plain JAX form on a TPU), its heads split and the latent cache whole on each
     # chip; FP8 experts kept, split by expert.
     pytest.param("h100", "deepseek", {}, id="h100-deepseek"),
+    # Its MTP layer drafting (a latent-attention MoE layer of its own on the target's pages).
+    pytest.param("h100", "deepseek", dict(speculative_config={
+        "method": "mtp", "num_speculative_tokens": 2}), id="h100-deepseek-mtp"),
     pytest.param("v5e-4", "deepseek", dict(tensor_parallel_size=2), marks=SLOW,
                  id="v5e-4-deepseek"),
 ]  # fmt: skip
@@ -764,8 +768,9 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     assert ("hidden_pooler" in names) == (settings.get("runner") == "pooling")
     if model in ("gemma", "gemma3-vl"):
         assert runner.kv_groups.num_groups == 4 and runner.kv_cache.shape[0] == 1
-    if "eagle3" in str(settings.get("speculative_config")):
-        for name in ("eagle3_step", "eagle3_fill"):  # (the fill: speculation paused)
+    head = (settings.get("speculative_config") or {}).get("method")
+    if head in ("eagle3", "mtp"):
+        for name in (f"{head}_step", f"{head}_fill"):  # (the fill: speculation paused)
             assert {p.shape for p in runner.programs if p.name == name} == set(runner.shapes)
     if model == "gemma4":  # 1 full layer with KV of its own; 3 sliding ones x 2 slots
         assert runner.kv_groups.windows == (None,) + (64,) * 6
@@ -785,7 +790,7 @@ def test_every_program_compiles_for_the_target(tmp_path, target, model, settings
     # state in every forward program while it had its taps as an axis of their own).
     assert not [(p.name, p.shape, p.state_copy_ops) for p in steps if p.state_copy_ops]
     for p in steps:  # (a proposer's step updates its own, smaller cache)
-        own = p.cache_bytes if p.name.startswith(("eagle3_", "draft_")) else 0
+        own = p.cache_bytes if p.name.startswith(("eagle3_", "mtp_", "draft_")) else 0
         assert p.alias_bytes >= (own or runner.kv_cache_device_bytes), p
     data = as_kv_cache(runner.device.kv_cache).data
     cache_shape = data.sharding.shard_shape(data.shape)

@@ -80,14 +80,19 @@ def test_config_follows_vllm_and_names_what_is_wrong():
     spec = SpeculativeConfig('{"model": "/m", "num_speculative_tokens": 2}').method  # JSON text
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/m", 2)
     assert SpeculativeConfig().method is None
+    for name in ("mtp", "deepseek_mtp"):  # (vLLM's older name) the target's own layers
+        spec = SpeculativeConfig({"method": name, "num_speculative_tokens": 2}).method
+        assert (spec.method, spec.model, spec.num_speculative_tokens) == ("mtp", None, 2)
     bad = [
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
           "prompt_lookup_max": 2}, "prompt_lookup_min (4) must be <="),
-        ({"method": "eagle9", "num_speculative_tokens": 2}, "method must be ngram, draft_model or eagle3"),
+        ({"method": "eagle9", "num_speculative_tokens": 2}, "method must be ngram, draft_model, eagle3 or mtp"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 1}, "unknown key(s) lookup"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "model": 5}, "mtp's model must be a path"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "is for ngram"),
         ("{not json", "not valid JSON"),
         (5, "speculative_config must be dict or None"),
     ]  # fmt: skip

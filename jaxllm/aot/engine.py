@@ -56,7 +56,8 @@ class AbstractModel:
     weight_bytes: int  # per device, logical
     weight_device_bytes: int | None  # per device, as laid out; None: over the device's memory
     expert_bytes: int = 0  # of weight_bytes, the experts' (which quantization leaves float)
-    # An EAGLE-3 head's `Eagle3Config` (`config` is then its layer's, whose KV shares the pages)
+    # A head's `Eagle3Config` or `MTPConfig` (`config` is then its layer's, whose KV shares the
+    # pages)
     proposer_config: Any = None
 
 
@@ -152,6 +153,9 @@ def compile_engine(
         weights.append(abstract_model(spec.model, dtype, comp, mesh, devices[0], None, memory))
     elif spec is not None and spec.method == "eagle3":
         weights.append(abstract_eagle3(spec.model, model.config, dtype, comp, mesh, devices[0]))
+    elif spec is not None and spec.method == "mtp":
+        mtp = spec.model or config.load.model
+        weights.append(abstract_mtp(mtp, model.config, dtype, comp, mesh, devices[0], quantization))
     if any(w.weight_device_bytes is None for w in weights):
         logical = sum(w.weight_bytes for w in weights)
         page_bytes = _page_bytes(config, model.config, weights, mesh, devices[0])
@@ -239,11 +243,28 @@ def abstract_model(
             "it with --quantization float, int8, int4 or fp8"
         )
     config = load_config(path)
+    config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
+    shardings = _placements(abstract_state, mesh, device)
+    state = _as_served(path, abstract_state, config, dtype, shardings, quantization)
+    leaves = jax.tree.leaves(state)
+    logical = sum(_shard_bytes(a) for a in leaves)
+    experts = sum(
+        _shard_bytes(a)
+        for _, v in nnx.to_flat_state(state)
+        if "expert" in v.get_metadata().get("axes", ())
+        for a in jax.tree.leaves(v.get_value())
+    )
+    device_bytes = None if memory_bytes and logical > memory_bytes else _device_bytes(leaves)
+    return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes, experts)
+
+
+def _as_served(path, abstract_state, config: ModelConfig, dtype, shardings, quantization):
+    """`abstract_state` of a model of checkpoint `path` as serving lays it out: MXFP4 experts
+    kept 4-bit; a fine-grained FP8 checkpoint's layers kept fp8 (compiled as per-channel fp8,
+    whose bytes are within a few percent of its blocks') and its experts kept so on
+    accelerators; else as `quantization` says."""
     hf = _hf_config(path) if path.is_dir() else {}
     method = quantized_hf.checkpoint_method(hf) if path.is_dir() else None
-    # MXFP4 experts kept 4-bit, as served; a fine-grained FP8 checkpoint's layers kept fp8
-    # (compiled as per-channel fp8, whose bytes are within a few percent of its blocks') and
-    # its experts kept so on accelerators.
     if method is not None and method not in ("mxfp4", "fp8"):
         raise ValueError(
             f"{path}: a {method} checkpoint's tensors are not compiled here; compile the float "
@@ -255,14 +276,12 @@ def abstract_model(
         fp8_group = block[1] if block else 0  # 0: one factor a row
     if method == "fp8" and quantization is None:
         quantization = "fp8"
-    config, graphdef, abstract_state = loaders.abstract_model(config, dtype, compilation, mesh)
-    shardings = _placements(abstract_state, mesh, device)
     # MXFP4 experts (a gpt-oss checkpoint's, or a GGUF file's) kept 4-bit, as served.
     shipped = method == "mxfp4" or (path.suffix == ".gguf" and has_mxfp4(path))
     mxfp4 = shipped and loaders.mxfp4_kept(quantization, on_cpu=False)
     if quantization == "mxfp4":
         quantization = None  # the rest of the checkpoint is float
-    state = abstract_state_for(
+    return abstract_state_for(
         abstract_state,
         config,
         dtype,
@@ -272,16 +291,6 @@ def abstract_model(
         fp8_experts=fp8_group,
         float_embeddings=method == "fp8",
     )
-    leaves = jax.tree.leaves(state)
-    logical = sum(_shard_bytes(a) for a in leaves)
-    experts = sum(
-        _shard_bytes(a)
-        for _, v in nnx.to_flat_state(state)
-        if "expert" in v.get_metadata().get("axes", ())
-        for a in jax.tree.leaves(v.get_value())
-    )
-    device_bytes = None if memory_bytes and logical > memory_bytes else _device_bytes(leaves)
-    return AbstractModel(config, nnx.merge(graphdef, state), logical, device_bytes, experts)
 
 
 def abstract_vision(
@@ -311,6 +320,41 @@ def abstract_eagle3(
     config, graphdef, state = abstract_head(config, dtype, compilation, mesh)
     head, logical, device_bytes = _placed(graphdef, state, mesh, device)
     return AbstractModel(config.layer, head, logical, device_bytes, proposer_config=config)
+
+
+def abstract_mtp(
+    model: str,
+    target: ModelConfig,
+    dtype,
+    compilation: CompilationConfig,
+    mesh,
+    device,
+    quantization: str | None = None,
+) -> AbstractModel:
+    """A checkpoint's MTP layer (its config.json is all that is read) with abstract
+    parameters placed as `abstract_model` places the target's."""
+    from jaxllm.loaders.mtp import abstract_head, load_mtp_config
+
+    path = resolve_model(model)
+    config = load_mtp_config(path, target, weights=False)
+    graphdef, state = abstract_head(config, dtype, compilation, mesh)
+    # Its layer as the target's are laid out (an FP8 checkpoint's experts kept fp8); its
+    # own tensors float, as `loaders.mtp` reads them.
+    shardings = _placements(state, mesh, device)
+    layer = nnx.State({"layers": state["layers"]})
+    layer = _as_served(path, layer, config.layer, dtype, shardings, quantization)
+    flat = dict(nnx.to_flat_state(layer))
+    flat |= {
+        path: var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path]))
+        for path, var in nnx.to_flat_state(state)
+        if path not in flat
+    }
+    state = nnx.from_flat_state(list(flat.items()))
+    leaves = jax.tree.leaves(state)
+    logical = sum(_shard_bytes(a) for a in leaves)
+    head = nnx.merge(graphdef, state)
+    return AbstractModel(config.layer, head, logical, _device_bytes(leaves) or logical,
+                         proposer_config=config)  # fmt: skip
 
 
 def _placed(graphdef, state, mesh, device) -> tuple[nnx.Module, int, int]:

@@ -339,11 +339,12 @@ class ParallelConfig:
 class SpecMethod:
     """A validated speculative decoding setup (`SpeculativeConfig.method`)."""
 
-    method: str  # "ngram", "draft_model" or "eagle3"
+    method: str  # "ngram", "draft_model", "eagle3" or "mtp"
     num_speculative_tokens: int  # k: the most draft tokens verified per request and step
     prompt_lookup_min: int = 0  # ngram: the shortest and longest suffix n-gram looked up
     prompt_lookup_max: int = 0
-    # draft_model: its checkpoint (any `model` this engine loads); eagle3: the head's directory
+    # draft_model: its checkpoint (any `model` this engine loads); eagle3: the head's directory;
+    # mtp: the checkpoint holding the layers (None: the target's own, as vLLM defaults)
     model: str | None = None
     # Speculate only where measured to pay (`jaxllm.engine.spec_policy`); and never in a step
     # of this many running requests or more (vLLM's disable_by_batch_size).
@@ -377,7 +378,9 @@ class SpeculativeConfig:
     "prompt_lookup_min": m} proposes the k tokens that followed the latest earlier occurrence
     of the sequence's last n..m tokens; {"model": PATH, "num_speculative_tokens": k} runs a
     draft model with the target's vocabulary; {"method": "eagle3", "model": HEAD,
-    "num_speculative_tokens": k} an EAGLE-3 head in the layout vLLM loads. The target verifies
+    "num_speculative_tokens": k} an EAGLE-3 head in the layout vLLM loads; {"method": "mtp",
+    "num_speculative_tokens": k} the checkpoint's own multi-token-prediction layer (DeepSeek-V3,
+    repeated for k > 1 as vLLM does; "deepseek_mtp" is vLLM's older name). The target verifies
     the drafts in its next step: the output is the one without speculation (a speculating step
     runs synchronously). Any method also takes "disable_by_batch_size": n (vLLM's: no
     speculation in a step of n running requests or more) and "adaptive" (default true: verify
@@ -447,8 +450,17 @@ class SpeculativeConfig:
             if extra:
                 raise ValueError(f"speculative_config: {', '.join(sorted(extra))} is for ngram")
             return SpecMethod(method, k, model=model, **policy)
+        if method in ("mtp", "deepseek_mtp"):
+            if model is not None and (not isinstance(model, str) or not model):
+                raise ValueError(
+                    "speculative_config: mtp's model must be a path (default: the target's)"
+                )
+            extra = {"prompt_lookup_min", "prompt_lookup_max"} & set(c)
+            if extra:
+                raise ValueError(f"speculative_config: {', '.join(sorted(extra))} is for ngram")
+            return SpecMethod("mtp", k, model=model, **policy)
         raise ValueError(
-            f"speculative_config: method must be ngram, draft_model or eagle3 (or give a "
+            f"speculative_config: method must be ngram, draft_model, eagle3 or mtp (or give a "
             f"model), got {method!r}"
         )
 

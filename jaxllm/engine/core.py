@@ -175,12 +175,12 @@ class EngineCore:
         loaded = _load_weights(config, mesh)
         vision = _load_vision(config, mesh)
         spec = config.speculative.method
-        if vision is not None and spec is not None and spec.method in ("draft_model", "eagle3"):
+        if vision is not None and spec is not None and spec.method != "ngram":
             raise ValueError(
                 f"speculative_config: {spec.method} with image inputs is not supported"
             )
         # The proposer's model and its config, and the config of its KV cache, which shares the
-        # target's pages (an EAGLE-3 head's one layer).
+        # target's pages (an EAGLE-3 head's or MTP layer's one layer).
         draft, draft_kv = None, None
         if spec is not None and spec.method == "eagle3":
             from jaxllm.loaders.eagle3 import load_eagle3_head
@@ -191,6 +191,18 @@ class EngineCore:
                 dtype=loaded.model.embed_tokens.get_value().dtype,
                 compilation=config.compilation,
                 mesh=mesh,
+            )
+            draft_kv = draft[1].layer
+        elif spec is not None and spec.method == "mtp":
+            from jaxllm.loaders.mtp import load_mtp_head
+
+            draft = load_mtp_head(
+                spec.model or config.load.model,
+                loaded.config,
+                dtype=loaded.model.embed_tokens.get_value().dtype,
+                compilation=config.compilation,
+                mesh=mesh,
+                quantization=config.load.quantization,
             )
             draft_kv = draft[1].layer
         elif spec is not None and spec.method == "draft_model":
@@ -244,7 +256,8 @@ class EngineCore:
             ),
             hasher=BlockHasher(cache.prefix_caching_hash_algo),
             events=events is not None and events.enabled,
-            drop_last_hit_block=spec is not None and spec.method == "eagle3",
+            # A head's KV at a position is computed with the token after it (vLLM's rule).
+            drop_last_hit_block=spec is not None and spec.method in ("eagle3", "mtp"),
         )
         lookahead = runner.num_speculative_tokens if draft is not None else 0
         scheduler = Scheduler(

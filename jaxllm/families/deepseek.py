@@ -5,7 +5,8 @@ routed ones. V3 scores experts by sigmoid, chooses them with a correction bias w
 groups (`n_group`, `topk_group`) and renormalises; V2 scores by softmax, chooses greedily or
 within the groups whose best expert is best (`topk_method`). Both scale the routed weights
 (`routed_scaling_factor`). The checkpoints' multi-token-prediction layers (V3's
-`model.layers.{num_hidden_layers}.*`) are not served: skipped."""
+`model.layers.{num_hidden_layers}.*`) are skipped here; `{"method": "mtp"}` reads the first
+as a draft head (`jaxllm.loaders.mtp`)."""
 
 from __future__ import annotations
 

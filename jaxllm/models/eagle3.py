@@ -54,10 +54,16 @@ class Eagle3Config:
     norm_before_residual: bool = False
     has_embeddings: bool = False  # its own embed_tokens; else the target's
     has_d2t: bool = False  # a d2t map (a draft vocabulary smaller than the target's)
+    method = "eagle3"  # the proposer's program names
 
     @property
     def hidden_size(self) -> int:
         return self.layer.hidden_size
+
+    @property
+    def aux_width(self) -> int:
+        """The width of the target states it reads per token: three of them."""
+        return 3 * self.target_hidden_size
 
     @classmethod
     def from_hf_config(
@@ -192,6 +198,10 @@ class Eagle3Head(nnx.Module):
         )
         self.rope_scale = 1.0 if c.rope_scaling is None else c.rope_scaling.attention_factor
 
+    def attend_within(self, window: int | None) -> None:
+        """Attend to the last `window` positions only (None: all)."""
+        self.self_attn.sliding_window = window
+
     def combine(self, aux: jax.Array) -> jax.Array:
         """[T, 3 * target D] -> [T, D]: the target's states fused (once per target token)."""
         return linear(aux.astype(self.fc.get_value().dtype), self.fc.get_value())
@@ -222,8 +232,8 @@ class Eagle3Head(nnx.Module):
             out = self.mlp(self.post_attention_layernorm(h)) + h
             return self.norm(out), out, dataclasses.replace(cache, kv=kv)
 
-    def draft_logits(self, hidden: jax.Array) -> jax.Array:
-        """f32[R, draft vocabulary] from final hidden states [R, D]."""
+    def draft_logits(self, hidden: jax.Array, embed_table: jax.Array | None = None) -> jax.Array:
+        """f32[R, draft vocabulary] from final hidden states [R, D] (its own head always)."""
         with using_kernels(self.compilation):
             return linear(hidden, self.lm_head.get_value()).astype(jnp.float32)
 

@@ -115,9 +115,12 @@ class ModelRunner:
         )
         # The head-and-sampler programs, by rows sampled (`logit_rows` of each shape).
         self.logit_buckets = sorted({logit_rows(shape, k) for shape in self.shapes})
-        if speculative is not None and speculative.method == "eagle3":
+        if speculative is not None and speculative.method in ("eagle3", "mtp"):
             if draft_model is None:
-                raise ValueError("speculative_config: the eagle3 method needs the head")
+                raise ValueError(
+                    f"speculative_config: the {speculative.method} method needs the head"
+                )
+        if speculative is not None and speculative.method == "eagle3":
             if not hasattr(model, "set_aux_hidden_state_layers"):
                 raise ValueError(
                     f"speculative_config: eagle3 does not serve {config.architecture} targets"
@@ -245,12 +248,20 @@ class ModelRunner:
             self.proposer = DraftModelProposer(
                 *draft_model, self.inputs, self.compiler, fills=speculative.may_pause
             )
-        elif speculative is not None and speculative.method == "eagle3":
+        elif speculative is not None and speculative.method in ("eagle3", "mtp"):
+            embed = self._target_param(model.embed_tokens)
+            if speculative.method == "eagle3":
+                shared = embed
+            else:  # the target's embeddings and output head, for an MTP layer without its own
+                # (a tied target's table is never read: `MTPConfig` wants a head of its own then)
+                tied = model.lm_head is None
+                head = self._target_param(model.embed_tokens if tied else model.lm_head)
+                shared = lambda: (embed(), head())  # noqa: E731
             self.proposer = Eagle3Proposer(
                 *draft_model,
                 self.inputs,
                 self.compiler,
-                self._embed_table(model),
+                shared,
                 window=kv_groups.windows[0],
                 fills=speculative.may_pause,
             )
@@ -393,7 +404,9 @@ class ModelRunner:
         if self.asleep:
             return
         if self._other_caches():
-            raise ValueError("sleep mode with a draft model or an EAGLE-3 head is not supported")
+            raise ValueError(
+                "sleep mode with a draft model or head (EAGLE-3, MTP) is not supported"
+            )
         # Each weight's placement, and whether it was committed to it: the programs were
         # compiled for exactly these (an uncommitted weight put back committed recompiles).
         shardings = [p.sharding if p.committed else None for p in self.params]
@@ -480,7 +493,8 @@ class ModelRunner:
             drafts = None
             if self.proposer is not None:
                 drafts = self.proposer.launch(
-                    step, batch, tokens_in, rows, result[0].sampled, result[1], aux=aux,
+                    step, batch, tokens_in, rows, result[0].sampled, result[1],
+                    aux=hidden if aux is None else aux,  # (an MTP layer reads the final states)
                     propose=out.propose_drafts,
                 )  # fmt: skip
             launched = LaunchedForward(out, self.params, hidden, len(step.batch.input_ids))
@@ -600,10 +614,10 @@ class ModelRunner:
         for recovery."""
         return [self.proposer] if hasattr(self.proposer, "cache") else []
 
-    def _embed_table(self, model: nnx.Module):
-        """The target's embedding table as the runner holds it now (sleep and wake replace
+    def _target_param(self, variable: nnx.Variable):
+        """One of the target's parameters as the runner holds it now (sleep and wake replace
         the parameter arrays), for a head that shares it."""
-        leaves, treedef = jax.tree.flatten(model.embed_tokens.get_value())  # (a QArray: several)
+        leaves, treedef = jax.tree.flatten(variable.get_value())  # (a QArray: several)
         start = next(i for i, p in enumerate(self.params) if p is leaves[0])
         stop = start + len(leaves)
         return lambda: jax.tree.unflatten(treedef, self.params[start:stop])

@@ -162,7 +162,7 @@ def host_blocks(cache: CacheConfig, block_bytes: int, *, multi: bool, draft: boo
     if multi:
         raise ValueError(f"{name} is not supported in a multi-host run")
     if draft:
-        raise ValueError(f"{name} with a draft model or an EAGLE-3 head is not supported")
+        raise ValueError(f"{name} with a draft model or head (EAGLE-3, MTP) is not supported")
     blocks = int(gib * 2**30 // block_bytes)
     if blocks < 1:
         raise ValueError(
@@ -259,14 +259,14 @@ def page_layout(
     device: jax.Device,
 ) -> tuple[jnp.dtype, KVCacheGroups, int]:
     """(the KV cache's dtype, its layer groups, one page's bytes on one device with the draft
-    model's or EAGLE-3 head's cache included) of an engine of `config` (tensor_parallel_size resolved) on
-    `device`'s platform, or `mesh`."""
+    model's or head's cache included) of an engine of `config` (tensor_parallel_size
+    resolved) on `device`'s platform, or `mesh`."""
     cache, platform = config.cache, device.platform
     tp = config.parallel.tensor_parallel_size or 1
     kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, config.load.dtype, platform)
     placement = kv_cache_placement(mesh, kv_dtype, device)
-    # A draft model shares the block tables for all its layers: one full group. An EAGLE-3
-    # head's one layer reads the first group's (full attention where the model has any).
+    # A draft model shares the block tables for all its layers: one full group. A head's
+    # (EAGLE-3, MTP) one layer reads the first group's (full attention where the model has any).
     spec = config.speculative.method
     draft_model = spec is not None and spec.method == "draft_model"
     groups = engine_kv_groups(model_config, cache, draft=draft_model)
@@ -293,9 +293,9 @@ def plan_engine(
     """The plan of an engine of `config` (its attention backend resolved) serving a model of
     `model_config` (as sharded) whose weights are in `dtype`, on `device` (default: the first
     local one) or `mesh`, with `memory` of each device; `draft_config`: a draft model's
-    or an EAGLE-3 head's layer's (speculative decoding: its KV shares the pages), `vision`: an image-text model's vision side, `multi`: a multi-host
-    run. Raises `NoRoom` (a ValueError naming the setting) when the pool cannot hold a
-    sequence, or one of max_model_len."""
+    or a head's one layer's (EAGLE-3, MTP: its KV shares the pages), `vision`: an image-text
+    model's vision side, `multi`: a multi-host run. Raises `NoRoom` (a ValueError naming the
+    setting) when the pool cannot hold a sequence, or one of max_model_len."""
     device = device or (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0])
     platform = device.platform
     tp = config.parallel.tensor_parallel_size or (1 if mesh is None else mesh.size)

@@ -1,28 +1,33 @@
-"""The EAGLE-3 proposer (`{"method": "eagle3", "model": HEAD, "num_speculative_tokens": k}`):
-a one-layer head (`jaxllm.models.eagle3`) reading three of the target's hidden states.
+"""The proposer of draft heads that read the target's hidden states: EAGLE-3
+(`{"method": "eagle3", "model": HEAD, "num_speculative_tokens": k}`, a one-layer head,
+`jaxllm.models.eagle3`, reading three of the target's states) and a checkpoint's own
+multi-token-prediction layer (`{"method": "mtp", ...}`, `jaxllm.models.mtp`, reading its final
+state). Both are a layer with its own KV cache that takes a token and a state per position and
+gives a draft and a state to draft from again.
 
-The target's forward pass returns those states (`DecoderForCausalLM.aux_hidden_state_layers`)
-beside its usual outputs, and right after the target's step, without a host round trip, one
-program (`_eagle_step`) runs on the device:
+The target's forward pass returns the states (`DecoderForCausalLM.aux_hidden_state_layers`
+for EAGLE-3; its final hidden states for MTP) beside its usual outputs, and right after the
+target's step, without a host round trip, one program (`_eagle_step`) runs on the device:
 
 1. the head over the step's batch, position p reading the target's states at p and the token
    at p + 1 (the next row's input; at a request's last kept row, the token the step sampled;
    at the end of a prefill chunk that does not sample, the next prompt token). The head's KV
    cache then holds every scheduled position, on the target's pages (the page ids, block
-   table and slot mapping of the target's first layer group; the pool is sized for both): rejected drafts' positions are
-   written again next step, as the target's are. Its output at the request's last kept row
-   gives the first draft.
+   table and slot mapping of the target's first layer group; the pool is sized for both):
+   rejected drafts' positions are written again next step, as the target's are. Its output
+   at the request's last kept row gives the first draft.
 2. per request that sampled, k - 1 more drafts, one token per request each, in an unrolled
    loop: draft j's input is draft j - 1 and the head's own state before its final norm (the
    training-time test), written at the next position, in the `num_lookahead_tokens` slots the
    scheduler reserved past the grant (past them, dropped; the scheduler cuts those drafts).
 
-Drafts are the head's greedy tokens mapped to the target's vocabulary (`d2t`); the target's
-verification makes the output the target's own, greedy or random (see the package docstring).
+Drafts are the head's greedy tokens mapped to the target's vocabulary (EAGLE-3's `d2t`); the
+target's verification makes the output the target's own, greedy or random (see the package
+docstring).
 
 A step that does not speculate (`jaxllm.engine.spec_policy`) runs step 1 alone, for the head's
-KV (`eagle3_fill`: no drafts; XLA drops what the KV does not need), so that speculation
-resumes over a whole cache.
+KV (`eagle3_fill`, `mtp_fill`: no drafts; XLA drops what the KV does not need), so that
+speculation resumes over a whole cache.
 
 Programs: one per compiled shape of the target's (two where speculation may pause), all
 compiled at warmup.
@@ -33,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +47,6 @@ from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.models import ModelCache
-from jaxllm.models.eagle3 import Eagle3Config
 from jaxllm.worker.features import Feature, Warmup
 from jaxllm.worker.packing import Layout
 from jaxllm.worker.programs import merge, unpack_batch
@@ -69,17 +73,18 @@ class EagleInputs:
 
 class Eagle3Proposer(Feature):
     """The head's proposer (see `jaxllm.worker.spec_decode.Proposer`), beside the runner: it
-    reads the runner's step inputs and the target's aux states, compiles with its compiler,
-    and its cache lives on the runner's devices. `embed_table` returns the target's current
-    embedding table (the head's own when it has one)."""
+    reads the runner's step inputs and the target's states, compiles with its compiler, and
+    its cache lives on the runner's devices. `config`: the head's (`Eagle3Config`,
+    `MTPConfig`); `shared` returns what the head may take of the target's current parameters
+    (EAGLE-3: the embedding table; MTP: the embedding table and output head)."""
 
     def __init__(
         self,
         head: nnx.Module,
-        config: Eagle3Config,
+        config: Any,
         inputs: StepInputs,
         compiler: Compiler,
-        embed_table: Callable[[], jax.Array],
+        shared: Callable[[], Any],
         *,
         window: int | None = None,
         fills: bool = False,
@@ -89,19 +94,19 @@ class Eagle3Proposer(Feature):
         self.fills = fills
         self.inputs = inputs
         self.compiler = compiler
-        self.embed_table = embed_table
+        self.shared = shared
         self.device = device = compiler.device
         self.k = inputs.num_speculative_tokens
         # Its layer reads the target's first layer group's block table: full attention where
         # the target has any (`kv_groups`); a model of sliding layers only frees the blocks
         # behind its window, and the head then attends within that window too.
-        head.self_attn.sliding_window = window
+        head.attend_within(window)
         self.graphdef, state = nnx.split(head)
         self._params, self._params_def = jax.tree.flatten(state)
         layer = config.layer
         shape = get_kv_cache_shape(
             1, inputs.num_pages, inputs.page_size, layer.cache_kv_heads, layer.cache_head_dim,
-            device.platform,
+            device.platform, latent=layer.latent_attention is not None,
         )  # fmt: skip
         self.cache = device.zeros_model_cache(shape, device.kv_cache.dtype)
         self._step = jax.jit(
@@ -134,13 +139,13 @@ class Eagle3Proposer(Feature):
             kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=device.replicated)
             rows = warm.rows(shape[0])
             aux = jax.ShapeDtypeStruct(
-                (shape[0], 3 * rows.shape[1]), rows.dtype, sharding=device.replicated
+                (shape[0], self.config.aux_width), rows.dtype, sharding=device.replicated
             )
             inputs, tables = self._padding_inputs(shape[1])
             batch = template.layout.abstract(device.replicated)
             self.compiler.compile(
-                "eagle3_step" if propose else "eagle3_fill", shape, self._step, self._params,
-                self.embed_table(), self.cache, device.last_tokens, batch, aux, sampled, kept,
+                f"{self.config.method}_{'step' if propose else 'fill'}", shape, self._step, self._params,
+                self.shared(), self.cache, device.last_tokens, batch, aux, sampled, kept,
                 inputs, tables, updates_cache=True, cache=self.cache,
                 static={"layout": template.layout, "propose": propose},
             )  # fmt: skip
@@ -196,7 +201,7 @@ class Eagle3Proposer(Feature):
         tables[:num_reqs] = ib.block_table[0, rows]  # the first layer group's (see above)
         drafts, self.cache = self._step(
             self._params,
-            self.embed_table(),
+            self.shared(),
             self.cache,
             last_tokens,
             batch,
@@ -229,11 +234,11 @@ def _eagle_step(
     page_size: int,
     dropped_slot: int,
     params,
-    embed_table: jax.Array,
+    shared: Any,  # what the head takes of the target's parameters
     cache: ModelCache,
     last_tokens: jax.Array,
     batch: jax.Array,  # the target's forward pass's buffer (`BatchInputs` as `layout` says)
-    aux: jax.Array,  # [T, 3 * D_target]: the target's states the head reads
+    aux: jax.Array,  # [T, aux_width]: the target's states the head reads
     sampled: jax.Array,  # i32[L]  the target's token per logit row
     kept: jax.Array,  # bool[L]  the rows the step kept
     inputs: EagleInputs,
@@ -259,7 +264,7 @@ def _eagle_step(
     shifted = shifted.at[jnp.where(inputs.valid, last_row, num_tokens)].set(nxt, mode="drop")
 
     def draft(normed):
-        logits = head.draft_logits(normed)
+        logits = head.draft_logits(normed, shared)
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
         return head.to_target(jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -271,7 +276,7 @@ def _eagle_step(
         block_tables=b.attn.block_tables[:1],
         layer_slots=None,
     )
-    normed, prenorm, cache = head(shifted, b.positions, head.combine(aux), cache, attn, embed_table)
+    normed, prenorm, cache = head(shifted, b.positions, head.combine(aux), cache, attn, shared)
     if not propose:
         return None, cache
     if mesh is not None:
@@ -286,7 +291,7 @@ def _eagle_step(
         positions = base + j  # rows that did not sample write nothing
         writes = inputs.active & (positions < inputs.num_slots)
         at, meta = one_token_metadata(positions, writes, block_tables, page_size, dropped_slot)
-        normed, hidden, cache = head(tokens, at, hidden, cache, meta, embed_table)
+        normed, hidden, cache = head(tokens, at, hidden, cache, meta, shared)
         if mesh is not None:
             normed = jax.lax.with_sharding_constraint(normed, sharding.replicated(mesh))
             hidden = jax.lax.with_sharding_constraint(hidden, sharding.replicated(mesh))
