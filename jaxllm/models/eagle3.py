@@ -13,7 +13,7 @@ of layer j - 1) and proposes the token after next:
 
 `out` before the final norm stands in for the target's hidden state at the next position when
 the head drafts again from its own token (the "training-time test"). Its one attention layer
-keeps its own paged KV cache on the target's pages (`jaxllm.worker.spec_decode.eagle3`).
+keeps its own paged KV cache on the target's pages (`jaxllm.worker.spec_decode.heads`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ vLLM's proposer does (the others are not read). The head keeps its own paged KV 
 one layer on the target's pages; `embed_tokens` and `shared_head.head` are the layer's own
 where the checkpoint has them, else the target's (vLLM shares them then too).
 
-The proposer is EAGLE-3's (`jaxllm.worker.spec_decode.eagle3`), which drives any head of this
-interface: `combine`, `__call__`, `draft_logits`, `to_target`.
+The proposer is EAGLE-3's (`jaxllm.worker.spec_decode.heads`), which drives any head of this
+interface: `attend_within`, `combine`, `__call__`, `draft_logits`, `to_target`.
 """
 
 from __future__ import annotations

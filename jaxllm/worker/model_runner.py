@@ -61,7 +61,7 @@ from jaxllm.worker.sampler import SamplerVariant
 from jaxllm.worker.sampling_inputs import SamplingInputsBuilder
 from jaxllm.worker.spec_decode import Proposer
 from jaxllm.worker.spec_decode.draft_model import DraftModelProposer
-from jaxllm.worker.spec_decode.eagle3 import Eagle3Proposer
+from jaxllm.worker.spec_decode.heads import HeadProposer
 from jaxllm.worker.spec_decode.ngram import NgramProposer
 from jaxllm.worker.spec_decode.verification import accepted_rows
 from jaxllm.worker.step_data import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -98,8 +98,8 @@ class ModelRunner:
         the tensor-parallel mesh the model was loaded onto (the KV cache is split over its kv
         heads the same way); None for one device. `draft_model`: the draft model (loaded onto
         the same mesh) and its `ModelConfig`, of the draft_model speculative method; the
-        EAGLE-3 head and its `Eagle3Config`, of eagle3. `vision`: an image-text model's
-        vision encoder (see `mm_encoder`)."""
+        EAGLE-3 head and its `Eagle3Config`, of eagle3; the MTP layer and its `MTPConfig`, of
+        mtp. `vision`: an image-text model's vision encoder (see `mm_encoder`)."""
         engine = plan.config
         sched = engine.scheduler
         page_size, num_pages = engine.cache.page_size, plan.num_pages
@@ -257,7 +257,7 @@ class ModelRunner:
                 tied = model.lm_head is None
                 head = self._target_param(model.embed_tokens if tied else model.lm_head)
                 shared = lambda: (embed(), head())  # noqa: E731
-            self.proposer = Eagle3Proposer(
+            self.proposer = HeadProposer(
                 *draft_model,
                 self.inputs,
                 self.compiler,
@@ -610,7 +610,7 @@ class ModelRunner:
         )
 
     def _other_caches(self) -> list:
-        """Holders of model caches beside the target's (a draft model's, an EAGLE-3 head's),
+        """Holders of model caches beside the target's (a draft model's, a head's),
         for recovery."""
         return [self.proposer] if hasattr(self.proposer, "cache") else []
 

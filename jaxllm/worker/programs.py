@@ -64,9 +64,10 @@ def forward(
     layout: Layout | None = None,
 ):
     """The layers: (hidden states of the rows to sample from [R, D], all hidden states [T, D],
-    the updated cache, the states an EAGLE-3 head reads [T, 3D] or None). `batch`: the step's inputs, or with `layout` (static) the buffer that
-    holds them. `resident`: the served features' arrays kept on the devices (adapter slots,
-    the encoder cache's rows; see `StepExtras`), joined to the step's own extras."""
+    the updated cache, the states an EAGLE-3 head reads [T, 3D] or None). `batch`: the step's
+    inputs, or with `layout` (static) the buffer that holds them. `resident`: the served
+    features' arrays kept on the devices (adapter slots, the encoder cache's rows; see
+    `StepExtras`), joined to the step's own extras."""
     if layout is not None:
         batch = unpack_batch(layout, batch)
     model = merge(graphdef, params_def, params)

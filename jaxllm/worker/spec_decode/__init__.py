@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxllm.models import AttentionMetadata
 
-# The proposers live in `ngram`, `draft_model` and `eagle3`, the verification in
+# The proposers live in `ngram`, `draft_model` and `heads` (EAGLE-3, MTP), the verification in
 # `verification`; this package's own module holds only what they share, so importing one
 # imports no other.
 
@@ -38,7 +38,7 @@ class Proposer(Protocol):
     """How the runner asks for drafts. `launch` runs when a step is dispatched, with its
     inputs (the prepared step, its forward pass's buffer on the device and the earlier
     sampled tokens its placeholders read, as the forward pass read them), its sampled
-    tokens and (for an EAGLE-3 head) the target's aux hidden states, still on the device (a
+    tokens and (for a head) the target's states it reads, still on the device (a
     draft model dispatches its own program there); `propose` runs when the step's output is
     back, for the requests that sampled and still hold their batch rows: `held` is (request
     id, index in the step's requests, batch row) each, and the result the drafts for each

@@ -7,7 +7,7 @@ gives a draft and a state to draft from again.
 
 The target's forward pass returns the states (`DecoderForCausalLM.aux_hidden_state_layers`
 for EAGLE-3; its final hidden states for MTP) beside its usual outputs, and right after the
-target's step, without a host round trip, one program (`_eagle_step`) runs on the device:
+target's step, without a host round trip, one program (`_head_step`) runs on the device:
 
 1. the head over the step's batch, position p reading the target's states at p and the token
    at p + 1 (the next row's input; at a request's last kept row, the token the step sampled;
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class EagleInputs:
+class HeadInputs:
     """Per request row of the step (padded to its request bucket)."""
 
     first_rows: jax.Array  # i32[R]  its first logit row
@@ -71,7 +71,7 @@ class EagleInputs:
     next_tokens: jax.Array  # i32[R]  a chunk that does not sample: the prompt token after it
 
 
-class Eagle3Proposer(Feature):
+class HeadProposer(Feature):
     """The head's proposer (see `jaxllm.worker.spec_decode.Proposer`), beside the runner: it
     reads the runner's step inputs and the target's states, compiles with its compiler, and
     its cache lives on the runner's devices. `config`: the head's (`Eagle3Config`,
@@ -111,7 +111,7 @@ class Eagle3Proposer(Feature):
         self.cache = device.zeros_model_cache(shape, device.kv_cache.dtype)
         self._step = jax.jit(
             functools.partial(
-                _eagle_step,
+                _head_step,
                 self.graphdef,
                 self._params_def,
                 device.mesh,
@@ -157,8 +157,8 @@ class Eagle3Proposer(Feature):
             for propose in kinds
         ]
 
-    def _padding_inputs(self, r: int) -> tuple[EagleInputs, np.ndarray]:
-        inputs = EagleInputs(
+    def _padding_inputs(self, r: int) -> tuple[HeadInputs, np.ndarray]:
+        inputs = HeadInputs(
             first_rows=np.zeros(r, np.int32),
             num_rows=np.ones(r, np.int32),
             num_slots=np.zeros(r, np.int32),
@@ -226,7 +226,7 @@ class Eagle3Proposer(Feature):
         return {rid: drafts[i].tolist() for rid, i, _ in held}
 
 
-def _eagle_step(
+def _head_step(
     graphdef,
     params_def,
     mesh,
@@ -241,7 +241,7 @@ def _eagle_step(
     aux: jax.Array,  # [T, aux_width]: the target's states the head reads
     sampled: jax.Array,  # i32[L]  the target's token per logit row
     kept: jax.Array,  # bool[L]  the rows the step kept
-    inputs: EagleInputs,
+    inputs: HeadInputs,
     block_tables: jax.Array,  # i32[R, P]
     *,
     layout: Layout,
