@@ -28,6 +28,7 @@ from jaxllm.engine.core_proc import CoreLoop, build_engine_core
 from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.messages import Abort, AddPooling
 from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.errors import InputError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
@@ -75,6 +76,8 @@ class LLM:
         if config is None:
             if model is None:
                 raise TypeError("LLM() needs a model (or a config)")
+            # Offline, the periodic stats lines only when asked (vLLM's `LLM` default).
+            engine_args.setdefault("disable_log_stats", True)
             config = EngineConfig.create(model, **engine_args)
         elif model is not None or engine_args:
             raise TypeError("LLM(config=...) takes no other engine arguments")
@@ -106,6 +109,10 @@ class LLM:
         # The engine is driven as the server's core process drives it (one loop, one way
         # to fail a step), in this thread.
         self.loop = CoreLoop(self.engine)
+        # vLLM's periodic log lines (`disable_log_stats=False`), from the steps `_run` drives.
+        self._stat_logger = (
+            None if self.config.observability.disable_log_stats else LoggingStatLogger()
+        )
 
     # What researchers and tests reach for, all owned by the engine.
     runner = property(lambda self: self.engine.runner)
@@ -507,6 +514,7 @@ class LLM:
             groups.append((rid, text, ids, [r.request_id for _, r in subs]))
 
         pending = {r.request_id for r in requests}
+        unstarted = {r.request_id: len(r.prompt_token_ids) for r in requests}  # (stats lines)
         remaining = [len(g[3]) for g in groups]
         bar = tqdm(total=len(groups), desc="Generating", disable=not use_tqdm, unit="prompt")
         try:
@@ -521,6 +529,14 @@ class LLM:
                 finished, to_abort = output_processor.process(out.updates)
                 if to_abort:  # stop strings: the core must stop generating them
                     self.loop.handle(Abort(to_abort))
+                if self._stat_logger is not None:
+                    started = [u for u in out.updates if u.new_token_ids]
+                    self._stat_logger.record(
+                        out.stats,
+                        sum(unstarted.pop(u.request_id, 0) for u in started),
+                        sum(len(u.new_token_ids) for u in started),
+                    )
+                    self._stat_logger.maybe_log()
                 for rid in finished:
                     pending.discard(rid)
                     remaining[children[rid]] -= 1

@@ -185,6 +185,8 @@ def test_iteration_stats_follow_vllms_definitions(tiny_model_dir, prompts):
     async def run():
         eng = await AsyncLLM.create(str(tiny_model_dir), in_process=True, **ENGINE)
         eng.on_step = reports.append
+        (stat_logger,) = eng.stat_loggers  # (serving logs vLLM's lines by default)
+        stat_logger.interval = float("inf")
         try:
             five = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
             pair = SamplingParams(n=2, temperature=0.8, max_tokens=4, ignore_eos=True, seed=1)
@@ -206,6 +208,10 @@ def test_iteration_stats_follow_vllms_definitions(tiny_model_dir, prompts):
                     if len(out.outputs[0].token_ids) >= 2:
                         break
             left = len(out.outputs[0].token_ids)
+            await asyncio.sleep(0.2)  # (the abort's report)
+            # The log lines count what the metrics count.
+            assert stat_logger.prompt_tokens == sum(r.num_prompt_tokens for r in reports) > 0
+            assert stat_logger.generation_tokens == sum(r.num_generation_tokens for r in reports)
         finally:
             await eng.shutdown()
         return left

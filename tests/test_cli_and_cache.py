@@ -153,6 +153,18 @@ def test_engine_config_names_the_bad_parameter(kwargs, message):
         EngineConfig.create("m", max_num_seq=8)
 
 
+def test_engine_config_takes_vllms_keyword_names():
+    """vLLM's keyword arguments where ours are named otherwise (the flags' aliases)."""
+    from jaxllm.config import EngineConfig
+
+    c = EngineConfig.create("m", gpu_memory_utilization=0.8, block_size=32,
+                            num_gpu_blocks_override=64, disable_log_stats=True)  # fmt: skip
+    assert (c.cache.memory_utilization, c.cache.page_size, c.cache.num_pages) == (0.8, 32, 64)
+    assert c.observability.disable_log_stats
+    with pytest.raises(TypeError, match="page_size and block_size"):
+        EngineConfig.create("m", page_size=16, block_size=32)
+
+
 def test_cli_rejects_a_bad_flag_value(capsys):
     assert main(["generate", "m", "--prompt", "x", "--page-size", "24"]) == 2
     assert "page_size must be a power of two" in capsys.readouterr().err

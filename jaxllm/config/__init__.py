@@ -4,10 +4,10 @@
   `jaxllm.families.hf_config`, or from GGUF metadata in the same keys).
 - `engine.py`: `EngineConfig`, how it is served, one section per concern: `LoadConfig`,
   `CacheConfig`, `SchedulerConfig`, `ParallelConfig`, `CompilationConfig`,
-  `SpeculativeConfig`, `LoRAConfig` and `MultiModalConfig`. Each of their fields is declared
-  once, with its default and a docstring; the `LLM(...)` keyword arguments, the command
-  line's flags (`add_cli_args`, vLLM's names as aliases where vLLM has the concept) and their
-  `--help` all come from those declarations.
+  `SpeculativeConfig`, `LoRAConfig`, `MultiModalConfig` and `ObservabilityConfig`. Each of
+  their fields is declared once, with its default and a docstring; the `LLM(...)` keyword
+  arguments, the command line's flags (`add_cli_args`, vLLM's names as aliases where vLLM
+  has the concept) and their `--help` all come from those declarations.
 - `flags.py`: the machinery that reads those declarations (flags, help, type checks).
 - `kernels.py`: `CompilationConfig`, and the context that carries its kernel choices into
   the traced step (`using_kernels`, `kernel_choices`).
@@ -28,6 +28,7 @@ from jaxllm.config.engine import (
     LoadConfig,
     LoRAConfig,
     MultiModalConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
     SpecMethod,
@@ -63,6 +64,7 @@ __all__ = [
     "LinearAttention",
     "ModelConfig",
     "MultiModalConfig",
+    "ObservabilityConfig",
     "ParallelConfig",
     "RopeScaling",
     "SchedulerConfig",

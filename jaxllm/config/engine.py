@@ -1,7 +1,8 @@
 """How the model is served: `EngineConfig`, one small frozen section per concern, each
 validated on construction: `LoadConfig` (the model source and how its weights load),
 `CacheConfig`, `SchedulerConfig`, `ParallelConfig`, `CompilationConfig`
-(`jaxllm.config.kernels`), `SpeculativeConfig`, `LoRAConfig` and `MultiModalConfig`.
+(`jaxllm.config.kernels`), `SpeculativeConfig`, `LoRAConfig`, `MultiModalConfig` and
+`ObservabilityConfig`.
 
 Every field of a section is declared once, with its default and a docstring: it is an
 `LLM(...)` keyword argument (`EngineConfig.create`) and a flag of `jaxllm generate`, `jaxllm
@@ -554,6 +555,19 @@ class MultiModalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ObservabilityConfig:
+    """What the engine reports of itself beyond /metrics (vLLM's flags)."""
+
+    disable_log_stats: bool = False
+    """Do not log the engine's throughput, queue, KV cache use and speculative decoding every
+    10 seconds (`jaxllm.engine.stat_logger`, vLLM's lines). `LLM(...)` does not unless given
+    False, as vLLM's."""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how an engine is built, one section per concern.
 
@@ -569,6 +583,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     multimodal: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
+    observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
 
     @staticmethod
     def fields() -> dict[str, tuple[str, dataclasses.Field]]:
@@ -579,6 +594,11 @@ class EngineConfig:
     def create(cls, model: Any, **kwargs: Any) -> EngineConfig:
         """Builds the sections from flat keyword arguments; a name that is no field raises."""
         fields = _flat_fields()
+        for alias, name in _vllm_names().items():  # vLLM's keyword arguments, ours renamed
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"engine arguments {name} and {alias} (vLLM's name) both given")
+                kwargs[name] = kwargs.pop(alias)
         unknown = sorted(set(kwargs) - set(fields))
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
@@ -615,6 +635,18 @@ def _flat_fields() -> dict[str, tuple[str, dataclasses.Field]]:
             assert f.name not in out, f"engine field {f.name!r} is declared twice"
             out[f.name] = (section.name, f)
     return out
+
+
+@functools.cache
+def _vllm_names() -> dict[str, str]:
+    """{vLLM's keyword name: our field} for the fields whose flags carry vLLM's spelling as
+    an alias (`gpu_memory_utilization`, `block_size`, ...)."""
+    return {
+        alias.removeprefix("--").replace("-", "_"): name
+        for name, (_, f) in _flat_fields().items()
+        for alias in f.metadata.get("aliases", ())
+        if alias.startswith("--")
+    }
 
 
 def add_cli_args(parser: argparse.ArgumentParser, *, model_flag: bool = False) -> None:

@@ -29,6 +29,7 @@ from jaxllm.engine.input_processor import InputProcessor
 from jaxllm.engine.iteration_stats import IterationStats, PromptGroups, RequestTimes
 from jaxllm.engine.messages import AddPooling, AddRequest, Ready, Sleep, Stats, WakeUp
 from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.stat_logger import LoggingStatLogger
 from jaxllm.errors import EngineDeadError, RequestFailedError
 from jaxllm.loaders import load_tokenizer
 from jaxllm.lora import LoRARequest
@@ -92,10 +93,18 @@ class AsyncLLM:
         self.on_step: Callable[[IterationStats], None] | None = None
         self._times: dict[str, RequestTimes] = {}
         self._groups = PromptGroups()
+        # vLLM's periodic log lines, one logger per engine core (`stat_logger`).
+        self.stat_loggers = (
+            []
+            if config.observability.disable_log_stats
+            else [LoggingStatLogger(i) for i in range(len(self.engine_stats))]
+        )
         self._tasks = [
             asyncio.create_task(self._output_loop()),
             asyncio.create_task(self._watchdog()),
         ]
+        if self.stat_loggers:
+            self._tasks.append(asyncio.create_task(self._log_stats()))
 
     @classmethod
     async def create(
@@ -374,6 +383,16 @@ class AsyncLLM:
             if future is not None and not future.done():
                 future.set_exception(RequestFailedError("the engine failed this request"))
         self._report(stats)
+        if self.stat_loggers:
+            self.stat_loggers[out.engine].record(
+                out.stats, stats.num_prompt_tokens, stats.num_generation_tokens
+            )
+
+    async def _log_stats(self) -> None:
+        while not self.dead:
+            await asyncio.sleep(self.stat_loggers[0].interval)
+            for stat_logger in self.stat_loggers:
+                stat_logger.maybe_log()
 
     def _rank_of(self, request_id: str) -> int:
         """The data-parallel rank of the core a request was sent to (0 with one core)."""
