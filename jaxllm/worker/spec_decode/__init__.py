@@ -21,16 +21,28 @@ The KV of rejected drafts is written and then overwritten: the scheduler rolls
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxllm.config import ModelConfig
 from jaxllm.models import AttentionMetadata
+from jaxllm.worker.features import Feature, Warmup
+from pallas_kernels import get_kv_cache_shape
+
+if TYPE_CHECKING:
+    from jaxllm.worker.compiler import Compiler
+    from jaxllm.worker.step_inputs import PreparedStep, StepInputs
 
 # The proposers live in `ngram`, `draft_model` and `heads` (EAGLE-3, MTP), the verification in
-# `verification`; this package's own module holds only what they share, so importing one
+# `verification`; this package's own module holds only what they share (the protocol, the
+# base of those with a model and cache of their own, device helpers), so importing one
 # imports no other.
 
 
@@ -61,6 +73,172 @@ class Proposer(Protocol):
     ) -> Any: ...
 
     def propose(self, launched: Any, held: list[tuple[str, int, int]]) -> dict[str, list[int]]: ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftInputs:
+    """Per request row of the step (padded to its request bucket), as a proposer's program
+    reads them."""
+
+    first_rows: jax.Array  # i32[R]  its first logit row
+    num_rows: jax.Array  # i32[R]  its logit rows (1 + its drafts)
+    positions: jax.Array  # i32[R]  its token count before the step: its first new token's position
+    num_slots: jax.Array  # i32[R]  slots its block table holds (past them: dropped)
+    active: jax.Array  # bool[R]  it sampled this step (padding and prefill chunks do not)
+    valid: jax.Array  # bool[R]  a real request (not padding)
+    next_tokens: jax.Array  # i32[R]  a chunk that does not sample: the prompt token after it
+
+
+class CachedProposer(Feature):
+    """A proposer that runs a model of its own (the draft model, an EAGLE-3 head, an MTP
+    layer) with a paged KV cache of `num_layers` layers on the target's pages (the same page
+    ids and the first layer group's block tables; the pool is sized for both): one program
+    right after each target step, without a host round trip, per compiled shape of the
+    target's, named `{kind}_step` (and its KV-only twin `{kind}_fill` where speculation may
+    pause, `fills`), all compiled at warmup. It reads the runner's step inputs, compiles with
+    its compiler, and its cache lives on the runner's devices.
+
+    `step_fn(graphdef, params_def, mesh, k, page_size, dropped_slot, params, shared, cache,
+    last_tokens, batch, aux, sampled, kept, inputs, block_tables, *, layout, propose)` is the
+    program: (drafts i32[R, k] or None without `propose`, the cache). `shared` returns what it
+    takes of the target's current parameters (or None), `aux_width` the width of the target's
+    states it reads per token (None: none)."""
+
+    def __init__(
+        self,
+        kind: str,
+        module: nnx.Module,
+        cache_config: ModelConfig,
+        num_layers: int,
+        inputs: StepInputs,
+        compiler: Compiler,
+        step_fn: Callable,
+        *,
+        shared: Callable[[], Any] = lambda: None,
+        aux_width: int | None = None,
+        fills: bool = False,
+    ):
+        self.kind = kind
+        self.fills = fills
+        self.inputs = inputs
+        self.compiler = compiler
+        self.shared = shared
+        self.aux_width = aux_width
+        self.device = device = compiler.device
+        self.k = inputs.num_speculative_tokens
+        self.graphdef, state = nnx.split(module)
+        self._params, self._params_def = jax.tree.flatten(state)
+        c = cache_config
+        shape = get_kv_cache_shape(
+            num_layers, inputs.num_pages, inputs.page_size, c.cache_kv_heads, c.cache_head_dim,
+            device.platform, latent=c.latent_attention is not None,
+        )  # fmt: skip
+        self.cache = device.zeros_model_cache(shape, device.kv_cache.dtype)
+        dropped_slot = inputs.num_pages * inputs.page_size
+        self._step = jax.jit(
+            functools.partial(
+                step_fn,
+                self.graphdef,
+                self._params_def,
+                device.mesh,
+                self.k,
+                inputs.page_size,
+                dropped_slot,
+            ),  # fmt: skip
+            donate_argnums=(2,),
+            static_argnames=("layout", "propose"),
+        )
+
+    @property
+    def num_programs(self) -> int:
+        return len(self.inputs.shapes) * (2 if self.fills else 1)
+
+    def warmup_jobs(self, warm: Warmup) -> list:
+        """One compile job per program."""
+        kinds = (True, False) if self.fills else (True,)
+        return [
+            functools.partial(self._compile, warm, shape, propose)
+            for shape in self.inputs.shapes
+            for propose in kinds
+        ]
+
+    def _compile(self, warm: Warmup, shape: tuple[int, int], propose: bool) -> None:
+        device = self.device
+        template = self.inputs.batch_template(*shape)
+        n = len(template.new()[1].logits_indices)
+        sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=device.replicated)
+        kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=device.replicated)
+        aux = None
+        if self.aux_width is not None:
+            dtype = warm.rows(shape[0]).dtype
+            aux = jax.ShapeDtypeStruct(
+                (shape[0], self.aux_width), dtype, sharding=device.replicated
+            )
+        inputs, tables = self._padding_inputs(shape[1])
+        batch = template.layout.abstract(device.replicated)
+        self.compiler.compile(
+            f"{self.kind}_{'step' if propose else 'fill'}", shape, self._step, self._params,
+            self.shared(), self.cache, device.last_tokens, batch, aux, sampled, kept, inputs,
+            tables, updates_cache=True, cache=self.cache,
+            static={"layout": template.layout, "propose": propose},
+        )  # fmt: skip
+
+    def _padding_inputs(self, r: int) -> tuple[DraftInputs, np.ndarray]:
+        inputs = DraftInputs(
+            first_rows=np.zeros(r, np.int32),
+            num_rows=np.ones(r, np.int32),
+            positions=np.zeros(r, np.int32),
+            num_slots=np.zeros(r, np.int32),
+            active=np.zeros(r, np.bool_),
+            valid=np.zeros(r, np.bool_),
+            next_tokens=np.zeros(r, np.int32),
+        )
+        return inputs, np.zeros((r, self.inputs.pages_per_seq), np.int32)
+
+    def launch(
+        self,
+        step: PreparedStep,
+        batch: jax.Array,
+        last_tokens: jax.Array,
+        rows: np.ndarray,
+        sampled: jax.Array,
+        kept: jax.Array,
+        aux: jax.Array | None = None,
+        propose: bool = True,
+    ) -> jax.Array | None:
+        """Dispatches the program: its cache gets the batch's positions, and every request
+        that sampled gets k drafts, i32[R, k] on the device (junk in the other rows); with
+        `propose` False (and `fills`) the cache only, None. `batch`: the forward pass's buffer
+        on the device, `last_tokens` what its placeholders read, `aux` the target's states;
+        `sampled`, `kept`: the verification's output."""
+        ib = self.inputs.input_batch
+        num_reqs = len(rows)
+        inputs, tables = self._padding_inputs(len(step.batch.attn.seq_lens))
+        inputs.first_rows[:num_reqs] = step.first_row[:-1]
+        inputs.num_rows[:num_reqs] = 1 + step.num_drafts
+        inputs.positions[:num_reqs] = ib.num_tokens[rows]
+        inputs.num_slots[:num_reqs] = ib.num_blocks[rows] * self.inputs.page_size
+        inputs.active[:num_reqs] = step.samples
+        inputs.valid[:num_reqs] = True
+        # A chunk that ends inside the prompt: the prompt's next token (past the sequence's
+        # tokens the batch holds an id past the vocabulary: taken as 0, never read).
+        ends = np.minimum(step.batch.attn.seq_lens[:num_reqs], ib.token_ids.shape[1] - 1)
+        nxt = ib.token_ids[rows, ends]
+        inputs.next_tokens[:num_reqs] = np.where((nxt >= 0) & (nxt < ib.vocab_size), nxt, 0)
+        tables[:num_reqs] = ib.block_table[0, rows]  # the first layer group's
+        aux = None if self.aux_width is None else aux  # (as compiled)
+        drafts, self.cache = self._step(
+            self._params, self.shared(), self.cache, last_tokens, batch, aux, sampled, kept,
+            inputs, tables, layout=step.layouts[0], propose=propose or not self.fills,
+        )  # fmt: skip
+        return drafts if propose else None
+
+    def propose(
+        self, launched: jax.Array, held: list[tuple[str, int, int]]
+    ) -> dict[str, list[int]]:
+        drafts = np.asarray(launched)
+        return {rid: drafts[i].tolist() for rid, i, _ in held}
 
 
 # ---- on the device, inside a proposer's program ------------------------------------------------

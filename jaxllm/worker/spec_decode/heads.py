@@ -36,45 +36,31 @@ compiled at warmup.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxllm import sharding
 from jaxllm.models import ModelCache
-from jaxllm.worker.features import Feature, Warmup
 from jaxllm.worker.packing import Layout
 from jaxllm.worker.programs import merge, unpack_batch
-from jaxllm.worker.spec_decode import last_kept, one_token_metadata
-from pallas_kernels import get_kv_cache_shape
+from jaxllm.worker.spec_decode import (
+    CachedProposer,
+    DraftInputs,
+    last_kept,
+    one_token_metadata,
+)
 
 if TYPE_CHECKING:
     from jaxllm.worker.compiler import Compiler
-    from jaxllm.worker.step_inputs import PreparedStep, StepInputs
+    from jaxllm.worker.step_inputs import StepInputs
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class HeadInputs:
-    """Per request row of the step (padded to its request bucket)."""
-
-    first_rows: jax.Array  # i32[R]  its first logit row
-    num_rows: jax.Array  # i32[R]  its logit rows (1 + its drafts)
-    num_slots: jax.Array  # i32[R]  slots its block table holds (past them: dropped)
-    active: jax.Array  # bool[R]  it sampled this step (padding and prefill chunks do not)
-    valid: jax.Array  # bool[R]  a real request (not padding)
-    next_tokens: jax.Array  # i32[R]  a chunk that does not sample: the prompt token after it
-
-
-class HeadProposer(Feature):
-    """The head's proposer (see `jaxllm.worker.spec_decode.Proposer`), beside the runner: it
-    reads the runner's step inputs and the target's states, compiles with its compiler, and
-    its cache lives on the runner's devices. `config`: the head's (`Eagle3Config`,
+class HeadProposer(CachedProposer):
+    """The heads' proposer (see `CachedProposer`): `config` is the head's (`Eagle3Config`,
     `MTPConfig`); `shared` returns what the head may take of the target's current parameters
     (EAGLE-3: the embedding table; MTP: the embedding table and output head)."""
 
@@ -89,141 +75,15 @@ class HeadProposer(Feature):
         window: int | None = None,
         fills: bool = False,
     ):
-        """`fills`: compile the KV-only programs too (speculation may pause)."""
         self.config = config
-        self.fills = fills
-        self.inputs = inputs
-        self.compiler = compiler
-        self.shared = shared
-        self.device = device = compiler.device
-        self.k = inputs.num_speculative_tokens
         # Its layer reads the target's first layer group's block table: full attention where
         # the target has any (`kv_groups`); a model of sliding layers only frees the blocks
         # behind its window, and the head then attends within that window too.
         head.attend_within(window)
-        self.graphdef, state = nnx.split(head)
-        self._params, self._params_def = jax.tree.flatten(state)
-        layer = config.layer
-        shape = get_kv_cache_shape(
-            1, inputs.num_pages, inputs.page_size, layer.cache_kv_heads, layer.cache_head_dim,
-            device.platform, latent=layer.latent_attention is not None,
+        super().__init__(
+            config.method, head, config.layer, 1, inputs, compiler, _head_step,
+            shared=shared, aux_width=config.aux_width, fills=fills,
         )  # fmt: skip
-        self.cache = device.zeros_model_cache(shape, device.kv_cache.dtype)
-        self._step = jax.jit(
-            functools.partial(
-                _head_step,
-                self.graphdef,
-                self._params_def,
-                device.mesh,
-                self.k,
-                inputs.page_size,
-                inputs.num_pages * inputs.page_size,
-            ),
-            donate_argnums=(2,),
-            static_argnames=("layout", "propose"),
-        )
-
-    @property
-    def num_programs(self) -> int:
-        return len(self.inputs.shapes) * (2 if self.fills else 1)
-
-    def warmup_jobs(self, warm: Warmup) -> list:
-        """One compile job per program: one per compiled shape of the target's (and its
-        KV-only twin where speculation may pause)."""
-        device = self.device
-
-        def compile_step(shape, propose):
-            template = self.inputs.batch_template(*shape)
-            n = len(template.new()[1].logits_indices)
-            sampled = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=device.replicated)
-            kept = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=device.replicated)
-            rows = warm.rows(shape[0])
-            aux = jax.ShapeDtypeStruct(
-                (shape[0], self.config.aux_width), rows.dtype, sharding=device.replicated
-            )
-            inputs, tables = self._padding_inputs(shape[1])
-            batch = template.layout.abstract(device.replicated)
-            self.compiler.compile(
-                f"{self.config.method}_{'step' if propose else 'fill'}", shape, self._step, self._params,
-                self.shared(), self.cache, device.last_tokens, batch, aux, sampled, kept,
-                inputs, tables, updates_cache=True, cache=self.cache,
-                static={"layout": template.layout, "propose": propose},
-            )  # fmt: skip
-
-        kinds = (True, False) if self.fills else (True,)
-        return [
-            functools.partial(compile_step, shape, propose)
-            for shape in self.inputs.shapes
-            for propose in kinds
-        ]
-
-    def _padding_inputs(self, r: int) -> tuple[HeadInputs, np.ndarray]:
-        inputs = HeadInputs(
-            first_rows=np.zeros(r, np.int32),
-            num_rows=np.ones(r, np.int32),
-            num_slots=np.zeros(r, np.int32),
-            active=np.zeros(r, np.bool_),
-            valid=np.zeros(r, np.bool_),
-            next_tokens=np.zeros(r, np.int32),
-        )
-        return inputs, np.zeros((r, self.inputs.pages_per_seq), np.int32)
-
-    def launch(
-        self,
-        step: PreparedStep,
-        batch: jax.Array,
-        last_tokens: jax.Array,
-        rows: np.ndarray,
-        sampled: jax.Array,
-        kept: jax.Array,
-        aux: jax.Array | None = None,
-        propose: bool = True,
-    ) -> jax.Array | None:
-        """Dispatches the head's step: its cache gets the batch's positions, and every request
-        that sampled gets k drafts, i32[R, k] on the device (junk in the other rows); with
-        `propose` False (and `fills`) the cache only, None. `batch`: the forward pass's buffer
-        on the device, `last_tokens` what its placeholders read, `aux` its target states;
-        `sampled`, `kept`: the verification's output."""
-        ib = self.input_batch
-        r_pad = len(step.batch.attn.seq_lens)
-        num_reqs = len(rows)
-        inputs, tables = self._padding_inputs(r_pad)
-        inputs.first_rows[:num_reqs] = step.first_row[:-1]
-        inputs.num_rows[:num_reqs] = 1 + step.num_drafts
-        inputs.num_slots[:num_reqs] = ib.num_blocks[rows] * self.inputs.page_size
-        inputs.active[:num_reqs] = step.samples
-        inputs.valid[:num_reqs] = True
-        # A chunk that ends inside the prompt: the prompt's next token (past the sequence's
-        # tokens the batch holds an id past the vocabulary: taken as 0, never read).
-        ends = np.minimum(step.batch.attn.seq_lens[:num_reqs], ib.token_ids.shape[1] - 1)
-        nxt = ib.token_ids[rows, ends]
-        inputs.next_tokens[:num_reqs] = np.where((nxt >= 0) & (nxt < ib.vocab_size), nxt, 0)
-        tables[:num_reqs] = ib.block_table[0, rows]  # the first layer group's (see above)
-        drafts, self.cache = self._step(
-            self._params,
-            self.shared(),
-            self.cache,
-            last_tokens,
-            batch,
-            aux,
-            sampled,
-            kept,
-            inputs,
-            tables,
-            layout=step.layouts[0],
-            propose=propose or not self.fills,
-        )
-        return drafts if propose else None
-
-    @property
-    def input_batch(self):
-        return self.inputs.input_batch
-
-    def propose(
-        self, launched: jax.Array, held: list[tuple[str, int, int]]
-    ) -> dict[str, list[int]]:
-        drafts = np.asarray(launched)
-        return {rid: drafts[i].tolist() for rid, i, _ in held}
 
 
 def _head_step(
@@ -241,7 +101,7 @@ def _head_step(
     aux: jax.Array,  # [T, aux_width]: the target's states the head reads
     sampled: jax.Array,  # i32[L]  the target's token per logit row
     kept: jax.Array,  # bool[L]  the rows the step kept
-    inputs: HeadInputs,
+    inputs: DraftInputs,
     block_tables: jax.Array,  # i32[R, P]
     *,
     layout: Layout,
