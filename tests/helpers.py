@@ -745,3 +745,16 @@ def admit(kv, req) -> int:
     kv.cache_full_blocks(req)
     kv.check_invariants()
     return cached
+
+
+def token_ids(outputs) -> list[list[int]]:
+    """Every completion's tokens, request by request."""
+    return [c.token_ids for o in outputs for c in o.outputs]
+
+
+def recorded_drafts(llm) -> list[dict[str, list[int]]]:
+    """The drafts `llm`'s proposer returns from now on, step by step ({request id: drafts})."""
+    proposed: list[dict] = []
+    propose = llm.runner.proposer.propose
+    llm.runner.proposer.propose = lambda *a: proposed.append(propose(*a)) or proposed[-1]
+    return proposed

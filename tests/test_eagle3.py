@@ -18,6 +18,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.models.eagle3 import default_aux_layers
 from jaxllm.testing import write_tiny_checkpoint, write_tiny_eagle3_head
 
+from helpers import recorded_drafts, token_ids
+
 ENGINE = dict(max_model_len=256, num_pages=96, max_num_seqs=8, max_num_batched_tokens=64)
 
 
@@ -31,18 +33,6 @@ def _prompts(seed: int) -> list[dict]:
         {"prompt_token_ids": rng.integers(3, 300, size=int(rng.integers(5, 90))).tolist()}
         for _ in range(8)
     ]
-
-
-def _tokens(outputs) -> list[list[int]]:
-    return [c.token_ids for o in outputs for c in o.outputs]
-
-
-def _recorded(llm) -> list[dict[str, list[int]]]:
-    """The drafts `llm`'s proposer returns from now on, step by step."""
-    proposed: list[dict] = []
-    propose = llm.runner.proposer.propose
-    llm.runner.proposer.propose = lambda *a: proposed.append(propose(*a)) or proposed[-1]
-    return proposed
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +129,7 @@ def test_drafts_equal_the_reference(tmp_path, tokenizer_dir, norm_before_residua
     )  # fmt: skip
     k = 4
     llm = LLM(target, speculative_config=_spec(head, k), **ENGINE)
-    proposed = _recorded(llm)
+    proposed = recorded_drafts(llm)
     rng = np.random.default_rng(1)
     for n in (1, 7, 40):
         prompt = rng.integers(3, 300, size=n).tolist()
@@ -182,10 +172,10 @@ def test_output_is_the_targets(tiny_model_dir, head_dir, plain):
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=9, max_tokens=24, ignore_eos=True),
     ):
-        want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+        want = token_ids(plain.generate(prompts, params, use_tqdm=False))
         hits = llm.engine.stats().prefix_cache_hits
-        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
-        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
         assert llm.engine.stats().prefix_cache_hits > hits
     assert llm.runner.num_compilations == compiled
     stats = llm.engine.stats().spec_decoding
@@ -205,11 +195,11 @@ def test_a_prefix_hit_gives_the_drafts_of_a_fresh_engine(tiny_model_dir, head_di
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     page.generate([first], params, use_tqdm=False)
     hits = page.engine.stats().prefix_cache_hits
-    proposed = _recorded(page)
+    proposed = recorded_drafts(page)
     page.generate([second], params, use_tqdm=False)
     assert page.engine.stats().prefix_cache_hits - hits == page_size  # the first block only
     fresh = LLM(tiny_model_dir, speculative_config=_spec(head_dir), **ENGINE)
-    reference = _recorded(fresh)
+    reference = recorded_drafts(fresh)
     fresh.generate([second], params, use_tqdm=False)
     assert [list(d.values()) for d in proposed] == [list(d.values()) for d in reference]
 
@@ -261,8 +251,8 @@ def test_chunked_preempted_and_prefix_hits(tiny_model_dir, head_dir, plain):
                 max_num_batched_tokens=16, speculative_config=_spec(head_dir, 2))  # fmt: skip
     prompts = _prompts(seed=4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = _tokens(plain.generate(prompts, params, use_tqdm=False))
-    assert _tokens(small.generate(prompts, params, use_tqdm=False)) == want
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    assert token_ids(small.generate(prompts, params, use_tqdm=False)) == want
     assert small.engine.scheduler.num_preemptions > 0
     small.kv_cache_manager.check_invariants()
     assert small.kv_cache_manager.num_free_blocks == 14
@@ -363,7 +353,7 @@ def test_a_head_over_the_whole_vocabulary(tmp_path, tiny_model_dir, plain):
     llm = LLM(tiny_model_dir, speculative_config=_spec(head), **ENGINE)
     assert llm.runner.proposer.config.aux_layers == (0, 1, 2)
     prompts, params = _prompts(seed=7)[:3], SamplingParams(temperature=0, max_tokens=12)
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(
         plain.generate(prompts, params, use_tqdm=False)
     )
 
@@ -381,7 +371,7 @@ def test_names_as_vllm_reads_them(tmp_path, tiny_model_dir, head_dir):
     drafts = []
     for head in (head_dir, renamed):
         llm = LLM(tiny_model_dir, speculative_config=_spec(head), **ENGINE)
-        drafts.append(_recorded(llm))
+        drafts.append(recorded_drafts(llm))
         llm.generate(prompts, params, use_tqdm=False)
     assert len(drafts[0]) > 3
     assert [sorted(d.values()) for d in drafts[0]] == [sorted(d.values()) for d in drafts[1]]
@@ -458,7 +448,7 @@ def test_hybrid_kv_cache(tmp_path, family):
     compiled = llm.runner.num_compilations
     prompts = _prompts(seed=8)[:4]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(
         plain.generate(prompts, params, use_tqdm=False)
     )
     assert llm.runner.num_compilations == compiled

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxllm import LLM, SamplingParams
 
-from helpers import VOCAB, write_family_checkpoint
+from helpers import VOCAB, recorded_drafts, token_ids, write_family_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -84,17 +84,6 @@ def _prompts(seed: int) -> list[dict]:
     ]
 
 
-def _tokens(outputs) -> list[list[int]]:
-    return [c.token_ids for o in outputs for c in o.outputs]
-
-
-def _recorded(llm) -> list[dict[str, list[int]]]:
-    proposed: list[dict] = []
-    propose = llm.runner.proposer.propose
-    llm.runner.proposer.propose = lambda *a: proposed.append(propose(*a)) or proposed[-1]
-    return proposed
-
-
 def _reference_drafts(path, target, deeper, prompt: list[int], k: int) -> list[int]:
     """vLLM's `DeepSeekMTP` over the prompt and then its own drafts: the target's
     final states and next token from transformers, the MTP block transformers' own layer
@@ -146,7 +135,7 @@ def test_drafts_equal_the_reference(tmp_path, checkpoint, own):
         target, deeper = write_mtp_checkpoint(path, own_embeddings=False, own_head=False)
     k = 4
     llm = LLM(path, dtype="float32", speculative_config=_spec(k), **ENGINE)
-    proposed = _recorded(llm)
+    proposed = recorded_drafts(llm)
     rng = np.random.default_rng(1)
     for n in (1, 7, 40):
         prompt = rng.integers(3, VOCAB, size=n).tolist()
@@ -168,10 +157,10 @@ def test_output_is_the_targets(checkpoint, plain):
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=9, max_tokens=24, ignore_eos=True),
     ):
-        want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+        want = token_ids(plain.generate(prompts, params, use_tqdm=False))
         hits = llm.engine.stats().prefix_cache_hits
-        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
-        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
         assert llm.engine.stats().prefix_cache_hits > hits
     assert llm.runner.num_compilations == compiled
     stats = llm.engine.stats().spec_decoding
@@ -188,8 +177,8 @@ def test_chunked_preempted_and_paused(checkpoint, plain):
                 speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})  # fmt: skip
     prompts = _prompts(seed=4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = _tokens(plain.generate(prompts, params, use_tqdm=False))
-    assert _tokens(small.generate(prompts, params, use_tqdm=False)) == want
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    assert token_ids(small.generate(prompts, params, use_tqdm=False)) == want
     assert small.engine.scheduler.num_preemptions > 0
     small.kv_cache_manager.check_invariants()
     assert small.kv_cache_manager.num_free_blocks == 14
@@ -234,11 +223,11 @@ def test_an_fp8_checkpoints_layer(tmp_path, checkpoint):
     assert isinstance(head.layers[0].self_attn.q_b_proj.get_value(), QArray)
     prompts = _prompts(seed=5)[:4]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want = _tokens(LLM(fp8, **engine).generate(prompts, params, use_tqdm=False))
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    want = token_ids(LLM(fp8, **engine).generate(prompts, params, use_tqdm=False))
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
     # Its drafts are those of the same layer dequantized at load.
     dequantized = LLM(fp8, speculative_config=_spec(2), **(engine | {"quantization": "float"}))
-    drafts = [_recorded(llm), _recorded(dequantized)]
+    drafts = [recorded_drafts(llm), recorded_drafts(dequantized)]
     once = SamplingParams(temperature=0, max_tokens=1)
     for each in (llm, dequantized):
         for prompt in prompts:
