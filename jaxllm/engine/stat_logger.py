@@ -1,6 +1,6 @@
 """The engine's periodic log of what it is doing, as vLLM's `LoggingStatLogger` writes it (on
 by default under `jaxllm serve`, off offline; `disable_log_stats` turns it off or on), every
-`interval` seconds while there is work (and once more when it has stopped):
+`interval` seconds while there is work (and once more when it has stopped; then at DEBUG):
 
     Engine 000: Avg prompt throughput: 1520.4 tokens/s, Avg generation throughput: 310.2
     tokens/s, Running: 8 reqs, Waiting: 0 reqs, GPU KV cache usage: 12.5%, Prefix cache hit
@@ -56,8 +56,8 @@ class LoggingStatLogger:
         self.generation_tokens += generation_tokens
 
     def maybe_log(self) -> list[str]:
-        """The lines written, if an interval has passed (none while idle after the first
-        idle report)."""
+        """The lines written at INFO, if an interval has passed (while idle, after the first
+        idle interval, at DEBUG only: none returned)."""
         now = self.clock()
         if self.stats is None or now - self.last_log < self.interval:
             return []
@@ -70,12 +70,11 @@ class LoggingStatLogger:
         )
         self.last_log, self._at_last_log = now, self.stats
         self.prompt_tokens = self.generation_tokens = 0
-        if not busy and not self._was_busy:
-            return []
+        shown = busy or self._was_busy  # an idle engine's lines go to debug (vLLM's rule)
         self._was_busy = busy
         for line in lines:
-            logger.info("%s", line)
-        return lines
+            (logger.info if shown else logger.debug)("%s", line)
+        return lines if shown else []
 
     def lines(self, seconds: float) -> list[str]:
         s, before = self.stats, self._at_last_log
