@@ -83,6 +83,7 @@ def test_config_follows_vllm_and_names_what_is_wrong():
     for name in ("mtp", "deepseek_mtp"):  # (vLLM's older name) the target's own layers
         spec = SpeculativeConfig({"method": name, "num_speculative_tokens": 2}).method
         assert (spec.method, spec.model, spec.num_speculative_tokens) == ("mtp", None, 2)
+    assert SpeculativeConfig({"method": "mtp"}).method.num_speculative_tokens == 1  # (vLLM's)
     bad = [
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),

@@ -381,7 +381,8 @@ class SpeculativeConfig:
     draft model with the target's vocabulary; {"method": "eagle3", "model": HEAD,
     "num_speculative_tokens": k} an EAGLE-3 head in the layout vLLM loads; {"method": "mtp",
     "num_speculative_tokens": k} the checkpoint's own multi-token-prediction layer (DeepSeek-V3,
-    repeated for k > 1 as vLLM does; "deepseek_mtp" is vLLM's older name). The target verifies
+    repeated for k > 1 as vLLM does; k defaults to 1, the layers DeepSeek's checkpoints have;
+    "deepseek_mtp" is vLLM's older name). The target verifies
     the drafts in its next step: the output is the one without speculation (a speculating step
     runs synchronously). Any method also takes "disable_by_batch_size": n (vLLM's: no
     speculation in a step of n running requests or more) and "adaptive" (default true: verify
@@ -417,7 +418,9 @@ class SpeculativeConfig:
                 )
             return value
 
-        k = integer("num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        # vLLM's default for an MTP layer: the layers the checkpoint has (DeepSeek's: 1).
+        default_k = 1 if c.get("method") in ("mtp", "deepseek_mtp") else None
+        k = integer("num_speculative_tokens", default_k, 1, MAX_SPECULATIVE_TOKENS)
         adaptive = c.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(
