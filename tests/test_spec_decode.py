@@ -84,6 +84,15 @@ def test_config_follows_vllm_and_names_what_is_wrong():
         spec = SpeculativeConfig({"method": name, "num_speculative_tokens": 2}).method
         assert (spec.method, spec.model, spec.num_speculative_tokens) == ("mtp", None, 2)
     assert SpeculativeConfig({"method": "mtp"}).method.num_speculative_tokens == 1  # (vLLM's)
+    spec = SpeculativeConfig(
+        {
+            "method": "eagle3",
+            "model": "/h",
+            "num_speculative_tokens": 2,
+            "draft_tensor_parallel_size": 1,
+        }
+    ).method  # (vLLM's docs pass it)
+    assert (spec.method, spec.model) == ("eagle3", "/h")
     bad = [
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
@@ -93,6 +102,7 @@ def test_config_follows_vllm_and_names_what_is_wrong():
         ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 1}, "unknown key(s) lookup"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
         ({"method": "mtp", "num_speculative_tokens": 2, "model": 5}, "mtp's model must be a path"),
+        ({"method": "mtp", "draft_tensor_parallel_size": 0}, "draft_tensor_parallel_size must be"),
         ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "is for ngram"),
         ("{not json", "not valid JSON"),
         (5, "speculative_config must be dict or None"),

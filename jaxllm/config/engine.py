@@ -367,6 +367,7 @@ _SPEC_KEYS = {
     "model",
     "adaptive",
     "disable_by_batch_size",
+    "draft_tensor_parallel_size",
 }
 
 
@@ -387,7 +388,8 @@ class SpeculativeConfig:
     runs synchronously). Any method also takes "disable_by_batch_size": n (vLLM's: no
     speculation in a step of n running requests or more) and "adaptive" (default true: verify
     k drafts, one or none at each batch size, whichever was measured to give the most tokens a
-    second, see `jaxllm.engine.spec_policy`; false: k always)."""
+    second, see `jaxllm.engine.spec_policy`; false: k always). vLLM's
+    "draft_tensor_parallel_size" is taken: a draft model or head runs split as the target is."""
 
     def __post_init__(self) -> None:
         parse_json_field(self, "speculative_config")
@@ -430,6 +432,10 @@ class SpeculativeConfig:
         if limit is not None:
             limit = integer("disable_by_batch_size", limit, 1, 1 << 20)
         policy = {"adaptive": adaptive, "disable_by_batch_size": limit}
+        # vLLM's docs pass it; a draft model or head here always runs split as the target is
+        # (the same output; 1 or the target's size both mean that).
+        if c.get("draft_tensor_parallel_size") is not None:
+            integer("draft_tensor_parallel_size", None, 1, 1 << 16)
         model = c.get("model")
         method = c.get("method", "draft_model" if model is not None else None)
         if method == "ngram":
