@@ -336,7 +336,7 @@ def abstract_mtp(
     from jaxllm.loaders.mtp import abstract_head, load_mtp_config
 
     path = resolve_model(model)
-    config = load_mtp_config(path, target, weights=False)
+    config = load_mtp_config(path, target)
     graphdef, state = abstract_head(config, dtype, compilation, mesh)
     # Its layer as the target's are laid out (an FP8 checkpoint's experts kept fp8); its
     # own tensors float, as `loaders.mtp` reads them.

@@ -112,6 +112,23 @@ def fp8_experts_kept(quantization: str | None, *, on_cpu: bool | None = None) ->
     return not on_cpu
 
 
+def hf_tensors(
+    path: Path,
+    hf_config: dict,
+    method: str | None,
+    quantization: str | None,
+    names: set[str] | None = None,
+):
+    """A checkpoint directory's (name, tensor) pairs (with `names`, only those), a quantized
+    checkpoint's (`method`) modules each grouped into one tensor as `quantization` keeps them
+    (`quantized_hf.group_quantized`)."""
+    tensors = hf_loader.iter_safetensors(path, names)
+    if method is None:
+        return tensors
+    qc = hf_config.get("quantization_config") or hf_config["compression_config"]
+    return quantized_hf.group_quantized(tensors, method, qc, keep_mxfp4=mxfp4_kept(quantization))
+
+
 def load_model(
     model: str | os.PathLike,
     *,
@@ -180,11 +197,7 @@ def load_model(
         generation_config = hf_loader.load_generation_config(path)
     else:
         if path.is_dir():
-            tensors = hf_loader.iter_safetensors(path)
-            if method is not None:
-                qc = hf_config.get("quantization_config") or hf_config["compression_config"]
-                keep = mxfp4_kept(quantization)
-                tensors = quantized_hf.group_quantized(tensors, method, qc, keep_mxfp4=keep)
+            tensors = hf_tensors(path, hf_config, method, quantization)
             generation_config = hf_loader.load_generation_config(path)
         else:
             keep = mxfp4_kept(quantization)

@@ -19,8 +19,8 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxllm.config import REFERENCE_KERNELS, CompilationConfig, ModelConfig
-from jaxllm.loaders import fp8_experts_kept, quantized_hf
-from jaxllm.loaders.hf import iter_safetensors, safetensors_files
+from jaxllm.loaders import fp8_experts_kept, hf_tensors, quantized_hf
+from jaxllm.loaders.hf import safetensors_files
 from jaxllm.loaders.weights import build_state, rope_pairs_as_halves
 from jaxllm.model_files import resolve_model
 from jaxllm.models.mtp import MTPConfig, MTPHead
@@ -49,17 +49,20 @@ def _layer_tensor_names(path: Path, index: int) -> set[str]:
     return names
 
 
-def load_mtp_config(path: Path, target: ModelConfig, *, weights: bool = True) -> MTPConfig:
-    """The MTP layer's config for `target` (checkpoint `path`); `weights`: the directory must
-    hold the layer's tensors (else its config.json alone is read)."""
+def _read_config(path: Path) -> dict:
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(
             f"speculative_config: method mtp reads the layers of a Hugging Face checkpoint "
             f"directory, and {path} has no config.json"
         )
-    names = _layer_tensor_names(path, target.num_layers) if weights else None
-    return MTPConfig.from_hf_config(json.loads(config.read_text()), target, names)
+    return json.loads(config.read_text())
+
+
+def load_mtp_config(path: Path, target: ModelConfig) -> MTPConfig:
+    """The MTP layer's config for `target` from checkpoint `path`'s config.json alone (as
+    `jaxllm compile` reads it: taken to have the layer's tensors)."""
+    return MTPConfig.from_hf_config(_read_config(path), target, None)
 
 
 def abstract_head(
@@ -86,21 +89,18 @@ def load_mtp_head(
     block quantized as the target's layers are (`quantization`: the engine's; an FP8
     checkpoint's experts kept where the target's are)."""
     path = resolve_model(model)
-    config = load_mtp_config(path, target)
+    raw = _read_config(path)
+    names = _layer_tensor_names(path, target.num_layers)
+    config = MTPConfig.from_hf_config(raw, target, names)
     graphdef, abstract = abstract_head(config, dtype, compilation, mesh)
     shardings = None if mesh is None else param_shardings(abstract, mesh)
     expected = dict(nnx.to_flat_state(abstract))
     prefix = f"model.layers.{config.layer_index}."
-    wanted = {prefix + n for n in _layer_tensor_names(path, config.layer_index)}
-    tensors = iter_safetensors(path, wanted)
-    raw = json.loads((path / "config.json").read_text())
     method = quantized_hf.checkpoint_method(raw)
     keep_fp8_experts = method == "fp8" and fp8_experts_kept(quantization)
     if method == "fp8" and quantization == "fp8":
         quantization = None  # (as `load_model`: the checkpoint's own fp8 kept)
-    if method is not None:
-        qc = raw.get("quantization_config") or raw["compression_config"]
-        tensors = quantized_hf.group_quantized(tensors, method, qc, keep_mxfp4=False)
+    tensors = hf_tensors(path, raw, method, quantization, {prefix + n for n in names})
     filled: dict[tuple, jax.Array] = {}
     block: list[tuple[str, np.ndarray]] = []
     for name, w in tensors:
