@@ -86,9 +86,9 @@ class Scheduler:
         """`speculation`: with speculative decoding, how many drafts each step verifies
         (`spec_policy`; None: all, every step). `loras`: the LoRA adapters' slots, when LoRA
         is served: a request with an adapter is admitted only when its adapter has (or can
-        take) a slot. `encoder_cache`: an
-        image-text model's encoded images on the device: a chunk reaching an image is granted
-        only when the image is cached or can be encoded in its step."""
+        take) a slot. `encoder_cache`: an image-text model's encoded images on the device: a
+        chunk reaching an image is granted only when the image is cached or can be encoded in
+        its step."""
         if config.max_model_len is None:
             raise ValueError("the scheduler needs a resolved max_model_len")
         self.config = config

@@ -253,9 +253,8 @@ class ModelRunner:
             if speculative.method == "eagle3":
                 shared = embed
             else:  # the target's embeddings and output head, for an MTP layer without its own
-                # (a tied target's table is never read: `MTPConfig` wants a head of its own then)
-                tied = model.lm_head is None
-                head = self._target_param(model.embed_tokens if tied else model.lm_head)
+                # (a tied target's is its embeddings: `MTPConfig` wants the layer's own then)
+                head = embed if model.lm_head is None else self._target_param(model.lm_head)
                 shared = lambda: (embed(), head())  # noqa: E731
             self.proposer = HeadProposer(
                 *draft_model,
